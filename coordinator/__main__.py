@@ -1,0 +1,5 @@
+import sys
+
+from coordinator.main import main
+
+main(sys.argv[1:])

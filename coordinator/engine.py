@@ -1,0 +1,114 @@
+"""The coordinator's domain side: worker connections, admission, turns, sessions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import structlog
+
+from coordinator.settings import CoordinatorSettings
+from coordinator.turn import Turn, TurnDeps
+from coordinator.validation import Limits, TurnRequest
+from coordinator.workers import DraftClient, TargetClient
+from specdec.errors import NotServing, Overloaded
+from specdec.modeling import load_tokenizer, tokenizer_fingerprint
+from specdec.state import StateStore, open_store
+from specdec.v1 import common_pb2
+
+log = structlog.get_logger(__name__)
+
+MAX_PROMPT_CHARS = 1_000_000
+
+
+def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> None:
+    """Raises when the draft cannot propose tokens for the target (different vocabularies)."""
+    if target.vocab_size != draft.vocab_size or target.tokenizer_hash != draft.tokenizer_hash:
+        raise RuntimeError(
+            f"draft model {draft.model_id!r} (vocab {draft.vocab_size}, tokenizer {draft.tokenizer_hash}) does not "
+            f"share the vocabulary of target model {target.model_id!r} (vocab {target.vocab_size}, tokenizer "
+            f"{target.tokenizer_hash}); pick a draft from the same model family"
+        )
+
+
+class Engine:
+    """Owns connections and limits; creates one Turn per request."""
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.settings = settings
+        self.target = TargetClient(settings.target_addresses[0], settings)
+        self.draft = (
+            DraftClient(settings.draft_address, settings, settings.draft_retry_s) if settings.draft_address else None
+        )
+        self.store: StateStore = open_store(
+            settings.state_url, settings.session_ttl_s, settings.session_lease_s, settings.state_timeout_s
+        )
+        self._deps: TurnDeps | None = None
+        self._active = 0
+
+    async def start(self) -> None:
+        """Waits for the workers, checks that they fit together, loads the tokenizer."""
+        timeout = self.settings.worker_startup_timeout_s
+        target_info = await self.target.connect(timeout)
+        if self.draft is not None:
+            check_compatible(target_info, await self.draft.connect(timeout))
+        await self.store.ping()
+        tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
+        if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
+            raise RuntimeError("the coordinator's tokenizer differs from the target model's; fix --tokenizer")
+        s = self.settings
+        limits = Limits(
+            vocab_size=target_info.vocab_size,
+            max_context_len=target_info.max_context_len,
+            eos_token_ids=frozenset(target_info.eos_token_ids),
+            default_max_new_tokens=min(s.default_max_new_tokens, target_info.max_context_len - 1),
+            default_k=s.num_speculative_tokens,
+            max_k=s.max_speculative_tokens,
+            max_prompt_chars=MAX_PROMPT_CHARS,
+        )
+        self._deps = TurnDeps(self.store, self.target, self.draft, tokenizer, limits, s.worker_timeout_s)
+        log.info(
+            "coordinator_ready", target=target_info.model_id, draft=self.draft.info.model_id if self.draft else None
+        )
+
+    @property
+    def deps(self) -> TurnDeps:
+        if self._deps is None:
+            raise NotServing("the coordinator is starting up; retry when health reports SERVING")
+        return self._deps
+
+    @property
+    def limits(self) -> Limits:
+        return self.deps.limits
+
+    @asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        """Admission control: RESOURCE_EXHAUSTED at once when at the limit (no queue)."""
+        if self._active >= self.settings.max_concurrent_requests:
+            limit = self.settings.max_concurrent_requests
+            raise Overloaded(f"the server is at its limit of {limit} concurrent requests; retry with backoff")
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+
+    def new_turn(self, request: TurnRequest, deadline: float | None) -> Turn:
+        return Turn(self.deps, request, deadline)
+
+    async def close_session(self, session_id: str) -> bool:
+        """Deletes the session and frees both workers' caches (idempotent)."""
+        existed = await self.store.delete(session_id)
+        timeout = self.settings.worker_timeout_s
+        calls = [self.target.release(session_id, timeout)]
+        if self.draft is not None:
+            calls.append(self.draft.release(session_id, timeout))
+        await asyncio.gather(*calls, return_exceptions=True)
+        return existed
+
+    async def stop(self) -> None:
+        await self.store.close()
+        await self.target.close()
+        if self.draft is not None:
+            await self.draft.close()

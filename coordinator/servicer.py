@@ -1,0 +1,94 @@
+"""Generation gRPC servicer: wire <-> domain."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from coordinator.engine import Engine
+from coordinator.turn import Finish, Turn
+from coordinator.validation import parse_request
+from specdec.errors import InvalidRequest
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+_FINISH = {Finish.STOP: coordinator_pb2.FINISH_REASON_STOP, Finish.LENGTH: coordinator_pb2.FINISH_REASON_LENGTH}
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else asyncio.get_running_loop().time() + remaining
+
+
+def _usage(turn: Turn) -> coordinator_pb2.Usage:
+    s = turn.stats
+    return coordinator_pb2.Usage(
+        prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens, cached_tokens=s.cached_tokens
+    )
+
+
+def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
+    s = turn.stats
+    return coordinator_pb2.SpeculationStats(
+        rounds=s.rounds,
+        draft_tokens_proposed=s.proposed,
+        draft_tokens_accepted=s.accepted,
+        target_forward_passes=s.target_passes,
+        acceptance_rate=s.acceptance_rate,
+        mean_accepted_length=s.mean_accepted_length,
+        target_only_rounds=s.target_only_rounds,
+    )
+
+
+class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def _turn(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Turn:
+        return self._engine.new_turn(parse_request(request, self._engine.limits), _deadline(context))
+
+    async def Generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.GenerateResponse:
+        turn = self._turn(request, context)
+        token_ids: list[int] = []
+        text: list[str] = []
+        finish = None
+        async with self._engine.admitted():
+            async for out in turn.rounds():
+                token_ids += out.token_ids
+                text.append(out.text)
+                finish = out.finish
+        return coordinator_pb2.GenerateResponse(
+            session_id=request.session_id,
+            token_ids=token_ids,
+            text="".join(text),
+            finish_reason=_FINISH[finish] if finish else coordinator_pb2.FINISH_REASON_UNSPECIFIED,
+            usage=_usage(turn),
+            stats=_stats(turn),
+            seed=turn.request.seed,
+        )
+
+    async def GenerateStream(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[coordinator_pb2.GenerateStreamResponse]:
+        turn = self._turn(request, context)
+        async with self._engine.admitted():
+            async for out in turn.rounds():
+                message = coordinator_pb2.GenerateStreamResponse(
+                    session_id=request.session_id, token_ids=out.token_ids, text=out.text
+                )
+                if out.finish is not None:
+                    message.finish_reason = _FINISH[out.finish]
+                    message.usage.CopyFrom(_usage(turn))
+                    message.stats.CopyFrom(_stats(turn))
+                    message.seed = turn.request.seed
+                yield message
+
+    async def CloseSession(
+        self, request: coordinator_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.CloseSessionResponse:
+        if not request.session_id:
+            raise InvalidRequest("session_id is required")
+        return coordinator_pb2.CloseSessionResponse(existed=await self._engine.close_session(request.session_id))

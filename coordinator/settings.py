@@ -1,0 +1,35 @@
+"""Coordinator settings (env prefix SPECDEC_, or the matching --kebab-case flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from specdec.settings import ServiceSettings
+
+
+class CoordinatorSettings(ServiceSettings):
+    """Settings of `specdec serve coordinator`."""
+
+    port: int = Field(50051, ge=0, le=65535, description="public gRPC port (0 = pick a free port)")
+    target_addresses: list[str] = Field(min_length=1, description="target worker host:port list (comma separated)")
+    draft_address: str | None = Field(None, description="draft worker host:port; unset = target-only decoding")
+    tokenizer: str | None = Field(None, description="tokenizer path or hub id (default: the target's model id)")
+    state_url: str = Field("memory://", description="memory:// (single coordinator), redis://, rediss://")
+    session_ttl_s: float = Field(3600.0, gt=0, description="an idle session's state expires after this")
+    session_lease_s: float = Field(60.0, gt=0, description="a request's hold on its session, renewed every round")
+    state_timeout_s: float = Field(2.0, gt=0, description="socket timeout of state store calls")
+    num_speculative_tokens: int = Field(4, ge=0, description="default K (draft tokens per round); 0 = no speculation")
+    max_speculative_tokens: int = Field(16, ge=1, description="largest K a request may ask for")
+    default_max_new_tokens: int = Field(256, gt=0, description="max_new_tokens when a request leaves it unset")
+    max_concurrent_requests: int = Field(
+        64, gt=0, description="requests generating at once; more get RESOURCE_EXHAUSTED"
+    )
+    worker_timeout_s: float = Field(60.0, gt=0, description="upper bound of one worker call (client deadlines cap it)")
+    worker_startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait at start for workers to serve")
+    draft_retry_s: float = Field(5.0, gt=0, description="after a draft failure, decode target-only this long")
+
+    @model_validator(mode="after")
+    def _k_within_max(self) -> CoordinatorSettings:
+        if self.num_speculative_tokens > self.max_speculative_tokens:
+            raise ValueError("num_speculative_tokens must not exceed max_speculative_tokens")
+        return self

@@ -1,0 +1,121 @@
+"""GenerateRequest -> TurnRequest: every check that needs no worker and no session state."""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from specdec.errors import InvalidRequest
+from specdec.sampling import Warp
+from specdec.v1 import common_pb2, coordinator_pb2
+
+_SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the deployed models and settings allow."""
+
+    vocab_size: int
+    max_context_len: int
+    eos_token_ids: frozenset[int]
+    default_max_new_tokens: int
+    default_k: int
+    max_k: int
+    max_prompt_chars: int
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """A validated request: what to append, how to sample, how to speculate."""
+
+    session_id: str  # "" = one-shot
+    prompt_text: str | None
+    prompt_ids: tuple[int, ...] | None
+    max_new_tokens: int
+    warp: Warp
+    seed: int
+    stop_ids: frozenset[int]
+    k: int
+    require_existing: bool
+
+
+def _check_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
+    bad = [i for i in ids if i >= vocab_size]
+    if bad:
+        raise InvalidRequest(
+            f"{field} contains token id {bad[0]}, but the vocabulary has {vocab_size} ids (0..{vocab_size - 1})"
+        )
+
+
+def _prompt(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple[str | None, tuple[int, ...] | None]:
+    kind = request.WhichOneof("input")
+    if kind == "prompt" and request.prompt:
+        if len(request.prompt) > limits.max_prompt_chars:
+            raise InvalidRequest(f"prompt has {len(request.prompt)} characters; the limit is {limits.max_prompt_chars}")
+        return request.prompt, None
+    if kind == "prompt_token_ids" and request.prompt_token_ids.ids:
+        ids = tuple(request.prompt_token_ids.ids)
+        _check_ids(ids, limits.vocab_size, "prompt_token_ids")
+        if len(ids) >= limits.max_context_len:
+            raise InvalidRequest(
+                f"prompt_token_ids has {len(ids)} tokens; the context length is {limits.max_context_len}"
+            )
+        return None, ids
+    raise InvalidRequest("the prompt is empty: set `prompt` (text) or `prompt_token_ids` (at least one id)")
+
+
+def _warp(sampling: common_pb2.SamplingParams) -> Warp:
+    temperature = sampling.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if sampling.top_k < 0:
+        raise InvalidRequest(f"sampling.top_k must be >= 0 (0 = off), got {sampling.top_k}")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
+    return Warp(temperature=temperature, top_k=sampling.top_k, top_p=top_p)
+
+
+def _max_new_tokens(sampling: common_pb2.SamplingParams, limits: Limits) -> int:
+    if not sampling.HasField("max_new_tokens"):
+        return limits.default_max_new_tokens
+    n = sampling.max_new_tokens
+    if n == 0 or n >= limits.max_context_len:
+        raise InvalidRequest(f"sampling.max_new_tokens must be in [1, {limits.max_context_len - 1}], got {n}")
+    return n
+
+
+def _k(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> int:
+    if speculation.disable:
+        return 0
+    k = speculation.num_speculative_tokens
+    if k > limits.max_k:
+        raise InvalidRequest(f"speculation.num_speculative_tokens must be <= {limits.max_k}, got {k}")
+    return k or limits.default_k
+
+
+def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:
+    """Validates a request; raises InvalidRequest naming the offending field."""
+    if request.session_id and not _SESSION_ID.match(request.session_id):
+        raise InvalidRequest("session_id must be 1-128 characters of letters, digits and . _ : -")
+    if request.require_existing_session and not request.session_id:
+        raise InvalidRequest("require_existing_session needs a session_id")
+    prompt_text, prompt_ids = _prompt(request, limits)
+    sampling = request.sampling
+    _check_ids(sampling.stop_token_ids, limits.vocab_size, "sampling.stop_token_ids")
+    stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else limits.eos_token_ids)
+    return TurnRequest(
+        session_id=request.session_id,
+        prompt_text=prompt_text,
+        prompt_ids=prompt_ids,
+        max_new_tokens=_max_new_tokens(sampling, limits),
+        warp=_warp(sampling),
+        seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
+        stop_ids=stop_ids,
+        k=_k(request.speculation, limits),
+        require_existing=request.require_existing_session,
+    )

@@ -1,0 +1,1 @@
+"""Draft worker: the small model; proposes blocks of tokens for the target to verify."""

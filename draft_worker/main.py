@@ -1,0 +1,36 @@
+"""Entry point: `specdec serve draft` (or `python -m draft_worker`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+
+from draft_worker.servicer import DraftServicer
+from draft_worker.settings import DraftSettings
+from specdec.logging import configure_logging
+from specdec.server import ServiceSpec, serve
+from specdec.settings import load_settings
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.worker import WorkerCore
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
+
+
+async def run(settings: DraftSettings) -> None:
+    core = WorkerCore(settings)
+
+    def register(server: grpc.aio.Server) -> None:
+        draft_pb2_grpc.add_DraftWorkerServicer_to_server(DraftServicer(core, settings), server)
+
+    async def stop() -> None:
+        core.close()
+
+    await serve(settings, ServiceSpec([SERVICE_NAME], register, core.load, stop))
+
+
+def main(argv: Sequence[str]) -> None:
+    settings = load_settings(DraftSettings, argv, "specdec serve draft")
+    configure_logging(settings.log_level, settings.log_format)
+    asyncio.run(run(settings))

@@ -1,0 +1,17 @@
+"""Draft worker settings (env prefix SPECDEC_, or the matching --kebab-case flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from specdec.settings import ModelWorkerSettings
+
+
+class DraftSettings(ModelWorkerSettings):
+    """Settings of `specdec serve draft`."""
+
+    port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
+    max_draft_tokens: int = Field(64, gt=0, description="largest block a request may ask for")
+    proposal_top_n: int = Field(
+        64, ge=0, description="sampled drafts propose from the renormalised top-n tokens (0 = full distribution)"
+    )

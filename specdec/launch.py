@@ -1,0 +1,136 @@
+"""Starts the three services as local processes on free ports (demo, benchmark, tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """A service process did not come up."""
+
+
+@dataclass
+class ServiceProcess:
+    """A running `specdec serve <role>` process."""
+
+    role: str
+    proc: subprocess.Popen[bytes]
+    ready_file: Path
+    log_file: Path
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"{self.role} exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready_file.exists():
+                self.port = int(json.loads(self.ready_file.read_text())["port"])
+                return
+            time.sleep(0.05)
+        raise LaunchError(f"{self.role} not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def spawn(role: str, args: Sequence[str], workdir: Path, env: dict[str, str] | None = None) -> ServiceProcess:
+    """Starts `python -m specdec serve <role> --port 0 ...`; call wait_ready() next."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ready = workdir / f"{role}.ready.json"
+    ready.unlink(missing_ok=True)
+    log_file = workdir / f"{role}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec",
+        "serve",
+        role,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        *args,
+    ]
+    with log_file.open("ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return ServiceProcess(role=role, proc=proc, ready_file=ready, log_file=log_file)
+
+
+@dataclass
+class LocalCluster:
+    """Target + optional draft + coordinator processes; use as a context manager."""
+
+    target_model: str
+    draft_model: str | None
+    workdir: Path
+    worker_args: Sequence[str] = ()
+    draft_args: Sequence[str] = ()
+    coordinator_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+    processes: dict[str, ServiceProcess] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return self.processes["coordinator"].address
+
+    def start(self) -> LocalCluster:
+        try:
+            self.processes["target"] = spawn(
+                "target", ["--model", self.target_model, *self.worker_args], self.workdir, self.env
+            )
+            if self.draft_model:
+                draft_args = ["--model", self.draft_model, *self.worker_args, *self.draft_args]
+                self.processes["draft"] = spawn("draft", draft_args, self.workdir, self.env)
+            for process in list(self.processes.values()):
+                process.wait_ready(self.startup_timeout_s)
+            self.processes["coordinator"] = spawn("coordinator", self._coordinator_args(), self.workdir, self.env)
+            self.processes["coordinator"].wait_ready(self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _coordinator_args(self) -> list[str]:
+        args = ["--target-addresses", self.processes["target"].address, "--tokenizer", self.target_model]
+        if "draft" in self.processes:
+            args += ["--draft-address", self.processes["draft"].address]
+        return [*args, *self.coordinator_args]
+
+    def stop(self) -> None:
+        for name in ("coordinator", "draft", "target"):
+            if name in self.processes:
+                self.processes[name].stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,180 @@
+"""Sampling math: logit warping, draft proposals and rejection sampling.
+
+Pure functions over tensors: no model, RPC or I/O here. Notation follows Leviathan et al.
+(2022) / Chen et al. (2023): ``p`` is the target distribution, ``q`` the draft (proposal)
+distribution, both AFTER the same temperature / top-k / top-p warping. A draft token ``x`` is
+*accepted* with probability ``min(1, p(x) / q(x))``; at the first rejection a *recovered* token is
+drawn from ``norm(max(0, p - q))``; when all ``k`` drafts are accepted a *bonus* token is drawn
+from the target distribution at the next position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Warp:
+    """Temperature / top-k / top-p warping; ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
+    """Probabilities after temperature, top-k, then top-p (the order HF uses).
+
+    ``logits``: [..., V] -> float32 [..., V] summing to 1 over the last dim. Greedy warps give the
+    one-hot distribution of the argmax (the limit temperature -> 0).
+    """
+    logits = logits.float()
+    if warp.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    scores = logits / warp.temperature
+    if warp.top_k and warp.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if warp.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        sorted_probs = sorted_scores.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= warp.top_p
+        drop_sorted[..., 0] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, -math.inf)
+    return scores.softmax(-1)
+
+
+def round_generator(seed: int, position: int, role: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one round, derived from the request seed, the committed length and the role.
+
+    Deriving it per position (instead of carrying generator state) makes a round's randomness a
+    function of the committed prefix alone: retries, re-prefills and worker restarts replay the
+    same draws, and draft and target use independent streams.
+    """
+    material = f"{seed}:{position}:{role}".encode()
+    derived = int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "little") >> 1
+    generator = torch.Generator(device=device)
+    generator.manual_seed(derived)
+    return generator
+
+
+@dataclass(frozen=True)
+class DraftSample:
+    """One draft token and the proposal distribution it was sampled from.
+
+    ``ids is None and probs is None``: one-hot (greedy draft). ``ids`` set: sparse renormalised
+    top-n distribution over ``ids``. Only ``probs`` set: dense distribution over the vocabulary.
+    """
+
+    token_id: int
+    ids: Tensor | None = None
+    probs: Tensor | None = None
+
+
+def sample_draft_token(logits: Tensor, warp: Warp, top_n: int, generator: torch.Generator | None) -> DraftSample:
+    """Draws a draft token from the warped draft distribution, exactly as it is reported.
+
+    ``logits``: [V]. ``top_n > 0`` restricts the proposal to the ``top_n`` most likely tokens,
+    renormalised, and samples from that restricted distribution (still exact: the target sees the
+    very distribution the token came from). ``top_n == 0`` proposes the dense distribution.
+    """
+    if logits.dim() != 1:
+        raise ValueError(f"logits must be [V], got shape {tuple(logits.shape)}")
+    if warp.greedy:
+        return DraftSample(token_id=int(logits.argmax()))
+    q = warped_probs(logits, warp)
+    if 0 < top_n < q.shape[-1]:
+        probs, ids = torch.topk(q, top_n)
+        probs = probs / probs.sum()
+        choice = torch.multinomial(probs, 1, generator=generator)
+        return DraftSample(token_id=int(ids[choice]), ids=ids, probs=probs)
+    choice = torch.multinomial(q, 1, generator=generator)
+    return DraftSample(token_id=int(choice), probs=q)
+
+
+def proposal_matrix(samples: list[DraftSample], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """Dense q [k, V] (float32) for a block of draft samples."""
+    q = torch.zeros(len(samples), vocab_size, dtype=torch.float32, device=device)
+    for row, sample in enumerate(samples):
+        if sample.ids is not None and sample.probs is not None:
+            q[row].index_put_((sample.ids.to(device).long(),), sample.probs.to(device).float(), accumulate=True)
+        elif sample.probs is not None:
+            q[row] = sample.probs.to(device).float()
+        else:
+            q[row, sample.token_id] = 1.0
+    return q
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying a block: ``token_ids`` = accepted drafts + one recovered/bonus token."""
+
+    num_accepted: int
+    token_ids: list[int]
+
+
+def rejection_sample(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    warp: Warp,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Speculative rejection sampling over one block.
+
+    ``target_logits``: [k+1, V], row i scores the token after the prefix + the first i drafts.
+    ``draft_tokens``: [k] int. ``draft_probs``: [k, V] proposal rows the drafts were sampled
+    from (ignored when greedy; required otherwise). The output follows the target distribution
+    exactly for any proposal; greedy warps reduce to "accept while argmax p == x".
+    """
+    k = draft_tokens.shape[0]
+    if target_logits.dim() != 2 or target_logits.shape[0] != k + 1:
+        raise ValueError(f"target_logits must be [k+1, V] with k={k}, got {tuple(target_logits.shape)}")
+    if warp.greedy:
+        return _greedy_verdict(target_logits, draft_tokens)
+    if draft_probs is None or draft_probs.shape != (k, target_logits.shape[1]):
+        raise ValueError(f"draft_probs must be [k, V] = [{k}, {target_logits.shape[1]}] for sampled decoding")
+    p = warped_probs(target_logits, warp)
+    drafts = draft_tokens.long().to(p.device)
+    rows = torch.arange(k, device=p.device)
+    p_x = p[rows, drafts]
+    q_x = draft_probs.to(p.device).float()[rows, drafts]
+    uniforms = torch.rand(k, generator=generator, device=p.device)
+    # q(x) == 0 cannot happen for a token sampled from q: treat it as a bug and reject.
+    accepted = (q_x > 0) & (uniforms * q_x < p_x)
+    n = int(accepted.long().cumprod(0).sum())
+    if n < k:
+        residual = torch.clamp(p[n] - draft_probs[n].to(p.device).float(), min=0.0)
+        dist = residual if float(residual.sum()) > 0 else p[n]
+        last = int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
+    else:
+        last = int(torch.multinomial(p[k], 1, generator=generator))
+    return Verdict(num_accepted=n, token_ids=[*drafts[:n].tolist(), last])
+
+
+def _greedy_verdict(target_logits: Tensor, draft_tokens: Tensor) -> Verdict:
+    targets = target_logits.argmax(-1)
+    k = draft_tokens.shape[0]
+    matches = targets[:k] == draft_tokens.to(targets.device).long()
+    n = int(matches.long().cumprod(0).sum())
+    return Verdict(num_accepted=n, token_ids=targets[: n + 1].tolist())

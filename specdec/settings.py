@@ -1,0 +1,66 @@
+"""Settings shared by every service: one pydantic-settings class per service derives from these."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Literal, TypeVar
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
+
+S = TypeVar("S", bound="ServiceSettings")
+
+
+class ServiceSettings(BaseSettings):
+    """Network, logging and lifecycle settings common to all services (env prefix SPECDEC_)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SPECDEC_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        extra="ignore",
+        validate_default=True,
+    )
+
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 = pick a free port)")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["json", "console"] = Field("json", description="log line format")
+    grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, time for in-flight RPCs to finish")
+    ready_file: str | None = Field(
+        None, description='write {"port": N} to this file once serving (for launchers and tests)'
+    )
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0, description="largest gRPC message accepted or sent")
+
+
+class ModelWorkerSettings(ServiceSettings):
+    """Settings of a service that holds a model."""
+
+    model: str = Field(description="local Hugging Face model directory or hub id")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?|mps)$", description="auto|cpu|cuda[:n]|mps")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weight dtype (auto = bfloat16 on CUDA, float32 otherwise)"
+    )
+    max_sessions: int = Field(256, gt=0, description="KV caches kept at most; the least recently used is evicted")
+    session_idle_s: float = Field(900.0, gt=0, description="a cache unused this long is freed")
+    torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for torch (0 = torch's default)")
+    trust_remote_code: bool = Field(False, description="allow model code from the model repository")
+
+
+def load_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:
+    """Builds settings from CLI flags (kebab-case), then SPECDEC_* env, then defaults.
+
+    Invalid settings stop start-up: one line per problem on stderr, exit status 2.
+    """
+    source: CliSettingsSource[S] = CliSettingsSource(
+        cls, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True
+    )
+    try:
+        return CliApp.run(cls, cli_args=list(argv), cli_settings_source=source)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False, include_input=False):
+            name = ".".join(str(part) for part in error["loc"])
+            where = f" {name} (--{name.replace('_', '-')} / SPECDEC_{name.upper()})" if name else "s"
+            sys.stderr.write(f"{prog}: invalid setting{where}: {error['msg']}\n")
+        raise SystemExit(2) from None

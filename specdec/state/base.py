@@ -1,0 +1,120 @@
+"""The session state store interface and its records.
+
+A session record holds small metadata only (never tensors): committed token ids, a version
+bumped on every commit (the fencing token), the id of the last applied commit step, the lease
+owner (the one request allowed to generate in the session), where each worker's KV cache is and
+how much of the committed prefix it holds, and the last sampling parameters. Every key expires
+after a TTL that each commit refreshes.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CacheLocation:
+    """A worker replica's KV cache for a session: valid for the first ``length`` committed tokens."""
+
+    address: str
+    instance_id: str
+    length: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes | None) -> CacheLocation | None:
+        if not raw:
+            return None
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class SessionRecord:
+    """A session as stored."""
+
+    session_id: str
+    tokens: list[int] = field(default_factory=list)
+    version: int = 0
+    last_step: str = ""
+    owner: str = ""
+    target: CacheLocation | None = None
+    draft: CacheLocation | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One atomic change to a session, applied only if the version is still ``expected_version``.
+
+    ``step_id`` names the change: re-sending a commit whose step was the last one applied
+    reports ALREADY_APPLIED instead of applying it twice. ``truncate_to`` (an explicit rollback)
+    cuts the committed tokens before ``append`` is added. ``None`` cache locations are unchanged.
+    """
+
+    expected_version: int
+    step_id: str
+    append: Sequence[int] = ()
+    truncate_to: int | None = None
+    target: CacheLocation | None = None
+    draft: CacheLocation | None = None
+    sampling: dict[str, Any] | None = None
+
+
+class CommitOutcome(enum.Enum):
+    APPLIED = "applied"
+    ALREADY_APPLIED = "already_applied"
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    outcome: CommitOutcome
+    version: int
+
+
+class StateStore(ABC):
+    """Session state shared by coordinator replicas; every method is safe to retry."""
+
+    @abstractmethod
+    async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
+        """Takes the session's lease for ``owner`` and returns the record.
+
+        Creates an empty session when ``create`` and it does not exist. Raises SessionNotFound
+        (missing, not ``create``) or SessionBusy (another owner holds an unexpired lease).
+        """
+
+    @abstractmethod
+    async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
+        """Applies ``commit`` atomically (compare-and-set on the version; refreshes lease and TTL).
+
+        Raises StateConflict when the session is gone, the version moved on, or ``owner`` no
+        longer holds the lease.
+        """
+
+    @abstractmethod
+    async def release(self, session_id: str, owner: str) -> None:
+        """Gives the lease up (a no-op when ``owner`` does not hold it)."""
+
+    @abstractmethod
+    async def get(self, session_id: str) -> SessionRecord | None:
+        """The record, or None when it does not exist."""
+
+    @abstractmethod
+    async def delete(self, session_id: str) -> bool:
+        """Deletes the session; False when it did not exist."""
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Raises StateUnavailable when the store cannot be reached."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Releases connections."""

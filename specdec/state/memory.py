@@ -1,0 +1,100 @@
+"""In-process state store (``memory://``) for a single coordinator: local runs, demo, tests."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+from specdec.errors import SessionBusy, SessionNotFound, StateConflict
+from specdec.state.base import Commit, CommitOutcome, CommitResult, SessionRecord, StateStore
+
+
+class MemoryStateStore(StateStore):
+    """Same semantics as the Redis store, held in a dict."""
+
+    def __init__(self, ttl_s: float, lease_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._lease_s = lease_s
+        self._records: dict[str, SessionRecord] = {}
+        self._expires: dict[str, float] = {}
+        self._lease_until: dict[str, float] = {}
+        self._lock = asyncio.Lock()
+
+    def _live(self, session_id: str, now: float) -> SessionRecord | None:
+        if self._expires.get(session_id, now + 1) <= now:
+            self._drop(session_id)
+        return self._records.get(session_id)
+
+    def _drop(self, session_id: str) -> None:
+        self._records.pop(session_id, None)
+        self._expires.pop(session_id, None)
+        self._lease_until.pop(session_id, None)
+
+    def _touch(self, session_id: str, now: float) -> None:
+        self._expires[session_id] = now + self._ttl_s
+        self._lease_until[session_id] = now + self._lease_s
+
+    async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
+        async with self._lock:
+            now = time.time()
+            record = self._live(session_id, now)
+            if record is None:
+                if not create:
+                    raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
+                record = SessionRecord(session_id=session_id, created_at=now, updated_at=now)
+                self._records[session_id] = record
+            elif record.owner not in ("", owner) and self._lease_until.get(session_id, 0) > now:
+                raise SessionBusy(f"session {session_id!r} is generating for another request; retry when it ends")
+            record.owner = owner
+            self._touch(session_id, now)
+            return copy.deepcopy(record)
+
+    async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
+        async with self._lock:
+            now = time.time()
+            record = self._live(session_id, now)
+            if record is None:
+                raise StateConflict(f"session {session_id!r} expired or was closed during the request")
+            if record.last_step == commit.step_id:
+                return CommitResult(CommitOutcome.ALREADY_APPLIED, record.version)
+            if record.version != commit.expected_version:
+                raise StateConflict(f"session {session_id!r} was changed by another request")
+            if record.owner != owner:
+                raise StateConflict(f"session {session_id!r} was taken over by another request")
+            if commit.truncate_to is not None:
+                del record.tokens[commit.truncate_to :]
+            record.tokens.extend(commit.append)
+            record.version += 1
+            record.last_step = commit.step_id
+            record.updated_at = now
+            record.target = commit.target or record.target
+            record.draft = commit.draft or record.draft
+            if commit.sampling is not None:
+                record.sampling = dict(commit.sampling)
+            self._touch(session_id, now)
+            return CommitResult(CommitOutcome.APPLIED, record.version)
+
+    async def release(self, session_id: str, owner: str) -> None:
+        async with self._lock:
+            record = self._live(session_id, time.time())
+            if record is not None and record.owner == owner:
+                record.owner = ""
+                self._lease_until.pop(session_id, None)
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        async with self._lock:
+            record = self._live(session_id, time.time())
+            return copy.deepcopy(record) if record else None
+
+    async def delete(self, session_id: str) -> bool:
+        async with self._lock:
+            existed = self._live(session_id, time.time()) is not None
+            self._drop(session_id)
+            return existed
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,175 @@
+"""Redis state store (``redis://`` / ``rediss://``): commits are Lua compare-and-set scripts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from specdec.errors import SessionBusy, SessionNotFound, StateConflict, StateUnavailable
+from specdec.state.base import CacheLocation, Commit, CommitOutcome, CommitResult, SessionRecord, StateStore
+from specdec.tokens import pack_tokens, unpack_tokens
+
+T = TypeVar("T")
+
+_NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+
+# KEYS[1] session key; ARGV: owner, create (0/1), lease_ms, ttl_ms
+_ACQUIRE = (
+    _NOW_MS
+    + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if ARGV[2] == '0' then return {'missing'} end
+  redis.call('HSET', KEYS[1], 'tokens', '', 'version', 0, 'step', '', 'owner', ARGV[1],
+             'lease', now + tonumber(ARGV[3]), 'created', now, 'updated', now,
+             'target', '', 'draft', '', 'sampling', '{}')
+else
+  local cur = redis.call('HMGET', KEYS[1], 'owner', 'lease')
+  if cur[1] ~= '' and cur[1] ~= ARGV[1] and tonumber(cur[2]) > now then return {'busy'} end
+  redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease', now + tonumber(ARGV[3]))
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {'ok', redis.call('HGETALL', KEYS[1])}
+"""
+)
+
+# KEYS[1] session key; ARGV: owner, expected_version, step, append (packed), truncate_to (-1 = none),
+# target json ('' = unchanged), draft json ('' = unchanged), sampling json ('' = unchanged), lease_ms, ttl_ms
+_COMMIT = (
+    _NOW_MS
+    + """
+local cur = redis.call('HMGET', KEYS[1], 'version', 'step', 'owner', 'tokens')
+if not cur[1] then return {'missing', 0} end
+if cur[2] == ARGV[3] then return {'already', tonumber(cur[1])} end
+if tonumber(cur[1]) ~= tonumber(ARGV[2]) then return {'conflict', tonumber(cur[1])} end
+if cur[3] ~= ARGV[1] then return {'not_owner', tonumber(cur[1])} end
+local tokens = cur[4]
+local cut = tonumber(ARGV[5])
+if cut >= 0 then tokens = string.sub(tokens, 1, cut * 4) end
+local version = tonumber(cur[1]) + 1
+redis.call('HSET', KEYS[1], 'tokens', tokens .. ARGV[4], 'version', version, 'step', ARGV[3],
+           'updated', now, 'lease', now + tonumber(ARGV[9]))
+if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'target', ARGV[6]) end
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'draft', ARGV[7]) end
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'sampling', ARGV[8]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[10])
+return {'applied', version}
+"""
+)
+
+# KEYS[1] session key; ARGV: owner
+_RELEASE = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'owner', '', 'lease', 0)
+end
+return 1
+"""
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def _record(session_id: str, fields: dict[bytes, bytes]) -> SessionRecord:
+    raw = {k.decode(): v for k, v in fields.items()}
+    return SessionRecord(
+        session_id=session_id,
+        tokens=unpack_tokens(raw["tokens"]),
+        version=int(raw["version"]),
+        last_step=raw["step"].decode(),
+        owner=raw["owner"].decode(),
+        target=CacheLocation.from_json(raw["target"]),
+        draft=CacheLocation.from_json(raw["draft"]),
+        sampling=json.loads(raw["sampling"] or b"{}"),
+        created_at=int(raw["created"]) / 1000,
+        updated_at=int(raw["updated"]) / 1000,
+    )
+
+
+class RedisStateStore(StateStore):
+    """Sessions as Redis hashes ``<prefix>session:<id>`` with a TTL."""
+
+    def __init__(self, url: str, ttl_s: float, lease_s: float, timeout_s: float, key_prefix: str = "specdec:") -> None:
+        self._client = aioredis.from_url(
+            url,
+            decode_responses=False,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            health_check_interval=30,
+        )
+        self._ttl_ms = int(ttl_s * 1000)
+        self._lease_ms = int(lease_s * 1000)
+        self._prefix = key_prefix
+        self._acquire = self._client.register_script(_ACQUIRE)
+        self._commit = self._client.register_script(_COMMIT)
+        self._release = self._client.register_script(_RELEASE)
+
+    def key(self, session_id: str) -> str:
+        return f"{self._prefix}session:{session_id}"
+
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await fn()
+        except RedisError as exc:
+            raise StateUnavailable(f"state store unavailable ({type(exc).__name__}); retry later") from exc
+
+    async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
+        args = [owner, int(create), self._lease_ms, self._ttl_ms]
+        reply: list[Any] = await self._call(lambda: self._acquire(keys=[self.key(session_id)], args=args))
+        status = reply[0].decode()
+        if status == "missing":
+            raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
+        if status == "busy":
+            raise SessionBusy(f"session {session_id!r} is generating for another request; retry when it ends")
+        return _record(session_id, _pairs(reply[1]))
+
+    async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
+        args = [
+            owner,
+            commit.expected_version,
+            commit.step_id,
+            pack_tokens(commit.append),
+            -1 if commit.truncate_to is None else commit.truncate_to,
+            commit.target.to_json() if commit.target else "",
+            commit.draft.to_json() if commit.draft else "",
+            "" if commit.sampling is None else json.dumps(commit.sampling),
+            self._lease_ms,
+            self._ttl_ms,
+        ]
+        status_raw, version = await self._call(lambda: self._commit(keys=[self.key(session_id)], args=args))
+        status = status_raw.decode()
+        if status == "applied":
+            return CommitResult(CommitOutcome.APPLIED, int(version))
+        if status == "already":
+            return CommitResult(CommitOutcome.ALREADY_APPLIED, int(version))
+        reasons = {
+            "missing": "expired or was closed during the request",
+            "conflict": "was changed by another request",
+            "not_owner": "was taken over by another request",
+        }
+        raise StateConflict(f"session {session_id!r} {reasons[status]}")
+
+    async def release(self, session_id: str, owner: str) -> None:
+        await self._call(lambda: self._release(keys=[self.key(session_id)], args=[owner]))
+
+    async def get(self, session_id: str) -> SessionRecord | None:
+        fields: dict[bytes, bytes] = await self._call(lambda: self._client.hgetall(self.key(session_id)))
+        return _record(session_id, fields) if fields else None
+
+    async def delete(self, session_id: str) -> bool:
+        return bool(await self._call(lambda: self._client.delete(self.key(session_id))))
+
+    async def ping(self) -> None:
+        await self._call(self._client.ping)
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,104 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposalKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSAL_KIND_UNSPECIFIED: _ClassVar[ProposalKind]
+    PROPOSAL_KIND_ONE_HOT: _ClassVar[ProposalKind]
+    PROPOSAL_KIND_SPARSE: _ClassVar[ProposalKind]
+    PROPOSAL_KIND_DENSE: _ClassVar[ProposalKind]
+
+class CacheStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_STATUS_UNSPECIFIED: _ClassVar[CacheStatus]
+    CACHE_STATUS_OK: _ClassVar[CacheStatus]
+    CACHE_STATUS_RESYNC_REQUIRED: _ClassVar[CacheStatus]
+PROPOSAL_KIND_UNSPECIFIED: ProposalKind
+PROPOSAL_KIND_ONE_HOT: ProposalKind
+PROPOSAL_KIND_SPARSE: ProposalKind
+PROPOSAL_KIND_DENSE: ProposalKind
+CACHE_STATUS_UNSPECIFIED: CacheStatus
+CACHE_STATUS_OK: CacheStatus
+CACHE_STATUS_RESYNC_REQUIRED: CacheStatus
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class WarpParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+
+class TokenProposal(_message.Message):
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DraftBlock(_message.Message):
+    __slots__ = ("token_ids", "kind", "proposals")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kind: ProposalKind
+    proposals: _containers.RepeatedCompositeFieldContainer[TokenProposal]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ProposalKind, str]] = ..., proposals: _Optional[_Iterable[_Union[TokenProposal, _Mapping]]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    vocab_size: int
+    tokenizer_hash: str
+    device: str
+    dtype: str
+    max_context_len: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    instance_id: str
+    active_sessions: int
+    prefill_tokens_total: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,64 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.WorkerInfo
+    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "round_id", "base_len", "prefix_hash", "tail_token_ids", "num_tokens", "warp", "seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WARP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    round_id: int
+    base_len: int
+    prefix_hash: int
+    tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    warp: _common_pb2.WarpParams
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    cache_status: _common_pb2.CacheStatus
+    draft: _common_pb2.DraftBlock
+    cache_len: int
+    compute_ms: float
+    def __init__(self, round_id: _Optional[int] = ..., cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class DraftReleaseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DraftReleaseSessionResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,64 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TargetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TargetInfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _common_pb2.WorkerInfo
+    def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "base_len", "prefix_hash", "tail_token_ids", "draft", "warp", "seed")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    WARP_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_len: int
+    prefix_hash: int
+    tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft: _common_pb2.DraftBlock
+    warp: _common_pb2.WarpParams
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("cache_status", "num_accepted", "token_ids", "cache_len", "computed_tokens", "compute_ms")
+    CACHE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    cache_status: _common_pb2.CacheStatus
+    num_accepted: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_len: int
+    computed_tokens: int
+    compute_ms: float
+    def __init__(self, cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class TargetReleaseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class TargetReleaseSessionResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...

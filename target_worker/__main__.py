@@ -1,0 +1,5 @@
+import sys
+
+from target_worker.main import main
+
+main(sys.argv[1:])

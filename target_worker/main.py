@@ -1,0 +1,36 @@
+"""Entry point: `specdec serve target` (or `python -m target_worker`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+
+from specdec.logging import configure_logging
+from specdec.server import ServiceSpec, serve
+from specdec.settings import load_settings
+from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.worker import WorkerCore
+from target_worker.servicer import TargetServicer
+from target_worker.settings import TargetSettings
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
+
+
+async def run(settings: TargetSettings) -> None:
+    core = WorkerCore(settings)
+
+    def register(server: grpc.aio.Server) -> None:
+        target_pb2_grpc.add_TargetWorkerServicer_to_server(TargetServicer(core, settings), server)
+
+    async def stop() -> None:
+        core.close()
+
+    await serve(settings, ServiceSpec([SERVICE_NAME], register, core.load, stop))
+
+
+def main(argv: Sequence[str]) -> None:
+    settings = load_settings(TargetSettings, argv, "specdec serve target")
+    configure_logging(settings.log_level, settings.log_format)
+    asyncio.run(run(settings))

@@ -1,0 +1,59 @@
+"""TargetWorker gRPC servicer: wire <-> domain."""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec.errors import InvalidRequest
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.worker import WorkerCore, warp_from_proto
+from target_worker.engine import TargetEngine
+from target_worker.settings import TargetSettings
+
+
+class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, core: WorkerCore, settings: TargetSettings) -> None:
+        self._core = core
+        self._engine = TargetEngine(core)
+        self._settings = settings
+
+    async def Info(
+        self, request: target_pb2.TargetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.TargetInfoResponse:
+        return target_pb2.TargetInfoResponse(info=self._core.info())
+
+    async def Verify(
+        self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.VerifyResponse:
+        k = len(request.draft.token_ids)
+        if k > self._settings.max_draft_tokens:
+            raise InvalidRequest(
+                f"draft block of {k} tokens exceeds max_draft_tokens={self._settings.max_draft_tokens}"
+            )
+        self._core.check_request(request.session_id, request.base_len, request.tail_token_ids, k)
+        warp = warp_from_proto(request.warp)
+        result = await self._core.thread.run(
+            self._engine.verify,
+            request.session_id,
+            request.base_len,
+            request.prefix_hash,
+            list(request.tail_token_ids),
+            request.draft,
+            warp,
+            request.seed,
+        )
+        if result.resync:
+            return target_pb2.VerifyResponse(cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED)
+        return target_pb2.VerifyResponse(
+            cache_status=common_pb2.CACHE_STATUS_OK,
+            num_accepted=result.num_accepted,
+            token_ids=list(result.token_ids),
+            cache_len=result.cache_len,
+            computed_tokens=result.computed_tokens,
+            compute_ms=result.compute_ms,
+        )
+
+    async def ReleaseSession(
+        self, request: target_pb2.TargetReleaseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> target_pb2.TargetReleaseSessionResponse:
+        return target_pb2.TargetReleaseSessionResponse(existed=await self._core.release(request.session_id))

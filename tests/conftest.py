@@ -1,0 +1,59 @@
+"""Shared fixtures: a real redis-server, tiny random models built from a config."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.launch import LocalCluster
+from tests.helpers import RedisServer
+from tests.tiny_models import TinyModels, build_tiny_models
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return build_tiny_models(Path(tmp_path_factory.mktemp("models")))
+
+
+CLUSTER_WORKER_ARGS = ["--device", "cpu", "--torch-threads", "1"]
+CLUSTER_COORDINATOR_ARGS = ["--max-speculative-tokens", "8"]
+
+
+def _cluster(
+    tmp_path_factory: pytest.TempPathFactory, target: Path, draft: Path | None, name: str
+) -> Iterator[LocalCluster]:
+    workdir = Path(tmp_path_factory.mktemp(name))
+    cluster = LocalCluster(
+        str(target),
+        str(draft) if draft else None,
+        workdir,
+        worker_args=CLUSTER_WORKER_ARGS,
+        coordinator_args=CLUSTER_COORDINATOR_ARGS,
+        startup_timeout_s=120,
+    )
+    with cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster_same(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """Target + a draft identical to it + coordinator, as separate processes."""
+    yield from _cluster(tmp_path_factory, tiny_models.target, tiny_models.same, "cluster-same")
+
+
+@pytest.fixture(scope="session")
+def cluster_other(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """Target + an unrelated draft + coordinator, as separate processes."""
+    yield from _cluster(tmp_path_factory, tiny_models.target, tiny_models.other, "cluster-other")

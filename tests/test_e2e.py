@@ -1,0 +1,237 @@
+"""End to end over real gRPC: coordinator, draft and target as three separate processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.launch import LaunchError, LocalCluster
+from specdec.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    draft_pb2,
+    draft_pb2_grpc,
+    target_pb2,
+    target_pb2_grpc,
+)
+from tests.tiny_models import TinyModels, build_model
+
+PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
+MAX_NEW = 24
+
+
+@cache
+def reference_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int) -> list[int]:
+    """Greedy target-only output from HF generate (fp32, CPU)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def stub(cluster: LocalCluster) -> Iterator[coordinator_pb2_grpc.GenerationStub]:
+    with grpc.insecure_channel(cluster.address) as channel:
+        yield coordinator_pb2_grpc.GenerationStub(channel)
+
+
+@pytest.fixture
+def same(cluster_same: LocalCluster) -> Iterator[coordinator_pb2_grpc.GenerationStub]:
+    yield from stub(cluster_same)
+
+
+@pytest.fixture
+def other(cluster_other: LocalCluster) -> Iterator[coordinator_pb2_grpc.GenerationStub]:
+    yield from stub(cluster_other)
+
+
+def request(
+    prompt: list[int], k: int = 4, max_new: int = MAX_NEW, session_id: str = "", **sampling: object
+) -> coordinator_pb2.GenerateRequest:
+    return coordinator_pb2.GenerateRequest(
+        session_id=session_id,
+        prompt_token_ids=common_pb2.TokenIds(ids=prompt),
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new, **sampling),
+        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=k),
+    )
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_greedy_speculative_equals_target_greedy(
+    draft: str, prompt: list[int], k: int, tiny_models: TinyModels, request: pytest.FixtureRequest
+) -> None:
+    client: coordinator_pb2_grpc.GenerationStub = request.getfixturevalue(draft)
+    reply = client.Generate(globals()["request"](prompt, k=k))
+    expected = reference_greedy(str(tiny_models.target), tuple(prompt), MAX_NEW)
+    assert list(reply.token_ids) == expected
+    stats = reply.stats
+    assert stats.draft_tokens_accepted <= stats.draft_tokens_proposed
+    assert stats.rounds == stats.target_forward_passes
+    assert reply.usage.completion_tokens == len(expected)
+    if draft == "same":
+        assert stats.acceptance_rate > 0.9
+        assert stats.rounds <= -(-len(expected) // (k + 1)) + 1
+    else:
+        assert stats.acceptance_rate < 0.5
+
+
+def test_target_only_mode_is_identical(same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
+    req = request(PROMPTS[0])
+    req.speculation.disable = True
+    reply = same.Generate(req)
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPTS[0]), MAX_NEW)
+    assert reply.stats.draft_tokens_proposed == 0
+    assert reply.stats.target_only_rounds == reply.stats.rounds == len(reply.token_ids)
+
+
+def test_text_prompt_round_trip(other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.target)
+    prompt_ids = tokenizer("The capital of France is")["input_ids"]
+    req = coordinator_pb2.GenerateRequest(
+        prompt="The capital of France is", sampling=common_pb2.SamplingParams(max_new_tokens=16)
+    )
+    reply = other.Generate(req)
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt_ids), 16)
+    assert reply.text == tokenizer.decode(reply.token_ids, skip_special_tokens=True)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 20, "top_p": 0.9}])
+def test_seeded_sampling_is_reproducible(
+    other: coordinator_pb2_grpc.GenerationStub, sampling: dict[str, float]
+) -> None:
+    first = other.Generate(request(PROMPTS[0], seed=1234, **sampling))
+    again = other.Generate(request(PROMPTS[0], seed=1234, **sampling))
+    different = other.Generate(request(PROMPTS[0], seed=99, **sampling))
+    assert list(first.token_ids) == list(again.token_ids)
+    assert first.seed == 1234
+    assert list(first.token_ids) != list(different.token_ids)
+
+
+def test_unseeded_sampling_reports_its_seed(other: coordinator_pb2_grpc.GenerationStub) -> None:
+    reply = other.Generate(request(PROMPTS[0], temperature=1.0))
+    replay = other.Generate(request(PROMPTS[0], temperature=1.0, seed=reply.seed))
+    assert list(replay.token_ids) == list(reply.token_ids)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 7}])
+def test_stream_and_unary_give_the_same_tokens(
+    other: coordinator_pb2_grpc.GenerationStub, sampling: dict[str, float]
+) -> None:
+    unary = other.Generate(request(PROMPTS[1], **sampling))
+    messages = list(other.GenerateStream(request(PROMPTS[1], **sampling)))
+    streamed = [t for m in messages for t in m.token_ids]
+    assert streamed == list(unary.token_ids)
+    assert "".join(m.text for m in messages) == unary.text
+    assert all(m.finish_reason == coordinator_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    last = messages[-1]
+    assert last.finish_reason == unary.finish_reason
+    assert last.usage == unary.usage
+    assert last.stats.rounds == len(messages) == unary.stats.rounds
+
+
+def test_max_new_tokens_and_stop_tokens_are_exact(
+    same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), MAX_NEW)
+    for n in (1, 2, 5, 9):
+        reply = same.Generate(request(PROMPTS[1], k=8, max_new=n, ignore_eos=True))
+        assert list(reply.token_ids) == expected[:n]
+        assert reply.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+    stop = expected[6]
+    cut = expected.index(stop) + 1
+    reply = same.Generate(request(PROMPTS[1], k=8, stop_token_ids=[stop]))
+    assert list(reply.token_ids) == expected[:cut]
+    assert reply.finish_reason == coordinator_pb2.FINISH_REASON_STOP
+
+
+def target_info(cluster: LocalCluster) -> common_pb2.WorkerInfo:
+    with grpc.insecure_channel(cluster.processes["target"].address) as channel:
+        return target_pb2_grpc.TargetWorkerStub(channel).Info(target_pb2.TargetInfoRequest()).info
+
+
+def test_multi_turn_session_reuses_the_worker_caches(
+    cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    turn1 = other.Generate(request(PROMPTS[0], session_id="chat-1", max_new=12, ignore_eos=True))
+    history = [*PROMPTS[0], *turn1.token_ids]
+    second_prompt = [9, 8, 7]
+    before = target_info(cluster_other).prefill_tokens_total
+    turn2 = other.Generate(request(second_prompt, session_id="chat-1", max_new=12, ignore_eos=True))
+    computed = target_info(cluster_other).prefill_tokens_total - before
+    full = [*history, *second_prompt]
+    assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), tuple(full), 12)
+    assert turn2.usage.cached_tokens == len(history) - 1  # all but the last committed token
+    # The target ran only the new tokens: the last turn-1 token + the new prompt in round 1, one
+    # committed token per later round, and the drafted positions; the history was not re-prefilled.
+    rounds, proposed = turn2.stats.rounds, turn2.stats.draft_tokens_proposed
+    assert computed == len(second_prompt) + 1 + (rounds - 1) + proposed
+    assert other.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="chat-1")).existed
+    with pytest.raises(grpc.RpcError) as err:
+        req = request([1], session_id="chat-1")
+        req.require_existing_session = True
+        other.Generate(req)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_one_shot_requests_leave_no_worker_cache(
+    cluster_same: LocalCluster, same: coordinator_pb2_grpc.GenerationStub
+) -> None:
+    same.Generate(request(PROMPTS[0]))
+    assert target_info(cluster_same).active_sessions == 0
+    with grpc.insecure_channel(cluster_same.processes["draft"].address) as channel:
+        assert draft_pb2_grpc.DraftWorkerStub(channel).Info(draft_pb2.DraftInfoRequest()).info.active_sessions == 0
+
+
+def test_empty_prompt_is_invalid(same: coordinator_pb2_grpc.GenerationStub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        same.Generate(coordinator_pb2.GenerateRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt is empty" in err.value.details()
+
+
+@pytest.mark.parametrize("role", ["coordinator", "draft", "target"])
+def test_health_reflection_and_info(cluster_same: LocalCluster, tiny_models: TinyModels, role: str) -> None:
+    full_names = {
+        "coordinator": "specdec.v1.Generation",
+        "draft": "specdec.v1.DraftWorker",
+        "target": "specdec.v1.TargetWorker",
+    }
+    with grpc.insecure_channel(cluster_same.processes[role].address) as channel:
+        for service in ("", full_names[role]):
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for s in next(replies).list_services_response.service}
+        assert {full_names[role], "grpc.health.v1.Health"} <= names
+        if role != "coordinator":
+            info_stub = (
+                target_pb2_grpc.TargetWorkerStub(channel)
+                if role == "target"
+                else draft_pb2_grpc.DraftWorkerStub(channel)
+            )
+            info = info_stub.Info(
+                target_pb2.TargetInfoRequest() if role == "target" else draft_pb2.DraftInfoRequest()
+            ).info
+            assert info.vocab_size == 259 and info.device == "cpu" and info.dtype == "float32"
+            assert info.model_id == str(tiny_models.target if role == "target" else tiny_models.same)
+            assert info.eos_token_ids == [257] and info.max_context_len == 256 and len(info.tokenizer_hash) == 32
+
+
+def test_coordinator_refuses_a_draft_with_another_vocabulary(tmp_path: Path, tiny_models: TinyModels) -> None:
+    bigger = build_model(tmp_path / "bigger", seed=3, hidden=32, layers=1, vocab=300)
+    cluster = LocalCluster(
+        str(tiny_models.target), str(bigger), tmp_path / "run", worker_args=["--device", "cpu"], startup_timeout_s=120
+    )
+    with pytest.raises(LaunchError, match="does not share the vocabulary"):
+        cluster.start()

@@ -1,0 +1,227 @@
+"""Rejection sampler, warping and draft sampling: crafted cases and exact distribution tests."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+from scipy import stats
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from specdec.sampling import (
+    DraftSample,
+    Verdict,
+    Warp,
+    proposal_matrix,
+    rejection_sample,
+    round_generator,
+    sample_draft_token,
+    warped_probs,
+)
+from tests.spec_oracle import exact_distribution, random_logit_table, speculative_sequence
+
+V = 5
+
+
+def one_hot_logits(ids: list[int], vocab: int = V) -> torch.Tensor:
+    """Logits whose argmax at row i is ids[i]."""
+    logits = torch.zeros(len(ids), vocab)
+    logits[torch.arange(len(ids)), torch.tensor(ids)] = 10.0
+    return logits
+
+
+def test_greedy_all_accepted_gives_bonus() -> None:
+    verdict = rejection_sample(one_hot_logits([1, 2, 3, 4]), torch.tensor([1, 2, 3]), None, Warp(), None)
+    assert verdict == Verdict(num_accepted=3, token_ids=[1, 2, 3, 4])
+
+
+def test_greedy_early_mismatch_recovers_target_token() -> None:
+    verdict = rejection_sample(one_hot_logits([1, 0, 3, 4]), torch.tensor([1, 2, 3]), None, Warp(), None)
+    assert verdict == Verdict(num_accepted=1, token_ids=[1, 0])
+
+
+def test_greedy_first_token_wrong() -> None:
+    verdict = rejection_sample(one_hot_logits([4, 2, 3, 4]), torch.tensor([1, 2, 3]), None, Warp(), None)
+    assert verdict == Verdict(num_accepted=0, token_ids=[4])
+
+
+def test_empty_block_samples_one_target_token() -> None:
+    verdict = rejection_sample(one_hot_logits([3]), torch.tensor([], dtype=torch.long), None, Warp(), None)
+    assert verdict == Verdict(num_accepted=0, token_ids=[3])
+    sampled = rejection_sample(
+        one_hot_logits([3]),
+        torch.tensor([], dtype=torch.long),
+        torch.zeros(0, V),
+        Warp(1.0),
+        torch.Generator().manual_seed(0),
+    )
+    assert sampled.num_accepted == 0 and len(sampled.token_ids) == 1
+
+
+def test_sampled_identical_distributions_accept_everything() -> None:
+    logits = torch.randn(4, V)
+    drafts = torch.tensor([0, 1, 2])
+    q = warped_probs(logits[:3], Warp(1.0))
+    for seed in range(50):
+        verdict = rejection_sample(logits, drafts, q, Warp(1.0), torch.Generator().manual_seed(seed))
+        assert verdict.num_accepted == 3
+        assert verdict.token_ids[:3] == [0, 1, 2]
+
+
+def test_draft_token_with_zero_target_probability_is_always_rejected() -> None:
+    logits = torch.tensor([[0.0, 0.0, -math.inf, 0.0, 0.0], [0.0] * V])
+    q = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]])
+    for seed in range(50):
+        verdict = rejection_sample(logits, torch.tensor([2]), q, Warp(1.0), torch.Generator().manual_seed(seed))
+        assert verdict.num_accepted == 0
+        assert verdict.token_ids[0] != 2
+
+
+def test_draft_probability_zero_for_drafted_token_is_rejected_not_divided() -> None:
+    logits = torch.zeros(2, V)
+    q = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]])  # claims token 0 was drafted with q(0) = 0
+    for seed in range(20):
+        verdict = rejection_sample(logits, torch.tensor([0]), q, Warp(1.0), torch.Generator().manual_seed(seed))
+        assert verdict.num_accepted == 0
+        assert all(0 <= t < V for t in verdict.token_ids)
+
+
+def test_shape_checks() -> None:
+    with pytest.raises(ValueError, match=r"\[k\+1, V\]"):
+        rejection_sample(torch.zeros(3, V), torch.tensor([1, 2, 3]), None, Warp(), None)
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample(torch.zeros(4, V), torch.tensor([1, 2, 3]), None, Warp(1.0), None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+    ],
+)
+def test_warp_rejects_bad_values(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Warp(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.6), (0.5, 20, 0.9)]
+)
+def test_warped_probs_match_hf_warpers(temperature: float, top_k: int, top_p: float) -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1.0:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    torch.testing.assert_close(warped_probs(logits, Warp(temperature, top_k, top_p)), scores.softmax(-1))
+
+
+def test_sparse_draft_samples_from_reported_distribution() -> None:
+    logits = torch.randn(V) * 2
+    counts = collections.Counter()
+    sample = None
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4000):
+        sample = sample_draft_token(logits, Warp(1.0), 3, gen)
+        counts[sample.token_id] += 1
+    assert sample is not None and sample.ids is not None and sample.probs is not None
+    assert set(counts) <= set(sample.ids.tolist())
+    q = proposal_matrix([sample], V)[0]
+    expected = [float(q[t]) for t in sample.ids.tolist()]
+    observed = [counts[t] for t in sample.ids.tolist()]
+    assert _chi_square(observed, expected) > 1e-4
+
+
+def test_round_generator_is_deterministic_and_role_separated() -> None:
+    a = torch.rand(4, generator=round_generator(7, 10, "target"))
+    b = torch.rand(4, generator=round_generator(7, 10, "target"))
+    c = torch.rand(4, generator=round_generator(7, 10, "draft"))
+    d = torch.rand(4, generator=round_generator(7, 11, "target"))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c) and not torch.equal(a, d)
+
+
+def test_proposal_matrix_kinds() -> None:
+    samples = [
+        DraftSample(token_id=2),
+        DraftSample(token_id=1, ids=torch.tensor([1, 4]), probs=torch.tensor([0.25, 0.75])),
+        DraftSample(token_id=0, probs=torch.full((V,), 0.2)),
+    ]
+    q = proposal_matrix(samples, V)
+    assert q[0].tolist() == [0, 0, 1, 0, 0]
+    assert q[1].tolist() == [0, 0.25, 0, 0, 0.75]
+    assert torch.allclose(q[2], torch.full((V,), 0.2))
+
+
+def _broken_sampler(target_logits, draft_tokens, draft_probs, warp, generator) -> Verdict:  # type: ignore[no-untyped-def]
+    """Samples the recovered token from p instead of norm(max(0, p - q)): a classic bug."""
+    p = warped_probs(target_logits, warp)
+    k = draft_tokens.shape[0]
+    for i in range(k):
+        x = int(draft_tokens[i])
+        if float(torch.rand(1, generator=generator)) * float(draft_probs[i, x]) >= float(p[i, x]):
+            return Verdict(i, [*draft_tokens[:i].tolist(), int(torch.multinomial(p[i], 1, generator=generator))])
+    return Verdict(k, [*draft_tokens.tolist(), int(torch.multinomial(p[k], 1, generator=generator))])
+
+
+def _chi_square(observed: list[int], expected_weights: list[float]) -> float:
+    """p-value of a chi-square goodness-of-fit test; expected weights are scaled to the sample size."""
+    total = sum(observed) / sum(expected_weights)
+    return float(stats.chisquare(observed, [w * total for w in expected_weights]).pvalue)
+
+
+def _chi_square_pvalue(samples: collections.Counter, exact: dict[tuple[int, ...], float], n: int) -> float:
+    """Chi-square goodness of fit; outcomes with small expected counts are pooled into one bin."""
+    observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
+    for outcome, prob in exact.items():
+        if prob * n >= 5:
+            observed.append(samples[outcome])
+            expected.append(prob * n)
+        else:
+            pool_obs += samples[outcome]
+            pool_exp += prob * n
+    assert sum(samples.values()) == n
+    assert all(outcome in exact and exact[outcome] > 0 for outcome in samples), "sampled an impossible sequence"
+    if pool_exp > 0:
+        observed.append(pool_obs)
+        expected.append(pool_exp)
+    return _chi_square(observed, expected)
+
+
+DIST_CASES = [
+    pytest.param(Warp(1.0), 0, 2, id="dense-T1-k2"),
+    pytest.param(Warp(0.8, top_k=3), 2, 3, id="sparse2-T0.8-topk3-k3"),
+    pytest.param(Warp(1.2, top_p=0.8), 0, 1, id="dense-T1.2-topp0.8-k1"),
+]
+
+
+@pytest.mark.parametrize(("warp", "top_n", "k"), DIST_CASES)
+def test_speculative_sampling_follows_target_distribution(warp: Warp, top_n: int, k: int) -> None:
+    vocab, length, n = 4, 3, 20_000
+    target = random_logit_table(vocab, 1.5, seed=11)
+    draft = random_logit_table(vocab, 1.5, seed=12)
+    exact = exact_distribution(target, (0,), length, vocab, warp)
+    gen = torch.Generator().manual_seed(1234)
+    samples = collections.Counter(
+        speculative_sequence(target, draft, (0,), length, k, warp, top_n, gen) for _ in range(n)
+    )
+    assert _chi_square_pvalue(samples, exact, n) > 1e-3
+
+
+def test_distribution_test_catches_a_broken_sampler() -> None:
+    vocab, length, n, warp = 4, 3, 20_000, Warp(1.0)
+    target = random_logit_table(vocab, 1.5, seed=11)
+    draft = random_logit_table(vocab, 1.5, seed=12)
+    exact = exact_distribution(target, (0,), length, vocab, warp)
+    gen = torch.Generator().manual_seed(1234)
+    samples = collections.Counter(
+        speculative_sequence(target, draft, (0,), length, 2, warp, 0, gen, sampler=_broken_sampler) for _ in range(n)
+    )
+    assert _chi_square_pvalue(samples, exact, n) < 1e-6

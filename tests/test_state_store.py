@@ -1,0 +1,139 @@
+"""The state store suite, run against memory:// and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from specdec.errors import SessionBusy, SessionNotFound, StateConflict
+from specdec.state import CacheLocation, Commit, CommitOutcome, StateStore, open_store
+from tests.helpers import RedisServer
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
+    url = "memory://" if request.param == "memory" else redis_server.url
+    s = open_store(url, ttl_s=60, lease_s=30, timeout_s=2)
+    yield s
+    await s.close()
+
+
+def sid() -> str:
+    return f"s-{uuid.uuid4().hex[:8]}"
+
+
+async def test_create_commit_and_read_back(store: StateStore) -> None:
+    session = sid()
+    record = await store.acquire(session, "owner-a", create=True)
+    assert record.version == 0 and record.tokens == [] and record.owner == "owner-a"
+    loc = CacheLocation("127.0.0.1:1", "inst", 3)
+    result = await store.commit(
+        session, "owner-a", Commit(0, "step-1", [1, 2, 3], target=loc, sampling={"temperature": 0.5})
+    )
+    assert result.outcome is CommitOutcome.APPLIED and result.version == 1
+    result = await store.commit(session, "owner-a", Commit(1, "step-2", [4_000_000_000]))
+    got = await store.get(session)
+    assert got is not None
+    assert got.tokens == [1, 2, 3, 4_000_000_000]
+    assert got.version == 2 and got.last_step == "step-2"
+    assert got.target == loc and got.draft is None
+    assert got.sampling == {"temperature": 0.5}
+
+
+async def test_retried_commit_applies_once(store: StateStore) -> None:
+    session = sid()
+    await store.acquire(session, "o", create=True)
+    commit = Commit(0, "step-x", [7, 8])
+    first = await store.commit(session, "o", commit)
+    again = await store.commit(session, "o", commit)
+    assert first.outcome is CommitOutcome.APPLIED
+    assert again.outcome is CommitOutcome.ALREADY_APPLIED and again.version == first.version
+    got = await store.get(session)
+    assert got is not None and got.tokens == [7, 8] and got.version == 1
+
+
+async def test_stale_version_is_a_conflict(store: StateStore) -> None:
+    session = sid()
+    await store.acquire(session, "o", create=True)
+    await store.commit(session, "o", Commit(0, "a", [1]))
+    with pytest.raises(StateConflict, match="changed by another request"):
+        await store.commit(session, "o", Commit(0, "b", [2]))
+    got = await store.get(session)
+    assert got is not None and got.tokens == [1]
+
+
+async def test_truncate_is_an_explicit_versioned_rollback(store: StateStore) -> None:
+    session = sid()
+    await store.acquire(session, "o", create=True)
+    await store.commit(session, "o", Commit(0, "a", [1, 2, 3, 4]))
+    result = await store.commit(session, "o", Commit(1, "b", [9], truncate_to=2))
+    got = await store.get(session)
+    assert got is not None and got.tokens == [1, 2, 9] and result.version == 2
+
+
+async def test_lease_excludes_a_second_owner_until_released(store: StateStore) -> None:
+    session = sid()
+    await store.acquire(session, "first", create=True)
+    with pytest.raises(SessionBusy, match="another request"):
+        await store.acquire(session, "second", create=True)
+    with pytest.raises(StateConflict, match="taken over"):
+        await store.commit(session, "second", Commit(0, "z", [1]))
+    await store.release(session, "first")
+    record = await store.acquire(session, "second", create=False)
+    assert record.owner == "second"
+
+
+async def test_missing_session(store: StateStore) -> None:
+    with pytest.raises(SessionNotFound, match="does not exist"):
+        await store.acquire(sid(), "o", create=False)
+    assert await store.get(sid()) is None
+    with pytest.raises(StateConflict, match="expired or was closed"):
+        await store.commit(sid(), "o", Commit(0, "s", [1]))
+
+
+async def test_delete(store: StateStore) -> None:
+    session = sid()
+    await store.acquire(session, "o", create=True)
+    assert await store.delete(session) is True
+    assert await store.delete(session) is False
+    assert await store.get(session) is None
+
+
+async def test_sessions_expire_after_ttl(redis_server: RedisServer) -> None:
+    for url in ("memory://", redis_server.url):
+        s = open_store(url, ttl_s=0.3, lease_s=0.3, timeout_s=2)
+        session = sid()
+        await s.acquire(session, "o", create=True)
+        await s.commit(session, "o", Commit(0, "a", [1]))
+        await asyncio.sleep(0.5)
+        assert await s.get(session) is None, url
+        await s.close()
+
+
+async def test_concurrent_committers_apply_each_step_once(store: StateStore) -> None:
+    """Many tasks race to commit with the version they last saw; every commit applies at most once."""
+    session = sid()
+    await store.acquire(session, "o", create=True)
+
+    async def committer(i: int) -> int:
+        applied = 0
+        for attempt in range(200):
+            record = await store.get(session)
+            assert record is not None
+            try:
+                result = await store.commit(session, "o", Commit(record.version, f"task{i}", [i]))
+            except StateConflict:
+                await asyncio.sleep(0.001 * (attempt % 5))
+                continue
+            applied += result.outcome is CommitOutcome.APPLIED
+            return applied
+        raise AssertionError("commit never applied")
+
+    applied = await asyncio.gather(*(committer(i) for i in range(50)))
+    got = await store.get(session)
+    assert got is not None
+    assert sorted(got.tokens) == list(range(50))
+    assert got.version == 50 and sum(applied) == 50
