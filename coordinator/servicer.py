@@ -38,6 +38,7 @@ def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
         acceptance_rate=s.acceptance_rate,
         mean_accepted_length=s.mean_accepted_length,
         target_only_rounds=s.target_only_rounds,
+        cache_resyncs=s.cache_resyncs,
     )
 
 

@@ -46,6 +46,7 @@ class TurnStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cache_resyncs: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -264,6 +265,7 @@ class Turn:
                 if len(reply.draft.token_ids) != k:
                     return self._draft_failed(f"asked for {k} tokens, got {len(reply.draft.token_ids)}")
                 return _Draft(reply.draft, reply.cache_len)
+            self.stats.cache_resyncs += 1
             cached = 0
         return self._draft_failed("cache resync did not take")
 
@@ -297,6 +299,7 @@ class Turn:
                     raise WorkerUnavailable("the target worker returned a malformed verdict")
                 return reply
             log.info("target_resync", base_len=base)
+            self.stats.cache_resyncs += 1
             cached = 0
         raise WorkerUnavailable("the target worker could not rebuild the session cache")
 

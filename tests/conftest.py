@@ -32,7 +32,7 @@ CLUSTER_COORDINATOR_ARGS = ["--max-speculative-tokens", "8"]
 
 
 def _cluster(
-    tmp_path_factory: pytest.TempPathFactory, target: Path, draft: Path | None, name: str
+    tmp_path_factory: pytest.TempPathFactory, target: Path, draft: Path | None, name: str, state_url: str = "memory://"
 ) -> Iterator[LocalCluster]:
     workdir = Path(tmp_path_factory.mktemp(name))
     cluster = LocalCluster(
@@ -40,7 +40,7 @@ def _cluster(
         str(draft) if draft else None,
         workdir,
         worker_args=CLUSTER_WORKER_ARGS,
-        coordinator_args=CLUSTER_COORDINATOR_ARGS,
+        coordinator_args=[*CLUSTER_COORDINATOR_ARGS, "--state-url", state_url],
         startup_timeout_s=120,
     )
     with cluster:
@@ -54,6 +54,14 @@ def cluster_same(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyMode
 
 
 @pytest.fixture(scope="session")
-def cluster_other(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
-    """Target + an unrelated draft + coordinator, as separate processes."""
-    yield from _cluster(tmp_path_factory, tiny_models.target, tiny_models.other, "cluster-other")
+def cluster_other(
+    tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels, redis_server: RedisServer
+) -> Iterator[LocalCluster]:
+    """Target + an unrelated draft + coordinator keeping session state in a real redis-server."""
+    yield from _cluster(tmp_path_factory, tiny_models.target, tiny_models.other, "cluster-other", redis_server.url)
+
+
+@pytest.fixture(scope="session")
+def cluster_adversarial(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """Target + a draft that always proposes the target's least likely token."""
+    yield from _cluster(tmp_path_factory, tiny_models.target, tiny_models.adversarial, "cluster-adversarial")

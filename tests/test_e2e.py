@@ -52,6 +52,11 @@ def other(cluster_other: LocalCluster) -> Iterator[coordinator_pb2_grpc.Generati
     yield from stub(cluster_other)
 
 
+@pytest.fixture
+def adversarial(cluster_adversarial: LocalCluster) -> Iterator[coordinator_pb2_grpc.GenerationStub]:
+    yield from stub(cluster_adversarial)
+
+
 def request(
     prompt: list[int], k: int = 4, max_new: int = MAX_NEW, session_id: str = "", **sampling: object
 ) -> coordinator_pb2.GenerateRequest:
@@ -65,7 +70,7 @@ def request(
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
-@pytest.mark.parametrize("draft", ["same", "other"])
+@pytest.mark.parametrize("draft", ["same", "other", "adversarial"])
 def test_greedy_speculative_equals_target_greedy(
     draft: str, prompt: list[int], k: int, tiny_models: TinyModels, request: pytest.FixtureRequest
 ) -> None:
@@ -80,8 +85,11 @@ def test_greedy_speculative_equals_target_greedy(
     if draft == "same":
         assert stats.acceptance_rate > 0.9
         assert stats.rounds <= -(-len(expected) // (k + 1)) + 1
-    else:
+    elif draft == "other":
         assert stats.acceptance_rate < 0.5
+    else:
+        assert stats.draft_tokens_accepted == 0
+        assert stats.rounds == len(expected)
 
 
 def test_target_only_mode_is_identical(same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
@@ -235,3 +243,52 @@ def test_coordinator_refuses_a_draft_with_another_vocabulary(tmp_path: Path, tin
     )
     with pytest.raises(LaunchError, match="does not share the vocabulary"):
         cluster.start()
+
+
+def test_workers_that_lost_a_session_are_resynced(
+    cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    turn1 = other.Generate(request(PROMPTS[1], session_id="resync-1", max_new=8, ignore_eos=True))
+    for role, stub_cls, message in (
+        ("target", target_pb2_grpc.TargetWorkerStub, target_pb2.TargetReleaseSessionRequest),
+        ("draft", draft_pb2_grpc.DraftWorkerStub, draft_pb2.DraftReleaseSessionRequest),
+    ):
+        with grpc.insecure_channel(cluster_other.processes[role].address) as channel:
+            assert stub_cls(channel).ReleaseSession(message(session_id="resync-1")).existed
+    turn2 = other.Generate(request([1, 2], session_id="resync-1", max_new=8, ignore_eos=True))
+    full = (*PROMPTS[1], *turn1.token_ids, 1, 2)
+    assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), full, 8)
+    assert turn2.usage.cached_tokens == 0  # re-prefilled from the committed tokens in the state store
+    assert turn2.stats.cache_resyncs == 2  # target and draft each refused the stale prefix once
+    assert turn2.stats.target_forward_passes == turn2.stats.rounds
+    other.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="resync-1"))
+
+
+def test_sampled_tokens_follow_the_target_distribution(
+    other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    """Through the whole service: the first two sampled tokens match the exact warped target distribution."""
+    from scipy import stats as scipy_stats
+
+    from specdec.sampling import Warp, warped_probs
+
+    warp, prompt, n = Warp(temperature=1.0, top_k=4), PROMPTS[0], 1500
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = warped_probs(model(torch.tensor([prompt])).logits[0, -1], warp)
+        exact: dict[tuple[int, int], float] = {}
+        for a in torch.nonzero(first).flatten().tolist():
+            second = warped_probs(model(torch.tensor([[*prompt, a]])).logits[0, -1], warp)
+            for b in torch.nonzero(second).flatten().tolist():
+                exact[(a, b)] = float(first[a] * second[b])
+    counts: dict[tuple[int, int], int] = dict.fromkeys(exact, 0)
+    for seed in range(n):
+        reply = other.Generate(request(prompt, k=3, max_new=2, temperature=1.0, top_k=4, seed=seed, ignore_eos=True))
+        pair = (reply.token_ids[0], reply.token_ids[1])
+        assert pair in counts, f"sampled {pair}, which has probability 0 under the target"
+        counts[pair] += 1
+    keys = sorted(exact)
+    total = sum(exact.values())
+    observed = [counts[key] for key in keys]
+    expected = [exact[key] / total * n for key in keys]
+    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3

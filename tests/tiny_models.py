@@ -50,11 +50,22 @@ def build_model(path: Path, seed: int, hidden: int, layers: int, vocab: int, ini
     return path
 
 
+def build_adversarial(target: Path, path: Path) -> Path:
+    """The target with its output layer negated: its favourite token is the target's least likely."""
+    model = LlamaForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        model.lm_head.weight.neg_()
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
 @dataclass(frozen=True)
 class TinyModels:
     target: Path
     same: Path  # a copy of the target: every draft token is accepted
     other: Path  # an unrelated, smaller random model with the same tokenizer
+    adversarial: Path  # proposes the target's least likely token: every greedy draft is rejected
 
 
 def build_tiny_models(root: Path) -> TinyModels:
@@ -62,4 +73,5 @@ def build_tiny_models(root: Path) -> TinyModels:
     target = build_model(root / "target", seed=0, hidden=64, layers=2, vocab=vocab, init_range=0.2)
     same = build_model(root / "same", seed=0, hidden=64, layers=2, vocab=vocab, init_range=0.2)
     other = build_model(root / "other", seed=1, hidden=32, layers=1, vocab=vocab, init_range=0.2)
-    return TinyModels(target=target, same=same, other=other)
+    adversarial = build_adversarial(target, root / "adversarial")
+    return TinyModels(target=target, same=same, other=other, adversarial=adversarial)

@@ -52,7 +52,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds")
+    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class SpeculationStats(_message.Message):
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_RESYNCS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens_proposed: int
     draft_tokens_accepted: int
@@ -67,7 +68,8 @@ class SpeculationStats(_message.Message):
     acceptance_rate: float
     mean_accepted_length: float
     target_only_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ...) -> None: ...
+    cache_resyncs: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "token_ids", "text", "finish_reason", "usage", "stats", "seed")

@@ -1,0 +1,62 @@
+"""Per-session KV caches: crop to the committed prefix, refuse a prefix they do not hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kvcache import ResyncRequired, SessionCaches
+from specdec.modeling import LoadedModel, load_model
+from specdec.tokens import prefix_hash
+from tests.tiny_models import TinyModels
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models: TinyModels) -> LoadedModel:
+    return load_model(str(tiny_models.target), "cpu", "float32")
+
+
+def full_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return loaded.model(torch.tensor([ids])).logits[0].float()
+
+
+def test_extend_crop_and_reuse_match_a_full_forward(loaded: LoadedModel) -> None:
+    caches = SessionCaches(loaded, max_sessions=4, idle_s=60)
+    seq = [5, 9, 13, 200, 7, 7, 1, 40]
+    entry = caches.sync("s", 0, 0)
+    caches.extend(entry, seq[:6], 1)
+    entry = caches.sync("s", 4, prefix_hash(seq[:4]))  # roll back two tokens
+    assert entry.tokens == seq[:4] and entry.cache.get_seq_length() == 4
+    logits = caches.extend(entry, seq[4:], 4)
+    torch.testing.assert_close(logits, full_logits(loaded, seq)[-4:], atol=1e-4, rtol=1e-4)
+    assert caches.prefill_tokens_total == 10
+
+
+def test_resync_required_for_unknown_short_or_different_prefix(loaded: LoadedModel) -> None:
+    caches = SessionCaches(loaded, max_sessions=4, idle_s=60)
+    with pytest.raises(ResyncRequired):
+        caches.sync("unknown", 3, prefix_hash([1, 2, 3]))
+    entry = caches.sync("s", 0, 0)
+    caches.extend(entry, [1, 2, 3], 1)
+    with pytest.raises(ResyncRequired):
+        caches.sync("s", 4, prefix_hash([1, 2, 3, 4]))
+    entry = caches.sync("s", 0, 0)
+    caches.extend(entry, [1, 2, 3], 1)
+    with pytest.raises(ResyncRequired):
+        caches.sync("s", 3, prefix_hash([1, 2, 4]))
+    assert len(caches) == 0  # a mismatching cache is dropped
+
+
+def test_least_recently_used_and_idle_sessions_are_evicted(loaded: LoadedModel) -> None:
+    caches = SessionCaches(loaded, max_sessions=2, idle_s=60)
+    for sid in ("a", "b", "c"):
+        caches.extend(caches.sync(sid, 0, 0), [1, 2], 1)
+    assert len(caches) == 2
+    with pytest.raises(ResyncRequired):
+        caches.sync("a", 2, prefix_hash([1, 2]))
+    idle = SessionCaches(loaded, max_sessions=2, idle_s=0.0)
+    idle.extend(idle.sync("x", 0, 0), [1], 1)
+    idle.evict_idle()
+    assert len(idle) == 0
+    assert caches.release("b") and not caches.release("b")

@@ -1,0 +1,69 @@
+"""Draft block encoding and the target's validation of what it receives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.errors import InvalidRequest
+from specdec.proposals import decode_block, encode_block
+from specdec.sampling import DraftSample, Warp, proposal_matrix, sample_draft_token
+from specdec.v1 import common_pb2
+
+V = 10
+
+
+def test_round_trip_every_kind() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(V)
+    for samples in (
+        [DraftSample(3), DraftSample(4)],
+        [sample_draft_token(logits, Warp(1.0), 4, gen) for _ in range(3)],
+        [sample_draft_token(logits, Warp(0.7), 0, gen) for _ in range(2)],
+    ):
+        block = encode_block(samples)
+        tokens, q = decode_block(block, V, "cpu")
+        assert tokens.tolist() == [s.token_id for s in samples]
+        if samples[0].probs is None:
+            assert block.kind == common_pb2.PROPOSAL_KIND_ONE_HOT and q is None
+        else:
+            torch.testing.assert_close(q, proposal_matrix(samples, V))
+
+
+def sparse(ids: list[int], probs: list[float], tokens: list[int] | None = None) -> common_pb2.DraftBlock:
+    return common_pb2.DraftBlock(
+        token_ids=tokens or [ids[0]],
+        kind=common_pb2.PROPOSAL_KIND_SPARSE,
+        proposals=[common_pb2.TokenProposal(ids=ids, probs=probs)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        (common_pb2.DraftBlock(token_ids=[V]), "draft token id out of range"),
+        (sparse([1, V], [0.5, 0.5]), "proposal id out of range"),
+        (sparse([1, 2], [0.5]), "as many ids as probs"),
+        (sparse([1, 2], [0.5, 0.6]), "sum to 1"),
+        (sparse([1, 2], [1.5, -0.5]), "non-negative"),
+        (sparse([1, 2], [float("nan"), 1.0]), "finite"),
+        (sparse([1], [1.0], tokens=[1, 2]), "2 tokens but 1 proposals"),
+        (
+            common_pb2.DraftBlock(
+                token_ids=[1], kind=common_pb2.PROPOSAL_KIND_DENSE, proposals=[common_pb2.TokenProposal(probs=[1.0])]
+            ),
+            "exactly 10 probs",
+        ),
+        (
+            common_pb2.DraftBlock(
+                token_ids=[1],
+                kind=common_pb2.PROPOSAL_KIND_UNSPECIFIED,
+                proposals=[common_pb2.TokenProposal(probs=[1.0])],
+            ),
+            "kind must be",
+        ),
+    ],
+)
+def test_malformed_blocks_are_rejected(block: common_pb2.DraftBlock, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        decode_block(block, V, "cpu")
