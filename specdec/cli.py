@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 SERVE_HELP = "run one service: coordinator | draft | target (flags: specdec serve ROLE --help)"
 
@@ -42,50 +43,64 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--dtype", default="auto", help="auto|float32|float16|bfloat16")
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from specdec.launch import LocalCluster
-    from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+def _generate_request(args: argparse.Namespace) -> Any:
+    from specdec.v1 import common_pb2, coordinator_pb2
 
     sampling = common_pb2.SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
     )
     if args.seed is not None:
         sampling.seed = args.seed
-    request = coordinator_pb2.GenerateRequest(
+    return coordinator_pb2.GenerateRequest(
         prompt=args.prompt,
         sampling=sampling,
         speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=args.num_speculative_tokens),
     )
+
+
+def _stream(address: str, request: Any) -> tuple[Any, float]:
+    """Streams the completion to stdout; returns the last message and the elapsed seconds."""
+    import grpc
+
+    from specdec.v1 import coordinator_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        started = time.perf_counter()
+        last = None
+        for message in stub.GenerateStream(request):
+            sys.stdout.write(message.text)
+            sys.stdout.flush()
+            last = message
+        return last, time.perf_counter() - started
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from specdec.launch import LaunchError, LocalCluster
+
+    k = args.num_speculative_tokens
     worker_args = ["--device", args.device, "--dtype", args.dtype]
-    coordinator_args = [
-        "--state-url",
-        args.state_url,
-        "--max-speculative-tokens",
-        str(max(args.num_speculative_tokens, 1)),
-    ]
+    coordinator_args = ["--state-url", args.state_url, "--num-speculative-tokens", str(k)]
+    coordinator_args += ["--max-speculative-tokens", str(max(k, 1))]
     with tempfile.TemporaryDirectory(prefix="specdec-") as tmp:
         sys.stderr.write("starting target, draft and coordinator (loading models)...\n")
-        cluster = LocalCluster(
-            args.model, args.draft_model, Path(tmp), worker_args=worker_args, coordinator_args=coordinator_args
-        )
-        with cluster, grpc.insecure_channel(cluster.address) as channel:
-            stub = coordinator_pb2_grpc.GenerationStub(channel)
-            started = time.perf_counter()
-            last = None
-            for message in stub.GenerateStream(request):
-                sys.stdout.write(message.text)
-                sys.stdout.flush()
-                last = message
-            elapsed = time.perf_counter() - started
-    if last is None:
-        return 1
+        cluster = LocalCluster(args.model, args.draft_model, Path(tmp), worker_args, coordinator_args=coordinator_args)
+        try:
+            with cluster:
+                last, elapsed = _stream(cluster.address, _generate_request(args))
+        except LaunchError as exc:
+            sys.stderr.write(f"specdec generate: {exc}\n")
+            return 1
+        except grpc.RpcError as exc:
+            sys.stderr.write(f"specdec generate: {exc.code().name}: {exc.details()}\n")
+            return 1
     stats, usage = last.stats, last.usage
     sys.stdout.write(
         f"\n-- {usage.completion_tokens} tokens in {elapsed:.2f}s = {usage.completion_tokens / elapsed:.2f} tok/s | "
         f"acceptance rate {stats.acceptance_rate:.2f} | mean accepted length {stats.mean_accepted_length:.2f} | "
-        f"rounds {stats.rounds} | K {args.num_speculative_tokens if args.draft_model else 0}\n"
+        f"rounds {stats.rounds} | K {k if args.draft_model else 0}\n"
     )
     return 0
 

@@ -1,0 +1,57 @@
+"""The `specdec` command line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.tiny_models import TinyModels
+
+
+def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_starts_three_services_and_prints_text_and_summary(tiny_models: TinyModels) -> None:
+    result = run(
+        "generate", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.same),
+        "--prompt", "Once upon a time", "--max-new-tokens", "12", "--num-speculative-tokens", "3", "--device", "cpu",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"-- (\d+) tokens in [\d.]+s = [\d.]+ tok/s \| acceptance rate ([\d.]+) \| "
+        r"mean accepted length ([\d.]+) \| rounds \d+ \| K 3",
+        summary,
+    )
+    assert match, summary
+    assert 1 <= int(match[1]) <= 12
+    assert float(match[2]) > 0.9  # the draft is a copy of the target
+
+
+def test_serve_without_a_role_explains_itself() -> None:
+    result = run("serve")
+    assert result.returncode == 2
+    assert "serve needs a role" in result.stderr
+
+
+def test_serve_unknown_role() -> None:
+    result = run("serve", "router")
+    assert result.returncode == 2
+    assert "unknown role 'router'" in result.stderr
+
+
+def test_models_list() -> None:
+    result = run("models", "list")
+    assert result.returncode == 0
+    assert {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"} <= {
+        line.split()[0] for line in result.stdout.splitlines()
+    }
+
+
+def test_generate_reports_bad_input_without_a_traceback(tiny_models: TinyModels) -> None:
+    result = run("generate", "--model", str(tiny_models.target), "--prompt", "hi", "--top-p", "2", "--device", "cpu")
+    assert result.returncode == 1
+    assert "INVALID_ARGUMENT: sampling.top_p must be in (0, 1], got 2.0" in result.stderr
+    assert "Traceback" not in result.stderr
