@@ -11,8 +11,9 @@ import structlog
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import Turn, TurnDeps
 from coordinator.validation import Limits, TurnRequest
-from coordinator.workers import DraftClient, TargetClient
+from coordinator.workers import DraftClient, TargetPool
 from specdec.errors import NotServing, Overloaded
+from specdec.metrics import CoordinatorMetrics
 from specdec.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.state import StateStore, open_store
 from specdec.v1 import common_pb2
@@ -35,25 +36,23 @@ def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo
 class Engine:
     """Owns connections and limits; creates one Turn per request."""
 
-    def __init__(self, settings: CoordinatorSettings) -> None:
-        self.settings = settings
-        self.target = TargetClient(settings.target_addresses[0], settings)
-        self.draft = (
-            DraftClient(settings.draft_address, settings, settings.draft_retry_s) if settings.draft_address else None
-        )
-        self.store: StateStore = open_store(
-            settings.state_url, settings.session_ttl_s, settings.session_lease_s, settings.state_timeout_s
-        )
+    def __init__(self, settings: CoordinatorSettings, metrics: CoordinatorMetrics) -> None:
+        s = settings
+        self.settings = s
+        self.metrics = metrics
+        self.targets = TargetPool(s.target_addresses, s, s.target_retry_s)
+        self.draft = DraftClient(s.draft_address, s, s.draft_retry_s, s.draft_timeout_s) if s.draft_address else None
+        self.store: StateStore = open_store(s.state_url, s.session_ttl_s, s.session_lease_s, s.state_timeout_s)
         self._deps: TurnDeps | None = None
         self._active = 0
 
     async def start(self) -> None:
         """Waits for the workers, checks that they fit together, loads the tokenizer."""
         timeout = self.settings.worker_startup_timeout_s
-        target_info = await self.target.connect(timeout)
+        target_info = await self.targets.connect(timeout)
         if self.draft is not None:
             check_compatible(target_info, await self.draft.connect(timeout))
-        await self.store.ping()
+        await self.store.start()
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
             raise RuntimeError("the coordinator's tokenizer differs from the target model's; fix --tokenizer")
@@ -67,7 +66,9 @@ class Engine:
             max_k=s.max_speculative_tokens,
             max_prompt_chars=MAX_PROMPT_CHARS,
         )
-        self._deps = TurnDeps(self.store, self.target, self.draft, tokenizer, limits, s.worker_timeout_s)
+        self._deps = TurnDeps(
+            self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s
+        )
         log.info(
             "coordinator_ready", target=target_info.model_id, draft=self.draft.info.model_id if self.draft else None
         )
@@ -85,23 +86,26 @@ class Engine:
     @asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:
         """Admission control: RESOURCE_EXHAUSTED at once when at the limit (no queue)."""
-        if self._active >= self.settings.max_concurrent_requests:
-            limit = self.settings.max_concurrent_requests
+        limit = self.settings.max_concurrent_requests
+        if self._active >= limit:
+            self.metrics.rejected_requests.inc()
             raise Overloaded(f"the server is at its limit of {limit} concurrent requests; retry with backoff")
         self._active += 1
+        self.metrics.active_requests.inc()
         try:
             yield
         finally:
             self._active -= 1
+            self.metrics.active_requests.dec()
 
     def new_turn(self, request: TurnRequest, deadline: float | None) -> Turn:
         return Turn(self.deps, request, deadline)
 
     async def close_session(self, session_id: str) -> bool:
-        """Deletes the session and frees both workers' caches (idempotent)."""
+        """Deletes the session and frees its caches in every worker (idempotent)."""
         existed = await self.store.delete(session_id)
         timeout = self.settings.worker_timeout_s
-        calls = [self.target.release(session_id, timeout)]
+        calls = [replica.release(session_id, timeout) for replica in self.targets.replicas]
         if self.draft is not None:
             calls.append(self.draft.release(session_id, timeout))
         await asyncio.gather(*calls, return_exceptions=True)
@@ -109,6 +113,6 @@ class Engine:
 
     async def stop(self) -> None:
         await self.store.close()
-        await self.target.close()
+        await self.targets.close()
         if self.draft is not None:
             await self.draft.close()

@@ -29,16 +29,16 @@ def _usage(turn: Turn) -> coordinator_pb2.Usage:
 
 
 def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
-    s = turn.stats
+    s, counters = turn.stats, turn.workers.counters
     return coordinator_pb2.SpeculationStats(
         rounds=s.rounds,
         draft_tokens_proposed=s.proposed,
         draft_tokens_accepted=s.accepted,
-        target_forward_passes=s.target_passes,
+        target_forward_passes=counters.target_passes,
         acceptance_rate=s.acceptance_rate,
         mean_accepted_length=s.mean_accepted_length,
         target_only_rounds=s.target_only_rounds,
-        cache_resyncs=s.cache_resyncs,
+        cache_resyncs=counters.resyncs,
     )
 
 

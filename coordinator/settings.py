@@ -11,6 +11,9 @@ class CoordinatorSettings(ServiceSettings):
     """Settings of `specdec serve coordinator`."""
 
     port: int = Field(50051, ge=0, le=65535, description="public gRPC port (0 = pick a free port)")
+    max_message_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="largest request accepted (RESOURCE_EXHAUSTED above)"
+    )
     target_addresses: list[str] = Field(min_length=1, description="target worker host:port list (comma separated)")
     draft_address: str | None = Field(None, description="draft worker host:port; unset = target-only decoding")
     tokenizer: str | None = Field(None, description="tokenizer path or hub id (default: the target's model id)")
@@ -26,7 +29,14 @@ class CoordinatorSettings(ServiceSettings):
     )
     worker_timeout_s: float = Field(60.0, gt=0, description="upper bound of one worker call (client deadlines cap it)")
     worker_startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait at start for workers to serve")
+    draft_timeout_s: float = Field(
+        2.0, gt=0, description="a proposal slower than this is abandoned and the round decoded target-only"
+    )
     draft_retry_s: float = Field(5.0, gt=0, description="after a draft failure, decode target-only this long")
+    target_retry_s: float = Field(2.0, gt=0, description="after a target replica fails, prefer the others this long")
+    state_retry_s: float = Field(
+        5.0, ge=0, description="keep retrying an unreachable state store this long (within the client deadline)"
+    )
 
     @model_validator(mode="after")
     def _k_within_max(self) -> CoordinatorSettings:

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, RequestTooLarge
 from specdec.sampling import Warp
 from specdec.v1 import common_pb2, coordinator_pb2
 
@@ -55,7 +55,9 @@ def _prompt(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple[s
     kind = request.WhichOneof("input")
     if kind == "prompt" and request.prompt:
         if len(request.prompt) > limits.max_prompt_chars:
-            raise InvalidRequest(f"prompt has {len(request.prompt)} characters; the limit is {limits.max_prompt_chars}")
+            raise RequestTooLarge(
+                f"prompt has {len(request.prompt)} characters; the limit is {limits.max_prompt_chars}"
+            )
         return request.prompt, None
     if kind == "prompt_token_ids" and request.prompt_token_ids.ids:
         ids = tuple(request.prompt_token_ids.ids)

@@ -1,25 +1,36 @@
-"""Clients of the draft and target workers, with deadlines and failure mapping."""
+"""Clients of the draft and target workers: deadlines, failure mapping, replica choice."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import WorkerUnavailable
+from specdec.errors import WorkerFailed, WorkerUnavailable
 from specdec.server import channel_options
 from specdec.settings import ServiceSettings
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+# A worker that went away is retried quickly once it is back (gRPC's default backoff grows to 2 min).
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# Codes after which another replica may succeed; anything else is the worker failing the request.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
 
 class WorkerCallFailed(Exception):
-    """A worker call failed or timed out (internal: the coordinator decides what the client sees)."""
+    """A draft call failed or timed out (internal: the round falls back to target-only)."""
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
@@ -40,25 +51,38 @@ async def wait_until_serving(channel: grpc.aio.Channel, address: str, timeout_s:
 
 
 def _channel(address: str, settings: ServiceSettings) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options(settings))
+    return grpc.aio.insecure_channel(address, options=[*channel_options(settings), *_RECONNECT_OPTIONS])
+
+
+class _Breaker:
+    """Skips a worker for ``retry_s`` after a failure."""
+
+    def __init__(self, retry_s: float) -> None:
+        self._retry_s = retry_s
+        self._down_until = 0.0
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def trip(self) -> None:
+        self._down_until = time.monotonic() + self._retry_s
 
 
 class TargetClient:
     """One target worker replica."""
 
-    def __init__(self, address: str, settings: ServiceSettings) -> None:
+    def __init__(self, address: str, settings: ServiceSettings, retry_s: float) -> None:
         self.address = address
         self._channel = _channel(address, settings)
         self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
+        self.breaker = _Breaker(retry_s)
         self.info = common_pb2.WorkerInfo()
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._channel, self.address, timeout_s)
         self.info = (await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=10.0)).info
         return self.info
-
-    async def fetch_info(self, timeout_s: float) -> common_pb2.WorkerInfo:
-        return (await self._call(self._stub.Info(target_pb2.TargetInfoRequest(), timeout=timeout_s))).info
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
         return await self._call(self._stub.Verify(request, timeout=timeout_s))
@@ -72,10 +96,47 @@ class TargetClient:
             return await call
         except grpc.aio.AioRpcError as exc:
             log.warning("target_call_failed", address=self.address, code=exc.code().name, details=exc.details())
-            raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
+            if exc.code() in _RETRYABLE:
+                raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
+            raise WorkerFailed("the target worker failed while processing the request") from exc
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+def _rendezvous(session_id: str, address: str) -> bytes:
+    return hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest()
+
+
+class TargetPool:
+    """Target replicas. A session sticks to the replica holding its cache; when that one fails it
+    moves to the next by rendezvous hashing (so every coordinator picks the same one) and is
+    re-prefilled there from the committed tokens."""
+
+    def __init__(self, addresses: Sequence[str], settings: ServiceSettings, retry_s: float) -> None:
+        self.replicas = [TargetClient(address, settings, retry_s) for address in addresses]
+
+    async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
+        """Waits for the replicas; needs at least one, and all that answer must share a vocabulary."""
+        results = await asyncio.gather(*(r.connect(timeout_s) for r in self.replicas), return_exceptions=True)
+        infos = [r for r in results if isinstance(r, common_pb2.WorkerInfo)]
+        for replica, result in zip(self.replicas, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("target_not_ready", address=replica.address, error=str(result))
+                replica.breaker.trip()
+        if not infos:
+            raise RuntimeError(f"no target worker is serving: {results[0]}")
+        if len({(i.vocab_size, i.tokenizer_hash) for i in infos}) > 1:
+            raise RuntimeError("target replicas serve models with different vocabularies; deploy one model")
+        return infos[0]
+
+    def candidates(self, session_id: str, current: str | None) -> list[TargetClient]:
+        """Replicas to try in order: the current one, then the rest by rendezvous hash; up ones first."""
+        ordered = sorted(self.replicas, key=lambda r: (r.address != current, _rendezvous(session_id, r.address)))
+        return sorted(ordered, key=lambda r: not r.breaker.up)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.close() for r in self.replicas))
 
 
 class DraftStream:
@@ -102,12 +163,12 @@ class DraftStream:
 class DraftClient:
     """The draft worker; after a failure it is skipped for ``retry_s`` (target-only meanwhile)."""
 
-    def __init__(self, address: str, settings: ServiceSettings, retry_s: float) -> None:
+    def __init__(self, address: str, settings: ServiceSettings, retry_s: float, timeout_s: float) -> None:
         self.address = address
+        self.timeout_s = timeout_s
         self._channel = _channel(address, settings)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
-        self._retry_s = retry_s
-        self._down_until = 0.0
+        self._breaker = _Breaker(retry_s)
         self.info = common_pb2.WorkerInfo()
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
@@ -117,11 +178,11 @@ class DraftClient:
 
     @property
     def usable(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._breaker.up
 
     def mark_failed(self, reason: str) -> None:
-        log.warning("draft_unavailable", address=self.address, reason=reason, retry_in_s=self._retry_s)
-        self._down_until = time.monotonic() + self._retry_s
+        log.warning("draft_unavailable", address=self.address, reason=reason)
+        self._breaker.trip()
 
     def open_stream(self) -> DraftStream:
         return DraftStream(self._stub.Propose())

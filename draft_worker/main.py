@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from draft_worker.servicer import DraftServicer
 from draft_worker.settings import DraftSettings
 from specdec.logging import configure_logging
-from specdec.server import ServiceSpec, serve
+from specdec.server import ServerControl, ServiceSpec, serve
 from specdec.settings import load_settings
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.worker import WorkerCore
@@ -18,8 +20,10 @@ from specdec.worker import WorkerCore
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
 
-async def run(settings: DraftSettings) -> None:
-    core = WorkerCore(settings)
+async def run(settings: DraftSettings) -> int:
+    control = ServerControl()
+    registry = CollectorRegistry()
+    core = WorkerCore(settings, control, registry)
 
     def register(server: grpc.aio.Server) -> None:
         draft_pb2_grpc.add_DraftWorkerServicer_to_server(DraftServicer(core, settings), server)
@@ -27,10 +31,10 @@ async def run(settings: DraftSettings) -> None:
     async def stop() -> None:
         core.close()
 
-    await serve(settings, ServiceSpec([SERVICE_NAME], register, core.load, stop))
+    return await serve(settings, ServiceSpec([SERVICE_NAME], register, core.load, stop, registry), control)
 
 
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(DraftSettings, argv, "specdec serve draft")
     configure_logging(settings.log_level, settings.log_format)
-    asyncio.run(run(settings))
+    sys.exit(asyncio.run(run(settings)))

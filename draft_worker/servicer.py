@@ -42,7 +42,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         if not 0 < k <= self._settings.max_draft_tokens:
             raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
         self._core.check_request(request.session_id, request.base_len, request.tail_token_ids, k - 1)
-        result = await self._core.thread.run(
+        result = await self._core.compute(
             self._engine.propose,
             request.session_id,
             request.base_len,

@@ -59,6 +59,18 @@ class WorkerUnavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class WorkerFailed(SpecdecError):
+    """A model worker failed while processing the request (details only in the logs)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class StateLost(SpecdecError):
+    """The state store lost the session's data (e.g. restarted without persistence)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class NotServing(SpecdecError):
     """The server is starting up or shutting down and takes no requests now."""
 

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,10 @@ class ServiceProcess:
     proc: subprocess.Popen[bytes]
     ready_file: Path
     log_file: Path
+    args: Sequence[str]
+    env: dict[str, str] | None
     port: int = 0
+    metrics_port: int = 0
 
     @property
     def address(self) -> str:
@@ -43,13 +46,16 @@ class ServiceProcess:
             if self.proc.poll() is not None:
                 raise LaunchError(f"{self.role} exited with code {self.proc.returncode}:\n{self.log_tail()}")
             if self.ready_file.exists():
-                self.port = int(json.loads(self.ready_file.read_text())["port"])
+                ready = json.loads(self.ready_file.read_text())
+                self.port = int(ready["port"])
+                self.metrics_port = int(ready.get("metrics_port", 0))
                 return
             time.sleep(0.05)
         raise LaunchError(f"{self.role} not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused process cannot handle SIGTERM
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout_s)
@@ -57,35 +63,45 @@ class ServiceProcess:
                 self.proc.kill()
                 self.proc.wait()
 
+    def restart(self, timeout_s: float = 120.0) -> None:
+        """Kills the process (if still running) and starts it again on the same port."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        name = self.ready_file.name.removesuffix(".ready.json")
+        fresh = spawn(self.role, self.args, self.ready_file.parent, self.env, port=self.port, name=name)
+        fresh.wait_ready(timeout_s)
+        self.proc, self.metrics_port = fresh.proc, fresh.metrics_port
 
-def spawn(role: str, args: Sequence[str], workdir: Path, env: dict[str, str] | None = None) -> ServiceProcess:
-    """Starts `python -m specdec serve <role> --port 0 ...`; call wait_ready() next."""
+
+def spawn(
+    role: str,
+    args: Sequence[str],
+    workdir: Path,
+    env: dict[str, str] | None = None,
+    port: int = 0,
+    name: str | None = None,
+) -> ServiceProcess:
+    """Starts `python -m specdec serve <role> --port <port> ...`; call wait_ready() next."""
     workdir.mkdir(parents=True, exist_ok=True)
-    ready = workdir / f"{role}.ready.json"
+    name = name or role
+    ready = workdir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
-    log_file = workdir / f"{role}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "specdec",
-        "serve",
-        role,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--ready-file",
-        str(ready),
-        *args,
-    ]
+    log_file = workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", "specdec", "serve", role, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--metrics-port", "0", "--ready-file", str(ready), *args]
     with log_file.open("ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    return ServiceProcess(role=role, proc=proc, ready_file=ready, log_file=log_file)
+    return ServiceProcess(role=role, proc=proc, ready_file=ready, log_file=log_file, args=list(args), env=env)
 
 
 @dataclass
 class LocalCluster:
-    """Target + optional draft + coordinator processes; use as a context manager."""
+    """Target replica(s) + optional draft + coordinator processes; use as a context manager.
+
+    ``route`` maps (role, address) to the address the coordinator should use, so that tests can
+    put a proxy in between.
+    """
 
     target_model: str
     draft_model: str | None
@@ -95,6 +111,8 @@ class LocalCluster:
     coordinator_args: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
+    targets: int = 1
+    route: Callable[[str, str], str] | None = None
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property
@@ -103,9 +121,9 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         try:
-            self.processes["target"] = spawn(
-                "target", ["--model", self.target_model, *self.worker_args], self.workdir, self.env
-            )
+            for i in range(self.targets):
+                args = ["--model", self.target_model, *self.worker_args]
+                self.processes[f"target-{i}"] = spawn("target", args, self.workdir, self.env, name=f"target-{i}")
             if self.draft_model:
                 draft_args = ["--model", self.draft_model, *self.worker_args, *self.draft_args]
                 self.processes["draft"] = spawn("draft", draft_args, self.workdir, self.env)
@@ -118,16 +136,20 @@ class LocalCluster:
             raise
         return self
 
+    def _routed(self, name: str) -> str:
+        address = self.processes[name].address
+        return self.route(name, address) if self.route else address
+
     def _coordinator_args(self) -> list[str]:
-        args = ["--target-addresses", self.processes["target"].address, "--tokenizer", self.target_model]
+        targets = ",".join(self._routed(f"target-{i}") for i in range(self.targets))
+        args = ["--target-addresses", targets, "--tokenizer", self.target_model]
         if "draft" in self.processes:
-            args += ["--draft-address", self.processes["draft"].address]
+            args += ["--draft-address", self._routed("draft")]
         return [*args, *self.coordinator_args]
 
     def stop(self) -> None:
-        for name in ("coordinator", "draft", "target"):
-            if name in self.processes:
-                self.processes[name].stop()
+        for process in reversed(list(self.processes.values())):
+            process.stop()
 
     def __enter__(self) -> LocalCluster:
         return self.start()

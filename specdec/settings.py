@@ -32,6 +32,9 @@ class ServiceSettings(BaseSettings):
         None, description='write {"port": N} to this file once serving (for launchers and tests)'
     )
     max_message_bytes: int = Field(64 * 1024 * 1024, gt=0, description="largest gRPC message accepted or sent")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve Prometheus /metrics on this port (0 = a free port; unset = off)"
+    )
 
 
 class ModelWorkerSettings(ServiceSettings):

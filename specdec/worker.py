@@ -3,26 +3,40 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import structlog
 import torch
+from prometheus_client import CollectorRegistry
 
-from specdec.errors import InvalidRequest, WorkerUnavailable
+from specdec.errors import InvalidRequest, SpecdecError, WorkerUnavailable
 from specdec.kvcache import SessionCaches
+from specdec.metrics import WorkerMetrics
 from specdec.modeling import LoadedModel, load_model
 from specdec.sampling import Warp
-from specdec.server import ModelThread
+from specdec.server import ModelThread, ServerControl
 from specdec.settings import ModelWorkerSettings
 from specdec.v1 import common_pb2
 
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
 
 class WorkerCore:
-    """A model plus its per-session caches, driven from one model thread."""
+    """A model plus its per-session caches, driven from one model thread.
 
-    def __init__(self, settings: ModelWorkerSettings) -> None:
+    An unexpected exception in the model thread fails that request with a generic INTERNAL
+    and takes the worker out of service (health NOT_SERVING, graceful exit with status 1), so
+    that the orchestrator restarts it rather than it serving from a possibly corrupt state.
+    """
+
+    def __init__(self, settings: ModelWorkerSettings, control: ServerControl, registry: CollectorRegistry) -> None:
         self.settings = settings
         self.thread = ModelThread()
         self.instance_id = uuid.uuid4().hex
+        self.metrics = WorkerMetrics(registry)
+        self._control = control
         self._loaded: LoadedModel | None = None
         self._caches: SessionCaches | None = None
 
@@ -32,7 +46,21 @@ class WorkerCore:
             torch.set_num_threads(self.settings.torch_threads)
         s = self.settings
         self._loaded = await self.thread.run(load_model, s.model, s.device, s.dtype, s.trust_remote_code)
-        self._caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s)
+        caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s)
+        self.metrics.cached_sessions.set_function(lambda: len(caches))
+        self._caches = caches
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs model work in the model thread, applying the crash policy above."""
+        try:
+            return await self.thread.run(fn, *args)
+        except SpecdecError:
+            raise
+        except Exception:
+            self.metrics.model_errors.inc()
+            log.exception("model_error")
+            self._control.request_stop(exit_code=1, reason="model error")
+            raise
 
     @property
     def loaded(self) -> LoadedModel:
@@ -75,7 +103,7 @@ class WorkerCore:
             raise InvalidRequest(f"{end} positions exceed the model's context length {self.loaded.max_context_len}")
 
     async def release(self, session_id: str) -> bool:
-        return await self.thread.run(self.caches.release, session_id)
+        return await self.compute(self.caches.release, session_id)
 
     def close(self) -> None:
         self.thread.shutdown()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from specdec.logging import configure_logging
-from specdec.server import ServiceSpec, serve
+from specdec.server import ServerControl, ServiceSpec, serve
 from specdec.settings import load_settings
 from specdec.v1 import target_pb2, target_pb2_grpc
 from specdec.worker import WorkerCore
@@ -18,8 +20,10 @@ from target_worker.settings import TargetSettings
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 
 
-async def run(settings: TargetSettings) -> None:
-    core = WorkerCore(settings)
+async def run(settings: TargetSettings) -> int:
+    control = ServerControl()
+    registry = CollectorRegistry()
+    core = WorkerCore(settings, control, registry)
 
     def register(server: grpc.aio.Server) -> None:
         target_pb2_grpc.add_TargetWorkerServicer_to_server(TargetServicer(core, settings), server)
@@ -27,10 +31,10 @@ async def run(settings: TargetSettings) -> None:
     async def stop() -> None:
         core.close()
 
-    await serve(settings, ServiceSpec([SERVICE_NAME], register, core.load, stop))
+    return await serve(settings, ServiceSpec([SERVICE_NAME], register, core.load, stop, registry), control)
 
 
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(TargetSettings, argv, "specdec serve target")
     configure_logging(settings.log_level, settings.log_format)
-    asyncio.run(run(settings))
+    sys.exit(asyncio.run(run(settings)))

@@ -32,7 +32,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             )
         self._core.check_request(request.session_id, request.base_len, request.tail_token_ids, k)
         warp = warp_from_proto(request.warp)
-        result = await self._core.thread.run(
+        result = await self._core.compute(
             self._engine.verify,
             request.session_id,
             request.base_len,

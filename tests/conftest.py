@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,3 +66,15 @@ def cluster_other(
 def cluster_adversarial(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
     """Target + a draft that always proposes the target's least likely token."""
     yield from _cluster(tmp_path_factory, tiny_models.target, tiny_models.adversarial, "cluster-adversarial")
+
+
+@pytest.fixture(scope="session")
+def fault_report() -> Iterator[dict[str, dict[str, object]]]:
+    """Measurements of the fault scenarios, written to build/fault-report.json for docs/faults.md."""
+    report: dict[str, dict[str, object]] = {}
+    yield report
+    if report:
+        out = Path(__file__).resolve().parents[1] / "build" / "fault-report.json"
+        out.parent.mkdir(exist_ok=True)
+        previous = json.loads(out.read_text()) if out.exists() else {}
+        out.write_text(json.dumps({**previous, **report}, indent=2, sort_keys=True))

@@ -18,11 +18,11 @@ def free_port() -> int:
 class RedisServer:
     """A throwaway redis-server on loopback without persistence."""
 
-    def __init__(self, workdir: Path, password: str | None = None) -> None:
+    def __init__(self, workdir: Path, password: str | None = None, port: int | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found; install it (apt-get install -y redis-server)")
-        self.port = free_port()
+        self.port = port or free_port()
         self.password = password
         args = [
             binary,
@@ -58,5 +58,6 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)

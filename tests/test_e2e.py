@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
 
 import grpc
@@ -23,23 +22,15 @@ from specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
+from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_model
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
 MAX_NEW = 24
 
 
-@cache
-def reference_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int) -> list[int]:
-    """Greedy target-only output from HF generate (fp32, CPU)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
-    return out[0, len(prompt) :].tolist()
-
-
 def stub(cluster: LocalCluster) -> Iterator[coordinator_pb2_grpc.GenerationStub]:
-    with grpc.insecure_channel(cluster.address) as channel:
-        yield coordinator_pb2_grpc.GenerationStub(channel)
+    yield from coordinator_stub(cluster)
 
 
 @pytest.fixture
@@ -57,15 +48,7 @@ def adversarial(cluster_adversarial: LocalCluster) -> Iterator[coordinator_pb2_g
     yield from stub(cluster_adversarial)
 
 
-def request(
-    prompt: list[int], k: int = 4, max_new: int = MAX_NEW, session_id: str = "", **sampling: object
-) -> coordinator_pb2.GenerateRequest:
-    return coordinator_pb2.GenerateRequest(
-        session_id=session_id,
-        prompt_token_ids=common_pb2.TokenIds(ids=prompt),
-        sampling=common_pb2.SamplingParams(max_new_tokens=max_new, **sampling),
-        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=k),
-    )
+request = make_request
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
@@ -163,8 +146,7 @@ def test_max_new_tokens_and_stop_tokens_are_exact(
 
 
 def target_info(cluster: LocalCluster) -> common_pb2.WorkerInfo:
-    with grpc.insecure_channel(cluster.processes["target"].address) as channel:
-        return target_pb2_grpc.TargetWorkerStub(channel).Info(target_pb2.TargetInfoRequest()).info
+    return worker_info(cluster.processes["target-0"].address, "target")
 
 
 def test_multi_turn_session_reuses_the_worker_caches(
@@ -214,7 +196,7 @@ def test_health_reflection_and_info(cluster_same: LocalCluster, tiny_models: Tin
         "draft": "specdec.v1.DraftWorker",
         "target": "specdec.v1.TargetWorker",
     }
-    with grpc.insecure_channel(cluster_same.processes[role].address) as channel:
+    with grpc.insecure_channel(cluster_same.processes["target-0" if role == "target" else role].address) as channel:
         for service in ("", full_names[role]):
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
             assert status == health_pb2.HealthCheckResponse.SERVING
@@ -250,7 +232,7 @@ def test_workers_that_lost_a_session_are_resynced(
 ) -> None:
     turn1 = other.Generate(request(PROMPTS[1], session_id="resync-1", max_new=8, ignore_eos=True))
     for role, stub_cls, message in (
-        ("target", target_pb2_grpc.TargetWorkerStub, target_pb2.TargetReleaseSessionRequest),
+        ("target-0", target_pb2_grpc.TargetWorkerStub, target_pb2.TargetReleaseSessionRequest),
         ("draft", draft_pb2_grpc.DraftWorkerStub, draft_pb2.DraftReleaseSessionRequest),
     ):
         with grpc.insecure_channel(cluster_other.processes[role].address) as channel:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
-from specdec.errors import SessionBusy, SessionNotFound, StateConflict
+from specdec.errors import SessionBusy, SessionNotFound, StateConflict, StateLost
 from specdec.state import CacheLocation, Commit, CommitOutcome, StateStore, open_store
 from tests.helpers import RedisServer
 
@@ -17,6 +18,7 @@ from tests.helpers import RedisServer
 async def store(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
     url = "memory://" if request.param == "memory" else redis_server.url
     s = open_store(url, ttl_s=60, lease_s=30, timeout_s=2)
+    await s.start()
     yield s
     await s.close()
 
@@ -38,7 +40,7 @@ async def test_create_commit_and_read_back(store: StateStore) -> None:
     got = await store.get(session)
     assert got is not None
     assert got.tokens == [1, 2, 3, 4_000_000_000]
-    assert got.version == 2 and got.last_step == "step-2"
+    assert got.version == 2 and got.recent_steps == ["step-1", "step-2"]
     assert got.target == loc and got.draft is None
     assert got.sampling == {"temperature": 0.5}
 
@@ -105,6 +107,7 @@ async def test_delete(store: StateStore) -> None:
 async def test_sessions_expire_after_ttl(redis_server: RedisServer) -> None:
     for url in ("memory://", redis_server.url):
         s = open_store(url, ttl_s=0.3, lease_s=0.3, timeout_s=2)
+        await s.start()
         session = sid()
         await s.acquire(session, "o", create=True)
         await s.commit(session, "o", Commit(0, "a", [1]))
@@ -137,3 +140,47 @@ async def test_concurrent_committers_apply_each_step_once(store: StateStore) -> 
     assert got is not None
     assert sorted(got.tokens) == list(range(50))
     assert got.version == 50 and sum(applied) == 50
+
+
+async def test_cache_lengths_beyond_the_committed_length_are_refused(store: StateStore) -> None:
+    session = sid()
+    await store.acquire(session, "o", create=True)
+    await store.commit(session, "o", Commit(0, "a", [1, 2, 3]))
+    with pytest.raises(ValueError, match="exceeds the committed length"):
+        await store.commit(session, "o", Commit(1, "b", [4], target=CacheLocation("t", "i", 5)))
+    with pytest.raises(ValueError, match="exceeds the committed length"):
+        await store.commit(session, "o", Commit(1, "c", truncate_to=1, draft=CacheLocation("d", "i", 2)))
+    got = await store.get(session)
+    assert got is not None and got.tokens == [1, 2, 3] and got.version == 1
+
+
+async def test_redis_restart_without_persistence_is_detected(tmp_path: Path) -> None:
+    """A restarted, empty Redis must surface as ABORTED (StateLost), never as a fresh session."""
+    server = RedisServer(tmp_path)
+    try:
+        store = open_store(server.url, ttl_s=60, lease_s=30, timeout_s=1)
+        await store.start()
+        await store.acquire("chat", "o", create=True)
+        await store.commit("chat", "o", Commit(0, "a", [1, 2]))
+        port = server.port
+        server.stop()
+        server = RedisServer(tmp_path, port=port)  # same address, no data
+        with pytest.raises(StateLost, match="lost its data"):
+            await store.commit("chat", "o", Commit(1, "b", [3]))
+        with pytest.raises(StateConflict):  # the session is gone; the store now knows the new epoch
+            await store.commit("chat", "o", Commit(1, "b", [3]))
+        fresh = await store.acquire("other", "o", create=True)
+        assert fresh.tokens == []
+        await store.close()
+    finally:
+        server.stop()
+
+
+async def test_rollback_clamps_recorded_cache_lengths(store: StateStore) -> None:
+    """Found by the state machine: a truncation must not leave a cache claiming more than is committed."""
+    session = sid()
+    await store.acquire(session, "o", create=True)
+    await store.commit(session, "o", Commit(0, "a", [1, 2, 3], target=CacheLocation("t", "i", 3)))
+    await store.commit(session, "o", Commit(1, "b", truncate_to=1))
+    got = await store.get(session)
+    assert got is not None and got.tokens == [1] and got.target == CacheLocation("t", "i", 1)

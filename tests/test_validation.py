@@ -7,7 +7,7 @@ import math
 import pytest
 
 from coordinator.validation import Limits, parse_request
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, RequestTooLarge
 from specdec.v1 import common_pb2, coordinator_pb2
 
 LIMITS = Limits(
@@ -25,6 +25,11 @@ def req(**kwargs: object) -> coordinator_pb2.GenerateRequest:
     base: dict[str, object] = {"prompt_token_ids": common_pb2.TokenIds(ids=[1, 2, 3])}
     base.update(kwargs)
     return coordinator_pb2.GenerateRequest(**base)  # type: ignore[arg-type]
+
+
+def test_oversized_prompt_is_resource_exhausted() -> None:
+    with pytest.raises(RequestTooLarge, match="prompt has 1001 characters; the limit is 1000"):
+        parse_request(coordinator_pb2.GenerateRequest(prompt="x" * 1001), LIMITS)
 
 
 def test_defaults() -> None:
@@ -56,7 +61,6 @@ def test_seed_is_kept() -> None:
         (req(prompt_token_ids=common_pb2.TokenIds(ids=[])), "prompt is empty"),
         (req(prompt_token_ids=common_pb2.TokenIds(ids=[1, 100])), "prompt_token_ids contains token id 100"),
         (req(prompt_token_ids=common_pb2.TokenIds(ids=[1] * 64)), "context length is 64"),
-        (coordinator_pb2.GenerateRequest(prompt="x" * 1001), "limit is 1000"),
         (req(sampling=common_pb2.SamplingParams(max_new_tokens=0)), r"max_new_tokens must be in \[1, 63\]"),
         (req(sampling=common_pb2.SamplingParams(max_new_tokens=64)), r"max_new_tokens must be in \[1, 63\]"),
         (req(sampling=common_pb2.SamplingParams(temperature=-0.5)), "temperature must be a finite number"),

@@ -50,11 +50,16 @@ def build_model(path: Path, seed: int, hidden: int, layers: int, vocab: int, ini
     return path
 
 
-def build_adversarial(target: Path, path: Path) -> Path:
-    """The target with its output layer negated: its favourite token is the target's least likely."""
+def build_variant(target: Path, path: Path, noise: float) -> Path:
+    """The target with its output layer changed: ``noise < 0`` negates it (its favourite token is
+    the target's least likely); ``noise > 0`` adds Gaussian noise (right some of the time)."""
     model = LlamaForCausalLM.from_pretrained(target)
     with torch.no_grad():
-        model.lm_head.weight.neg_()
+        weight = model.lm_head.weight
+        if noise < 0:
+            weight.neg_()
+        else:
+            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)) * noise)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
@@ -66,6 +71,7 @@ class TinyModels:
     same: Path  # a copy of the target: every draft token is accepted
     other: Path  # an unrelated, smaller random model with the same tokenizer
     adversarial: Path  # proposes the target's least likely token: every greedy draft is rejected
+    noisy: Path  # the target with a perturbed output layer: right some of the time
 
 
 def build_tiny_models(root: Path) -> TinyModels:
@@ -73,5 +79,50 @@ def build_tiny_models(root: Path) -> TinyModels:
     target = build_model(root / "target", seed=0, hidden=64, layers=2, vocab=vocab, init_range=0.2)
     same = build_model(root / "same", seed=0, hidden=64, layers=2, vocab=vocab, init_range=0.2)
     other = build_model(root / "other", seed=1, hidden=32, layers=1, vocab=vocab, init_range=0.2)
-    adversarial = build_adversarial(target, root / "adversarial")
-    return TinyModels(target=target, same=same, other=other, adversarial=adversarial)
+    adversarial = build_variant(target, root / "adversarial", noise=-1)
+    noisy = build_variant(target, root / "noisy", noise=0.03)
+    return TinyModels(target=target, same=same, other=other, adversarial=adversarial, noisy=noisy)
+
+
+_CRASHY_CODE = '''
+"""A Llama whose forward pass raises when it sees a chosen token id (fault-injection tests)."""
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class CrashyConfig(LlamaConfig):
+    model_type = "crashy_llama"
+
+    def __init__(self, crash_token_id=13, **kwargs):
+        self.crash_token_id = crash_token_id
+        super().__init__(**kwargs)
+
+
+class CrashyLlamaForCausalLM(LlamaForCausalLM):
+    config_class = CrashyConfig
+
+    def forward(self, input_ids=None, **kwargs):
+        if input_ids is not None and bool((input_ids == self.config.crash_token_id).any()):
+            raise RuntimeError("injected failure inside the forward pass")
+        return super().forward(input_ids=input_ids, **kwargs)
+'''
+
+
+def build_crashy(source: Path, path: Path, crash_token_id: int) -> Path:
+    """A copy of ``source`` (same weights and tokenizer) whose forward raises on ``crash_token_id``."""
+    import json
+    import shutil
+
+    shutil.copytree(source, path)
+    (path / "modeling_crashy.py").write_text(_CRASHY_CODE)
+    config = json.loads((path / "config.json").read_text())
+    config.update(
+        model_type="crashy_llama",
+        architectures=["CrashyLlamaForCausalLM"],
+        crash_token_id=crash_token_id,
+        auto_map={
+            "AutoConfig": "modeling_crashy.CrashyConfig",
+            "AutoModelForCausalLM": "modeling_crashy.CrashyLlamaForCausalLM",
+        },
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    return path

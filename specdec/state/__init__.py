@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from specdec.state.base import CacheLocation, Commit, CommitOutcome, CommitResult, SessionRecord, StateStore
+from specdec.state.base import (
+    RECENT_STEPS,
+    CacheLocation,
+    Commit,
+    CommitOutcome,
+    CommitResult,
+    SessionRecord,
+    StateStore,
+)
 from specdec.state.memory import MemoryStateStore
 from specdec.state.redis_store import RedisStateStore
 
 __all__ = [
+    "RECENT_STEPS",
     "CacheLocation",
     "Commit",
     "CommitOutcome",

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+RECENT_STEPS = 16  # a re-sent commit is recognised while it is among the last this many applied
+
 
 @dataclass(frozen=True)
 class CacheLocation:
@@ -42,7 +44,7 @@ class SessionRecord:
     session_id: str
     tokens: list[int] = field(default_factory=list)
     version: int = 0
-    last_step: str = ""
+    recent_steps: list[str] = field(default_factory=list)
     owner: str = ""
     target: CacheLocation | None = None
     draft: CacheLocation | None = None
@@ -55,10 +57,22 @@ class SessionRecord:
 class Commit:
     """One atomic change to a session, applied only if the version is still ``expected_version``.
 
-    ``step_id`` names the change: re-sending a commit whose step was the last one applied
-    reports ALREADY_APPLIED instead of applying it twice. ``truncate_to`` (an explicit rollback)
+    ``step_id`` names the change: re-sending a commit whose step is among the last
+    RECENT_STEPS applied reports ALREADY_APPLIED instead of applying it twice. ``truncate_to`` (an explicit rollback)
     cuts the committed tokens before ``append`` is added. ``None`` cache locations are unchanged.
     """
+
+    def __post_init__(self) -> None:
+        if not self.step_id or "|" in self.step_id:
+            raise ValueError(f"step_id must be non-empty and free of '|', got {self.step_id!r}")
+
+    def check(self, committed_len_before: int) -> None:
+        """Raises ValueError for a commit that would break the store's invariants (a bug)."""
+        kept = committed_len_before if self.truncate_to is None else min(self.truncate_to, committed_len_before)
+        after = kept + len(self.append)
+        for location in (self.target, self.draft):
+            if location is not None and location.length > after:
+                raise ValueError(f"cache length {location.length} exceeds the committed length {after}")
 
     expected_version: int
     step_id: str
@@ -81,7 +95,17 @@ class CommitResult:
 
 
 class StateStore(ABC):
-    """Session state shared by coordinator replicas; every method is safe to retry."""
+    """Session state shared by coordinator replicas; every method is safe to retry.
+
+    Invariants every implementation keeps: the version grows by one per applied commit; the
+    committed tokens only grow, except through a commit with ``truncate_to`` (an explicit
+    rollback, which bumps the version like any commit); a recorded cache length never exceeds
+    the committed length.
+    """
+
+    async def start(self) -> None:
+        """Connects and checks the store (raises StateUnavailable); called once at start-up."""
+        await self.ping()
 
     @abstractmethod
     async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:

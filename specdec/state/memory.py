@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import time
 
 from specdec.errors import SessionBusy, SessionNotFound, StateConflict
-from specdec.state.base import Commit, CommitOutcome, CommitResult, SessionRecord, StateStore
+from specdec.state.base import (
+    RECENT_STEPS,
+    CacheLocation,
+    Commit,
+    CommitOutcome,
+    CommitResult,
+    SessionRecord,
+    StateStore,
+)
+
+
+def _clamped(location: CacheLocation | None, committed: int) -> CacheLocation | None:
+    """A rollback shortens what any cache can validly hold."""
+    if location is None or location.length <= committed:
+        return location
+    return dataclasses.replace(location, length=committed)
 
 
 class MemoryStateStore(StateStore):
@@ -56,20 +72,21 @@ class MemoryStateStore(StateStore):
             record = self._live(session_id, now)
             if record is None:
                 raise StateConflict(f"session {session_id!r} expired or was closed during the request")
-            if record.last_step == commit.step_id:
+            if commit.step_id in record.recent_steps:
                 return CommitResult(CommitOutcome.ALREADY_APPLIED, record.version)
             if record.version != commit.expected_version:
                 raise StateConflict(f"session {session_id!r} was changed by another request")
             if record.owner != owner:
                 raise StateConflict(f"session {session_id!r} was taken over by another request")
+            commit.check(len(record.tokens))
             if commit.truncate_to is not None:
                 del record.tokens[commit.truncate_to :]
             record.tokens.extend(commit.append)
             record.version += 1
-            record.last_step = commit.step_id
+            record.recent_steps = [*record.recent_steps, commit.step_id][-RECENT_STEPS:]
             record.updated_at = now
-            record.target = commit.target or record.target
-            record.draft = commit.draft or record.draft
+            record.target = _clamped(commit.target or record.target, len(record.tokens))
+            record.draft = _clamped(commit.draft or record.draft, len(record.tokens))
             if commit.sampling is not None:
                 record.sampling = dict(commit.sampling)
             self._touch(session_id, now)

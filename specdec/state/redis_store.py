@@ -3,74 +3,115 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from specdec.errors import SessionBusy, SessionNotFound, StateConflict, StateUnavailable
-from specdec.state.base import CacheLocation, Commit, CommitOutcome, CommitResult, SessionRecord, StateStore
+from specdec.errors import SessionBusy, SessionNotFound, StateConflict, StateLost, StateUnavailable
+from specdec.state.base import (
+    RECENT_STEPS,
+    CacheLocation,
+    Commit,
+    CommitOutcome,
+    CommitResult,
+    SessionRecord,
+    StateStore,
+)
 from specdec.tokens import pack_tokens, unpack_tokens
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
 
 _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+# Every script first checks the epoch marker: a Redis that restarted without persistence has
+# lost it (and every session), which must surface as an error, never as a silent fresh start.
+_EPOCH = "if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'epoch'} end\n"
 
-# KEYS[1] session key; ARGV: owner, create (0/1), lease_ms, ttl_ms
+# KEYS: session, epoch; ARGV: epoch, owner, create (0/1), lease_ms, ttl_ms
 _ACQUIRE = (
-    _NOW_MS
+    _EPOCH
+    + _NOW_MS
     + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  if ARGV[2] == '0' then return {'missing'} end
-  redis.call('HSET', KEYS[1], 'tokens', '', 'version', 0, 'step', '', 'owner', ARGV[1],
-             'lease', now + tonumber(ARGV[3]), 'created', now, 'updated', now,
+  if ARGV[3] == '0' then return {'missing'} end
+  redis.call('HSET', KEYS[1], 'tokens', '', 'version', 0, 'steps', '|', 'owner', ARGV[2],
+             'lease', now + tonumber(ARGV[4]), 'created', now, 'updated', now,
              'target', '', 'draft', '', 'sampling', '{}')
 else
   local cur = redis.call('HMGET', KEYS[1], 'owner', 'lease')
-  if cur[1] ~= '' and cur[1] ~= ARGV[1] and tonumber(cur[2]) > now then return {'busy'} end
-  redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease', now + tonumber(ARGV[3]))
+  if cur[1] ~= '' and cur[1] ~= ARGV[2] and tonumber(cur[2]) > now then return {'busy'} end
+  redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'lease', now + tonumber(ARGV[4]))
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return {'ok', redis.call('HGETALL', KEYS[1])}
 """
 )
 
-# KEYS[1] session key; ARGV: owner, expected_version, step, append (packed), truncate_to (-1 = none),
-# target json ('' = unchanged), draft json ('' = unchanged), sampling json ('' = unchanged), lease_ms, ttl_ms
+# KEYS: session, epoch; ARGV: epoch, owner, expected_version, step, append (packed uint32),
+# truncate_to (-1 = none), target json ('' = unchanged), target length (-1 = none), draft json,
+# draft length, sampling json ('' = unchanged), lease_ms, ttl_ms, recent steps kept
 _COMMIT = (
-    _NOW_MS
+    _EPOCH
+    + _NOW_MS
     + """
-local cur = redis.call('HMGET', KEYS[1], 'version', 'step', 'owner', 'tokens')
+local cur = redis.call('HMGET', KEYS[1], 'version', 'steps', 'owner', 'tokens')
 if not cur[1] then return {'missing', 0} end
-if cur[2] == ARGV[3] then return {'already', tonumber(cur[1])} end
-if tonumber(cur[1]) ~= tonumber(ARGV[2]) then return {'conflict', tonumber(cur[1])} end
-if cur[3] ~= ARGV[1] then return {'not_owner', tonumber(cur[1])} end
+if string.find(cur[2], '|' .. ARGV[4] .. '|', 1, true) then return {'already', tonumber(cur[1])} end
+if tonumber(cur[1]) ~= tonumber(ARGV[3]) then return {'conflict', tonumber(cur[1])} end
+if cur[3] ~= ARGV[2] then return {'not_owner', tonumber(cur[1])} end
 local tokens = cur[4]
-local cut = tonumber(ARGV[5])
+local cut = tonumber(ARGV[6])
 if cut >= 0 then tokens = string.sub(tokens, 1, cut * 4) end
+tokens = tokens .. ARGV[5]
+local committed = #tokens / 4
+if tonumber(ARGV[8]) > committed or tonumber(ARGV[10]) > committed then return {'invalid', committed} end
 local version = tonumber(cur[1]) + 1
-redis.call('HSET', KEYS[1], 'tokens', tokens .. ARGV[4], 'version', version, 'step', ARGV[3],
-           'updated', now, 'lease', now + tonumber(ARGV[9]))
-if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'target', ARGV[6]) end
-if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'draft', ARGV[7]) end
-if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'sampling', ARGV[8]) end
-redis.call('PEXPIRE', KEYS[1], ARGV[10])
+local steps = cur[2] .. ARGV[4] .. '|'
+local _, bars = string.gsub(steps, '|', '')
+while bars > tonumber(ARGV[14]) + 1 do
+  steps = string.sub(steps, string.find(steps, '|', 2, true))
+  bars = bars - 1
+end
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'version', version, 'steps', steps,
+           'updated', now, 'lease', now + tonumber(ARGV[12]))
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'target', ARGV[7]) end
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'draft', ARGV[9]) end
+if ARGV[11] ~= '' then redis.call('HSET', KEYS[1], 'sampling', ARGV[11]) end
+for _, field in ipairs({'target', 'draft'}) do
+  local raw = redis.call('HGET', KEYS[1], field)
+  if raw and raw ~= '' then
+    local loc = cjson.decode(raw)
+    if loc.length > committed then
+      loc.length = committed
+      redis.call('HSET', KEYS[1], field, cjson.encode(loc))
+    end
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[13])
 return {'applied', version}
 """
 )
 
-# KEYS[1] session key; ARGV: owner
+# KEYS: session; ARGV: owner
 _RELEASE = """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'owner', '', 'lease', 0)
 end
 return 1
 """
+
+_LOST = (
+    "the state store lost its data (was Redis restarted without persistence?); "
+    "session {sid!r} cannot continue: start it again"
+)
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -83,7 +124,7 @@ def _record(session_id: str, fields: dict[bytes, bytes]) -> SessionRecord:
         session_id=session_id,
         tokens=unpack_tokens(raw["tokens"]),
         version=int(raw["version"]),
-        last_step=raw["step"].decode(),
+        recent_steps=[step for step in raw["steps"].decode().split("|") if step],
         owner=raw["owner"].decode(),
         target=CacheLocation.from_json(raw["target"]),
         draft=CacheLocation.from_json(raw["draft"]),
@@ -109,12 +150,27 @@ class RedisStateStore(StateStore):
         self._ttl_ms = int(ttl_s * 1000)
         self._lease_ms = int(lease_s * 1000)
         self._prefix = key_prefix
+        self._epoch_key = f"{key_prefix}epoch"
+        self._epoch = ""
         self._acquire = self._client.register_script(_ACQUIRE)
         self._commit = self._client.register_script(_COMMIT)
         self._release = self._client.register_script(_RELEASE)
 
     def key(self, session_id: str) -> str:
         return f"{self._prefix}session:{session_id}"
+
+    async def start(self) -> None:
+        await self._adopt_epoch()
+
+    async def _adopt_epoch(self) -> None:
+        """Creates the epoch marker if missing, and remembers its value."""
+        await self._call(lambda: self._client.set(self._epoch_key, uuid.uuid4().hex, nx=True))
+        self._epoch = (await self._call(lambda: self._client.get(self._epoch_key))).decode()
+
+    async def _epoch_lost(self, session_id: str) -> StateLost:
+        log.error("state_store_epoch_changed", previous_epoch=self._epoch)
+        await self._adopt_epoch()
+        return StateLost(_LOST.format(sid=session_id))
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -123,9 +179,12 @@ class RedisStateStore(StateStore):
             raise StateUnavailable(f"state store unavailable ({type(exc).__name__}); retry later") from exc
 
     async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
-        args = [owner, int(create), self._lease_ms, self._ttl_ms]
-        reply: list[Any] = await self._call(lambda: self._acquire(keys=[self.key(session_id)], args=args))
+        args = [self._epoch, owner, int(create), self._lease_ms, self._ttl_ms]
+        keys = [self.key(session_id), self._epoch_key]
+        reply: list[Any] = await self._call(lambda: self._acquire(keys=keys, args=args))
         status = reply[0].decode()
+        if status == "epoch":
+            raise await self._epoch_lost(session_id)
         if status == "missing":
             raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
         if status == "busy":
@@ -134,19 +193,29 @@ class RedisStateStore(StateStore):
 
     async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
         args = [
+            self._epoch,
             owner,
             commit.expected_version,
             commit.step_id,
             pack_tokens(commit.append),
             -1 if commit.truncate_to is None else commit.truncate_to,
             commit.target.to_json() if commit.target else "",
+            commit.target.length if commit.target else -1,
             commit.draft.to_json() if commit.draft else "",
+            commit.draft.length if commit.draft else -1,
             "" if commit.sampling is None else json.dumps(commit.sampling),
             self._lease_ms,
             self._ttl_ms,
+            RECENT_STEPS,
         ]
-        status_raw, version = await self._call(lambda: self._commit(keys=[self.key(session_id)], args=args))
+        keys = [self.key(session_id), self._epoch_key]
+        status_raw, *rest = await self._call(lambda: self._commit(keys=keys, args=args))
         status = status_raw.decode()
+        version = int(rest[0]) if rest else 0
+        if status == "epoch":
+            raise await self._epoch_lost(session_id)
+        if status == "invalid":
+            raise ValueError(f"a cache length exceeds the committed length {version}")
         if status == "applied":
             return CommitResult(CommitOutcome.APPLIED, int(version))
         if status == "already":

@@ -1,0 +1,202 @@
+"""A turn's view of the session's caches in the workers, and the calls that use them.
+
+The coordinator tracks, per worker, how many committed tokens that worker's cache holds. Each
+call sends the committed prefix as (base_len, prefix hash, tail); a worker that cannot prove it
+holds the prefix answers RESYNC_REQUIRED and is sent everything (base_len 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
+from specdec.errors import WorkerFailed, WorkerUnavailable
+from specdec.metrics import CoordinatorMetrics
+from specdec.sampling import Warp
+from specdec.state import CacheLocation
+from specdec.tokens import common_prefix_len, prefix_hash
+from specdec.v1 import common_pb2, draft_pb2, target_pb2
+from specdec.worker import warp_to_proto
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Proposal:
+    """A draft block and the draft's cache length after proposing it."""
+
+    block: common_pb2.DraftBlock
+    cache_len: int
+
+
+@dataclass
+class SyncCounters:
+    """What the calls did besides their job (reported in SpeculationStats)."""
+
+    target_passes: int = 0
+    resyncs: int = 0
+
+
+def _sync_fields(committed: list[int], cached: int) -> tuple[int, int, list[int]]:
+    """(base_len, prefix hash, tail) for a worker holding ``cached`` committed tokens; tail >= 1 token."""
+    base = min(cached, len(committed) - 1)
+    return base, prefix_hash(committed[:base]), committed[base:]
+
+
+class WorkerSession:
+    """One turn's handle on a session's draft and target caches."""
+
+    def __init__(
+        self,
+        session_id: str,
+        targets: TargetPool,
+        draft: DraftClient | None,
+        metrics: CoordinatorMetrics,
+        timeout: Callable[[], float],
+    ) -> None:
+        self.session_id = session_id
+        self._targets = targets
+        self._draft = draft
+        self._metrics = metrics
+        self._timeout = timeout
+        self._stream: DraftStream | None = None
+        self.counters = SyncCounters()
+        self.target_address: str | None = None
+        self.target_len = 0
+        self.draft_len = 0
+
+    def restore(self, target: CacheLocation | None, draft: CacheLocation | None) -> None:
+        """Adopts the cache locations recorded in the session state."""
+        if target is not None:
+            self.target_address, self.target_len = target.address, target.length
+        if draft is not None and self._draft is not None and draft.address == self._draft.address:
+            self.draft_len = draft.length
+
+    def locations(self) -> tuple[CacheLocation | None, CacheLocation | None]:
+        """Cache locations to record with a commit."""
+        target = None
+        if self.target_address is not None:
+            replica = next(r for r in self._targets.replicas if r.address == self.target_address)
+            target = CacheLocation(replica.address, replica.info.instance_id, self.target_len)
+        draft = (
+            CacheLocation(self._draft.address, self._draft.info.instance_id, self.draft_len) if self._draft else None
+        )
+        return target, draft
+
+    def forget_caches(self) -> None:
+        self.target_len = self.draft_len = 0
+
+    @property
+    def draft_usable(self) -> bool:
+        return self._draft is not None and self._draft.usable
+
+    async def propose(self, committed: list[int], k: int, warp: Warp, seed: int, round_id: int) -> Proposal | None:
+        """K draft tokens, or None when the draft failed (the round then decodes target-only)."""
+        assert self._draft is not None
+        if self._stream is None:
+            self._stream = self._draft.open_stream()
+        cached = self.draft_len
+        for _ in range(2):
+            base, base_hash, tail = _sync_fields(committed, cached)
+            request = draft_pb2.ProposeRequest(
+                session_id=self.session_id, round_id=round_id, base_len=base, prefix_hash=base_hash,
+                tail_token_ids=tail, num_tokens=k, warp=warp_to_proto(warp), seed=seed,
+            )  # fmt: skip
+            try:
+                reply = await self._stream.propose(request, min(self._draft.timeout_s, self._timeout()))
+            except WorkerCallFailed as exc:
+                return self._draft_failed(str(exc))
+            if reply.round_id != round_id:
+                return self._draft_failed(f"reply for round {reply.round_id} in round {round_id}")
+            if reply.cache_status == common_pb2.CACHE_STATUS_OK:
+                if len(reply.draft.token_ids) != k:
+                    return self._draft_failed(f"asked for {k} tokens, got {len(reply.draft.token_ids)}")
+                return Proposal(reply.draft, reply.cache_len)
+            self._resynced("draft")
+            cached = 0
+        return self._draft_failed("cache resync did not take")
+
+    def _draft_failed(self, reason: str) -> None:
+        assert self._draft is not None
+        self._metrics.draft_failures.inc()
+        self._draft.mark_failed(reason)
+        self.close_stream()
+        self.draft_len = 0
+
+    def _resynced(self, role: str) -> None:
+        self.counters.resyncs += 1
+        self._metrics.cache_resyncs.labels(role).inc()
+        log.info("cache_resync", role=role)
+
+    async def verify(
+        self, committed: list[int], block: common_pb2.DraftBlock, warp: Warp, seed: int
+    ) -> tuple[target_pb2.VerifyResponse, int]:
+        """The verdict on ``block`` and the committed tokens the target reused from its cache.
+
+        Tries the session's replica first; when it is unavailable, the next one (re-prefilled).
+        """
+        last_error: WorkerUnavailable | None = None
+        for replica in self._targets.candidates(self.session_id, self.target_address):
+            cached = self.target_len if replica.address == self.target_address else 0
+            try:
+                reply, reused = await self._verify_on(replica, committed, block, warp, seed, cached)
+            except WorkerUnavailable as exc:
+                replica.breaker.trip()
+                last_error = exc
+                if self._timeout() <= 0.001:
+                    break
+                self._metrics.target_failovers.inc()
+                continue
+            self.target_address = replica.address
+            return reply, reused
+        raise last_error or WorkerUnavailable("no target worker is configured")
+
+    async def _verify_on(
+        self,
+        replica: TargetClient,
+        committed: list[int],
+        block: common_pb2.DraftBlock,
+        warp: Warp,
+        seed: int,
+        cached: int,
+    ) -> tuple[target_pb2.VerifyResponse, int]:
+        for _ in range(2):
+            base, base_hash, tail = _sync_fields(committed, cached)
+            request = target_pb2.VerifyRequest(
+                session_id=self.session_id, base_len=base, prefix_hash=base_hash, tail_token_ids=tail,
+                draft=block, warp=warp_to_proto(warp), seed=seed,
+            )  # fmt: skip
+            reply = await replica.verify(request, self._timeout())
+            if reply.cache_status == common_pb2.CACHE_STATUS_OK:
+                self.counters.target_passes += 1
+                if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1:
+                    raise WorkerFailed("the target worker returned a malformed verdict")
+                return reply, base
+            self._resynced("target")
+            cached = 0
+        raise WorkerFailed("the target worker could not rebuild the session cache")
+
+    def advance(self, start: int, committed: list[int], proposal: Proposal | None, target_cache_len: int) -> None:
+        """Updates the cache views after a round committed ``committed[start:]``."""
+        self.target_len = min(target_cache_len, len(committed))
+        if proposal is not None:
+            drafted_in_cache = list(proposal.block.token_ids[: proposal.cache_len - start])
+            self.draft_len = start + common_prefix_len(drafted_in_cache, committed[start:])
+
+    def close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+
+    async def release(self, timeout_s: float) -> None:
+        """Frees the session's caches in the workers (best effort)."""
+        calls = [r.release(self.session_id, timeout_s) for r in self._targets.replicas if r.breaker.up]
+        if self._draft is not None:
+            calls.append(self._draft.release(self.session_id, timeout_s))
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.warning("cache_release_failed", error=str(result))

@@ -1,0 +1,59 @@
+"""Prometheus metrics: one registry per service process, served over HTTP on --metrics-port."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from specdec.settings import ServiceSettings
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def start_metrics(settings: ServiceSettings, registry: CollectorRegistry) -> dict[str, int]:
+    """Serves /metrics when a port is set; returns {"metrics_port": bound port} (or {})."""
+    if settings.metrics_port is None:
+        return {}
+    server, _thread = start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
+    return {"metrics_port": int(server.server_port)}
+
+
+class WorkerMetrics:
+    """What a draft or target worker reports."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.cached_sessions = Gauge("specdec_worker_cached_sessions", "Sessions with a KV cache", registry=registry)
+        self.computed_tokens = Counter(
+            "specdec_worker_computed_tokens", "Tokens run through the model", registry=registry
+        )
+        self.resyncs = Counter(
+            "specdec_worker_cache_resyncs", "Requests refused because the cache lacked the prefix", registry=registry
+        )
+        self.compute_seconds = Histogram(
+            "specdec_worker_compute_seconds", "Model time per request", buckets=_LATENCY_BUCKETS, registry=registry
+        )
+        self.model_errors = Counter("specdec_worker_model_errors", "Exceptions in the model thread", registry=registry)
+
+
+class CoordinatorMetrics:
+    """What the coordinator reports."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.active_requests = Gauge("specdec_active_requests", "Requests generating now", registry=registry)
+        self.rejected_requests = Counter(
+            "specdec_rejected_requests", "Requests refused at admission", registry=registry
+        )
+        self.generated_tokens = Counter("specdec_generated_tokens", "Tokens committed to sessions", registry=registry)
+        self.rounds = Counter("specdec_rounds", "Draft-verify rounds", ["mode"], registry=registry)
+        self.draft_tokens_proposed = Counter(
+            "specdec_draft_tokens_proposed", "Draft tokens proposed", registry=registry
+        )
+        self.draft_tokens_accepted = Counter(
+            "specdec_draft_tokens_accepted", "Draft tokens accepted", registry=registry
+        )
+        self.draft_failures = Counter(
+            "specdec_draft_failures", "Draft calls abandoned (timeout or error)", registry=registry
+        )
+        self.target_failovers = Counter(
+            "specdec_target_failovers", "Verify calls moved to another target replica", registry=registry
+        )
+        self.cache_resyncs = Counter("specdec_cache_resyncs", "Worker caches re-prefilled", ["role"], registry=registry)

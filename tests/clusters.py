@@ -1,0 +1,65 @@
+"""Clusters for fault tests: each scenario gets its own processes (it kills, pauses or restarts them)."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from specdec.launch import LocalCluster
+
+FAULT_COORDINATOR_ARGS = [
+    "--max-speculative-tokens", "8", "--draft-timeout-s", "1", "--draft-retry-s", "1", "--target-retry-s", "1",
+    "--grace-period-s", "5",
+]  # fmt: skip
+FAULT_WORKER_ARGS = ["--device", "cpu", "--torch-threads", "1", "--grace-period-s", "2"]
+
+
+@contextmanager
+def fault_cluster(
+    workdir: Path,
+    target: Path,
+    draft: Path | None,
+    *,
+    targets: int = 1,
+    state_url: str = "memory://",
+    coordinator_args: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
+    route: Callable[[str, str], str] | None = None,
+) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(
+        str(target),
+        str(draft) if draft else None,
+        workdir,
+        worker_args=[*FAULT_WORKER_ARGS, *worker_args],
+        coordinator_args=[*FAULT_COORDINATOR_ARGS, "--state-url", state_url, *coordinator_args],
+        startup_timeout_s=120,
+        targets=targets,
+        route=route,
+    )
+    with cluster:
+        yield cluster
+
+
+def metric(cluster: LocalCluster, role: str, name: str) -> float:
+    """The sum of a Prometheus metric's samples scraped from a service's /metrics."""
+    port = cluster.processes[role].metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = [float(m[1]) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)]
+    if not values:
+        raise KeyError(f"{name} not exported by {role}")
+    return sum(values)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.02) -> float:
+    """Polls until ``predicate()``; returns the seconds it took; raises TimeoutError."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"condition not met within {timeout_s}s")
+        time.sleep(interval_s)
+    return time.monotonic() - started

@@ -1,0 +1,81 @@
+"""A small asyncio TCP proxy for network-fault tests: added latency, blackhole, connection reset.
+
+Runs its own event loop in a background thread so that synchronous tests can steer it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to ``upstream`` ("host:port")."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self.delay_s = 0.0
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = self._call(asyncio.start_server(self._handle, "127.0.0.1", 0)).result(timeout=5)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _call(self, coro) -> Future:  # type: ignore[no-untyped-def, type-arg]
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                if not self._flowing.is_set():
+                    await asyncio.to_thread(self._flowing.wait)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+        except OSError:
+            client_writer.close()
+            return
+        self._writers |= {client_writer, up_writer}
+        await asyncio.gather(self._pump(client_reader, up_writer), self._pump(up_reader, client_writer))
+        self._writers -= {client_writer, up_writer}
+
+    def set_blackhole(self, on: bool) -> None:
+        """Stops (or resumes) forwarding while keeping connections open: a hung peer."""
+        if on:
+            self._flowing.clear()
+        else:
+            self._flowing.set()
+
+    def reset_connections(self) -> None:
+        """Closes every open connection (peers see a reset / EOF)."""
+
+        async def close_all() -> None:
+            for writer in list(self._writers):
+                writer.transport.abort()
+
+        self._call(close_all()).result(timeout=5)
+
+    def close(self) -> None:
+        self.set_blackhole(False)
+        self.reset_connections()
+        self._server.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)

@@ -1,0 +1,297 @@
+"""Worker faults with real processes: kills, pauses, restarts, crashes inside the forward pass.
+
+Pass criterion unless stated: the client's greedy output is token-identical to target-only greedy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specdec.server import INTERNAL_MESSAGE
+from specdec.state import open_store
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.clusters import fault_cluster, metric, wait_for
+from tests.helpers import RedisServer
+from tests.netproxy import TcpProxy
+from tests.reference import make_request, reference_greedy, worker_info
+from tests.tiny_models import TinyModels, build_crashy
+
+PROMPT = [5, 17, 99, 3]
+LONG = 120  # tokens: enough rounds to inject a fault in the middle
+
+
+@pytest.fixture
+def slow_target_link() -> Iterator[list[TcpProxy]]:
+    """Proxies that add latency to the coordinator -> target links, so that streams last seconds."""
+    proxies: list[TcpProxy] = []
+    yield proxies
+    for proxy in proxies:
+        proxy.close()
+
+
+def slow_route(proxies: list[TcpProxy], delay_s: float = 0.01):  # type: ignore[no-untyped-def]
+    def route(name: str, address: str) -> str:
+        if not name.startswith("target"):
+            return address
+        proxy = TcpProxy(address)
+        proxy.delay_s = delay_s
+        proxies.append(proxy)
+        return proxy.address
+
+    return route
+
+
+def stream_with_fault(
+    stub: coordinator_pb2_grpc.GenerationStub,
+    request: coordinator_pb2.GenerateRequest,
+    fault: Callable[[], None],
+    after: int = 2,
+) -> tuple[list[int], coordinator_pb2.GenerateStreamResponse, float]:
+    """Streams a completion, runs ``fault()`` after ``after`` messages; returns tokens, last message, max gap."""
+    tokens: list[int] = []
+    last = None
+    gap, previous = 0.0, time.monotonic()
+    for i, message in enumerate(stub.GenerateStream(request, timeout=120)):
+        now = time.monotonic()
+        gap, previous = max(gap, now - previous), now
+        tokens += message.token_ids
+        last = message
+        if i + 1 == after:
+            fault()
+            previous = time.monotonic()
+    assert last is not None
+    return tokens, last, gap
+
+
+def speculation_resumes(stub: coordinator_pb2_grpc.GenerationStub, timeout_s: float = 15) -> float:
+    """Seconds until a request is speculative again."""
+    return wait_for(
+        lambda: stub.Generate(make_request(PROMPT, max_new=8)).stats.draft_tokens_proposed > 0, timeout_s, 0.2
+    )
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_draft_lost_mid_stream_falls_back_then_resumes(
+    fault: str, tmp_path: Path, tiny_models: TinyModels, slow_target_link: list[TcpProxy], fault_report: dict
+) -> None:
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), LONG)
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, route=slow_route(slow_target_link)) as cluster:
+        draft = cluster.processes["draft"]
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            request = make_request(PROMPT, k=4, max_new=LONG, ignore_eos=True)
+            tokens, last, gap = stream_with_fault(
+                stub, request, lambda: os.kill(draft.proc.pid, getattr(signal, fault))
+            )
+            assert tokens == expected
+            assert last.stats.target_only_rounds > 0 and last.stats.draft_tokens_proposed > 0
+            assert gap < 1.0 + 0.5  # a hung draft costs at most --draft-timeout-s once
+            if fault == "SIGKILL":
+                draft.restart()
+            else:
+                os.kill(draft.proc.pid, signal.SIGCONT)
+            resumed = speculation_resumes(stub)
+    fault_report[f"draft {fault} mid-stream"] = {
+        "identical_output": True,
+        "client_errors": 0,
+        "longest_stall_s": round(gap, 3),
+        "speculation_resumed_after_s": round(resumed, 2),
+    }
+
+
+def test_draft_model_error_falls_back_to_target_only(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    crashy = build_crashy(tiny_models.target, tmp_path / "crashy-draft", crash_token_id=PROMPT[2])
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 24)
+    with fault_cluster(tmp_path / "run", tiny_models.target, crashy, worker_args=["--trust-remote-code"]) as cluster:
+        with grpc.insecure_channel(cluster.address) as channel:
+            reply = coordinator_pb2_grpc.GenerationStub(channel).Generate(make_request(PROMPT, max_new=24))
+        assert list(reply.token_ids) == expected
+        assert reply.stats.target_only_rounds == reply.stats.rounds
+        draft = cluster.processes["draft"].proc
+        exited = wait_for(lambda: draft.poll() is not None, 10)
+        assert draft.returncode == 1
+    fault_report["draft model error"] = {
+        "identical_output": True,
+        "client_errors": 0,
+        "draft_exit_code": 1,
+        "exited_after_s": round(exited, 2),
+    }
+
+
+def test_target_model_error_fails_fast_with_internal(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    crashy = build_crashy(tiny_models.target, tmp_path / "crashy-target", crash_token_id=PROMPT[2])
+    with fault_cluster(tmp_path / "run", crashy, tiny_models.other, worker_args=["--trust-remote-code"]) as cluster:
+        with grpc.insecure_channel(cluster.address) as channel:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                coordinator_pb2_grpc.GenerationStub(channel).Generate(make_request(PROMPT), timeout=30)
+            elapsed = time.monotonic() - started
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert err.value.details() == "the target worker failed while processing the request"
+        assert elapsed < 2.0
+        target = cluster.processes["target-0"].proc
+        exited = wait_for(lambda: target.poll() is not None, 15)
+        assert target.returncode == 1
+        log = cluster.processes["target-0"].log_tail(400)
+        assert "injected failure inside the forward pass" in log and INTERNAL_MESSAGE not in err.value.details()
+    fault_report["target model error"] = {
+        "client_code": "INTERNAL",
+        "client_error_after_s": round(elapsed, 3),
+        "target_exit_code": 1,
+        "exited_after_s": round(exited, 2),
+    }
+
+
+def test_target_restarted_between_turns_is_reprefilled(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.other) as cluster:
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            turn1 = stub.Generate(make_request(PROMPT, session_id="s1", max_new=10, ignore_eos=True))
+            cluster.processes["target-0"].restart()
+            request = make_request([8, 9], session_id="s1", max_new=10, ignore_eos=True)
+            turn2 = None
+            for _ in range(50):  # the coordinator reconnects to the restarted worker within ~1 s
+                try:
+                    turn2 = stub.Generate(request)
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    time.sleep(0.1)
+            assert turn2 is not None
+        history = (*PROMPT, *turn1.token_ids, 8, 9)
+        assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), history, 10)
+        assert turn2.stats.cache_resyncs >= 1 and turn2.usage.cached_tokens == 0
+    fault_report["target restarted between turns"] = {
+        "identical_output": True,
+        "cache_resyncs": turn2.stats.cache_resyncs,
+    }
+
+
+def test_session_moves_to_a_second_target_replica(
+    tmp_path: Path, tiny_models: TinyModels, slow_target_link: list[TcpProxy], fault_report: dict
+) -> None:
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), LONG)
+    with fault_cluster(
+        tmp_path, tiny_models.target, tiny_models.noisy, targets=2, route=slow_route(slow_target_link)
+    ) as cluster:
+        replicas = [cluster.processes["target-0"], cluster.processes["target-1"]]
+
+        def kill_session_replica() -> None:
+            holder = next(r for r in replicas if worker_info(r.address, "target").active_sessions > 0)
+            holder.proc.kill()
+
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            tokens, _, gap = stream_with_fault(
+                stub, make_request(PROMPT, max_new=LONG, ignore_eos=True), kill_session_replica
+            )
+        assert tokens == expected
+        assert metric(cluster, "coordinator", "specdec_target_failovers_total") >= 1
+        assert sum(r.proc.poll() is None for r in replicas) == 1
+    fault_report["target replica killed mid-stream (2 replicas)"] = {
+        "identical_output": True,
+        "client_errors": 0,
+        "longest_stall_s": round(gap, 3),
+    }
+
+
+def test_only_target_down_is_unavailable_within_a_second_and_leaves_no_state(
+    tmp_path: Path, tiny_models: TinyModels, redis_server: RedisServer, fault_report: dict
+) -> None:
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.other, state_url=redis_server.url) as cluster:
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            turn1 = stub.Generate(make_request(PROMPT, session_id="down-1", max_new=6, ignore_eos=True))
+            cluster.processes["target-0"].proc.kill()
+            cluster.processes["target-0"].proc.wait()
+            timings = []
+            for request in (make_request([1, 2], session_id="down-1", max_new=6), make_request([1, 2], max_new=6)):
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Generate(request, timeout=30)
+                timings.append(time.monotonic() - started)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert err.value.details() == "the target worker is unavailable; retry later"
+        assert max(timings) < 1.0
+        record = _read_session(redis_server.url, "down-1")
+        assert record.tokens == [*PROMPT, *turn1.token_ids]  # the failed turn was rolled back
+        assert record.owner == ""  # and its lease released
+        assert _session_keys(redis_server.url) == ["specdec:session:down-1"]  # no one-shot leftovers
+    fault_report["only target down"] = {
+        "client_code": "UNAVAILABLE",
+        "worst_latency_s": round(max(timings), 3),
+        "orphaned_state": "none",
+    }
+
+
+def _read_session(url: str, session_id: str):  # type: ignore[no-untyped-def]
+    import asyncio
+
+    async def read():  # type: ignore[no-untyped-def]
+        store = open_store(url, ttl_s=60, lease_s=60, timeout_s=2)
+        await store.start()
+        record = await store.get(session_id)
+        await store.close()
+        return record
+
+    record = asyncio.run(read())
+    assert record is not None
+    return record
+
+
+def _session_keys(url: str) -> list[str]:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    keys = sorted(k.decode() for k in client.scan_iter("specdec:session:*"))
+    client.close()
+    return keys
+
+
+@pytest.mark.parametrize("draft_name", ["adversarial", "other", "noisy"])
+def test_adversarial_drafts_keep_output_and_cache_lengths(
+    draft_name: str, tmp_path: Path, tiny_models: TinyModels, redis_server: RedisServer, fault_report: dict
+) -> None:
+    """Always wrong / random / sometimes right drafts: identical output, accepted <= proposed, and
+    the caches the workers report after each rollback never run past the committed tokens."""
+    prompt, session = [200, 1, 42, 42, 7], f"adv-{draft_name}"
+    expected = reference_greedy(str(tiny_models.target), tuple(prompt), 40)
+    with (
+        fault_cluster(
+            tmp_path, tiny_models.target, getattr(tiny_models, draft_name), state_url=redis_server.url
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        reply = stub.Generate(make_request(prompt, k=6, max_new=40, session_id=session, ignore_eos=True))
+    assert list(reply.token_ids) == expected
+    stats = reply.stats
+    assert stats.draft_tokens_accepted <= stats.draft_tokens_proposed
+    record = _read_session(redis_server.url, session)
+    committed = len(prompt) + 40
+    assert len(record.tokens) == committed
+    assert record.target is not None and record.target.length == committed - 1  # all but the last token
+    assert record.draft is not None and record.draft.length <= committed - 1
+    if draft_name == "adversarial":
+        assert stats.draft_tokens_accepted == 0
+    if draft_name == "noisy":
+        assert 0.1 < stats.acceptance_rate < 0.9  # right some of the time
+    fault_report[f"{draft_name} draft"] = {
+        "identical_output": True,
+        "acceptance_rate": round(stats.acceptance_rate, 3),
+        "target_cache_len": record.target.length,
+        "committed": committed,
+    }

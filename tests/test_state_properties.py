@@ -1,0 +1,180 @@
+"""Property tests of the state store's invariants, against memory:// and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import subprocess
+import sys
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from specdec.errors import StateConflict
+from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store
+from tests.helpers import RedisServer
+
+TOKENS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=5)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random sequences of commits, retries, stale writes, rollbacks and foreign writers.
+
+    Invariants: the store equals a simple model; the version grows by exactly one per applied
+    commit; the committed length shrinks only through an explicit rollback; recorded cache
+    lengths never exceed the committed length.
+    """
+
+    url = "memory://"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.store: StateStore = open_store(self.url, ttl_s=60, lease_s=60, timeout_s=2)
+        self.run(self.store.start())
+        self.session = f"prop-{uuid.uuid4().hex[:8]}"
+        self.steps = itertools.count()
+        self.tokens: list[int] = []
+        self.version = 0
+        self.last_commit: Commit | None = None
+        self.recent: list[Commit] = []
+        self.last_len = 0
+        self.last_was_rollback = False
+
+    def run(self, coro):  # type: ignore[no-untyped-def]
+        return self.loop.run_until_complete(coro)
+
+    def teardown(self) -> None:
+        self.run(self.store.delete(self.session))
+        self.run(self.store.close())
+        self.loop.close()
+
+    @initialize()
+    def create(self) -> None:
+        self.run(self.store.acquire(self.session, "owner", create=True))
+
+    def _apply(self, commit: Commit) -> None:
+        result = self.run(self.store.commit(self.session, "owner", commit))
+        assert result.outcome is CommitOutcome.APPLIED
+        assert result.version == self.version + 1
+        self.version = result.version
+        self.last_commit = commit
+        self.recent = [*self.recent, commit][-RECENT_STEPS:]
+        self.last_was_rollback = commit.truncate_to is not None
+        if commit.truncate_to is not None:
+            del self.tokens[commit.truncate_to :]
+        self.tokens += commit.append
+
+    @rule(append=TOKENS, data=st.data())
+    def commit(self, append: list[int], data: st.DataObject) -> None:
+        after = len(self.tokens) + len(append)
+        target = CacheLocation("t:1", "i", data.draw(st.integers(0, after)))
+        self._apply(Commit(self.version, f"s{next(self.steps)}", append, target=target))
+
+    @rule(append=TOKENS, data=st.data())
+    def rollback(self, append: list[int], data: st.DataObject) -> None:
+        cut = data.draw(st.integers(0, len(self.tokens)))
+        self._apply(Commit(self.version, f"s{next(self.steps)}", append, truncate_to=cut))
+
+    @precondition(lambda self: bool(self.recent))
+    @rule(data=st.data())
+    def retry_recent(self, data: st.DataObject) -> None:
+        """Re-sending any of the recent commits (a reply was lost) reports it applied, changes nothing."""
+        commit = data.draw(st.sampled_from(self.recent))
+        result = self.run(self.store.commit(self.session, "owner", commit))
+        assert result.outcome is CommitOutcome.ALREADY_APPLIED and result.version == self.version
+
+    @precondition(lambda self: self.version > 0)
+    @rule(append=TOKENS)
+    def stale(self, append: list[int]) -> None:
+        with pytest.raises(StateConflict):
+            self.run(self.store.commit(self.session, "owner", Commit(self.version - 1, f"s{next(self.steps)}", append)))
+
+    @rule(append=TOKENS)
+    def foreign_owner(self, append: list[int]) -> None:
+        with pytest.raises(StateConflict):
+            self.run(self.store.commit(self.session, "intruder", Commit(self.version, f"s{next(self.steps)}", append)))
+
+    @rule(extra=st.integers(1, 3))
+    def cache_beyond_committed(self, extra: int) -> None:
+        target = CacheLocation("t:1", "i", len(self.tokens) + extra)
+        with pytest.raises(ValueError):
+            self.run(
+                self.store.commit(self.session, "owner", Commit(self.version, f"s{next(self.steps)}", target=target))
+            )
+
+    @invariant()
+    def matches_model(self) -> None:
+        record = self.run(self.store.get(self.session))
+        assert record is not None
+        assert record.tokens == self.tokens
+        assert record.version == self.version
+        if not self.last_was_rollback:
+            assert len(record.tokens) >= self.last_len
+        if record.target is not None:
+            assert record.target.length <= len(record.tokens)
+        self.last_len = len(record.tokens)
+
+
+PROPERTY_SETTINGS = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+)
+
+
+def test_memory_store_invariants() -> None:
+    run_state_machine_as_test(
+        type("MemoryStoreMachine", (StoreMachine,), {"url": "memory://"}), settings=PROPERTY_SETTINGS
+    )
+
+
+def test_redis_store_invariants(redis_server: RedisServer) -> None:
+    machine = type("RedisStoreMachine", (StoreMachine,), {"url": redis_server.url})
+    run_state_machine_as_test(machine, settings=PROPERTY_SETTINGS)
+
+
+def test_concurrent_committers_in_two_processes(redis_server: RedisServer) -> None:
+    """2 OS processes x 30 tasks race on one session; every step applies exactly once."""
+    session = f"race-{uuid.uuid4().hex[:8]}"
+
+    async def create() -> None:
+        store = open_store(redis_server.url, ttl_s=60, lease_s=60, timeout_s=2)
+        await store.start()
+        await store.acquire(session, "owner", create=True)
+        await store.close()
+
+    asyncio.run(create())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.committer_proc", redis_server.url, session, str(base), "30"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for base in (0, 1000)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    applied = sum(int(out.split()[0]) for out in outputs)
+    already = sum(int(out.split()[1]) for out in outputs)
+
+    async def read() -> list[int]:
+        store = open_store(redis_server.url, ttl_s=60, lease_s=60, timeout_s=2)
+        await store.start()
+        record = await store.get(session)
+        await store.close()
+        assert record is not None and record.version == 60
+        return record.tokens
+
+    tokens = asyncio.run(read())
+    assert sorted(tokens) == [*range(30), *range(1000, 1030)]
+    assert applied == 60  # each step applied exactly once, whatever the retries
+    assert already > 0  # re-sends inside the recent-step window were recognised as applied
