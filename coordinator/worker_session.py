@@ -24,6 +24,8 @@ from specdec.worker import warp_to_proto
 
 log = structlog.get_logger(__name__)
 
+_VERIFY_RETRY_PAUSE_S = 0.1
+
 
 @dataclass
 class Proposal:
@@ -137,23 +139,31 @@ class WorkerSession:
     ) -> tuple[target_pb2.VerifyResponse, int]:
         """The verdict on ``block`` and the committed tokens the target reused from its cache.
 
-        Tries the session's replica first; when it is unavailable, the next one (re-prefilled).
+        Tries the session's replica first, then the others (re-prefilled there); after a short
+        pause one more pass, which rides out a transient connection reset. Verify is safe to
+        repeat: the worker crops to base_len and the round's randomness depends on the position.
         """
-        last_error: WorkerUnavailable | None = None
-        for replica in self._targets.candidates(self.session_id, self.target_address):
-            cached = self.target_len if replica.address == self.target_address else 0
-            try:
-                reply, reused = await self._verify_on(replica, committed, block, warp, seed, cached)
-            except WorkerUnavailable as exc:
-                replica.breaker.trip()
-                last_error = exc
-                if self._timeout() <= 0.001:
-                    break
-                self._metrics.target_failovers.inc()
-                continue
-            self.target_address = replica.address
-            return reply, reused
-        raise last_error or WorkerUnavailable("no target worker is configured")
+        last_error = WorkerUnavailable("no target worker answered within the deadline; retry later")
+        loop = asyncio.get_running_loop()
+        budget_end = loop.time() + self._timeout()  # one budget for the step, retries included
+        for attempt in range(2):
+            if attempt:
+                await asyncio.sleep(_VERIFY_RETRY_PAUSE_S)
+            for replica in self._targets.candidates(self.session_id, self.target_address):
+                remaining = budget_end - loop.time()
+                if remaining <= _VERIFY_RETRY_PAUSE_S:
+                    raise last_error
+                cached = self.target_len if replica.address == self.target_address else 0
+                try:
+                    reply, reused = await self._verify_on(replica, committed, block, warp, seed, cached, remaining)
+                except WorkerUnavailable as exc:
+                    replica.breaker.trip()
+                    self._metrics.target_failovers.inc()
+                    last_error = exc
+                    continue
+                self.target_address = replica.address
+                return reply, reused
+        raise last_error
 
     async def _verify_on(
         self,
@@ -163,6 +173,7 @@ class WorkerSession:
         warp: Warp,
         seed: int,
         cached: int,
+        timeout_s: float,
     ) -> tuple[target_pb2.VerifyResponse, int]:
         for _ in range(2):
             base, base_hash, tail = _sync_fields(committed, cached)
@@ -170,7 +181,7 @@ class WorkerSession:
                 session_id=self.session_id, base_len=base, prefix_hash=base_hash, tail_token_ids=tail,
                 draft=block, warp=warp_to_proto(warp), seed=seed,
             )  # fmt: skip
-            reply = await replica.verify(request, self._timeout())
+            reply = await replica.verify(request, timeout_s)
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 self.counters.target_passes += 1
                 if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,7 @@ import torch
 
 from specdec.launch import LocalCluster
 from tests.helpers import RedisServer
+from tests.netproxy import ProxyRoutes
 from tests.tiny_models import TinyModels, build_tiny_models
 
 torch.set_num_threads(2)
@@ -78,3 +79,17 @@ def fault_report() -> Iterator[dict[str, dict[str, object]]]:
         out.parent.mkdir(exist_ok=True)
         previous = json.loads(out.read_text()) if out.exists() else {}
         out.write_text(json.dumps({**previous, **report}, indent=2, sort_keys=True))
+
+
+@pytest.fixture
+def routes() -> Iterator[Callable[..., ProxyRoutes]]:
+    """Makes ProxyRoutes for a fault cluster; closes their proxies afterwards."""
+    made: list[ProxyRoutes] = []
+
+    def make(delay_s: float = 0.0, roles: tuple[str, ...] = ("target",)) -> ProxyRoutes:
+        made.append(ProxyRoutes(delay_s, roles))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()

@@ -23,6 +23,7 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server not found; install it (apt-get install -y redis-server)")
         self.port = port or free_port()
+        workdir.mkdir(parents=True, exist_ok=True)
         self.password = password
         args = [
             binary,

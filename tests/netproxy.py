@@ -79,3 +79,25 @@ class TcpProxy:
         self._server.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+
+
+class ProxyRoutes:
+    """A LocalCluster ``route`` that puts a TcpProxy (with ``delay_s`` of latency) on the
+    coordinator's links to the given roles; ``proxies[name]`` steers one link."""
+
+    def __init__(self, delay_s: float = 0.0, roles: tuple[str, ...] = ("target",)) -> None:
+        self.delay_s = delay_s
+        self.roles = roles
+        self.proxies: dict[str, TcpProxy] = {}
+
+    def __call__(self, name: str, address: str) -> str:
+        if not name.startswith(self.roles):
+            return address
+        proxy = TcpProxy(address)
+        proxy.delay_s = self.delay_s
+        self.proxies[name] = proxy
+        return proxy.address
+
+    def close(self) -> None:
+        for proxy in self.proxies.values():
+            proxy.close()

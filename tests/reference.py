@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from functools import cache
 
 import grpc
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from specdec.launch import LocalCluster
+from specdec.state import SessionRecord, open_store
 from specdec.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -22,10 +24,16 @@ from specdec.v1 import (
 
 
 @cache
-def reference_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int) -> list[int]:
-    """Greedy target-only output from HF generate (fp32, CPU)."""
+def reference_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int, ignore_eos: bool = False) -> list[int]:
+    """Greedy target-only output from HF generate (fp32, CPU); ``ignore_eos`` generates past EOS."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
+    config = GenerationConfig.from_model_config(model.config) if not ignore_eos else GenerationConfig()
+    config.update(max_new_tokens=max_new, do_sample=False, pad_token_id=model.config.pad_token_id)
+    if ignore_eos:
+        config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    # An explicit mask: generate() would otherwise treat pad-token ids in the prompt as padding.
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
     return out[0, len(prompt) :].tolist()
 
 
@@ -43,6 +51,21 @@ def make_request(
 def coordinator_stub(cluster: LocalCluster) -> Iterator[coordinator_pb2_grpc.GenerationStub]:
     with grpc.insecure_channel(cluster.address) as channel:
         yield coordinator_pb2_grpc.GenerationStub(channel)
+
+
+def read_session(url: str, session_id: str) -> SessionRecord:
+    """A session record straight from the state store (for assertions about what was committed)."""
+
+    async def read() -> SessionRecord | None:
+        store = open_store(url, ttl_s=60, lease_s=60, timeout_s=2)
+        await store.start()
+        record = await store.get(session_id)
+        await store.close()
+        return record
+
+    record = asyncio.run(read())
+    assert record is not None, f"session {session_id} not found"
+    return record
 
 
 def worker_info(address: str, role: str) -> common_pb2.WorkerInfo:

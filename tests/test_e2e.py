@@ -133,7 +133,7 @@ def test_stream_and_unary_give_the_same_tokens(
 def test_max_new_tokens_and_stop_tokens_are_exact(
     same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
 ) -> None:
-    expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), MAX_NEW)
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), MAX_NEW, ignore_eos=True)
     for n in (1, 2, 5, 9):
         reply = same.Generate(request(PROMPTS[1], k=8, max_new=n, ignore_eos=True))
         assert list(reply.token_ids) == expected[:n]
@@ -159,13 +159,17 @@ def test_multi_turn_session_reuses_the_worker_caches(
     turn2 = other.Generate(request(second_prompt, session_id="chat-1", max_new=12, ignore_eos=True))
     computed = target_info(cluster_other).prefill_tokens_total - before
     full = [*history, *second_prompt]
-    assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), tuple(full), 12)
+    assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), tuple(full), 12, ignore_eos=True)
     assert turn2.usage.cached_tokens == len(history) - 1  # all but the last committed token
     # The target ran only the new tokens: the last turn-1 token + the new prompt in round 1, one
     # committed token per later round, and the drafted positions; the history was not re-prefilled.
     rounds, proposed = turn2.stats.rounds, turn2.stats.draft_tokens_proposed
     assert computed == len(second_prompt) + 1 + (rounds - 1) + proposed
+    assert target_info(cluster_other).active_sessions == 1
     assert other.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="chat-1")).existed
+    assert target_info(cluster_other).active_sessions == 0
+    assert worker_info(cluster_other.processes["draft"].address, "draft").active_sessions == 0
+    assert not other.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="chat-1")).existed
     with pytest.raises(grpc.RpcError) as err:
         req = request([1], session_id="chat-1")
         req.require_existing_session = True
@@ -239,7 +243,7 @@ def test_workers_that_lost_a_session_are_resynced(
             assert stub_cls(channel).ReleaseSession(message(session_id="resync-1")).existed
     turn2 = other.Generate(request([1, 2], session_id="resync-1", max_new=8, ignore_eos=True))
     full = (*PROMPTS[1], *turn1.token_ids, 1, 2)
-    assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), full, 8)
+    assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), full, 8, ignore_eos=True)
     assert turn2.usage.cached_tokens == 0  # re-prefilled from the committed tokens in the state store
     assert turn2.stats.cache_resyncs == 2  # target and draft each refused the stale prefix once
     assert turn2.stats.target_forward_passes == turn2.stats.rounds

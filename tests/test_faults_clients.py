@@ -1,0 +1,324 @@
+"""Client-side faults with real processes: cancellation, dead clients, overload, bad input, shutdown."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.launch import LocalCluster
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.clusters import fault_cluster, metric, wait_for
+from tests.helpers import RedisServer
+from tests.netproxy import ProxyRoutes
+from tests.reference import make_request, reference_greedy, worker_info
+from tests.tiny_models import TinyModels
+
+PROMPT = [5, 17, 99, 3]
+
+
+def live_caches(cluster: LocalCluster) -> int:
+    return sum(worker_info(cluster.processes[r].address, r).active_sessions for r in ("target-0", "draft"))
+
+
+def idle(cluster: LocalCluster) -> bool:
+    return live_caches(cluster) == 0 and metric(cluster, "coordinator", "specdec_active_requests") == 0
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_cancelled_streams_free_everything(
+    tmp_path: Path,
+    tiny_models: TinyModels,
+    redis_server: RedisServer,
+    routes: Callable[..., ProxyRoutes],
+    fault_report: dict,
+) -> None:
+    """200 cancels at random points: caches freed within 500 ms each; at the end no live requests,
+    no cache slots, no Redis key without a TTL, and the coordinator's open files back to baseline."""
+    rng = random.Random(7)
+    route = routes(0.002)
+    with fault_cluster(
+        tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url, route=route
+    ) as cluster:
+        coordinator_pid = cluster.processes["coordinator"].proc.pid
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            stub.Generate(make_request(PROMPT, max_new=4))  # warm up connections before the baseline
+            baseline = open_fds(coordinator_pid)
+            cleanup = []
+            for i in range(200):
+                session = f"cancel-{i}" if rng.random() < 0.5 else ""
+                call = stub.GenerateStream(
+                    make_request(PROMPT, k=rng.choice([0, 2, 4]), max_new=60, session_id=session)
+                )
+                for _ in range(rng.randint(0, 4)):
+                    next(call)
+                time.sleep(rng.random() * 0.01)
+                call.cancel()
+                cleanup.append(wait_for(lambda: idle(cluster), 5, 0.005))
+        assert max(cleanup) < 0.5, f"slowest cleanup {max(cleanup):.3f}s"
+        client = redis.Redis.from_url(redis_server.url)
+        ttls = [client.pttl(key) for key in client.scan_iter("specdec:session:cancel-*")]
+        assert ttls and all(ttl > 0 for ttl in ttls)
+        assert not list(client.scan_iter("specdec:session:oneshot-*"))
+        client.close()
+        fd_growth = open_fds(coordinator_pid) - baseline
+        assert fd_growth <= 2
+    cleanup.sort()
+    fault_report["client cancels mid-stream (x200)"] = {
+        "caches_freed_p50_s": round(cleanup[100], 3),
+        "caches_freed_max_s": round(cleanup[-1], 3),
+        "live_requests_after": 0,
+        "keys_without_ttl": 0,
+        "coordinator_fd_growth": fd_growth,
+    }
+
+
+CLIENT_SCRIPT = """
+import sys, grpc
+from specdec.v1 import coordinator_pb2_grpc
+from tests.reference import make_request
+stub = coordinator_pb2_grpc.GenerationStub(grpc.insecure_channel(sys.argv[1]))
+for message in stub.GenerateStream(make_request([5, 17, 99, 3], max_new=200, ignore_eos=True)):
+    print("got", flush=True)
+"""
+
+
+def test_client_process_killed_mid_stream(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, route=routes(0.01)) as cluster:
+        timings = []
+        for _ in range(5):
+            client = subprocess.Popen(
+                [sys.executable, "-c", CLIENT_SCRIPT, cluster.address], stdout=subprocess.PIPE, text=True
+            )
+            assert client.stdout is not None and client.stdout.readline().strip() == "got"
+            client.kill()
+            client.wait()
+            timings.append(wait_for(lambda: idle(cluster), 5, 0.005))
+        assert max(timings) < 0.5
+    fault_report["client process killed mid-stream (x5)"] = {"caches_freed_max_s": round(max(timings), 3)}
+
+
+def test_overload_is_rejected_fast_and_capacity_returns(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    args = ["--max-concurrent-requests", "4"]
+    with fault_cluster(tmp_path, tiny_models.target, None, coordinator_args=args, route=routes(0.01)) as cluster:
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            long_request = make_request(PROMPT, max_new=150, ignore_eos=True)
+            results: list[object] = []
+            workers = [
+                threading.Thread(target=lambda: results.append(stub.Generate(long_request, timeout=60)))
+                for _ in range(4)
+            ]
+            for w in workers:
+                w.start()
+            wait_for(lambda: metric(cluster, "coordinator", "specdec_active_requests") == 4, 10)
+            latencies, codes = [], set()
+            for _ in range(60):  # 2x capacity and then some, while the first four run
+                started = time.monotonic()
+                try:
+                    stub.Generate(make_request(PROMPT, max_new=4), timeout=10)
+                    codes.add("OK")
+                except grpc.RpcError as exc:
+                    codes.add(exc.code().name)
+                    assert "limit of 4 concurrent requests" in exc.details()
+                latencies.append(time.monotonic() - started)
+            still_running = metric(cluster, "coordinator", "specdec_active_requests")
+            for w in workers:
+                w.join()
+            assert len(results) == 4
+            again = [stub.Generate(make_request(PROMPT, max_new=4)) for _ in range(4)]
+        assert still_running == 4 and codes == {"RESOURCE_EXHAUSTED"}
+        assert len(again) == 4
+    latencies.sort()
+    p99 = latencies[int(len(latencies) * 0.99) - 1]
+    assert p99 < 0.05
+    fault_report["overload at 2x+ capacity"] = {
+        "rejected": len(latencies),
+        "reject_p99_s": round(p99, 4),
+        "capacity_back": True,
+    }
+
+
+BAD_INPUTS = [
+    ("empty prompt", coordinator_pb2.GenerateRequest(), "INVALID_ARGUMENT", "the prompt is empty"),
+    (
+        "token id >= vocab",
+        make_request([1, 259]),
+        "INVALID_ARGUMENT",
+        "contains token id 259, but the vocabulary has 259 ids",
+    ),
+    (
+        "max_new_tokens 0",
+        make_request(PROMPT, max_new=0),
+        "INVALID_ARGUMENT",
+        "max_new_tokens must be in [1, 255], got 0",
+    ),
+    (
+        "max_new_tokens over context",
+        make_request(PROMPT, max_new=300),
+        "INVALID_ARGUMENT",
+        "max_new_tokens must be in [1, 255]",
+    ),
+    (
+        "prompt + max_new_tokens over context",
+        make_request([1] * 200, max_new=100),
+        "INVALID_ARGUMENT",
+        "exceeds the context length 256",
+    ),
+    (
+        "NaN temperature",
+        make_request(PROMPT, temperature=float("nan")),
+        "INVALID_ARGUMENT",
+        "temperature must be a finite number >= 0",
+    ),
+    (
+        "negative temperature",
+        make_request(PROMPT, temperature=-1.0),
+        "INVALID_ARGUMENT",
+        "temperature must be a finite number >= 0",
+    ),
+    ("top_p 0", make_request(PROMPT, top_p=0.0), "INVALID_ARGUMENT", "top_p must be in (0, 1]"),
+    ("top_p > 1", make_request(PROMPT, top_p=1.5), "INVALID_ARGUMENT", "top_p must be in (0, 1]"),
+    ("top_k < 0", make_request(PROMPT, top_k=-3), "INVALID_ARGUMENT", "top_k must be >= 0"),
+    ("K over the maximum", make_request(PROMPT, k=9), "INVALID_ARGUMENT", "num_speculative_tokens must be <= 8"),
+    (
+        "prompt over the character limit",
+        coordinator_pb2.GenerateRequest(prompt="a" * 1_000_001),
+        "RESOURCE_EXHAUSTED",
+        "the limit is 1000000",
+    ),
+    ("message over the size limit", coordinator_pb2.GenerateRequest(prompt="a" * (9 << 20)), "RESOURCE_EXHAUSTED", ""),
+    (
+        "unknown session, continue-only",
+        coordinator_pb2.GenerateRequest(
+            session_id="nope", prompt_token_ids=common_pb2.TokenIds(ids=[1]), require_existing_session=True
+        ),
+        "NOT_FOUND",
+        "session 'nope' does not exist",
+    ),
+]
+
+
+def computed_tokens(cluster: LocalCluster) -> int:
+    return sum(worker_info(cluster.processes[r].address, r).prefill_tokens_total for r in ("target-0", "draft"))
+
+
+def test_bad_input_is_rejected_before_any_worker_is_called(
+    tmp_path: Path, tiny_models: TinyModels, redis_server: RedisServer, fault_report: dict
+) -> None:
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url) as cluster:
+        before = computed_tokens(cluster)
+        keys_before = set(redis.Redis.from_url(redis_server.url).scan_iter("specdec:session:*"))
+        with grpc.insecure_channel(cluster.address, options=[("grpc.max_send_message_length", 16 << 20)]) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            for name, request, code, message in BAD_INPUTS:
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Generate(request, timeout=10)
+                assert err.value.code().name == code, name
+                assert message in (err.value.details() or ""), (name, err.value.details())
+                assert "Traceback" not in (err.value.details() or "") and "redis://" not in (err.value.details() or "")
+        assert computed_tokens(cluster) == before
+        assert set(redis.Redis.from_url(redis_server.url).scan_iter("specdec:session:*")) == keys_before
+    fault_report["bad input (14 kinds)"] = {
+        "rejected_before_workers": True,
+        "codes": sorted({c for _, _, c, _ in BAD_INPUTS}),
+    }
+
+
+def test_one_session_used_by_two_requests_at_once(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    cluster_cm = fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, route=routes(0.01))
+    with cluster_cm as cluster, grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        first = stub.GenerateStream(make_request(PROMPT, session_id="shared", max_new=80, ignore_eos=True))
+        next(first)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(make_request([1], session_id="shared", max_new=4))
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert "is generating for another request" in err.value.details()
+        rest = [t for m in first for t in m.token_ids]
+        assert len(rest) > 0
+        follow_up = stub.Generate(make_request([1], session_id="shared", max_new=4))  # free again once done
+        assert len(follow_up.token_ids) == 4
+    fault_report["same session, two concurrent requests"] = {"second_request": "ABORTED", "first_unaffected": True}
+
+
+def health(address: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.3)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@pytest.mark.parametrize("role", ["coordinator", "draft", "target-0"])
+def test_sigterm_drains_gracefully(
+    role: str, tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    """SIGTERM: health NOT_SERVING at once, new RPCs refused, the in-flight stream completes
+    correctly, the process exits 0. (With two target replicas, a draining one hands over.)"""
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 100, ignore_eos=True)
+    targets = 2 if role.startswith("target") else 1
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, targets=targets, route=routes(0.01)) as cluster:
+        process = cluster.processes[role]
+        if role.startswith("target"):
+            # drain the replica that holds the stream's session
+            with grpc.insecure_channel(cluster.address) as channel:
+                stub = coordinator_pb2_grpc.GenerationStub(channel)
+                stream = stub.GenerateStream(make_request(PROMPT, max_new=100, ignore_eos=True))
+                tokens = list(next(stream).token_ids)
+                holders = [
+                    n for n in ("target-0", "target-1") if worker_info(cluster.processes[n].address, n).active_sessions
+                ]
+                process = cluster.processes[holders[0]]
+                tokens += _drain_during(process, stream)
+        else:
+            with grpc.insecure_channel(cluster.address) as channel:
+                stub = coordinator_pb2_grpc.GenerationStub(channel)
+                stream = stub.GenerateStream(make_request(PROMPT, max_new=100, ignore_eos=True))
+                tokens = list(next(stream).token_ids)
+                tokens += _drain_during(process, stream, refuse=role == "coordinator", stub=stub)
+        assert tokens == expected
+        exited = wait_for(lambda: process.proc.poll() is not None, 10)
+        assert process.proc.returncode == 0
+    fault_report[f"SIGTERM {role.removesuffix('-0')} mid-stream"] = {
+        "in_flight_completed": True,
+        "exit_code": 0,
+        "exited_after_stream_s": round(exited, 2),
+    }
+
+
+def _not_serving(process) -> bool:  # type: ignore[no-untyped-def]
+    """Health says NOT_SERVING, or the server already drained its in-flight calls and closed."""
+    try:
+        return health(process.address) == "NOT_SERVING"
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _drain_during(process, stream, refuse: bool = False, stub=None) -> list[int]:  # type: ignore[no-untyped-def]
+    os.kill(process.proc.pid, signal.SIGTERM)
+    wait_for(lambda: _not_serving(process), 1)
+    if refuse:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(make_request(PROMPT, max_new=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+    return [t for m in stream for t in m.token_ids]

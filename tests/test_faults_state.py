@@ -1,0 +1,229 @@
+"""State store and network faults: Redis paused or restarted, links blackholed or reset."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specdec.v1 import coordinator_pb2_grpc
+from tests.clusters import fault_cluster, wait_for
+from tests.helpers import RedisServer
+from tests.netproxy import ProxyRoutes
+from tests.reference import make_request, read_session, reference_greedy
+from tests.tiny_models import TinyModels
+
+PROMPT = [5, 17, 99, 3]
+
+
+def test_redis_paused_two_seconds_mid_stream(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    """SIGSTOP on Redis for 2 s: bounded timeouts and idempotent retries; the stream completes correctly."""
+    redis_server = RedisServer(tmp_path / "redis-data")
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 80, ignore_eos=True)
+    try:
+        with fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url, route=routes(0.01),
+            coordinator_args=["--state-timeout-s", "0.5"],
+        ) as cluster, grpc.insecure_channel(cluster.address) as channel:  # fmt: skip
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            started = time.monotonic()
+            stream = stub.GenerateStream(
+                make_request(PROMPT, session_id="paused", max_new=80, ignore_eos=True), timeout=20
+            )
+            tokens = list(next(stream).token_ids)
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            threading.Timer(2.0, os.kill, (redis_server.proc.pid, signal.SIGCONT)).start()
+            tokens += [t for m in stream for t in m.token_ids]
+            elapsed = time.monotonic() - started
+        assert tokens == expected
+        assert elapsed < 20
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+        redis_server.stop()
+    fault_report["Redis paused 2 s mid-stream"] = {
+        "outcome": "completed, identical output",
+        "stream_total_s": round(elapsed, 2),
+    }
+
+
+def test_redis_paused_past_the_deadline_fails_inside_it(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """Redis stays paused: the request fails inside its 3 s deadline (never a long hang), and the
+    service works again once Redis is back."""
+    redis_server = RedisServer(tmp_path / "redis-data")
+    try:
+        with fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url,
+            coordinator_args=["--state-timeout-s", "0.5"],
+        ) as cluster, grpc.insecure_channel(cluster.address) as channel:  # fmt: skip
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            stub.Generate(make_request(PROMPT, max_new=4))
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(make_request(PROMPT, max_new=8), timeout=3)
+            elapsed = time.monotonic() - started
+            code = err.value.code().name
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+            recovered = wait_for(lambda: _succeeds(stub), 10, 0.1)
+        assert code in {"UNAVAILABLE", "DEADLINE_EXCEEDED"}
+        assert elapsed < 3.5
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+        redis_server.stop()
+    fault_report["Redis paused past the deadline"] = {
+        "client_code": code,
+        "failed_after_s": round(elapsed, 2),
+        "recovered_after_s": round(recovered, 2),
+    }
+
+
+def _succeeds(stub: coordinator_pb2_grpc.GenerationStub) -> bool:
+    try:
+        stub.Generate(make_request(PROMPT, max_new=4), timeout=5)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def test_redis_restarted_without_persistence_is_reported(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    redis_server = RedisServer(tmp_path / "redis-data")
+    try:
+        with (
+            fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url) as cluster,
+            grpc.insecure_channel(cluster.address) as channel,
+        ):
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            stub.Generate(make_request(PROMPT, session_id="chat", max_new=6))
+            port = redis_server.port
+            redis_server.stop()
+            redis_server = RedisServer(tmp_path / "redis-data", port=port)  # empty: no persistence
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(make_request([1, 2], session_id="chat", max_new=6))
+            assert err.value.code() == grpc.StatusCode.ABORTED
+            assert "lost its data" in err.value.details() and "start it again" in err.value.details()
+            fresh = stub.Generate(make_request(PROMPT, session_id="chat-2", max_new=6))
+            assert len(fresh.token_ids) == 6
+    finally:
+        redis_server.stop()
+    fault_report["Redis restarted without persistence"] = {
+        "client_code": "ABORTED",
+        "silent_restart": False,
+        "new_sessions_work": True,
+    }
+
+
+@pytest.mark.parametrize("deadline", ["client", "worker-timeout"])
+def test_blackholed_target_link_fails_within_the_deadline(
+    deadline: str, tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    """A peer that stops answering (connection open, no bytes): keepalive would not notice; the per-call
+    deadline (the client's, or --worker-timeout-s) does."""
+    route = routes()
+    with (
+        fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.noisy, route=route, coordinator_args=["--worker-timeout-s", "2"]
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(make_request(PROMPT, max_new=4))
+        route.proxies["target-0"].set_blackhole(True)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(make_request(PROMPT, max_new=8), timeout=1.5 if deadline == "client" else None)
+        elapsed = time.monotonic() - started
+        route.proxies["target-0"].set_blackhole(False)
+        recovered = wait_for(lambda: _succeeds(stub), 10, 0.1)
+    expected_code, limit = ("DEADLINE_EXCEEDED", 1.5) if deadline == "client" else ("UNAVAILABLE", 2.0)
+    assert err.value.code().name == expected_code
+    assert elapsed < limit + 0.5
+    fault_report[f"target link blackholed ({deadline} deadline)"] = {
+        "client_code": expected_code,
+        "failed_after_s": round(elapsed, 2),
+        "recovered_after_s": round(recovered, 2),
+    }
+
+
+def test_target_connection_reset_mid_stream_is_ridden_out(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    route = routes(0.01)
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 80, ignore_eos=True)
+    with (
+        fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, route=route) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stream = stub.GenerateStream(make_request(PROMPT, max_new=80, ignore_eos=True), timeout=30)
+        tokens = list(next(stream).token_ids)
+        route.proxies["target-0"].reset_connections()
+        tokens += [t for m in stream for t in m.token_ids]
+    assert tokens == expected
+    fault_report["target connection reset mid-stream"] = {"identical_output": True, "client_errors": 0}
+
+
+def test_two_coordinators_race_on_one_session(
+    tmp_path: Path, tiny_models: TinyModels, redis_server: RedisServer, fault_report: dict
+) -> None:
+    """50 concurrent turns on one session through 2 coordinator processes sharing Redis. A turn runs
+    alone (lease + compare-and-set) or gets ABORTED and retries with backoff, as a client would; the
+    session ends up exactly the 50 turns one after another, each the target's greedy continuation of
+    the history before it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec.launch import spawn
+
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url) as cluster:
+        first = cluster.processes["coordinator"]
+        second = spawn("coordinator", first.args, tmp_path, name="coordinator-2")
+        second.wait_ready(60)
+        try:
+            channels = [grpc.insecure_channel(p.address) for p in (first, second)]
+            stubs = [coordinator_pb2_grpc.GenerationStub(c) for c in channels]
+
+            def turn(i: int) -> tuple[list[int], int]:
+                request = make_request([100 + i], k=2, max_new=3, session_id="raced", ignore_eos=True)
+                for aborted in range(1000):
+                    try:
+                        return list(stubs[i % 2].Generate(request, timeout=30).token_ids), aborted
+                    except grpc.RpcError as exc:
+                        assert exc.code() == grpc.StatusCode.ABORTED, exc.details()
+                        time.sleep(random.uniform(0.005, 0.05))
+                raise AssertionError("turn never got the session")
+
+            with ThreadPoolExecutor(max_workers=16) as pool:
+                results = dict(zip(range(50), pool.map(turn, range(50)), strict=True))
+            for channel in channels:
+                channel.close()
+        finally:
+            second.stop()
+    done = {100 + i: out for i, (out, _) in results.items()}
+    record = read_session(redis_server.url, "raced")
+    history: list[int] = []
+    position = 0
+    while position < len(record.tokens):
+        prompt = record.tokens[position]
+        output = done.pop(prompt)  # every block starts with a successful turn's prompt token
+        assert record.tokens[position + 1 : position + 1 + len(output)] == output
+        assert output == reference_greedy(str(tiny_models.target), (*history, prompt), 3, ignore_eos=True)
+        history += [prompt, *output]
+        position += 1 + len(output)
+    assert not done  # every turn is in the session exactly once
+    fault_report["2 coordinators, 50 concurrent turns on one session"] = {
+        "turns_committed": 50,
+        "aborted_attempts_retried": sum(aborted for _, aborted in results.values()),
+        "session_is_the_turns_in_order": True,
+    }
