@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 import structlog
 
+from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import Turn, TurnDeps
 from coordinator.validation import Limits, TurnRequest
@@ -33,6 +34,21 @@ def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo
         )
 
 
+def choose_pipelined(mode: str, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo | None) -> bool:
+    """Pipelining overlaps drafting with verification; that pays when the two run on different
+    hardware. On one CPU host they compete for the same cores and memory bandwidth (measured on the
+    benchmark machine: a 5-token verify went from 0.73 s to 1.3-2.1 s with a draft running beside it),
+    so ``auto`` pipelines unless both workers are CPU processes on the same host."""
+    if draft is None or mode == "sequential":
+        return False
+    if mode == "pipelined":
+        return True
+    shared_cpu = (
+        target.host == draft.host and not target.device.startswith("cuda") and not draft.device.startswith("cuda")
+    )
+    return not shared_cpu
+
+
 class Engine:
     """Owns connections and limits; creates one Turn per request."""
 
@@ -50,8 +66,9 @@ class Engine:
         """Waits for the workers, checks that they fit together, loads the tokenizer."""
         timeout = self.settings.worker_startup_timeout_s
         target_info = await self.targets.connect(timeout)
-        if self.draft is not None:
-            check_compatible(target_info, await self.draft.connect(timeout))
+        draft_info = await self.draft.connect(timeout) if self.draft is not None else None
+        if draft_info is not None:
+            check_compatible(target_info, draft_info)
         await self.store.start()
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
@@ -66,11 +83,17 @@ class Engine:
             max_k=s.max_speculative_tokens,
             max_prompt_chars=MAX_PROMPT_CHARS,
         )
+        pipelined = choose_pipelined(s.speculation_mode, target_info, draft_info)
         self._deps = TurnDeps(
-            self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s
-        )
+            self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
+            StepCosts(), pipelined, s.adaptive_k, s.probe_every,
+        )  # fmt: skip
         log.info(
-            "coordinator_ready", target=target_info.model_id, draft=self.draft.info.model_id if self.draft else None
+            "coordinator_ready",
+            target=target_info.model_id,
+            draft=draft_info.model_id if draft_info else None,
+            mode="pipelined" if pipelined else "sequential",
+            adaptive_k=s.adaptive_k,
         )
 
     @property

@@ -39,6 +39,11 @@ def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
         mean_accepted_length=s.mean_accepted_length,
         target_only_rounds=s.target_only_rounds,
         cache_resyncs=counters.resyncs,
+        pipelined_rounds=s.pipelined_rounds,
+        draft_ms=s.draft_ms,
+        verify_ms=s.verify_ms,
+        overhead_ms=s.overhead_ms,
+        mean_k=s.mean_k,
     )
 
 

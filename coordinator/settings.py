@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from specdec.settings import ServiceSettings
@@ -21,7 +23,16 @@ class CoordinatorSettings(ServiceSettings):
     session_ttl_s: float = Field(3600.0, gt=0, description="an idle session's state expires after this")
     session_lease_s: float = Field(60.0, gt=0, description="a request's hold on its session, renewed every round")
     state_timeout_s: float = Field(2.0, gt=0, description="socket timeout of state store calls")
-    num_speculative_tokens: int = Field(4, ge=0, description="default K (draft tokens per round); 0 = no speculation")
+    num_speculative_tokens: int = Field(
+        4, ge=0, description="default K (the most draft tokens per round; adaptive K may use fewer); 0 = none"
+    )
+    speculation_mode: Literal["auto", "sequential", "pipelined"] = Field(
+        "auto",
+        description="pipelined drafts the next block while the target verifies; auto = pipelined unless draft and "
+        "target share one CPU host",
+    )
+    adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")
+    probe_every: int = Field(32, gt=0, description="with speculation off for a session, probe it every N rounds")
     max_speculative_tokens: int = Field(16, ge=1, description="largest K a request may ask for")
     default_max_new_tokens: int = Field(256, gt=0, description="max_new_tokens when a request leaves it unset")
     max_concurrent_requests: int = Field(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 from transformers import PreTrainedTokenizerBase
 
+from coordinator.adaptive import KController, StepCosts
 from coordinator.text import IncrementalDetokenizer
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Proposal, WorkerSession
@@ -44,6 +45,11 @@ class TurnStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    pipelined_rounds: int = 0
+    k_total: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    overhead_ms: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,6 +58,10 @@ class TurnStats:
     @property
     def mean_accepted_length(self) -> float:
         return self.completion_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_k(self) -> float:
+        return self.k_total / self.rounds if self.rounds else 0.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,10 @@ class TurnDeps:
     metrics: CoordinatorMetrics
     worker_timeout_s: float
     state_retry_s: float
+    costs: StepCosts = field(default_factory=StepCosts)
+    pipelined: bool = False
+    adaptive_k: bool = True
+    probe_every: int = 32
     cleanup_timeout_s: float = 2.0
 
 
@@ -87,6 +101,7 @@ class Turn:
     owner: str = field(default_factory=lambda: uuid.uuid4().hex)
     stats: TurnStats = field(default_factory=TurnStats)
     workers: WorkerSession = field(init=False)
+    controller: KController = field(init=False)
     _committed: list[int] = field(default_factory=list)
     _version: int = 0
     _start_len: int = 0
@@ -97,7 +112,8 @@ class Turn:
     def __post_init__(self) -> None:
         self.session_id = self.request.session_id or f"oneshot-{self.owner}"
         d = self.deps
-        self.workers = WorkerSession(self.session_id, d.targets, d.draft, d.metrics, self._time_left)
+        self.workers = WorkerSession(self.session_id, d.targets, d.draft, d.metrics, self._time_left, d.pipelined)
+        self.controller = KController(self.request.k, d.costs, d.pipelined, d.probe_every)
 
     @property
     def one_shot(self) -> bool:
@@ -174,14 +190,19 @@ class Turn:
             )
 
     def _k(self) -> int:
-        if not self.workers.draft_usable:
+        budget = self.request.max_new_tokens - self._generated - 1
+        if not self.workers.draft_usable or budget <= 0:
             return 0
-        return min(self.request.k, self.request.max_new_tokens - self._generated - 1)
+        if self.deps.adaptive_k and not self.request.fixed_k:
+            return self.controller.choose(budget)
+        return min(self.request.k, budget)
 
     async def _run_round(self) -> RoundOutput:
         self._round += 1
-        k, req = self._k(), self.request
+        k, req, loop = self._k(), self.request, asyncio.get_running_loop()
+        began = loop.time()
         proposal = await self.workers.propose(self._committed, k, req.warp, req.seed, self._round) if k > 0 else None
+        drafted = loop.time()
         block = proposal.block if proposal else common_pb2.DraftBlock()
         verdict, reused = await self.workers.verify(self._committed, block, req.warp, req.seed)
         if self._round == 1:
@@ -193,7 +214,7 @@ class Turn:
         self.workers.advance(start, self._committed, proposal, verdict.cache_len)
         target, draft = self.workers.locations()
         await self._commit(Commit(self._version, f"{self.owner}:{self._round}", tokens, target=target, draft=draft))
-        self._count(proposal, verdict, len(tokens))
+        self._account(proposal, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000)
         assert self._detok is not None
         text = self._detok.push(tokens)
         if finish is not None:
@@ -210,20 +231,37 @@ class Turn:
             return tokens, Finish.LENGTH
         return tokens, None
 
-    def _count(self, proposal: Proposal | None, verdict: target_pb2.VerifyResponse, committed: int) -> None:
+    def _account(
+        self,
+        proposal: Proposal | None,
+        verdict: target_pb2.VerifyResponse,
+        committed: int,
+        draft_ms: float,
+        round_ms: float,
+    ) -> None:
+        """Stats, metrics, the cost model and the acceptance estimate after a round."""
         s, m = self.stats, self.deps.metrics
+        k = len(proposal.block.token_ids) if proposal else 0
+        overhead = round_ms - verdict.compute_ms - min(draft_ms, proposal.compute_ms if proposal else 0.0)
         s.rounds += 1
         s.completion_tokens += committed
-        m.generated_tokens.inc(committed)
+        s.k_total += k
+        s.draft_ms += draft_ms
+        s.verify_ms += verdict.compute_ms
+        s.overhead_ms += overhead
+        m.record_round(k, verdict.num_accepted, draft_ms, verdict.compute_ms, overhead, committed)
+        if verdict.computed_tokens == k + 1:  # steady state (no prefill in the pass): a clean cost sample
+            self.deps.costs.observe_verify(k + 1, verdict.compute_ms)
+            self.deps.costs.observe_overhead(overhead)
         if proposal is None:
             s.target_only_rounds += 1
-            m.rounds.labels("target_only").inc()
-        else:
-            s.proposed += len(proposal.block.token_ids)
-            s.accepted += verdict.num_accepted
-            m.rounds.labels("speculative").inc()
-            m.draft_tokens_proposed.inc(len(proposal.block.token_ids))
-            m.draft_tokens_accepted.inc(verdict.num_accepted)
+            return
+        s.proposed += k
+        s.accepted += verdict.num_accepted
+        s.pipelined_rounds += proposal.pipelined
+        self.controller.observe(k, verdict.num_accepted)
+        if proposal.computed <= k + 1:  # no prefill in the draft's work either
+            self.deps.costs.observe_draft(proposal.computed, proposal.compute_ms)
 
     async def _commit(self, commit: Commit) -> CommitResult:
         """Commits with retries while the store is unreachable (safe: a step applies once)."""

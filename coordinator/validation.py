@@ -40,6 +40,7 @@ class TurnRequest:
     seed: int
     stop_ids: frozenset[int]
     k: int
+    fixed_k: bool
     require_existing: bool
 
 
@@ -119,5 +120,6 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
         stop_ids=stop_ids,
         k=_k(request.speculation, limits),
+        fixed_k=request.speculation.fixed,
         require_existing=request.require_existing_session,
     )

@@ -29,10 +29,22 @@ _VERIFY_RETRY_PAUSE_S = 0.1
 
 @dataclass
 class Proposal:
-    """A draft block and the draft's cache length after proposing it."""
+    """A draft block: drafted after ``start`` committed tokens; the draft's cache length after it;
+    the draft's model time and the tokens it ran for the block; whether it was drafted ahead."""
 
     block: common_pb2.DraftBlock
     cache_len: int
+    start: int
+    compute_ms: float
+    computed: int
+    pipelined: bool = False
+
+
+def _first(block: common_pb2.DraftBlock, k: int) -> common_pb2.DraftBlock:
+    """The first ``k`` drafts of a block (still a valid proposal: each came from its own row of q)."""
+    if len(block.token_ids) <= k:
+        return block
+    return common_pb2.DraftBlock(token_ids=block.token_ids[:k], kind=block.kind, proposals=block.proposals[:k])
 
 
 @dataclass
@@ -59,10 +71,14 @@ class WorkerSession:
         draft: DraftClient | None,
         metrics: CoordinatorMetrics,
         timeout: Callable[[], float],
+        pipelined: bool = False,
     ) -> None:
         self.session_id = session_id
         self._targets = targets
         self._draft = draft
+        self._pipelined = pipelined
+        self._last: Proposal | None = None
+        self._lookahead_round: int | None = None
         self._metrics = metrics
         self._timeout = timeout
         self._stream: DraftStream | None = None
@@ -97,30 +113,80 @@ class WorkerSession:
         return self._draft is not None and self._draft.usable
 
     async def propose(self, committed: list[int], k: int, warp: Warp, seed: int, round_id: int) -> Proposal | None:
-        """K draft tokens, or None when the draft failed (the round then decodes target-only)."""
+        """K draft tokens, or None when the draft failed (the round then decodes target-only).
+
+        Pipelined: if the previous block was fully accepted and the draft's guess of the target's
+        next token was right, the block drafted ahead is used at once.
+        """
         assert self._draft is not None
-        if self._stream is None:
-            self._stream = self._draft.open_stream()
+        try:
+            if self._stream is None:
+                self._stream = self._draft.open_stream()
+            proposal = await self._adopt_lookahead(committed, k, round_id) if self._pipelined else None
+            if proposal is None:
+                proposal = await self._request_block(committed, k, warp, seed, round_id)
+        except WorkerCallFailed as exc:
+            return self._draft_failed(str(exc))
+        self._last = proposal
+        return proposal
+
+    def _draft_timeout(self) -> float:
+        assert self._draft is not None
+        return min(self._draft.timeout_s, self._timeout())
+
+    async def _read(self, wanted: Callable[[draft_pb2.ProposeResponse], bool]) -> draft_pb2.ProposeResponse:
+        """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped."""
+        assert self._stream is not None
+        while not wanted(reply := await self._stream.receive(self._draft_timeout())):
+            log.debug("stale_draft_reply", round_id=reply.round_id, lookahead=reply.lookahead)
+        return reply
+
+    async def _adopt_lookahead(self, committed: list[int], k: int, round_id: int) -> Proposal | None:
+        last, expected_round = self._last, self._lookahead_round
+        if last is None or expected_round is None:
+            return None
+        drafted = list(last.block.token_ids)
+        if len(committed) != last.start + len(drafted) + 1 or committed[last.start : -1] != drafted:
+            return None  # not fully accepted: the block drafted ahead is useless
+        self._lookahead_round = None
+        reply = await self._read(lambda r: r.lookahead and r.round_id == expected_round)
+        if (
+            not reply.draft.token_ids
+            or reply.base_len != last.start
+            or list(reply.assumed_token_ids) != committed[last.start :]
+        ):
+            return None  # the draft guessed the target's token wrong
+        assert self._stream is not None
+        await self._stream.send(
+            draft_pb2.ProposeRequest(session_id=self.session_id, round_id=round_id, adopt_lookahead=True),
+            self._draft_timeout(),
+        )
+        self._lookahead_round = round_id
+        computed = len(reply.draft.token_ids) + 1  # the previous block's last draft, the guess, the rest
+        return Proposal(_first(reply.draft, k), reply.cache_len, len(committed), reply.compute_ms, computed, True)
+
+    async def _request_block(
+        self, committed: list[int], k: int, warp: Warp, seed: int, round_id: int
+    ) -> Proposal | None:
+        assert self._stream is not None
+        self._lookahead_round = None
         cached = self.draft_len
         for _ in range(2):
             base, base_hash, tail = _sync_fields(committed, cached)
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, base_len=base, prefix_hash=base_hash,
-                tail_token_ids=tail, num_tokens=k, warp=warp_to_proto(warp), seed=seed,
+                tail_token_ids=tail, num_tokens=k, warp=warp_to_proto(warp), seed=seed, lookahead=self._pipelined,
             )  # fmt: skip
-            try:
-                reply = await self._stream.propose(request, min(self._draft.timeout_s, self._timeout()))
-            except WorkerCallFailed as exc:
-                return self._draft_failed(str(exc))
-            if reply.round_id != round_id:
-                return self._draft_failed(f"reply for round {reply.round_id} in round {round_id}")
+            await self._stream.send(request, self._draft_timeout())
+            reply = await self._read(lambda r: not r.lookahead and r.round_id == round_id)
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 if len(reply.draft.token_ids) != k:
-                    return self._draft_failed(f"asked for {k} tokens, got {len(reply.draft.token_ids)}")
-                return Proposal(reply.draft, reply.cache_len)
+                    raise WorkerCallFailed(f"asked for {k} tokens, got {len(reply.draft.token_ids)}")
+                self._lookahead_round = round_id if self._pipelined else None
+                return Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, len(tail) + k - 1)
             self._resynced("draft")
             cached = 0
-        return self._draft_failed("cache resync did not take")
+        raise WorkerCallFailed("cache resync did not take")
 
     def _draft_failed(self, reason: str) -> None:
         assert self._draft is not None
@@ -128,6 +194,7 @@ class WorkerSession:
         self._draft.mark_failed(reason)
         self.close_stream()
         self.draft_len = 0
+        self._last = self._lookahead_round = None
 
     def _resynced(self, role: str) -> None:
         self.counters.resyncs += 1

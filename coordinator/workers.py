@@ -140,14 +140,20 @@ class TargetPool:
 
 
 class DraftStream:
-    """A session turn's Propose stream: one request in, one proposal out."""
+    """A session turn's Propose stream (requests in, proposals out, lookahead blocks unasked)."""
 
     def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
         self._call = call
 
-    async def propose(self, request: draft_pb2.ProposeRequest, timeout_s: float) -> draft_pb2.ProposeResponse:
+    async def send(self, request: draft_pb2.ProposeRequest, timeout_s: float) -> None:
         try:
             await asyncio.wait_for(self._call.write(request), timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
+            self.cancel()
+            raise WorkerCallFailed(f"draft propose failed: {exc!r}") from exc
+
+    async def receive(self, timeout_s: float) -> draft_pb2.ProposeResponse:
+        try:
             reply = await asyncio.wait_for(self._call.read(), timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
             self.cancel()

@@ -1,62 +1,117 @@
-"""Drafting: autoregressive proposals from the small model, with the distributions they came from."""
+"""Drafting: autoregressive proposals from the small model, with the distributions they came from.
+
+``propose_job`` drafts K tokens after a committed prefix. ``lookahead_job`` (pipelining) drafts
+the block after one it already proposed, assuming that block is fully accepted and followed by
+the draft's own guess of the target's next token. Both sample with the generator derived from the
+request seed and the committed length at which the block starts, so a lookahead block that is
+used is exactly the block a fresh request at that prefix would have produced.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
-from specdec.kvcache import ResyncRequired
+import torch
+
+from specdec.kvcache import ResyncRequired, SessionCache, SessionCaches
+from specdec.modeling import LoadedModel
 from specdec.sampling import DraftSample, Warp, round_generator, sample_draft_token
-from specdec.worker import WorkerCore
+from specdec.scheduler import Extend, Job
+from specdec.tokens import prefix_hash
 
 
 @dataclass(frozen=True)
-class ProposeResult:
-    """``resync`` set: the cache did not hold the committed prefix and nothing was computed."""
+class DraftParams:
+    """How to sample a block (shared by a stream's requests)."""
 
-    resync: bool
-    samples: tuple[DraftSample, ...] = ()
-    cache_len: int = 0
-    compute_ms: float = 0.0
+    k: int
+    warp: Warp
+    seed: int
+    top_n: int
 
 
-class DraftEngine:
-    """Runs in the worker's model thread."""
+@dataclass(frozen=True)
+class Block:
+    """A drafted block.
 
-    def __init__(self, core: WorkerCore, proposal_top_n: int) -> None:
-        self._core = core
-        self._top_n = proposal_top_n
+    ``start``: committed length it was drafted after; ``assumed``: for a lookahead block, the tokens
+    assumed between the previous block's start and ``start`` (empty otherwise). ``cache_len`` and
+    ``cache_hash`` describe the draft's cache afterwards (it holds everything but the last draft).
+    """
 
-    def propose(
-        self,
-        session_id: str,
-        base_len: int,
-        base_hash: int,
-        tail: Sequence[int],
-        num_tokens: int,
-        warp: Warp,
-        seed: int,
-    ) -> ProposeResult:
-        """Proposes ``num_tokens`` tokens after the committed tokens ``[..base_len] + tail``."""
-        started = time.perf_counter()
-        caches = self._core.caches
-        try:
-            entry = caches.sync(session_id, base_len, base_hash)
-        except ResyncRequired:
-            return ProposeResult(resync=True)
-        committed_len = base_len + len(tail)
-        generator = None if warp.greedy else round_generator(seed, committed_len, "draft", self._core.loaded.device)
-        logits = caches.extend(entry, tail, num_logits=1)[-1]
-        samples: list[DraftSample] = []
-        for i in range(num_tokens):
-            sample = sample_draft_token(logits, warp, self._top_n, generator)
-            samples.append(sample)
-            if i + 1 < num_tokens:
-                logits = caches.extend(entry, [sample.token_id], num_logits=1)[-1]
-        return ProposeResult(
-            resync=False,
-            samples=tuple(samples),
-            cache_len=len(entry.tokens),
-            compute_ms=(time.perf_counter() - started) * 1000,
-        )
+    samples: tuple[DraftSample, ...]
+    start: int
+    assumed: tuple[int, ...]
+    cache_len: int
+    cache_hash: int
+    compute_ms: float
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [s.token_id for s in self.samples]
+
+
+def _draft_block(
+    entry: SessionCache, logits: torch.Tensor, params: DraftParams, start: int, device: torch.device
+) -> Generator[Extend, torch.Tensor, list[DraftSample]]:
+    """Samples ``params.k`` tokens starting from ``logits`` (the distribution after ``start`` tokens)."""
+    generator = None if params.warp.greedy else round_generator(params.seed, start, "draft", device)
+    samples: list[DraftSample] = []
+    for i in range(params.k):
+        sample = sample_draft_token(logits, params.warp, params.top_n, generator)
+        samples.append(sample)
+        if i + 1 < params.k:
+            logits = (yield Extend(entry, [sample.token_id], 1))[-1]
+    return samples
+
+
+def _finish(entry: SessionCache, samples: list[DraftSample], start: int, assumed: Sequence[int], began: float) -> Block:
+    return Block(
+        samples=tuple(samples),
+        start=start,
+        assumed=tuple(assumed),
+        cache_len=len(entry.tokens),
+        cache_hash=prefix_hash(entry.tokens),
+        compute_ms=(time.perf_counter() - began) * 1000,
+    )
+
+
+def propose_job(
+    caches: SessionCaches,
+    loaded: LoadedModel,
+    session_id: str,
+    base_len: int,
+    base_hash: int,
+    tail: Sequence[int],
+    params: DraftParams,
+) -> Job[Block | None]:
+    """K draft tokens after the committed tokens ``[..base_len] + tail``; None = resync required."""
+    began = time.perf_counter()
+    try:
+        entry = caches.sync(session_id, base_len, base_hash)
+    except ResyncRequired:
+        return None
+    logits = (yield Extend(entry, list(tail), 1))[-1]
+    start = base_len + len(tail)
+    samples = yield from _draft_block(entry, logits, params, start, loaded.device)
+    return _finish(entry, samples, start, (), began)
+
+
+def lookahead_job(
+    caches: SessionCaches, loaded: LoadedModel, session_id: str, previous: Block, params: DraftParams
+) -> Job[Block | None]:
+    """The block after ``previous`` + the draft's guess of the next token; None if the cache moved on."""
+    began = time.perf_counter()
+    try:
+        entry = caches.sync(session_id, previous.cache_len, previous.cache_hash)
+    except ResyncRequired:
+        return None
+    last = previous.samples[-1].token_id
+    guess = int((yield Extend(entry, [last], 1))[-1].argmax())  # the most likely next token (any warp keeps it)
+    logits = (yield Extend(entry, [guess], 1))[-1]
+    assumed = (*previous.token_ids, guess)
+    start = previous.start + len(assumed)
+    samples = yield from _draft_block(entry, logits, params, start, loaded.device)
+    return _finish(entry, samples, start, assumed, began)

@@ -2,23 +2,139 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
-from draft_worker.engine import DraftEngine
+from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
 from draft_worker.settings import DraftSettings
 from specdec.errors import InvalidRequest
 from specdec.proposals import encode_block
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.worker import WorkerCore, warp_from_proto
 
+_END = object()
+
+
+def _response(block: Block, round_id: int, lookahead: bool) -> draft_pb2.ProposeResponse:
+    return draft_pb2.ProposeResponse(
+        round_id=round_id,
+        cache_status=common_pb2.CACHE_STATUS_OK,
+        draft=encode_block(list(block.samples)),
+        cache_len=block.cache_len,
+        compute_ms=block.compute_ms,
+        lookahead=lookahead,
+        base_len=block.start - len(block.assumed),
+        assumed_token_ids=list(block.assumed),
+    )
+
+
+class _ProposeStream:
+    """One Propose stream: requests answered in order; lookahead blocks pushed unasked."""
+
+    def __init__(self, core: WorkerCore, settings: DraftSettings, outbox: asyncio.Queue[object]) -> None:
+        self._core = core
+        self._settings = settings
+        self._outbox = outbox
+        self._session = ""
+        self._params: DraftParams | None = None
+        self._last: Block | None = None
+        self._lookahead: asyncio.Task[None] | None = None
+
+    async def serve(self, requests: AsyncIterator[draft_pb2.ProposeRequest]) -> None:
+        try:
+            async for request in requests:
+                await self._handle(request)
+        except Exception as exc:  # re-raised by the stream's generator
+            self._outbox.put_nowait(exc)
+        finally:
+            await self.cancel_lookahead()
+            self._outbox.put_nowait(_END)
+
+    async def _handle(self, request: draft_pb2.ProposeRequest) -> None:
+        if self._session and request.session_id != self._session:
+            raise InvalidRequest("every message of a Propose stream must name the same session_id")
+        self._session = request.session_id
+        structlog.contextvars.bind_contextvars(session_id=self._session)
+        if request.adopt_lookahead:
+            if self._last is None or not self._last.assumed:
+                raise InvalidRequest("adopt_lookahead needs a lookahead block sent on this stream")
+            self._start_lookahead(request.round_id)
+            return
+        await self.cancel_lookahead()
+        block = await self._propose(request)
+        if block is None:
+            response = draft_pb2.ProposeResponse(
+                round_id=request.round_id, cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED
+            )
+            self._outbox.put_nowait(response)
+            return
+        self._outbox.put_nowait(_response(block, request.round_id, lookahead=False))
+        if request.lookahead:
+            self._start_lookahead(request.round_id)
+
+    async def _propose(self, request: draft_pb2.ProposeRequest) -> Block | None:
+        k = request.num_tokens
+        if not 0 < k <= self._settings.max_draft_tokens:
+            raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
+        core = self._core
+        core.check_request(request.session_id, request.base_len, request.tail_token_ids, k - 1)
+        params = DraftParams(k, warp_from_proto(request.warp), request.seed, self._settings.proposal_top_n)
+        self._params = params
+        tail = list(request.tail_token_ids)
+        block = await core.run(
+            self._session,
+            lambda: propose_job(
+                core.caches, core.loaded, self._session, request.base_len, request.prefix_hash, tail, params
+            ),
+        )
+        self._count(block, len(tail) + k - 1)
+        self._last = block
+        return block
+
+    def _start_lookahead(self, round_id: int) -> None:
+        previous, params, core = self._last, self._params, self._core
+        assert previous is not None and params is not None
+        if previous.cache_len + 2 + params.k - 1 > core.loaded.max_context_len:
+            return  # no room for another block
+        self._lookahead = asyncio.create_task(self._run_lookahead(previous, params, round_id))
+
+    async def _run_lookahead(self, previous: Block, params: DraftParams, round_id: int) -> None:
+        core = self._core
+        try:
+            block = await core.run(
+                self._session, lambda: lookahead_job(core.caches, core.loaded, self._session, previous, params)
+            )
+        except Exception as exc:  # the stream fails with it
+            self._outbox.put_nowait(exc)
+            return
+        self._count(block, params.k + 1)
+        if block is not None:
+            self._last = block
+            self._outbox.put_nowait(_response(block, round_id, lookahead=True))
+
+    async def cancel_lookahead(self) -> None:
+        if self._lookahead is not None and not self._lookahead.done():
+            self._lookahead.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lookahead
+        self._lookahead = None
+
+    def _count(self, block: Block | None, computed: int) -> None:
+        metrics = self._core.metrics
+        if block is None:
+            metrics.resyncs.inc()
+            return
+        metrics.computed_tokens.inc(computed)
+        metrics.compute_seconds.observe(block.compute_ms / 1000)
+
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     def __init__(self, core: WorkerCore, settings: DraftSettings) -> None:
         self._core = core
-        self._engine = DraftEngine(core, settings.proposal_top_n)
         self._settings = settings
 
     async def Info(
@@ -29,40 +145,20 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     async def Propose(
         self, request_iterator: AsyncIterator[draft_pb2.ProposeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[draft_pb2.ProposeResponse]:
-        session_id = ""
-        async for request in request_iterator:
-            if session_id and request.session_id != session_id:
-                raise InvalidRequest("every message of a Propose stream must name the same session_id")
-            session_id = request.session_id
-            structlog.contextvars.bind_contextvars(session_id=session_id)
-            yield await self._propose(request)
-
-    async def _propose(self, request: draft_pb2.ProposeRequest) -> draft_pb2.ProposeResponse:
-        k = request.num_tokens
-        if not 0 < k <= self._settings.max_draft_tokens:
-            raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
-        self._core.check_request(request.session_id, request.base_len, request.tail_token_ids, k - 1)
-        result = await self._core.compute(
-            self._engine.propose,
-            request.session_id,
-            request.base_len,
-            request.prefix_hash,
-            list(request.tail_token_ids),
-            k,
-            warp_from_proto(request.warp),
-            request.seed,
-        )
-        if result.resync:
-            return draft_pb2.ProposeResponse(
-                round_id=request.round_id, cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED
-            )
-        return draft_pb2.ProposeResponse(
-            round_id=request.round_id,
-            cache_status=common_pb2.CACHE_STATUS_OK,
-            draft=encode_block(list(result.samples)),
-            cache_len=result.cache_len,
-            compute_ms=result.compute_ms,
-        )
+        outbox: asyncio.Queue[object] = asyncio.Queue()
+        stream = _ProposeStream(self._core, self._settings, outbox)
+        reader = asyncio.create_task(stream.serve(request_iterator))
+        try:
+            while (item := await outbox.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, draft_pb2.ProposeResponse)
+                yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            await stream.cancel_lookahead()
 
     async def ReleaseSession(
         self, request: draft_pb2.DraftReleaseSessionRequest, context: grpc.aio.ServicerContext

@@ -87,6 +87,33 @@ class SessionCaches:
         self.prefill_tokens_total += len(token_ids)
         return out.logits[0, -num_logits:].float()
 
+    def extend_many(self, ops: Sequence[tuple[SessionCache, Sequence[int], int]]) -> list[torch.Tensor]:
+        """``extend`` for several sessions in ONE forward pass; returns each one's logits.
+
+        Past caches are left-padded to the longest and new tokens right-padded; the attention
+        mask hides the padding and each row gets its own positions. The new keys/values are then
+        appended to each session's own cache.
+        """
+        if len(ops) == 1:
+            entry, token_ids, num_logits = ops[0]
+            return [self.extend(entry, token_ids, num_logits)]
+        batch = _Batch.build(ops, self._loaded)
+        with torch.inference_mode():
+            out = self._loaded.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                past_key_values=batch.cache,
+                use_cache=True,
+            )
+        results = []
+        for row, (entry, token_ids, num_logits) in enumerate(ops):
+            batch.scatter_new_kv(row, entry, len(token_ids))
+            entry.tokens.extend(token_ids)
+            self.prefill_tokens_total += len(token_ids)
+            results.append(out.logits[row, len(token_ids) - num_logits : len(token_ids)].float())
+        return results
+
     def release(self, session_id: str) -> bool:
         """Frees a session's cache; False when there was none."""
         return self._entries.pop(session_id, None) is not None
@@ -103,3 +130,57 @@ class SessionCaches:
     def _evict_over_capacity(self) -> None:
         while len(self._entries) > self._max_sessions:
             self._entries.popitem(last=False)
+
+
+@dataclass
+class _Batch:
+    """Padded inputs and a combined cache for one batched forward pass."""
+
+    input_ids: torch.Tensor  # [B, M]
+    attention_mask: torch.Tensor  # [B, P + M]
+    position_ids: torch.Tensor  # [B, M]
+    cache: DynamicCache  # past of every row, left-padded to P
+    past: int  # P
+
+    @classmethod
+    def build(cls, ops: Sequence[tuple[SessionCache, Sequence[int], int]], loaded: LoadedModel) -> _Batch:
+        device = loaded.device
+        past_lens = [len(entry.tokens) for entry, _, _ in ops]
+        new_lens = [len(tokens) for _, tokens, _ in ops]
+        past, width = max(past_lens), max(new_lens)
+        input_ids = torch.zeros(len(ops), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(ops), past + width, dtype=torch.long, device=device)
+        for row, (_, tokens, _) in enumerate(ops):
+            input_ids[row, : new_lens[row]] = torch.tensor(list(tokens), dtype=torch.long, device=device)
+            mask[row, past - past_lens[row] : past + new_lens[row]] = 1
+        positions = torch.tensor(past_lens, device=device)[:, None] + torch.arange(width, device=device)[None, :]
+        cache = DynamicCache(config=loaded.model.config)
+        if past:
+            template = next(entry.cache for entry, _, _ in ops if entry.tokens)
+            for layer in range(len(template.layers)):
+                like = template.layers[layer].keys
+                pairs = [_left_pad(entry.cache, layer, past, like) for entry, _, _ in ops]
+                cache.update(torch.cat([k for k, _ in pairs]), torch.cat([v for _, v in pairs]), layer)
+        return cls(input_ids, mask, positions, cache, past)
+
+    def scatter_new_kv(self, row: int, entry: SessionCache, count: int) -> None:
+        """Appends this row's new keys/values to the session's own cache."""
+        for layer, combined in enumerate(self.cache.layers):
+            keys = combined.keys[row : row + 1, :, self.past : self.past + count]
+            values = combined.values[row : row + 1, :, self.past : self.past + count]
+            entry.cache.update(keys.clone(), values.clone(), layer)
+
+
+def _left_pad(cache: DynamicCache, layer: int, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A session's keys/values for one layer, left-padded with zeros to ``length`` positions
+    (all zeros, shaped like ``like``, for a session with nothing cached yet)."""
+    own = cache.layers[layer] if layer < len(cache.layers) else None
+    if own is None or not getattr(own, "is_initialized", False) or own.keys is None:
+        empty = like.new_zeros(1, like.shape[1], length, like.shape[3])
+        return empty, empty.clone()
+    keys, values = own.keys, own.values
+    missing = length - keys.shape[2]
+    if missing:
+        pad = (0, 0, missing, 0)
+        keys, values = torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
+    return keys, values

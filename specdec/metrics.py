@@ -45,11 +45,21 @@ class CoordinatorMetrics:
         self.generated_tokens = Counter("specdec_generated_tokens", "Tokens committed to sessions", registry=registry)
         self.rounds = Counter("specdec_rounds", "Draft-verify rounds", ["mode"], registry=registry)
         self.draft_tokens_proposed = Counter(
-            "specdec_draft_tokens_proposed", "Draft tokens proposed", registry=registry
-        )
+            "specdec_draft_tokens_proposed", "Draft tokens proposed, by position in the block", ["position"],
+            registry=registry,
+        )  # fmt: skip
         self.draft_tokens_accepted = Counter(
-            "specdec_draft_tokens_accepted", "Draft tokens accepted", registry=registry
-        )
+            "specdec_draft_tokens_accepted", "Draft tokens accepted, by position in the block", ["position"],
+            registry=registry,
+        )  # fmt: skip
+        self.committed_per_round = Histogram(
+            "specdec_committed_tokens_per_round", "Accepted drafts + the target's token, per round",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16), registry=registry,
+        )  # fmt: skip
+        self.round_seconds = Histogram(
+            "specdec_round_seconds", "Round latency split into draft wait, verify model time and the rest",
+            ["part"], buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
         self.draft_failures = Counter(
             "specdec_draft_failures", "Draft calls abandoned (timeout or error)", registry=registry
         )
@@ -57,3 +67,17 @@ class CoordinatorMetrics:
             "specdec_target_failovers", "Verify calls moved to another target replica", registry=registry
         )
         self.cache_resyncs = Counter("specdec_cache_resyncs", "Worker caches re-prefilled", ["role"], registry=registry)
+
+    def record_round(
+        self, k: int, accepted: int, draft_ms: float, verify_ms: float, overhead_ms: float, committed: int
+    ) -> None:
+        """One round: its mode, tokens, per-position acceptance and latency split."""
+        self.rounds.labels("speculative" if k else "target_only").inc()
+        self.generated_tokens.inc(committed)
+        self.committed_per_round.observe(committed)
+        for position in range(1, k + 1):
+            self.draft_tokens_proposed.labels(str(position)).inc()
+            if position <= accepted:
+                self.draft_tokens_accepted.labels(str(position)).inc()
+        for part, ms in (("draft", draft_ms), ("verify", verify_ms), ("overhead", overhead_ms)):
+            self.round_seconds.labels(part).observe(max(ms, 0.0) / 1000)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,46 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 log = structlog.get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class SmallBatchLinear(torch.nn.Linear):
+    """nn.Linear computing ``W @ x.T`` for a few rows.
+
+    For 2..128 rows on CPU, BLAS's row-major GEMM re-reads (packs) the weight matrix for small M
+    and costs about 3x a single-row GEMV on a memory-bound machine; the weight-stationary product
+    reads W once (1.4x faster verification of a 5-token block on the benchmark's 1.5B target).
+    One row keeps the standard path, so single-token decoding is bit-identical to nn.Linear.
+    """
+
+    max_rows = 128
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if not 1 < rows <= self.max_rows:
+            return super().forward(x)
+        out = torch.matmul(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def use_small_batch_linear(model: torch.nn.Module) -> int:
+    """Switches every plain nn.Linear of ``model`` to SmallBatchLinear; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = SmallBatchLinear
+            count += 1
+    return count
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Dynamic int8 quantization of the Linear layers (CPU): weights int8, activations quantized
+    per call. Meant for a CPU draft: about 3-4x faster per token; the draft's proposals change
+    (they stay exact: the target verifies the distribution the draft actually sampled from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notice; the API still works in torch 2.x
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -58,23 +99,40 @@ class LoadedModel:
     tokenizer_hash: str
 
 
-def load_model(
-    model_id: str, device_spec: str = "auto", dtype_spec: str = "auto", trust_remote_code: bool = False
-) -> LoadedModel:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load and prepare a model."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str = "none"  # none | int8
+    small_batch_kernel: str = "auto"  # auto (on for CPU) | on | off
+    trust_remote_code: bool = False
+
+
+def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel:
     """Loads model weights and tokenizer; raises with a clear message when either is missing."""
-    device = resolve_device(device_spec)
-    dtype = resolve_dtype(dtype_spec, device)
-    tokenizer = load_tokenizer(model_id, trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=trust_remote_code)
+    options = options or LoadOptions()
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    if options.quantize == "int8" and device.type != "cpu":
+        raise ValueError("--quantize int8 is a CPU (dynamic quantization) option; use it with --device cpu")
+    tokenizer = load_tokenizer(model_id, options.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=options.trust_remote_code)
     model = model.to(device).eval()
     model.requires_grad_(False)
+    vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    if options.quantize == "int8":
+        model = quantize_int8(model)
+    elif options.small_batch_kernel == "on" or (options.small_batch_kernel == "auto" and device.type == "cpu"):
+        use_small_batch_linear(model)
     config = model.config
     loaded = LoadedModel(
         model_id=model_id,
         model=model,
         device=device,
         dtype=dtype,
-        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        vocab_size=vocab_size,
         max_context_len=int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length),
         eos_token_ids=_eos_ids(model, tokenizer),
         tokenizer_hash=tokenizer_fingerprint(tokenizer),
@@ -84,6 +142,7 @@ def load_model(
         model=model_id,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
+        quantize=options.quantize,
         vocab_size=loaded.vocab_size,
         max_context_len=loaded.max_context_len,
     )

@@ -7,10 +7,9 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import structlog
@@ -23,7 +22,6 @@ from specdec.metrics import start_metrics
 from specdec.settings import ServiceSettings
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 
 INTERNAL_MESSAGE = "internal error; the server logged the details"
 
@@ -141,19 +139,6 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, name, control), **codec)
         return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, name, control), **codec)
-
-
-class ModelThread:
-    """The single thread a worker runs its model in (model compute never blocks the event loop)."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def channel_options(settings: ServiceSettings) -> list[tuple[str, Any]]:

@@ -49,6 +49,11 @@ class ModelWorkerSettings(ServiceSettings):
     session_idle_s: float = Field(900.0, gt=0, description="a cache unused this long is freed")
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for torch (0 = torch's default)")
     trust_remote_code: bool = Field(False, description="allow model code from the model repository")
+    quantize: Literal["none", "int8"] = Field("none", description="int8 = dynamic int8 Linear layers (CPU draft)")
+    small_batch_kernel: Literal["auto", "on", "off"] = Field(
+        "auto", description="weight-stationary matmul for 2..128 rows (auto = on for CPU)"
+    )
+    max_batch: int = Field(16, gt=0, description="requests whose steps share one forward pass at most")
 
 
 def load_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:

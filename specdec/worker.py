@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -13,9 +14,10 @@ from prometheus_client import CollectorRegistry
 from specdec.errors import InvalidRequest, SpecdecError, WorkerUnavailable
 from specdec.kvcache import SessionCaches
 from specdec.metrics import WorkerMetrics
-from specdec.modeling import LoadedModel, load_model
+from specdec.modeling import LoadedModel, LoadOptions, load_model
 from specdec.sampling import Warp
-from specdec.server import ModelThread, ServerControl
+from specdec.scheduler import Job, StepScheduler
+from specdec.server import ServerControl
 from specdec.settings import ModelWorkerSettings
 from specdec.v1 import common_pb2
 
@@ -24,17 +26,18 @@ T = TypeVar("T")
 
 
 class WorkerCore:
-    """A model plus its per-session caches, driven from one model thread.
+    """A model plus its per-session caches, driven by one model thread (a StepScheduler).
 
-    An unexpected exception in the model thread fails that request with a generic INTERNAL
-    and takes the worker out of service (health NOT_SERVING, graceful exit with status 1), so
-    that the orchestrator restarts it rather than it serving from a possibly corrupt state.
+    An unexpected exception in the model thread fails the affected requests with a generic
+    INTERNAL and takes the worker out of service (health NOT_SERVING, graceful exit with status
+    1), so that the orchestrator restarts it rather than it serving from a possibly corrupt state.
     """
 
     def __init__(self, settings: ModelWorkerSettings, control: ServerControl, registry: CollectorRegistry) -> None:
         self.settings = settings
-        self.thread = ModelThread()
+        self.scheduler = StepScheduler(settings.max_batch)
         self.instance_id = uuid.uuid4().hex
+        self.host = socket.gethostname()
         self.metrics = WorkerMetrics(registry)
         self._control = control
         self._loaded: LoadedModel | None = None
@@ -42,18 +45,27 @@ class WorkerCore:
 
     async def load(self) -> None:
         """Loads the model in the model thread (the server answers health checks meanwhile)."""
-        if self.settings.torch_threads:
-            torch.set_num_threads(self.settings.torch_threads)
         s = self.settings
-        self._loaded = await self.thread.run(load_model, s.model, s.device, s.dtype, s.trust_remote_code)
+        if s.torch_threads:
+            await self.scheduler.call(torch.set_num_threads, s.torch_threads)
+        options = LoadOptions(s.device, s.dtype, s.quantize, s.small_batch_kernel, s.trust_remote_code)
+        self._loaded = await self.scheduler.call(load_model, s.model, options)
         caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s)
         self.metrics.cached_sessions.set_function(lambda: len(caches))
+        self.scheduler.attach(caches)
         self._caches = caches
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """Runs model work in the model thread, applying the crash policy above."""
+    async def run(self, session_id: str, start: Callable[[], Job[T]]) -> T:
+        """Runs a job in the model thread, applying the crash policy above."""
+        return await self._guard(self.scheduler.run(session_id, start))
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs a plain function in the model thread, applying the crash policy above."""
+        return await self._guard(self.scheduler.call(fn, *args))
+
+    async def _guard(self, work: Awaitable[T]) -> T:
         try:
-            return await self.thread.run(fn, *args)
+            return await work
         except SpecdecError:
             raise
         except Exception:
@@ -87,6 +99,9 @@ class WorkerCore:
             instance_id=self.instance_id,
             active_sessions=len(self.caches),
             prefill_tokens_total=self.caches.prefill_tokens_total,
+            host=self.host,
+            batched_forwards=self.scheduler.batched_forwards,
+            batched_requests=self.scheduler.batched_requests,
         )
 
     def check_request(self, session_id: str, base_len: int, tail: Sequence[int], extra_positions: int) -> None:
@@ -103,10 +118,10 @@ class WorkerCore:
             raise InvalidRequest(f"{end} positions exceed the model's context length {self.loaded.max_context_len}")
 
     async def release(self, session_id: str) -> bool:
-        return await self.compute(self.caches.release, session_id)
+        return await self.call(self.caches.release, session_id)
 
     def close(self) -> None:
-        self.thread.shutdown()
+        self.scheduler.stop()
 
 
 def warp_from_proto(warp: common_pb2.WarpParams) -> Warp:

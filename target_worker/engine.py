@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kvcache import ResyncRequired
+from specdec.kvcache import ResyncRequired, SessionCaches
+from specdec.modeling import LoadedModel
 from specdec.proposals import decode_block
 from specdec.sampling import Warp, rejection_sample, round_generator
+from specdec.scheduler import Extend, Job
 from specdec.v1 import common_pb2
-from specdec.worker import WorkerCore
 
 
 @dataclass(frozen=True)
@@ -27,43 +28,37 @@ class VerifyResult:
     compute_ms: float = 0.0
 
 
-class TargetEngine:
-    """Runs in the worker's model thread."""
-
-    def __init__(self, core: WorkerCore) -> None:
-        self._core = core
-
-    def verify(
-        self,
-        session_id: str,
-        base_len: int,
-        base_hash: int,
-        tail: Sequence[int],
-        block: common_pb2.DraftBlock,
-        warp: Warp,
-        seed: int,
-    ) -> VerifyResult:
-        """Verifies ``block`` after the committed tokens ``[..base_len] + tail``."""
-        started = time.perf_counter()
-        loaded = self._core.loaded
-        drafts, q = decode_block(block, loaded.vocab_size, loaded.device)
-        try:
-            entry = self._core.caches.sync(session_id, base_len, base_hash)
-        except ResyncRequired:
-            return VerifyResult(resync=True)
-        k = len(drafts)
-        logits = self._core.caches.extend(entry, [*tail, *drafts.tolist()], num_logits=k + 1)
-        committed_len = base_len + len(tail)
-        generator = None if warp.greedy else round_generator(seed, committed_len, "target", loaded.device)
-        if q is None and not warp.greedy:
-            q = torch.nn.functional.one_hot(drafts, loaded.vocab_size).float()
-        verdict = rejection_sample(logits, drafts, q, warp, generator)
-        entry.truncate(committed_len + verdict.num_accepted)
-        return VerifyResult(
-            resync=False,
-            num_accepted=verdict.num_accepted,
-            token_ids=tuple(verdict.token_ids),
-            cache_len=len(entry.tokens),
-            computed_tokens=len(tail) + k,
-            compute_ms=(time.perf_counter() - started) * 1000,
-        )
+def verify_job(
+    caches: SessionCaches,
+    loaded: LoadedModel,
+    session_id: str,
+    base_len: int,
+    base_hash: int,
+    tail: Sequence[int],
+    block: common_pb2.DraftBlock,
+    warp: Warp,
+    seed: int,
+) -> Job[VerifyResult]:
+    """Verifies ``block`` after the committed tokens ``[..base_len] + tail`` (one Extend step)."""
+    started = time.perf_counter()
+    drafts, q = decode_block(block, loaded.vocab_size, loaded.device)
+    try:
+        entry = caches.sync(session_id, base_len, base_hash)
+    except ResyncRequired:
+        return VerifyResult(resync=True)
+    k = len(drafts)
+    logits = yield Extend(entry, [*tail, *drafts.tolist()], k + 1)
+    committed_len = base_len + len(tail)
+    generator = None if warp.greedy else round_generator(seed, committed_len, "target", loaded.device)
+    if q is None and not warp.greedy:
+        q = torch.nn.functional.one_hot(drafts, loaded.vocab_size).float()
+    verdict = rejection_sample(logits, drafts, q, warp, generator)
+    entry.truncate(committed_len + verdict.num_accepted)
+    return VerifyResult(
+        resync=False,
+        num_accepted=verdict.num_accepted,
+        token_ids=tuple(verdict.token_ids),
+        cache_len=len(entry.tokens),
+        computed_tokens=len(tail) + k,
+        compute_ms=(time.perf_counter() - started) * 1000,
+    )

@@ -7,14 +7,13 @@ import grpc
 from specdec.errors import InvalidRequest
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.worker import WorkerCore, warp_from_proto
-from target_worker.engine import TargetEngine
+from target_worker.engine import verify_job
 from target_worker.settings import TargetSettings
 
 
 class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     def __init__(self, core: WorkerCore, settings: TargetSettings) -> None:
         self._core = core
-        self._engine = TargetEngine(core)
         self._settings = settings
 
     async def Info(
@@ -32,18 +31,19 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             )
         self._core.check_request(request.session_id, request.base_len, request.tail_token_ids, k)
         warp = warp_from_proto(request.warp)
-        result = await self._core.compute(
-            self._engine.verify,
+        core, tail = self._core, list(request.tail_token_ids)
+        result = await core.run(
             request.session_id,
-            request.base_len,
-            request.prefix_hash,
-            list(request.tail_token_ids),
-            request.draft,
-            warp,
-            request.seed,
-        )
+            lambda: verify_job(
+                core.caches, core.loaded, request.session_id, request.base_len, request.prefix_hash,
+                tail, request.draft, warp, request.seed,
+            ),
+        )  # fmt: skip
         if result.resync:
+            core.metrics.resyncs.inc()
             return target_pb2.VerifyResponse(cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED)
+        core.metrics.computed_tokens.inc(result.computed_tokens)
+        core.metrics.compute_seconds.observe(result.compute_ms / 1000)
         return target_pb2.VerifyResponse(
             cache_status=common_pb2.CACHE_STATUS_OK,
             num_accepted=result.num_accepted,

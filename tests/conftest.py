@@ -93,3 +93,29 @@ def routes() -> Iterator[Callable[..., ProxyRoutes]]:
     yield make
     for r in made:
         r.close()
+
+
+@pytest.fixture(scope="session")
+def cluster_pipelined(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """Target + a sometimes-right draft + a coordinator in pipelined mode."""
+    workdir = Path(tmp_path_factory.mktemp("cluster-pipelined"))
+    args = [*CLUSTER_COORDINATOR_ARGS, "--speculation-mode", "pipelined"]
+    cluster = LocalCluster(
+        str(tiny_models.target), str(tiny_models.noisy), workdir, worker_args=CLUSTER_WORKER_ARGS,
+        coordinator_args=args, startup_timeout_s=120,
+    )  # fmt: skip
+    with cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster_sequential(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """The same models as cluster_pipelined, coordinator in sequential mode."""
+    workdir = Path(tmp_path_factory.mktemp("cluster-sequential"))
+    args = [*CLUSTER_COORDINATOR_ARGS, "--speculation-mode", "sequential"]
+    cluster = LocalCluster(
+        str(tiny_models.target), str(tiny_models.noisy), workdir, worker_args=CLUSTER_WORKER_ARGS,
+        coordinator_args=args, startup_timeout_s=120,
+    )  # fmt: skip
+    with cluster:
+        yield cluster

@@ -38,13 +38,15 @@ def reference_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int, igno
 
 
 def make_request(
-    prompt: list[int], k: int = 4, max_new: int = 24, session_id: str = "", **sampling: object
+    prompt: list[int], k: int = 4, max_new: int = 24, session_id: str = "", fixed: bool = True, **sampling: object
 ) -> coordinator_pb2.GenerateRequest:
+    """A token-id request; ``fixed`` (default) speculates exactly K per round, as the exactness
+    tests need; ``fixed=False`` lets the server adapt K."""
     return coordinator_pb2.GenerateRequest(
         session_id=session_id,
         prompt_token_ids=common_pb2.TokenIds(ids=prompt),
         sampling=common_pb2.SamplingParams(max_new_tokens=max_new, **sampling),
-        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=k),
+        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=k, fixed=fixed),
     )
 
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from specdec.kvcache import ResyncRequired, SessionCaches
-from specdec.modeling import LoadedModel, load_model
+from specdec.modeling import LoadedModel, LoadOptions, load_model
 from specdec.tokens import prefix_hash
 from tests.tiny_models import TinyModels
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_models: TinyModels) -> LoadedModel:
-    return load_model(str(tiny_models.target), "cpu", "float32")
+    return load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="float32"))
 
 
 def full_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
@@ -60,3 +60,29 @@ def test_least_recently_used_and_idle_sessions_are_evicted(loaded: LoadedModel) 
     idle.evict_idle()
     assert len(idle) == 0
     assert caches.release("b") and not caches.release("b")
+
+
+def test_batched_extend_matches_separate_extends(loaded: LoadedModel) -> None:
+    """Sessions of different past and new lengths (one with nothing cached) in one forward pass give
+    the logits and caches that separate passes give."""
+    plans = [([5, 9, 13, 200, 7], [7, 1, 40]), ([3], [9]), ([], [8, 8, 2, 100, 4, 6]), ([11, 12], [13, 14])]
+    separate, batched = SessionCaches(loaded, 8, 60), SessionCaches(loaded, 8, 60)
+    expected, ops = [], []
+    for i, (past, new) in enumerate(plans):
+        a, b = separate.sync(f"s{i}", 0, 0), batched.sync(f"s{i}", 0, 0)
+        if past:
+            separate.extend(a, past, 1)
+            batched.extend(b, past, 1)
+        expected.append(separate.extend(a, new, len(new)))
+        ops.append((b, new, len(new)))
+    got = batched.extend_many(ops)
+    for i, (past, new) in enumerate(plans):
+        torch.testing.assert_close(got[i], expected[i], atol=1e-4, rtol=1e-4)
+        assert torch.equal(got[i].argmax(-1), expected[i].argmax(-1))
+        entry = batched._entries[f"s{i}"]
+        assert entry.tokens == [*past, *new] and entry.cache.get_seq_length() == len(past) + len(new)
+    # the caches carry on correctly: one more token for every session, batched again
+    more = batched.extend_many([(batched._entries[f"s{i}"], [42], 1) for i in range(len(plans))])
+    for i, (past, new) in enumerate(plans):
+        full = full_logits(loaded, [*past, *new, 42])[-1]
+        torch.testing.assert_close(more[i][0], full, atol=1e-4, rtol=1e-4)

@@ -80,7 +80,7 @@ class DraftBlock(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ProposalKind, str]] = ..., proposals: _Optional[_Iterable[_Union[TokenProposal, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,9 @@ class WorkerInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_hash: str
@@ -101,4 +104,7 @@ class WorkerInfo(_message.Message):
     instance_id: str
     active_sessions: int
     prefill_tokens_total: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ...) -> None: ...
+    host: str
+    batched_forwards: int
+    batched_requests: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ...) -> None: ...

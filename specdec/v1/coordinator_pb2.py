@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"D\n\x11SpeculationParams\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\"\xf6\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12 \n\x18require_existing_session\x18\x06 \x01(\x08\x42\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xe9\x01\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x02 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x03 \x01(\r\x12\x1d\n\x15target_forward_passes\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x02\x12\x1a\n\x12target_only_rounds\x18\x07 \x01(\r\x12\x15\n\rcache_resyncs\x18\x08 \x01(\r\"\xd5\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xdb\x01\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xfb\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"S\n\x11SpeculationParams\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\x12\r\n\x05\x66ixed\x18\x03 \x01(\x08\"\xf6\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12 \n\x18require_existing_session\x18\x06 \x01(\x08\x42\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xcd\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x02 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x03 \x01(\r\x12\x1d\n\x15target_forward_passes\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x02\x12\x1a\n\x12target_only_rounds\x18\x07 \x01(\r\x12\x15\n\rcache_resyncs\x18\x08 \x01(\r\x12\x18\n\x10pipelined_rounds\x18\t \x01(\r\x12\x10\n\x08\x64raft_ms\x18\n \x01(\x01\x12\x11\n\tverify_ms\x18\x0b \x01(\x01\x12\x13\n\x0boverhead_ms\x18\x0c \x01(\x01\x12\x0e\n\x06mean_k\x18\r \x01(\x02\"\xd5\x01\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xdb\x01\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xfb\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1228
-  _globals['_FINISHREASON']._serialized_end=1323
+  _globals['_FINISHREASON']._serialized_start=1343
+  _globals['_FINISHREASON']._serialized_end=1438
   _globals['_SPECULATIONPARAMS']._serialized_start=69
-  _globals['_SPECULATIONPARAMS']._serialized_end=137
-  _globals['_GENERATEREQUEST']._serialized_start=140
-  _globals['_GENERATEREQUEST']._serialized_end=386
-  _globals['_USAGE']._serialized_start=388
-  _globals['_USAGE']._serialized_end=468
-  _globals['_SPECULATIONSTATS']._serialized_start=471
-  _globals['_SPECULATIONSTATS']._serialized_end=704
-  _globals['_GENERATERESPONSE']._serialized_start=707
-  _globals['_GENERATERESPONSE']._serialized_end=920
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=923
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1142
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1144
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1185
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1187
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1226
-  _globals['_GENERATION']._serialized_start=1326
-  _globals['_GENERATION']._serialized_end=1577
+  _globals['_SPECULATIONPARAMS']._serialized_end=152
+  _globals['_GENERATEREQUEST']._serialized_start=155
+  _globals['_GENERATEREQUEST']._serialized_end=401
+  _globals['_USAGE']._serialized_start=403
+  _globals['_USAGE']._serialized_end=483
+  _globals['_SPECULATIONSTATS']._serialized_start=486
+  _globals['_SPECULATIONSTATS']._serialized_end=819
+  _globals['_GENERATERESPONSE']._serialized_start=822
+  _globals['_GENERATERESPONSE']._serialized_end=1035
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1038
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1257
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1259
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1300
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1302
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1341
+  _globals['_GENERATION']._serialized_start=1441
+  _globals['_GENERATION']._serialized_end=1692
 # @@protoc_insertion_point(module_scope)

@@ -18,12 +18,14 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_speculative_tokens", "disable")
+    __slots__ = ("num_speculative_tokens", "disable", "fixed")
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISABLE_FIELD_NUMBER: _ClassVar[int]
+    FIXED_FIELD_NUMBER: _ClassVar[int]
     num_speculative_tokens: int
     disable: bool
-    def __init__(self, num_speculative_tokens: _Optional[int] = ..., disable: _Optional[bool] = ...) -> None: ...
+    fixed: bool
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., disable: _Optional[bool] = ..., fixed: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt", "prompt_token_ids", "sampling", "speculation", "require_existing_session")
@@ -52,7 +54,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs")
+    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs", "pipelined_rounds", "draft_ms", "verify_ms", "overhead_ms", "mean_k")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +63,11 @@ class SpeculationStats(_message.Message):
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TARGET_ONLY_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_K_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens_proposed: int
     draft_tokens_accepted: int
@@ -69,7 +76,12 @@ class SpeculationStats(_message.Message):
     mean_accepted_length: float
     target_only_rounds: int
     cache_resyncs: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ...) -> None: ...
+    pipelined_rounds: int
+    draft_ms: float
+    verify_ms: float
+    overhead_ms: float
+    mean_k: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., mean_k: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "token_ids", "text", "finish_reason", "usage", "stats", "seed")

@@ -18,7 +18,7 @@ class DraftInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "round_id", "base_len", "prefix_hash", "tail_token_ids", "num_tokens", "warp", "seed")
+    __slots__ = ("session_id", "round_id", "base_len", "prefix_hash", "tail_token_ids", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class ProposeRequest(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WARP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round_id: int
     base_len: int
@@ -35,21 +37,29 @@ class ProposeRequest(_message.Message):
     num_tokens: int
     warp: _common_pb2.WarpParams
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    lookahead: bool
+    adopt_lookahead: bool
+    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms")
+    __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms", "lookahead", "base_len", "assumed_token_ids")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     cache_status: _common_pb2.CacheStatus
     draft: _common_pb2.DraftBlock
     cache_len: int
     compute_ms: float
-    def __init__(self, round_id: _Optional[int] = ..., cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    lookahead: bool
+    base_len: int
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round_id: _Optional[int] = ..., cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., lookahead: _Optional[bool] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftReleaseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

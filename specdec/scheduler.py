@@ -1,0 +1,196 @@
+"""The model thread of a worker: a step scheduler that batches requests' forward passes.
+
+A request is a *job*: a generator that yields ``Extend`` steps (run these tokens through the model
+on top of a session's cache, give me the last N logits) and finally returns its result. Each
+scheduler iteration takes the pending step of every active job and runs them as one batched
+forward pass (continuous batching: new requests join at the next step). Short steps (decoding,
+verification blocks) are batched together; long ones (prefills) run one at a time, so that a
+long prompt does not pad every row of a batch.
+
+Model compute therefore never runs on the asyncio event loop, and there is one thread that
+touches the model and the caches. Jobs of one session run one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import structlog
+import torch
+
+from specdec.kvcache import SessionCache, SessionCaches
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+SHORT_STEP_TOKENS = 32  # steps up to this many tokens are batched together
+
+
+@dataclass(frozen=True)
+class Extend:
+    """A job's step: run ``token_ids`` after ``entry``'s cache; send back the last ``num_logits`` logits."""
+
+    entry: SessionCache
+    token_ids: list[int]
+    num_logits: int
+
+
+Job = Generator[Extend, torch.Tensor, T]
+
+
+@dataclass
+class _Task(Generic[T]):
+    session: str
+    start: Callable[[], Job[T]] | None
+    call: Callable[[], T] | None
+    future: Future[T] = field(default_factory=Future)
+    job: Job[T] | None = None
+    step: Extend | None = None
+    cancelled: bool = False
+
+
+def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Resolves a future unless the awaiting side already cancelled it."""
+    if future.done():
+        return
+    if isinstance(exc, asyncio.CancelledError):
+        future.cancel()
+    elif exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+class StepScheduler:
+    """Owns the model thread; see the module docstring."""
+
+    def __init__(self, max_batch: int) -> None:
+        self._max_batch = max_batch
+        self._inbox: queue.SimpleQueue[_Task[Any] | None] = queue.SimpleQueue()
+        self._waiting: dict[str, collections.deque[_Task[Any]]] = collections.defaultdict(collections.deque)
+        self._active: dict[str, _Task[Any]] = {}
+        self._caches: SessionCaches | None = None
+        self._thread = threading.Thread(target=self._run, name="model", daemon=True)
+        self._thread.start()
+        self.batched_forwards = 0
+        self.batched_requests = 0
+
+    def attach(self, caches: SessionCaches) -> None:
+        self._caches = caches
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs a plain function in the model thread, between steps."""
+        return await self._submit(_Task(session="", start=None, call=lambda: fn(*args)))
+
+    async def run(self, session: str, start: Callable[[], Job[T]]) -> T:
+        """Runs a job for ``session``; if the caller is cancelled, the job is closed at its next step."""
+        return await self._submit(_Task(session=session, start=start, call=None))
+
+    async def _submit(self, task: _Task[T]) -> T:
+        self._inbox.put(task)
+        try:
+            return await asyncio.wrap_future(task.future)
+        except asyncio.CancelledError:
+            task.cancelled = True
+            raise
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+
+    # --- model thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if not self._take_new(block=not self._active):
+                return
+            short = [t for t in self._active.values() if t.step and len(t.step.token_ids) <= SHORT_STEP_TOKENS]
+            long = [t for t in self._active.values() if t.step and len(t.step.token_ids) > SHORT_STEP_TOKENS]
+            if short:
+                self._forward(short[: self._max_batch])
+            if long:
+                self._forward(long[:1])
+
+    def _take_new(self, block: bool) -> bool:
+        """Moves submitted tasks in; False when stop() was called."""
+        while True:
+            try:
+                task = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if task is None:
+                return False
+            if task.call is not None:
+                self._run_call(task)
+            else:
+                self._waiting[task.session].append(task)
+                self._activate(task.session)
+
+    def _run_call(self, task: _Task[Any]) -> None:
+        assert task.call is not None
+        try:
+            _settle(task.future, task.call())
+        except BaseException as exc:  # handed to the awaiting coroutine
+            _settle(task.future, exc=exc)
+
+    def _activate(self, session: str) -> None:
+        """Starts the next waiting job of ``session`` if none of its jobs is active."""
+        waiting = self._waiting.get(session)
+        while waiting and session not in self._active:
+            task = waiting.popleft()
+            if task.cancelled:
+                _settle(task.future, exc=asyncio.CancelledError())
+                continue
+            assert task.start is not None
+            try:
+                task.job = task.start()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                _settle(task.future, exc=exc)
+                continue
+            self._active[session] = task
+            self._advance(task, None)
+        if waiting is not None and not waiting:
+            self._waiting.pop(session, None)
+
+    def _advance(self, task: _Task[Any], logits: torch.Tensor | None) -> None:
+        """Sends ``logits`` into the job; records its next step or finishes it."""
+        assert task.job is not None
+        try:
+            if task.cancelled:
+                task.job.close()
+                raise asyncio.CancelledError
+            task.step = task.job.send(logits)  # type: ignore[arg-type]
+            return
+        except StopIteration as done:
+            _settle(task.future, done.value)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            _settle(task.future, exc=exc)
+        self._active.pop(task.session, None)
+        self._activate(task.session)
+
+    def _forward(self, tasks: list[_Task[Any]]) -> None:
+        assert self._caches is not None
+        steps = [t.step for t in tasks if t.step is not None]
+        try:
+            results = self._caches.extend_many([(s.entry, s.token_ids, s.num_logits) for s in steps])
+        except BaseException as exc:  # every job in the batch fails with it
+            for task in tasks:
+                task.step = None
+                _settle(task.future, exc=exc)
+                self._active.pop(task.session, None)
+            for task in tasks:
+                self._activate(task.session)
+            return
+        if len(tasks) > 1:
+            self.batched_forwards += 1
+            self.batched_requests += len(tasks)
+        for task, logits in zip(tasks, results, strict=True):
+            task.step = None
+            self._advance(task, logits)

@@ -1,0 +1,72 @@
+"""Adaptive K: the cost model and the choice it makes."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.adaptive import KController, StepCosts, expected_tokens
+
+
+def costs(draft: float, verify: dict[int, float], overhead: float = 0.0) -> StepCosts:
+    c = StepCosts()
+    c.draft_per_token, c.overhead = draft, overhead
+    c.verify.update(verify)
+    return c
+
+
+def test_expected_tokens_matches_the_closed_form() -> None:
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.8, 0) == 1.0
+
+
+def test_verify_cost_interpolates_between_measurements() -> None:
+    c = costs(10, {1: 100.0, 5: 180.0})
+    assert c.verify_ms(3) == pytest.approx(140.0)
+    assert c.verify_ms(9) == pytest.approx(260.0)  # extrapolated
+    assert c.verify_ms(5) == 180.0
+    assert StepCosts().verify_ms(2) is None
+
+
+def test_unmeasured_costs_are_learned_target_only_first_then_at_the_maximum() -> None:
+    assert KController(k_max=6, costs=StepCosts()).choose(budget=100) == 0
+    only_target_measured = costs(0, {1: 400.0})
+    only_target_measured.draft_per_token = None
+    assert KController(k_max=6, costs=only_target_measured).choose(budget=100) == 6
+    assert KController(k_max=6, costs=only_target_measured).choose(budget=3) == 3
+
+
+def test_high_acceptance_and_cheap_draft_pick_a_long_block() -> None:
+    controller = KController(k_max=8, costs=costs(10, {1: 400, 9: 700}))
+    for _ in range(20):
+        controller.observe(8, 8)
+    assert controller.alpha > 0.95
+    assert controller.choose(100) >= 6
+
+
+def test_useless_draft_turns_speculation_off_and_probes_now_and_then() -> None:
+    controller = KController(k_max=4, costs=costs(60, {1: 400, 5: 700}), probe_every=8)
+    for _ in range(30):
+        controller.observe(4, 0)
+    choices = [controller.choose(100) for _ in range(16)]
+    assert choices.count(0) == 14 and choices.count(2) == 2  # one probe every 8 target-only rounds
+
+
+def test_acceptance_estimate_follows_a_change() -> None:
+    controller = KController(k_max=4, costs=costs(10, {1: 400, 5: 500}))
+    for _ in range(40):
+        controller.observe(4, 4)
+    high = controller.alpha
+    for _ in range(40):
+        controller.observe(4, 0)
+    assert high > 0.9 and controller.alpha < 0.3
+
+
+def test_pipelining_makes_longer_blocks_worth_it() -> None:
+    c = costs(100, {1: 400, 2: 450, 3: 500, 4: 550, 5: 600})
+    sequential, pipelined = KController(4, c), KController(4, c, pipelined=True)
+    for ctl in (sequential, pipelined):
+        for _ in range(10):
+            ctl.observe(4, 4)
+    assert pipelined.choose(100) >= sequential.choose(100)
