@@ -28,6 +28,12 @@ class StepCosts:
     draft_per_token: float | None = None
     overhead: float | None = None
     verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
+    alpha: float | None = None  # per-token acceptance over all sessions: the prior of a new turn
+
+    def observe_acceptance(self, k: int, accepted: int) -> None:
+        if k > 0:
+            trials = accepted + (1 if accepted < k else 0)
+            self.alpha = _ewma(self.alpha, accepted / trials) if trials else self.alpha
 
     def observe_draft(self, tokens: int, ms: float) -> None:
         if tokens > 0:
@@ -74,7 +80,7 @@ class KController:
     pipelined: bool = False
     probe_every: int = 32
     prior_alpha: float = 0.7
-    prior_weight: float = 4.0
+    prior_weight: float = 8.0
     decay: float = 0.9
     _accepted: float = 0.0
     _trials: float = 0.0
@@ -82,14 +88,16 @@ class KController:
 
     @property
     def alpha(self) -> float:
-        """Per-token acceptance estimate (decaying counts with a prior)."""
-        weight = self.prior_weight
-        return (self._accepted + self.prior_alpha * weight) / (self._trials + weight)
+        """Per-token acceptance estimate: decaying counts of this turn on top of a prior (the
+        acceptance measured over all sessions, else ``prior_alpha``)."""
+        prior = self.costs.alpha if self.costs.alpha is not None else self.prior_alpha
+        return (self._accepted + prior * self.prior_weight) / (self._trials + self.prior_weight)
 
     def observe(self, k: int, accepted: int) -> None:
         """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends it)."""
         if k == 0:
             return
+        self.costs.observe_acceptance(k, accepted)
         self._accepted = self._accepted * self.decay + accepted
         self._trials = self._trials * self.decay + accepted + (1 if accepted < k else 0)
 

@@ -41,6 +41,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--state-url", default="memory://", help="memory:// or redis://host:port/db")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:n] for both workers")
     p.add_argument("--dtype", default="auto", help="auto|float32|float16|bfloat16")
+    p.add_argument("--draft-quantize", choices=["none", "int8"], default="none", help="int8: dynamic int8 CPU draft")
 
 
 def _generate_request(args: argparse.Namespace) -> Any:
@@ -79,14 +80,24 @@ def _generate(args: argparse.Namespace) -> int:
     import grpc
 
     from specdec.launch import LaunchError, LocalCluster
+    from specdec.modeling import resolve_device
 
     k = args.num_speculative_tokens
     worker_args = ["--device", args.device, "--dtype", args.dtype]
+    draft_args = ["--quantize", args.draft_quantize]
     coordinator_args = ["--state-url", args.state_url, "--num-speculative-tokens", str(k)]
     coordinator_args += ["--max-speculative-tokens", str(max(k, 1))]
     with tempfile.TemporaryDirectory(prefix="specdec-") as tmp:
         sys.stderr.write("starting target, draft and coordinator (loading models)...\n")
-        cluster = LocalCluster(args.model, args.draft_model, Path(tmp), worker_args, coordinator_args=coordinator_args)
+        cluster = LocalCluster(
+            args.model,
+            args.draft_model,
+            Path(tmp),
+            worker_args,
+            draft_args,
+            coordinator_args=coordinator_args,
+            share_cpu=resolve_device(args.device).type == "cpu",
+        )
         try:
             with cluster:
                 last, elapsed = _stream(cluster.address, _generate_request(args))
@@ -130,6 +141,42 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("bench", help="benchmark HF generate, HF assisted, and the service's modes in one run")
+    p.add_argument("--model", required=True, help="target model: local HF directory or hub id")
+    p.add_argument("--draft-model", required=True, help="draft model (same tokenizer)")
+    p.add_argument("--draft-quantize", choices=["none", "int8"], default="none", help="int8: dynamic int8 CPU draft")
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="K (fixed-K runs; adaptive runs use it as max)"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=Path, help="file of prompts separated by '---' lines (default: built-in set)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="session counts for the concurrency sweep")
+    p.add_argument("--device", default="cpu", help="device of both workers")
+    p.add_argument("--out", type=Path, default=Path("bench-results/bench.json"), help="where to write the JSON report")
+    p.add_argument("--skip-hf", action="store_true", help="leave out the in-process HF baselines")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specdec import bench
+
+    cfg = bench.BenchConfig(
+        model=args.model,
+        draft_model=args.draft_model,
+        draft_quantize=args.draft_quantize,
+        k=args.num_speculative_tokens,
+        max_new_tokens=args.max_new_tokens,
+        prompts=tuple(bench.prompts_from(args.prompts)),
+        concurrency=bench.parse_concurrency(args.concurrency),
+        device=args.device,
+        out=args.out,
+        skip_hf=args.skip_hf,
+    )
+    report = bench.run(cfg)
+    sys.stdout.write(bench.format_table(report) + f"\n\nJSON report: {cfg.out}\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "serve":
@@ -139,9 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("serve", help=SERVE_HELP)
     _generate_parser(sub)
     _models_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         parser.error("serve needs a role: specdec serve coordinator|draft|target [flags]")
-    if args.command == "models":
-        return _models(args)
-    return _generate(args)
+    commands = {"models": _models, "bench": _bench, "generate": _generate}
+    return commands[args.command](args)

@@ -113,6 +113,7 @@ class LocalCluster:
     startup_timeout_s: float = 600.0
     targets: int = 1
     route: Callable[[str, str], str] | None = None
+    share_cpu: bool = False  # CPU workers on this host: one forward pass at a time (see HostLock)
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property
@@ -120,12 +121,13 @@ class LocalCluster:
         return self.processes["coordinator"].address
 
     def start(self) -> LocalCluster:
+        lock = ["--cpu-lock-file", str(self.workdir / "cpu.lock")] if self.share_cpu else []
         try:
             for i in range(self.targets):
-                args = ["--model", self.target_model, *self.worker_args]
+                args = ["--model", self.target_model, *self.worker_args, *lock]
                 self.processes[f"target-{i}"] = spawn("target", args, self.workdir, self.env, name=f"target-{i}")
             if self.draft_model:
-                draft_args = ["--model", self.draft_model, *self.worker_args, *self.draft_args]
+                draft_args = ["--model", self.draft_model, *self.worker_args, *lock, *self.draft_args]
                 self.processes["draft"] = spawn("draft", draft_args, self.workdir, self.env)
             for process in list(self.processes.values()):
                 process.wait_ready(self.startup_timeout_s)

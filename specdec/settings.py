@@ -54,6 +54,9 @@ class ModelWorkerSettings(ServiceSettings):
         "auto", description="weight-stationary matmul for 2..128 rows (auto = on for CPU)"
     )
     max_batch: int = Field(16, gt=0, description="requests whose steps share one forward pass at most")
+    cpu_lock_file: str | None = Field(
+        None, description="CPU workers on one host sharing this file run one forward pass at a time (no core fights)"
+    )
 
 
 def load_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:

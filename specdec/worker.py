@@ -16,7 +16,7 @@ from specdec.kvcache import SessionCaches
 from specdec.metrics import WorkerMetrics
 from specdec.modeling import LoadedModel, LoadOptions, load_model
 from specdec.sampling import Warp
-from specdec.scheduler import Job, StepScheduler
+from specdec.scheduler import HostLock, Job, StepScheduler
 from specdec.server import ServerControl
 from specdec.settings import ModelWorkerSettings
 from specdec.v1 import common_pb2
@@ -35,7 +35,7 @@ class WorkerCore:
 
     def __init__(self, settings: ModelWorkerSettings, control: ServerControl, registry: CollectorRegistry) -> None:
         self.settings = settings
-        self.scheduler = StepScheduler(settings.max_batch)
+        self.scheduler = StepScheduler(settings.max_batch, HostLock(settings.cpu_lock_file))
         self.instance_id = uuid.uuid4().hex
         self.host = socket.gethostname()
         self.metrics = WorkerMetrics(registry)

@@ -55,3 +55,25 @@ def test_generate_reports_bad_input_without_a_traceback(tiny_models: TinyModels)
     assert result.returncode == 1
     assert "INVALID_ARGUMENT: sampling.top_p must be in (0, 1], got 2.0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    out = tmp_path / "bench.json"
+    result = run(
+        "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy),
+        "--max-new-tokens", "12", "--concurrency", "1,2", "--out", str(out), timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {
+        "hf target-only", "hf assisted", "service target-only", "service sequential K",
+        "service sequential adaptive", "service pipelined K", "service pipelined adaptive",
+    }  # fmt: skip
+    assert report["methods"]["service pipelined K"]["pipelined_rounds"] > 0
+    assert set(report["concurrency"]) == {"1", "2"}
+    assert {"pipelined / sequential", "best service / hf assisted"} <= set(report["ratios"])
+    assert report["greedy_tokens_equal_hf"]["service sequential K"] is True
+    assert 0 < report["leviathan"]["alpha"] < 1
+    assert "Leviathan expectation" in result.stdout and "JSON report" in result.stdout
