@@ -58,7 +58,15 @@ class Engine:
         self.metrics = metrics
         self.targets = TargetPool(s.target_addresses, s, s.target_retry_s)
         self.draft = DraftClient(s.draft_address, s, s.draft_retry_s, s.draft_timeout_s) if s.draft_address else None
-        self.store: StateStore = open_store(s.state_url, s.session_ttl_s, s.session_lease_s, s.state_timeout_s)
+        self.store: StateStore = open_store(
+            s.state_url,
+            s.session_ttl_s,
+            s.session_lease_s,
+            s.state_timeout_s,
+            username=s.state_username,
+            password=s.redis_password(),
+            tls_ca_file=s.state_tls_ca_file,
+        )
         self._deps: TurnDeps | None = None
         self._active = 0
 

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 import grpc
+import structlog
 from prometheus_client import CollectorRegistry
 
 from coordinator.engine import Engine
@@ -18,13 +19,19 @@ from specdec.server import ServerControl, ServiceSpec, serve
 from specdec.settings import load_settings
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
+log = structlog.get_logger(__name__)
+
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 async def run(settings: CoordinatorSettings) -> int:
     control = ServerControl()
     registry = CollectorRegistry()
-    engine = Engine(settings, CoordinatorMetrics(registry))
+    try:
+        engine = Engine(settings, CoordinatorMetrics(registry))
+    except ValueError as exc:  # unreadable credentials, unsupported state URL: say what to fix
+        log.error("invalid_settings", error=str(exc))
+        return 2
 
     def register(server: grpc.aio.Server) -> None:
         coordinator_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,6 +12,7 @@ from coordinator.engine import Engine
 from coordinator.turn import Finish, Turn
 from coordinator.validation import parse_request
 from specdec.errors import InvalidRequest
+from specdec.security import caller_identity, scoped_session_id
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 _FINISH = {Finish.STOP: coordinator_pb2.FINISH_REASON_STOP, Finish.LENGTH: coordinator_pb2.FINISH_REASON_LENGTH}
@@ -52,7 +54,10 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
         self._engine = engine
 
     def _turn(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Turn:
-        return self._engine.new_turn(parse_request(request, self._engine.limits), _deadline(context))
+        parsed = parse_request(request, self._engine.limits)
+        if parsed.session_id:  # the caller's own namespace: other callers' sessions are invisible
+            parsed = dataclasses.replace(parsed, session_id=scoped_session_id(caller_identity.get(), parsed.session_id))
+        return self._engine.new_turn(parsed, _deadline(context))
 
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -97,4 +102,5 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
     ) -> coordinator_pb2.CloseSessionResponse:
         if not request.session_id:
             raise InvalidRequest("session_id is required")
-        return coordinator_pb2.CloseSessionResponse(existed=await self._engine.close_session(request.session_id))
+        session_id = scoped_session_id(caller_identity.get(), request.session_id)
+        return coordinator_pb2.CloseSessionResponse(existed=await self._engine.close_session(session_id))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 
+from specdec.security import read_secret_file
 from specdec.settings import ServiceSettings
 
 
@@ -20,6 +21,23 @@ class CoordinatorSettings(ServiceSettings):
     draft_address: str | None = Field(None, description="draft worker host:port; unset = target-only decoding")
     tokenizer: str | None = Field(None, description="tokenizer path or hub id (default: the target's model id)")
     state_url: str = Field("memory://", description="memory:// (single coordinator), redis://, rediss://")
+    state_password: SecretStr | None = Field(
+        None, description="Redis AUTH password (better than one in state_url; never logged)"
+    )
+    state_password_file: str | None = Field(None, description="file holding the Redis AUTH password")
+    state_username: str | None = Field(None, description="Redis ACL user (with state_password)")
+    state_tls_ca_file: str | None = Field(
+        None, description="PEM CA that signed the Redis server certificate (rediss://)"
+    )
+    worker_tls_ca_file: str | None = Field(
+        None, description="PEM CA of the workers' certificates: call workers over TLS"
+    )
+    worker_tls_cert_file: str | None = Field(None, description="client certificate presented to workers (mTLS)")
+    worker_tls_key_file: str | None = Field(None, description="private key of --worker-tls-cert-file")
+    worker_tls_server_name: str | None = Field(
+        None, description="name expected in the workers' certificates (default: the host in each address)"
+    )
+    worker_token_file: str | None = Field(None, description="file holding the bearer token sent to the workers")
     session_ttl_s: float = Field(3600.0, gt=0, description="an idle session's state expires after this")
     session_lease_s: float = Field(60.0, gt=0, description="a request's hold on its session, renewed every round")
     state_timeout_s: float = Field(2.0, gt=0, description="socket timeout of state store calls")
@@ -48,6 +66,20 @@ class CoordinatorSettings(ServiceSettings):
     state_retry_s: float = Field(
         5.0, ge=0, description="keep retrying an unreachable state store this long (within the client deadline)"
     )
+
+    def redis_password(self) -> str | None:
+        """The Redis password from ``state_password`` or ``state_password_file`` (None = none)."""
+        if self.state_password_file:
+            return read_secret_file(self.state_password_file, "state password").decode().strip()
+        return self.state_password.get_secret_value() if self.state_password else None
+
+    @model_validator(mode="after")
+    def _worker_tls_complete(self) -> CoordinatorSettings:
+        if (self.worker_tls_cert_file is None) != (self.worker_tls_key_file is None):
+            raise ValueError("worker_tls_cert_file and worker_tls_key_file must be given together")
+        if self.worker_tls_cert_file and not self.worker_tls_ca_file:
+            raise ValueError("a worker client certificate (mTLS) needs worker_tls_ca_file")
+        return self
 
     @model_validator(mode="after")
     def _k_within_max(self) -> CoordinatorSettings:

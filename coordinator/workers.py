@@ -12,9 +12,10 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.settings import CoordinatorSettings
 from specdec.errors import WorkerFailed, WorkerUnavailable
+from specdec.security import ClientSecurity
 from specdec.server import channel_options
-from specdec.settings import ServiceSettings
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -50,8 +51,18 @@ async def wait_until_serving(channel: grpc.aio.Channel, address: str, timeout_s:
     raise RuntimeError(f"worker {address} not serving after {timeout_s:.0f}s (last status: {last})")
 
 
-def _channel(address: str, settings: ServiceSettings) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=[*channel_options(settings), *_RECONNECT_OPTIONS])
+def _security(settings: CoordinatorSettings) -> ClientSecurity:
+    return ClientSecurity(
+        ca_file=settings.worker_tls_ca_file,
+        cert_file=settings.worker_tls_cert_file,
+        key_file=settings.worker_tls_key_file,
+        server_name=settings.worker_tls_server_name,
+        token_file=settings.worker_token_file,
+    )
+
+
+def _channel(address: str, settings: CoordinatorSettings) -> grpc.aio.Channel:
+    return _security(settings).channel(address, [*channel_options(settings), *_RECONNECT_OPTIONS])
 
 
 class _Breaker:
@@ -72,24 +83,27 @@ class _Breaker:
 class TargetClient:
     """One target worker replica."""
 
-    def __init__(self, address: str, settings: ServiceSettings, retry_s: float) -> None:
+    def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float) -> None:
         self.address = address
         self._channel = _channel(address, settings)
+        self._metadata = _security(settings).metadata()
         self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
         self.breaker = _Breaker(retry_s)
         self.info = common_pb2.WorkerInfo()
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._channel, self.address, timeout_s)
-        self.info = (await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=10.0)).info
+        self.info = (await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=10.0, metadata=self._metadata)).info
         return self.info
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
-        return await self._call(self._stub.Verify(request, timeout=timeout_s))
+        return await self._call(self._stub.Verify(request, timeout=timeout_s, metadata=self._metadata))
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
         request = target_pb2.TargetReleaseSessionRequest(session_id=session_id)
-        return (await self._call(self._stub.ReleaseSession(request, timeout=timeout_s))).existed
+        return (
+            await self._call(self._stub.ReleaseSession(request, timeout=timeout_s, metadata=self._metadata))
+        ).existed
 
     async def _call(self, call: Any) -> Any:
         try:
@@ -113,7 +127,7 @@ class TargetPool:
     moves to the next by rendezvous hashing (so every coordinator picks the same one) and is
     re-prefilled there from the committed tokens."""
 
-    def __init__(self, addresses: Sequence[str], settings: ServiceSettings, retry_s: float) -> None:
+    def __init__(self, addresses: Sequence[str], settings: CoordinatorSettings, retry_s: float) -> None:
         self.replicas = [TargetClient(address, settings, retry_s) for address in addresses]
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
@@ -169,17 +183,18 @@ class DraftStream:
 class DraftClient:
     """The draft worker; after a failure it is skipped for ``retry_s`` (target-only meanwhile)."""
 
-    def __init__(self, address: str, settings: ServiceSettings, retry_s: float, timeout_s: float) -> None:
+    def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._channel = _channel(address, settings)
+        self._metadata = _security(settings).metadata()
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
         self._breaker = _Breaker(retry_s)
         self.info = common_pb2.WorkerInfo()
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._channel, self.address, timeout_s)
-        self.info = (await self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=10.0)).info
+        self.info = (await self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=10.0, metadata=self._metadata)).info
         return self.info
 
     @property
@@ -191,12 +206,12 @@ class DraftClient:
         self._breaker.trip()
 
     def open_stream(self) -> DraftStream:
-        return DraftStream(self._stub.Propose())
+        return DraftStream(self._stub.Propose(metadata=self._metadata))
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
         request = draft_pb2.DraftReleaseSessionRequest(session_id=session_id)
         try:
-            return (await self._stub.ReleaseSession(request, timeout=timeout_s)).existed
+            return (await self._stub.ReleaseSession(request, timeout=timeout_s, metadata=self._metadata)).existed
         except grpc.aio.AioRpcError as exc:
             log.warning("draft_release_failed", address=self.address, code=exc.code().name)
             return False

@@ -75,3 +75,15 @@ class NotServing(SpecdecError):
     """The server is starting up or shutting down and takes no requests now."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(SpecdecError):
+    """The call carries no valid credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SpecdecError):
+    """The caller is known but may not use this service."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

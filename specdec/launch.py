@@ -29,6 +29,7 @@ class ServiceProcess:
     env: dict[str, str] | None
     port: int = 0
     metrics_port: int = 0
+    health_port: int = 0
 
     @property
     def address(self) -> str:
@@ -49,6 +50,7 @@ class ServiceProcess:
                 ready = json.loads(self.ready_file.read_text())
                 self.port = int(ready["port"])
                 self.metrics_port = int(ready.get("metrics_port", 0))
+                self.health_port = int(ready.get("health_port", 0))
                 return
             time.sleep(0.05)
         raise LaunchError(f"{self.role} not ready after {timeout_s:.0f}s:\n{self.log_tail()}")

@@ -19,11 +19,17 @@ from prometheus_client import CollectorRegistry
 
 from specdec.errors import NotServing, SpecdecError
 from specdec.metrics import start_metrics
+from specdec.security import Authenticator, ServerTls, caller_identity, load_tokens
 from specdec.settings import ServiceSettings
 
 log = structlog.get_logger(__name__)
 
 INTERNAL_MESSAGE = "internal error; the server logged the details"
+
+# grpc.health.v1 service names for Kubernetes probes (the health port serves only these).
+LIVENESS = "specdec.liveness"  # SERVING while the process works, model loading and draining included
+READINESS = "specdec.readiness"  # SERVING while it takes requests: model loaded and not draining
+STARTUP = "specdec.startup"  # SERVING once start-up (model loading) has finished
 
 
 class ServerControl:
@@ -74,12 +80,18 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
+def _authenticate(auth: Authenticator, context: grpc.aio.ServicerContext) -> None:
+    if auth.enabled:
+        caller_identity.set(auth.authenticate(context.invocation_metadata() or (), context.auth_context()))
+
+
 def _wrap_unary(
-    fn: Callable[[Any, Any], Awaitable[Any]], method: str, control: ServerControl
+    fn: Callable[[Any, Any], Awaitable[Any]], method: str, control: ServerControl, auth: Authenticator
 ) -> Callable[[Any, Any], Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         with structlog.contextvars.bound_contextvars(rpc=method):
             try:
+                _authenticate(auth, context)
                 control.enter()
                 try:
                     return await fn(request, context)
@@ -92,11 +104,12 @@ def _wrap_unary(
 
 
 def _wrap_stream(
-    fn: Callable[[Any, Any], AsyncIterator[Any]], method: str, control: ServerControl
+    fn: Callable[[Any, Any], AsyncIterator[Any]], method: str, control: ServerControl, auth: Authenticator
 ) -> Callable[[Any, Any], AsyncIterator[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         with structlog.contextvars.bound_contextvars(rpc=method):
             try:
+                _authenticate(auth, context)
                 control.enter()
                 try:
                     async for item in fn(request, context):
@@ -110,13 +123,15 @@ def _wrap_stream(
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """For specdec's own services: refuses new RPCs while draining, counts in-flight ones, maps
-    SpecdecError to its status code and anything else to a generic INTERNAL, and binds the RPC
-    name into the log context. Health and reflection pass through untouched.
+    """For every service but health: authenticates the caller (identity in ``caller_identity``),
+    refuses new RPCs while draining, counts in-flight ones, maps SpecdecError to its status code
+    and anything else to a generic INTERNAL, and binds the RPC name into the log context.
+    Health passes through untouched (probes carry no credentials).
     """
 
-    def __init__(self, control: ServerControl) -> None:
+    def __init__(self, control: ServerControl, auth: Authenticator | None = None) -> None:
         self._control = control
+        self._auth = auth or Authenticator()
 
     async def intercept_service(
         self,
@@ -125,20 +140,24 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method: str = handler_call_details.method
-        if handler is None or not method.startswith("/specdec."):
+        if handler is None or method.startswith(f"/{health.SERVICE_NAME}/"):
             return handler
-        name, control = method.rsplit("/", 1)[-1], self._control
+        name, control, auth = method.rsplit("/", 1)[-1], self._control, self._auth
         codec = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, name, control), **codec)
+            wrapped = _wrap_unary(handler.unary_unary, name, control, auth)
+            return grpc.unary_unary_rpc_method_handler(wrapped, **codec)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, name, control), **codec)
+            wrapped = _wrap_stream(handler.unary_stream, name, control, auth)
+            return grpc.unary_stream_rpc_method_handler(wrapped, **codec)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, name, control), **codec)
-        return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, name, control), **codec)
+            wrapped = _wrap_unary(handler.stream_unary, name, control, auth)
+            return grpc.stream_unary_rpc_method_handler(wrapped, **codec)
+        wrapped = _wrap_stream(handler.stream_stream, name, control, auth)
+        return grpc.stream_stream_rpc_method_handler(wrapped, **codec)
 
 
 def channel_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
@@ -165,16 +184,23 @@ class ServiceSpec:
 
 
 class Health:
-    """The grpc.health.v1 servicer with all of a process's service names flipped together."""
+    """The grpc.health.v1 servicer: the process's service names, "" and READINESS flip together
+    with readiness; LIVENESS and STARTUP have their own meaning (see their definitions)."""
 
     def __init__(self, service_names: Sequence[str]) -> None:
         self.servicer = health.aio.HealthServicer()
-        self._names = ["", *service_names]
+        self._names = ["", *service_names, READINESS]
 
     async def set(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self._names:
-            await self.servicer.set(name, status)
+            await self.servicer.set(name, _status(serving))
+
+    async def set_probe(self, name: str, serving: bool) -> None:
+        await self.servicer.set(name, _status(serving))
+
+
+def _status(serving: bool) -> health_pb2.HealthCheckResponse.ServingStatus:
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _write_ready_file(path: str, ports: dict[str, int]) -> None:
@@ -200,6 +226,34 @@ async def _start_or_stop(spec: ServiceSpec, control: ServerControl) -> bool:
     return True
 
 
+def _authenticator(settings: ServiceSettings) -> Authenticator:
+    tokens = load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
+    return Authenticator(tokens, settings.tls_allowed_client_names)
+
+
+def _server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
+    if not (settings.tls_cert_file and settings.tls_key_file):
+        return None
+    return ServerTls(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file).credentials()
+
+
+def _bind(server: grpc.aio.Server, settings: ServiceSettings, port: int, tls: grpc.ServerCredentials | None) -> int:
+    address = f"{settings.host}:{port}"
+    bound = server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
+    if bound == 0:
+        raise RuntimeError(f"could not bind {address}; is the port in use?")
+    return bound
+
+
+def _health_server(health_state: Health, settings: ServiceSettings) -> grpc.aio.Server | None:
+    """A plaintext server with only grpc.health.v1 on ``health_port`` (probes need no TLS or token)."""
+    if settings.health_port is None:
+        return None
+    probes = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, probes)
+    return probes
+
+
 async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerControl) -> int:
     """Runs a service until SIGTERM/SIGINT or a fatal error; returns the process exit code.
 
@@ -207,23 +261,34 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
     health flips to NOT_SERVING at once and stays queryable, new RPCs get UNAVAILABLE, and
     in-flight ones have the grace period to finish.
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(control)], options=channel_options(settings))
+    try:
+        auth = _authenticator(settings)
+        credentials = _server_credentials(settings)
+    except ValueError as exc:
+        log.error("invalid_security_settings", error=str(exc))
+        return 2
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(control, auth)], options=channel_options(settings))
     health_state = Health(spec.service_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     spec.register(server)
     reflection.enable_server_reflection([*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        raise RuntimeError(f"could not bind {settings.host}:{settings.port}; is the port in use?")
+    port = _bind(server, settings, settings.port, credentials)
+    probes = _health_server(health_state, settings)
     await health_state.set(False)
+    await health_state.set_probe(STARTUP, False)
+    await health_state.set_probe(LIVENESS, True)
     await server.start()
+    ports = {"port": port, **start_metrics(settings, spec.registry)}
+    if probes is not None:
+        ports["health_port"] = _bind(probes, settings, settings.health_port or 0, None)
+        await probes.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, control.request_stop)
-    ports = {"port": port, **start_metrics(settings, spec.registry)}
-    log.info("server_started", services=list(spec.service_names), **ports)
+    log.info("server_started", services=list(spec.service_names), tls=bool(settings.tls_cert_file), **ports)
     try:
         if await _start_or_stop(spec, control):
+            await health_state.set_probe(STARTUP, True)
             await health_state.set(True)
             if settings.ready_file:
                 _write_ready_file(settings.ready_file, ports)
@@ -235,6 +300,8 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
         log.info("drained" if drained else "grace_period_expired", inflight=control.inflight)
     finally:
         await server.stop(0)
+        if probes is not None:
+            await probes.stop(0)
         await spec.stop()
     log.info("stopped", exit_code=control.exit_code)
     return control.exit_code

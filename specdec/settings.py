@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from typing import Literal, TypeVar
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
 S = TypeVar("S", bound="ServiceSettings")
@@ -35,6 +35,34 @@ class ServiceSettings(BaseSettings):
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="serve Prometheus /metrics on this port (0 = a free port; unset = off)"
     )
+    health_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="plaintext port serving only grpc.health.v1 (for probes when the API port uses TLS)",
+    )
+    tls_cert_file: str | None = Field(None, description="PEM certificate chain: serve TLS (with --tls-key-file)")
+    tls_key_file: str | None = Field(None, description="PEM private key of --tls-cert-file")
+    tls_client_ca_file: str | None = Field(
+        None, description="PEM CA bundle: require client certificates signed by it (mTLS)"
+    )
+    tls_allowed_client_names: list[str] = Field(
+        default_factory=list,
+        description="with mTLS: only client certificates with one of these CN/SAN names (comma separated)",
+    )
+    auth_tokens_file: str | None = Field(
+        None, description="file of 'identity:token' lines: every API call needs 'authorization: Bearer <token>'"
+    )
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> ServiceSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        if self.tls_allowed_client_names and not self.tls_client_ca_file:
+            raise ValueError("tls_allowed_client_names needs tls_client_ca_file (client certificates)")
+        return self
 
 
 class ModelWorkerSettings(ServiceSettings):

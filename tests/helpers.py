@@ -18,7 +18,14 @@ def free_port() -> int:
 class RedisServer:
     """A throwaway redis-server on loopback without persistence."""
 
-    def __init__(self, workdir: Path, password: str | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        password: str | None = None,
+        port: int | None = None,
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
+        """``tls``: (certificate, key) files; the server then listens only for TLS (rediss://)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found; install it (apt-get install -y redis-server)")
@@ -40,13 +47,18 @@ class RedisServer:
         ]
         if password:
             args += ["--requirepass", password]
+        if tls:
+            args[2] = "0"  # no plaintext port
+            args += ["--tls-port", str(self.port), "--tls-cert-file", str(tls[0]), "--tls-key-file", str(tls[1])]
+            args += ["--tls-auth-clients", "no"]
+        self.tls = tls is not None
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{auth}127.0.0.1:{self.port}/0"
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + 10

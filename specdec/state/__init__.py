@@ -30,11 +30,30 @@ __all__ = [
 ]
 
 
-def open_store(url: str, ttl_s: float, lease_s: float, timeout_s: float) -> StateStore:
-    """A store for ``url``: ``memory://``, ``redis://[:password@]host:port/db`` or ``rediss://...``."""
+def open_store(
+    url: str,
+    ttl_s: float,
+    lease_s: float,
+    timeout_s: float,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    tls_ca_file: str | None = None,
+) -> StateStore:
+    """A store for ``url``: ``memory://``, ``redis://[user:password@]host:port/db`` or ``rediss://...``.
+
+    ``username``/``password`` (Redis ACL / AUTH) override those in the URL; ``tls_ca_file`` is the
+    CA that signed a ``rediss://`` server's certificate.
+    """
     scheme = urlsplit(url).scheme
     if scheme == "memory":
         return MemoryStateStore(ttl_s=ttl_s, lease_s=lease_s)
+    if password is not None and urlsplit(url).password:
+        raise ValueError("the Redis password is given twice (in state_url and as a setting); keep one")
+    if tls_ca_file and scheme != "rediss":
+        raise ValueError("state_tls_ca_file needs a rediss:// state_url")
     if scheme in ("redis", "rediss", "unix"):
-        return RedisStateStore(url, ttl_s=ttl_s, lease_s=lease_s, timeout_s=timeout_s)
+        auth = {"username": username, "password": password, "ssl_ca_certs": tls_ca_file}
+        extra = {key: value for key, value in auth.items() if value is not None}
+        return RedisStateStore(url, ttl_s=ttl_s, lease_s=lease_s, timeout_s=timeout_s, **extra)
     raise ValueError(f"unsupported state_url scheme {scheme!r}: use memory://, redis://, rediss:// or unix://")

@@ -137,9 +137,19 @@ def _record(session_id: str, fields: dict[bytes, bytes]) -> SessionRecord:
 class RedisStateStore(StateStore):
     """Sessions as Redis hashes ``<prefix>session:<id>`` with a TTL."""
 
-    def __init__(self, url: str, ttl_s: float, lease_s: float, timeout_s: float, key_prefix: str = "specdec:") -> None:
+    def __init__(
+        self,
+        url: str,
+        ttl_s: float,
+        lease_s: float,
+        timeout_s: float,
+        key_prefix: str = "specdec:",
+        **connection: str,
+    ) -> None:
+        """``connection``: extra redis-py connection settings (username, password, ssl_ca_certs)."""
         self._client = aioredis.from_url(
             url,
+            **connection,
             decode_responses=False,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,

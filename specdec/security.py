@@ -1,0 +1,162 @@
+"""Transport security and caller identity for every gRPC hop.
+
+Servers: TLS from a certificate/key pair, mTLS when a client CA is given (optionally limited to
+certain certificate names), and bearer tokens from a file of ``identity:token`` lines. The
+caller's identity (token identity, else certificate name) is what sessions are bound to.
+
+Clients (the coordinator calling workers): TLS/mTLS channel credentials and a bearer token sent
+as ``authorization`` metadata with every call.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from specdec.errors import PermissionDenied, Unauthenticated
+
+# The authenticated caller of the RPC being handled ("" when authentication is off).
+caller_identity: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_caller_identity", default="")
+
+_AUTH_HEADER = "authorization"
+_CERT_NAME_KEYS = ("x509_common_name", "x509_subject_alternative_name")
+
+
+def read_secret_file(path: str, what: str) -> bytes:
+    """A credential file's bytes; the error names the file and the setting, never the content."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} file {path!r}: {exc.strerror}") from None
+    if not data.strip():
+        raise ValueError(f"the {what} file {path!r} is empty")
+    return data
+
+
+def load_tokens(path: str) -> dict[str, str]:
+    """Parses a tokens file: one ``identity:token`` per line (``#`` comments and blank lines skipped).
+
+    Returns token -> identity. Identities name callers in logs and own their sessions.
+    """
+    tokens: dict[str, str] = {}
+    for number, raw in enumerate(read_secret_file(path, "auth tokens").decode().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        identity, sep, token = line.partition(":")
+        identity, token = identity.strip(), token.strip()
+        if not sep or not identity or len(token) < 16:
+            raise ValueError(f"{path} line {number}: expected 'identity:token' with a token of at least 16 characters")
+        if token in tokens:
+            raise ValueError(f"{path} line {number}: this token is already given to {tokens[token]!r}")
+        tokens[token] = identity
+    if not tokens:
+        raise ValueError(f"{path} holds no 'identity:token' lines")
+    return tokens
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """A server's certificate and key, and the CA its clients' certificates must chain to (mTLS)."""
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        key = read_secret_file(self.key_file, "TLS key")
+        cert = read_secret_file(self.cert_file, "TLS certificate")
+        ca = read_secret_file(self.client_ca_file, "TLS client CA") if self.client_ca_file else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class Authenticator:
+    """Decides who is calling: a bearer token from the table, and/or an allowed client certificate."""
+
+    def __init__(self, tokens: dict[str, str] | None = None, allowed_cert_names: Sequence[str] = ()) -> None:
+        self._tokens = tokens or {}
+        self._allowed = frozenset(allowed_cert_names)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tokens or self._allowed)
+
+    def authenticate(self, metadata: Sequence[tuple[str, Any]], peer: dict[str, list[bytes]]) -> str:
+        """The caller's identity; raises Unauthenticated / PermissionDenied.
+
+        ``metadata`` is the call's invocation metadata, ``peer`` its auth context.
+        """
+        identity = ""
+        if self._allowed:
+            names = {n.decode(errors="replace") for key in _CERT_NAME_KEYS for n in peer.get(key, [])}
+            allowed = sorted(names & self._allowed)
+            if not allowed:
+                raise PermissionDenied("the client certificate is not allowed to call this service")
+            identity = allowed[0]
+        if self._tokens:
+            identity = self._token_identity(metadata)
+        return identity
+
+    def _token_identity(self, metadata: Sequence[tuple[str, Any]]) -> str:
+        values = [v for k, v in metadata if k == _AUTH_HEADER]
+        if not values:
+            raise Unauthenticated("missing credentials: send the metadata 'authorization: Bearer <token>'")
+        scheme, _, presented = str(values[0]).partition(" ")
+        if scheme.lower() != "bearer" or not presented:
+            raise Unauthenticated("malformed credentials: expected 'authorization: Bearer <token>'")
+        found = ""
+        for token, identity in self._tokens.items():  # compare with every token: no timing oracle
+            if hmac.compare_digest(token.encode(), presented.strip().encode()):
+                found = identity
+        if not found:
+            raise Unauthenticated("invalid token")
+        return found
+
+
+def scoped_session_id(identity: str, session_id: str) -> str:
+    """The session's key: callers' sessions live in separate namespaces, so one caller can never
+    continue, read or close another's session (it simply does not exist for them)."""
+    if not identity:
+        return session_id
+    return f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}.{session_id}"
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How the coordinator reaches workers: TLS (with a client certificate for mTLS) and a token."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+    token_file: str | None = None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Metadata to send with every call: the bearer token, when there is one."""
+        if not self.token_file:
+            return ()
+        token = read_secret_file(self.token_file, "worker token").decode().strip()
+        return ((_AUTH_HEADER, f"Bearer {token}"),)
+
+    def channel(self, address: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
+        """A channel to ``address``: TLS (mTLS with a client certificate) when a CA is set."""
+        if self.ca_file is None:
+            return grpc.aio.insecure_channel(address, options=list(options))
+        opts = list(options)
+        if self.server_name:
+            opts.append(("grpc.ssl_target_name_override", self.server_name))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=read_secret_file(self.ca_file, "worker TLS CA"),
+            private_key=read_secret_file(self.key_file, "worker TLS client key") if self.key_file else None,
+            certificate_chain=read_secret_file(self.cert_file, "worker TLS client certificate")
+            if self.cert_file
+            else None,
+        )
+        return grpc.aio.secure_channel(address, credentials, options=opts)

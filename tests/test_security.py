@@ -1,0 +1,287 @@
+"""TLS/mTLS on every hop, bearer tokens, caller-bound sessions, Redis AUTH over TLS.
+
+One cluster (separate processes) runs fully secured: the coordinator serves TLS and wants a
+token; the workers serve mTLS, accept only the coordinator's certificate name, and also want a
+shared token; the state store is a password-protected, TLS-only redis-server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.errors import PermissionDenied, Unauthenticated
+from specdec.launch import LaunchError, LocalCluster, spawn
+from specdec.security import Authenticator, load_tokens, scoped_session_id
+from specdec.state import open_store
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.helpers import RedisServer
+from tests.reference import make_request, reference_greedy
+from tests.tiny_models import TinyModels
+
+ALICE = "alice-token-0123456789abcdef"
+BOB = "bob-token-0123456789abcdef"
+WORKER_TOKEN = "worker-token-0123456789abcdef"
+REDIS_PASSWORD = "redis-Pa55word-never-logged"
+PROMPT = [5, 9, 13, 2, 7]
+
+
+@dataclass
+class Pki:
+    ca: trustme.CA
+    dir: Path
+
+    def write(self, name: str, cert: trustme.LeafCert) -> tuple[Path, Path]:
+        cert_file, key_file = self.dir / f"{name}.crt", self.dir / f"{name}.key"
+        cert.private_key_and_cert_chain_pem.write_to_path(str(cert_file))
+        cert.private_key_pem.write_to_path(str(key_file))
+        return cert_file, key_file
+
+    @property
+    def ca_file(self) -> Path:
+        path = self.dir / "ca.pem"
+        self.ca.cert_pem.write_to_path(str(path))
+        return path
+
+
+@dataclass
+class SecureCluster:
+    cluster: LocalCluster
+    pki: Pki
+    redis: RedisServer
+
+    @property
+    def state_url(self) -> str:  # the password goes in a setting, not in the URL
+        return f"rediss://127.0.0.1:{self.redis.port}/0"
+
+    def channel(self, ca_file: Path | None = None) -> grpc.Channel:
+        credentials = grpc.ssl_channel_credentials((ca_file or self.pki.ca_file).read_bytes())
+        return grpc.secure_channel(self.cluster.address, credentials)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[SecureCluster]:
+    workdir = tmp_path_factory.mktemp("secure")
+    pki = Pki(trustme.CA(), workdir)
+    server_cert, server_key = pki.write("server", pki.ca.issue_cert("localhost", "127.0.0.1"))
+    client_cert, client_key = pki.write("coordinator", pki.ca.issue_cert("coordinator.specdec"))
+    redis = RedisServer(workdir / "redis", password=REDIS_PASSWORD, tls=(server_cert, server_key))
+    tokens = _write(workdir / "api-tokens", f"# callers\nalice:{ALICE}\nbob:{BOB}\n")
+    worker_tokens = _write(workdir / "worker-tokens", f"coordinator:{WORKER_TOKEN}\n")
+    worker_token = _write(workdir / "worker-token", WORKER_TOKEN + "\n")
+    tls = ["--tls-cert-file", str(server_cert), "--tls-key-file", str(server_key), "--health-port", "0"]
+    worker_args = [
+        "--device", "cpu", "--torch-threads", "1", *tls, "--tls-client-ca-file", str(pki.ca_file),
+        "--tls-allowed-client-names", "coordinator.specdec", "--auth-tokens-file", str(worker_tokens),
+    ]  # fmt: skip
+    coordinator_args = [
+        *tls, "--auth-tokens-file", str(tokens), "--state-url", f"rediss://127.0.0.1:{redis.port}/0",
+        "--state-password", REDIS_PASSWORD,
+        "--state-tls-ca-file", str(pki.ca_file), "--worker-tls-ca-file", str(pki.ca_file),
+        "--worker-tls-cert-file", str(client_cert), "--worker-tls-key-file", str(client_key),
+        "--worker-token-file", str(worker_token), "--log-level", "debug",
+    ]  # fmt: skip
+    cluster = LocalCluster(
+        str(tiny_models.target), str(tiny_models.other), workdir, worker_args, coordinator_args=coordinator_args
+    )
+    try:
+        with cluster:
+            yield SecureCluster(cluster, pki, redis)
+    finally:
+        redis.stop()
+
+
+def _generate(
+    secure: SecureCluster, token: str | None, require_existing: bool = False, **kwargs: object
+) -> coordinator_pb2.GenerateResponse:
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    request = make_request(PROMPT, **kwargs)  # type: ignore[arg-type]
+    request.require_existing_session = require_existing
+    with secure.channel() as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        return stub.Generate(request, metadata=metadata, timeout=60)
+
+
+def _code(fn: object) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()  # type: ignore[operator]
+    return info.value.code(), info.value.details() or ""
+
+
+def test_secured_end_to_end_is_exact(secure: SecureCluster, tiny_models: TinyModels) -> None:
+    reply = _generate(secure, ALICE, max_new=16, ignore_eos=True)
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPT), 16, ignore_eos=True)
+    assert reply.stats.draft_tokens_proposed > 0  # the mTLS + token hop to the draft worked too
+
+
+def test_plaintext_client_is_refused(secure: SecureCluster) -> None:
+    with grpc.insecure_channel(secure.cluster.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        metadata = [("authorization", f"Bearer {ALICE}")]
+        code, _ = _code(lambda: stub.Generate(make_request(PROMPT), metadata=metadata, timeout=10))
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_trusting_another_ca_is_refused(secure: SecureCluster, tmp_path: Path) -> None:
+    other_ca = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other_ca))
+    with secure.channel(other_ca) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        metadata = [("authorization", f"Bearer {ALICE}")]
+        code, _ = _code(lambda: stub.Generate(make_request(PROMPT), metadata=metadata, timeout=10))
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("token", [None, "not-a-valid-token-at-all-000"])
+def test_missing_or_bad_token_is_unauthenticated(secure: SecureCluster, token: str | None) -> None:
+    code, details = _code(lambda: _generate(secure, token))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert "Bearer" in details or "invalid token" in details
+    assert ALICE not in details and BOB not in details
+
+
+def test_sessions_are_bound_to_their_caller(secure: SecureCluster) -> None:
+    first = _generate(secure, ALICE, max_new=4, session_id="shared-name")
+    assert len(first.token_ids) == 4
+    code, _ = _code(lambda: _generate(secure, BOB, session_id="shared-name", max_new=4, require_existing=True))
+    assert code == grpc.StatusCode.NOT_FOUND
+    with secure.channel() as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        closed = stub.CloseSession(
+            coordinator_pb2.CloseSessionRequest(session_id="shared-name"), metadata=[("authorization", f"Bearer {BOB}")]
+        )
+        assert not closed.existed  # bob cannot close alice's session ...
+        again = _generate(secure, ALICE, max_new=4, session_id="shared-name", require_existing=True)
+        assert again.usage.cached_tokens > 0  # ... which still continues from its cache
+        closed = stub.CloseSession(
+            coordinator_pb2.CloseSessionRequest(session_id="shared-name"),
+            metadata=[("authorization", f"Bearer {ALICE}")],
+        )
+        assert closed.existed
+
+
+def _target_stub(secure: SecureCluster, cert: tuple[Path, Path] | None) -> tuple[grpc.Channel, object]:
+    key_pem = cert[1].read_bytes() if cert else None
+    chain_pem = cert[0].read_bytes() if cert else None
+    credentials = grpc.ssl_channel_credentials(secure.pki.ca_file.read_bytes(), key_pem, chain_pem)
+    channel = grpc.secure_channel(secure.cluster.processes["target-0"].address, credentials)
+    return channel, target_pb2_grpc.TargetWorkerStub(channel)
+
+
+def test_workers_accept_only_the_coordinator(secure: SecureCluster) -> None:
+    info = target_pb2.TargetInfoRequest()
+    token = [("authorization", f"Bearer {WORKER_TOKEN}")]
+    # No client certificate: the TLS handshake fails.
+    channel, stub = _target_stub(secure, None)
+    with channel:
+        assert _code(lambda: stub.Info(info, metadata=token, timeout=10))[0] == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    # A certificate from the right CA but for another name: permission denied.
+    stranger = secure.pki.write("stranger", secure.pki.ca.issue_cert("client.example"))
+    channel, stub = _target_stub(secure, stranger)
+    with channel:
+        assert _code(lambda: stub.Info(info, metadata=token, timeout=10))[0] == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    # The coordinator's certificate without the shared token: unauthenticated; with it: served.
+    coordinator = (secure.pki.dir / "coordinator.crt", secure.pki.dir / "coordinator.key")
+    channel, stub = _target_stub(secure, coordinator)
+    with channel:
+        assert _code(lambda: stub.Info(info, timeout=10))[0] == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        assert stub.Info(info, metadata=token, timeout=10).info.vocab_size > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("role", ["coordinator", "target-0", "draft"])
+def test_probes_answer_in_plaintext_on_the_health_port(secure: SecureCluster, role: str) -> None:
+    port = secure.cluster.processes[role].health_port
+    assert port and port != secure.cluster.processes[role].port
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("specdec.liveness", "specdec.readiness", "specdec.startup"):
+            status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING, service
+        # Only health lives there: the API is not reachable without TLS.
+        api = coordinator_pb2_grpc.GenerationStub(channel)
+        assert _code(lambda: api.Generate(make_request(PROMPT), timeout=5))[0] == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_redis_password_never_reaches_logs(secure: SecureCluster) -> None:
+    _generate(secure, ALICE, max_new=2)
+    for process in secure.cluster.processes.values():
+        assert REDIS_PASSWORD not in process.log_file.read_text(errors="replace"), process.role
+
+
+def test_wrong_redis_password_fails_start_up_clearly(secure: SecureCluster, tmp_path: Path) -> None:
+    target = secure.cluster.processes["target-0"]
+    args = [
+        "--target-addresses", target.address, "--state-url", secure.state_url, "--state-password", "wrong-password",
+        "--state-tls-ca-file", str(secure.pki.ca_file), "--worker-tls-ca-file", str(secure.pki.ca_file),
+        "--worker-tls-cert-file", str(secure.pki.dir / "coordinator.crt"),
+        "--worker-tls-key-file", str(secure.pki.dir / "coordinator.key"),
+        "--worker-token-file", str(secure.pki.dir / "worker-token"),
+    ]  # fmt: skip
+    process = spawn("coordinator", args, tmp_path)
+    with pytest.raises(LaunchError):
+        process.wait_ready(60)
+    log = process.log_file.read_text()
+    assert "state store unavailable (AuthenticationError)" in log
+    assert "wrong-password" not in log
+
+
+def test_unreadable_credentials_stop_start_up_with_a_clear_message(tmp_path: Path) -> None:
+    process = spawn(
+        "coordinator", ["--target-addresses", "127.0.0.1:1", "--auth-tokens-file", "/nonexistent"], tmp_path
+    )
+    with pytest.raises(LaunchError):
+        process.wait_ready(60)
+    assert process.proc.returncode == 2
+    assert "cannot read the auth tokens file '/nonexistent'" in process.log_file.read_text()
+
+
+# Unit checks of the pieces.
+
+
+def test_tokens_file_format(tmp_path: Path) -> None:
+    good = _write(tmp_path / "good", f"# comment\n\nalice:{ALICE}\n bob : {BOB} \n")
+    assert load_tokens(str(good)) == {ALICE: "alice", BOB: "bob"}
+    for text, message in [
+        ("alice\n", "identity:token"),
+        ("alice:short\n", "at least 16"),
+        (f"a:{ALICE}\nb:{ALICE}\n", "already given"),
+        ("# nothing\n", "no 'identity:token'"),
+    ]:
+        with pytest.raises(ValueError, match=message) as info:
+            load_tokens(str(_write(tmp_path / "bad", text)))
+        assert ALICE not in str(info.value)
+
+
+def test_authenticator_decisions() -> None:
+    auth = Authenticator({ALICE: "alice"}, ["coordinator.specdec"])
+    peer = {"x509_subject_alternative_name": [b"coordinator.specdec"]}
+    assert auth.authenticate([("authorization", f"Bearer {ALICE}")], peer) == "alice"
+    with pytest.raises(PermissionDenied):
+        auth.authenticate([("authorization", f"Bearer {ALICE}")], {"x509_common_name": [b"other"]})
+    for metadata in ([], [("authorization", ALICE)], [("authorization", "Bearer nope")]):
+        with pytest.raises(Unauthenticated):
+            auth.authenticate(metadata, peer)
+    assert Authenticator(None, ["coordinator.specdec"]).authenticate([], peer) == "coordinator.specdec"
+    assert not Authenticator().enabled
+
+
+def test_session_scopes() -> None:
+    assert scoped_session_id("", "s") == "s"
+    assert scoped_session_id("alice", "s") != scoped_session_id("bob", "s")
+    assert scoped_session_id("alice", "s").endswith(".s")
+
+
+def test_a_password_in_two_places_is_refused() -> None:
+    with pytest.raises(ValueError, match="given twice"):
+        open_store("redis://:in-url@127.0.0.1:1/0", 60, 60, 1, password="in-setting")
