@@ -5,8 +5,8 @@ time per token, verification time by the number of tokens in the pass, and the p
 overhead. ``KController`` (one per turn) learns the session's acceptance rate and picks, each
 round, the K in [0, K_max] with the best expected tokens per second (Leviathan et al.: a round with
 per-token acceptance a yields (1 - a^(K+1)) / (1 - a) tokens). K = 0 is target-only decoding; it is
-chosen whenever speculation would be slower, and a cheap probe every ``probe_every`` target-only
-rounds keeps the acceptance estimate fresh.
+chosen whenever speculation would be slower; then cheap probes (first after 4 target-only rounds,
+the gap doubling up to ``probe_every``) keep the acceptance estimate fresh.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _EWMA = 0.2
+_POOL_DECAY = 0.98  # per round: the global acceptance remembers roughly the last 50 rounds
+_FIRST_PROBE = 4  # target-only rounds before the first probe; the gap doubles up to probe_every
 _MAX_TOKENS = 64
 
 
@@ -28,12 +30,21 @@ class StepCosts:
     draft_per_token: float | None = None
     overhead: float | None = None
     verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
-    alpha: float | None = None  # per-token acceptance over all sessions: the prior of a new turn
+    # Per-token acceptance over all sessions (the prior of a new turn): decayed sums of accepted
+    # drafts and of trials (accepted + the rejection that ended the round). Pooling the counts
+    # matters: an average of per-round ratios is biased low (rounds 4/4 and 0/1 pool to 0.8,
+    # their ratios average 0.5).
+    _accepted: float = 0.0
+    _trials: float = 0.0
+
+    @property
+    def alpha(self) -> float | None:
+        return self._accepted / self._trials if self._trials > 0 else None
 
     def observe_acceptance(self, k: int, accepted: int) -> None:
         if k > 0:
-            trials = accepted + (1 if accepted < k else 0)
-            self.alpha = _ewma(self.alpha, accepted / trials) if trials else self.alpha
+            self._accepted = self._accepted * _POOL_DECAY + accepted
+            self._trials = self._trials * _POOL_DECAY + accepted + (1 if accepted < k else 0)
 
     def observe_draft(self, tokens: int, ms: float) -> None:
         if tokens > 0:
@@ -80,11 +91,12 @@ class KController:
     pipelined: bool = False
     probe_every: int = 32
     prior_alpha: float = 0.7
-    prior_weight: float = 8.0
+    prior_weight: float = 4.0
     decay: float = 0.9
     _accepted: float = 0.0
     _trials: float = 0.0
     _since_probe: int = 0
+    _probe_gap: int = _FIRST_PROBE
 
     @property
     def alpha(self) -> float:
@@ -122,10 +134,12 @@ class KController:
             return upper  # speculative costs not measured yet: speculate at K_max to learn them
         best = max(rates, key=rates.__getitem__)
         if best > 0:
-            self._since_probe = 0
+            self._since_probe, self._probe_gap = 0, min(_FIRST_PROBE, self.probe_every)
             return best
+        # Off: probe with a short block, soon at first (acceptance often changes within a
+        # response), then backing off (a useless draft costs ever less) up to probe_every.
         self._since_probe += 1
-        if self._since_probe >= self.probe_every:
-            self._since_probe = 0
+        if self._since_probe >= min(self._probe_gap, self.probe_every):
+            self._since_probe, self._probe_gap = 0, min(self._probe_gap * 2, self.probe_every)
             return min(2, upper)
         return 0

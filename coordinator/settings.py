@@ -59,7 +59,10 @@ class CoordinatorSettings(ServiceSettings):
     worker_timeout_s: float = Field(60.0, gt=0, description="upper bound of one worker call (client deadlines cap it)")
     worker_startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait at start for workers to serve")
     draft_timeout_s: float = Field(
-        2.0, gt=0, description="a proposal slower than this is abandoned and the round decoded target-only"
+        2.0,
+        gt=0,
+        description="a proposal slower than this (or 3x its recent latency under load) is abandoned and the round "
+        "decoded target-only",
     )
     draft_retry_s: float = Field(5.0, gt=0, description="after a draft failure, decode target-only this long")
     target_retry_s: float = Field(2.0, gt=0, description="after a target replica fails, prefer the others this long")

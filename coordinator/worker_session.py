@@ -8,6 +8,7 @@ holds the prefix answers RESYNC_REQUIRED and is sent everything (base_len 0).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,7 +133,7 @@ class WorkerSession:
 
     def _draft_timeout(self) -> float:
         assert self._draft is not None
-        return min(self._draft.timeout_s, self._timeout())
+        return min(self._draft.patience_s, self._timeout())
 
     async def _read(self, wanted: Callable[[draft_pb2.ProposeResponse], bool]) -> draft_pb2.ProposeResponse:
         """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped."""
@@ -177,8 +178,11 @@ class WorkerSession:
                 session_id=self.session_id, round_id=round_id, base_len=base, prefix_hash=base_hash,
                 tail_token_ids=tail, num_tokens=k, warp=warp_to_proto(warp), seed=seed, lookahead=self._pipelined,
             )  # fmt: skip
+            sent = time.monotonic()
             await self._stream.send(request, self._draft_timeout())
             reply = await self._read(lambda r: not r.lookahead and r.round_id == round_id)
+            assert self._draft is not None
+            self._draft.observe_latency(time.monotonic() - sent)
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 if len(reply.draft.token_ids) != k:
                     raise WorkerCallFailed(f"asked for {k} tokens, got {len(reply.draft.token_ids)}")

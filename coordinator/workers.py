@@ -190,6 +190,7 @@ class DraftClient:
         self._metadata = _security(settings).metadata()
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
         self._breaker = _Breaker(retry_s)
+        self._latency_s: float | None = None
         self.info = common_pb2.WorkerInfo()
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
@@ -200,6 +201,17 @@ class DraftClient:
     @property
     def usable(self) -> bool:
         return self._breaker.up
+
+    def observe_latency(self, seconds: float) -> None:
+        """Records how long a proposal took to arrive (wall time, load included)."""
+        self._latency_s = seconds if self._latency_s is None else self._latency_s + 0.2 * (seconds - self._latency_s)
+
+    @property
+    def patience_s(self) -> float:
+        """How long to wait for a proposal: ``timeout_s``, or 3x the recent latency when the draft
+        is merely busy (under load proposals queue behind other sessions' passes). A hung draft
+        sends nothing, so it cannot stretch this."""
+        return self.timeout_s if self._latency_s is None else max(self.timeout_s, 3 * self._latency_s)
 
     def mark_failed(self, reason: str) -> None:
         log.warning("draft_unavailable", address=self.address, reason=reason)

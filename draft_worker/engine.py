@@ -9,7 +9,6 @@ used is exactly the block a fresh request at that prefix would have produced.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import torch
 from specdec.kvcache import ResyncRequired, SessionCache, SessionCaches
 from specdec.modeling import LoadedModel
 from specdec.sampling import DraftSample, Warp, round_generator, sample_draft_token
-from specdec.scheduler import Extend, Job
+from specdec.scheduler import ComputeMeter, Extend, Job
 from specdec.tokens import prefix_hash
 
 
@@ -54,7 +53,12 @@ class Block:
 
 
 def _draft_block(
-    entry: SessionCache, logits: torch.Tensor, params: DraftParams, start: int, device: torch.device
+    entry: SessionCache,
+    logits: torch.Tensor,
+    params: DraftParams,
+    start: int,
+    device: torch.device,
+    meter: ComputeMeter,
 ) -> Generator[Extend, torch.Tensor, list[DraftSample]]:
     """Samples ``params.k`` tokens starting from ``logits`` (the distribution after ``start`` tokens)."""
     generator = None if params.warp.greedy else round_generator(params.seed, start, "draft", device)
@@ -63,18 +67,20 @@ def _draft_block(
         sample = sample_draft_token(logits, params.warp, params.top_n, generator)
         samples.append(sample)
         if i + 1 < params.k:
-            logits = (yield Extend(entry, [sample.token_id], 1))[-1]
+            logits = (yield Extend(entry, [sample.token_id], 1, meter))[-1]
     return samples
 
 
-def _finish(entry: SessionCache, samples: list[DraftSample], start: int, assumed: Sequence[int], began: float) -> Block:
+def _finish(
+    entry: SessionCache, samples: list[DraftSample], start: int, assumed: Sequence[int], meter: ComputeMeter
+) -> Block:
     return Block(
         samples=tuple(samples),
         start=start,
         assumed=tuple(assumed),
         cache_len=len(entry.tokens),
         cache_hash=prefix_hash(entry.tokens),
-        compute_ms=(time.perf_counter() - began) * 1000,
+        compute_ms=meter.ms,
     )
 
 
@@ -88,30 +94,30 @@ def propose_job(
     params: DraftParams,
 ) -> Job[Block | None]:
     """K draft tokens after the committed tokens ``[..base_len] + tail``; None = resync required."""
-    began = time.perf_counter()
+    meter = ComputeMeter()
     try:
         entry = caches.sync(session_id, base_len, base_hash)
     except ResyncRequired:
         return None
-    logits = (yield Extend(entry, list(tail), 1))[-1]
+    logits = (yield Extend(entry, list(tail), 1, meter))[-1]
     start = base_len + len(tail)
-    samples = yield from _draft_block(entry, logits, params, start, loaded.device)
-    return _finish(entry, samples, start, (), began)
+    samples = yield from _draft_block(entry, logits, params, start, loaded.device, meter)
+    return _finish(entry, samples, start, (), meter)
 
 
 def lookahead_job(
     caches: SessionCaches, loaded: LoadedModel, session_id: str, previous: Block, params: DraftParams
 ) -> Job[Block | None]:
     """The block after ``previous`` + the draft's guess of the next token; None if the cache moved on."""
-    began = time.perf_counter()
+    meter = ComputeMeter()
     try:
         entry = caches.sync(session_id, previous.cache_len, previous.cache_hash)
     except ResyncRequired:
         return None
     last = previous.samples[-1].token_id
-    guess = int((yield Extend(entry, [last], 1))[-1].argmax())  # the most likely next token (any warp keeps it)
-    logits = (yield Extend(entry, [guess], 1))[-1]
+    guess = int((yield Extend(entry, [last], 1, meter))[-1].argmax())  # the most likely next token (any warp keeps it)
+    logits = (yield Extend(entry, [guess], 1, meter))[-1]
     assumed = (*previous.token_ids, guess)
     start = previous.start + len(assumed)
-    samples = yield from _draft_block(entry, logits, params, start, loaded.device)
-    return _finish(entry, samples, start, assumed, began)
+    samples = yield from _draft_block(entry, logits, params, start, loaded.device, meter)
+    return _finish(entry, samples, start, assumed, meter)

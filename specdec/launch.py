@@ -149,6 +149,8 @@ class LocalCluster:
         args = ["--target-addresses", targets, "--tokenizer", self.target_model]
         if "draft" in self.processes:
             args += ["--draft-address", self._routed("draft")]
+        if self.share_cpu:  # a busy draft waits its turn for the cores behind a full target batch
+            args += ["--draft-timeout-s", "30"]
         return [*args, *self.coordinator_args]
 
     def stop(self) -> None:

@@ -36,6 +36,15 @@ T = TypeVar("T")
 SHORT_STEP_TOKENS = 32  # steps up to this many tokens are batched together
 
 
+@dataclass
+class ComputeMeter:
+    """A job's share of the forward passes it took part in (a pass of n rows counts 1/n to
+    each), in milliseconds. Unlike wall time it leaves out waiting for the model thread, the
+    batch and the host lock, so costs measured under load stay comparable."""
+
+    ms: float = 0.0
+
+
 @dataclass(frozen=True)
 class Extend:
     """A job's step: run ``token_ids`` after ``entry``'s cache; send back the last ``num_logits`` logits."""
@@ -43,6 +52,7 @@ class Extend:
     entry: SessionCache
     token_ids: list[int]
     num_logits: int
+    meter: ComputeMeter | None = None
 
 
 Job = Generator[Extend, torch.Tensor, T]
@@ -76,21 +86,39 @@ class HostLock:
 
     Two model processes computing at once on the same cores oversubscribe them (measured on a
     2-core host: a 1.5B verify pass went from 0.73 s to 1.3-2.1 s with a 0.5B draft running beside
-    it). Holding this lock around every forward pass makes co-located workers take turns; each
-    still batches its own pending work.
+    it). So co-located workers take turns: a worker holds the lock while it has work, for up to
+    ``max_hold_s`` of consecutive passes (a draft's few short steps for a whole block), then lets
+    the other have it. Taking turns in bursts also keeps sessions in phase, so each burst batches
+    many sessions: drafts for all of them, then one verification pass for all of them.
     """
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, max_hold_s: float = 0.6) -> None:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if path else None
+        self._max_hold_s = max_hold_s
+        self._since: float | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock (waiting for the other worker's burst) unless this worker holds it."""
+        if self._fd is not None and self._since is None:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            self._since = time.monotonic()
+
+    def release(self) -> None:
+        if self._fd is not None and self._since is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._since = None
+            time.sleep(0)  # let a waiting process take the lock before this thread asks again
+
+    def pass_done(self) -> None:
+        """Ends the burst once it has lasted ``max_hold_s``."""
+        if self._since is not None and time.monotonic() - self._since >= self._max_hold_s:
+            self.release()
 
     def __enter__(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            time.sleep(0)  # let a waiting process take the lock before this thread asks again
+        self.release()
 
 
 class StepScheduler:
@@ -134,7 +162,10 @@ class StepScheduler:
 
     def _run(self) -> None:
         while True:
+            if not self._active:
+                self._host_lock.release()  # idle: never block on the inbox holding the host lock
             if not self._take_new(block=not self._active):
+                self._host_lock.release()
                 return
             short = [t for t in self._active.values() if t.step and len(t.step.token_ids) <= SHORT_STEP_TOKENS]
             long = [t for t in self._active.values() if t.step and len(t.step.token_ids) > SHORT_STEP_TOKENS]
@@ -205,8 +236,11 @@ class StepScheduler:
         assert self._caches is not None
         steps = [t.step for t in tasks if t.step is not None]
         try:
-            with self._host_lock:
-                results = self._caches.extend_many([(s.entry, s.token_ids, s.num_logits) for s in steps])
+            self._host_lock.acquire()
+            began = time.perf_counter()
+            results = self._caches.extend_many([(s.entry, s.token_ids, s.num_logits) for s in steps])
+            share_ms = (time.perf_counter() - began) * 1000 / len(steps)
+            self._host_lock.pass_done()
         except BaseException as exc:  # every job in the batch fails with it
             for task in tasks:
                 task.step = None
@@ -215,6 +249,9 @@ class StepScheduler:
             for task in tasks:
                 self._activate(task.session)
             return
+        for step in steps:
+            if step.meter is not None:
+                step.meter.ms += share_ms
         if len(tasks) > 1:
             self.batched_forwards += 1
             self.batched_requests += len(tasks)

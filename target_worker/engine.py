@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,7 +11,7 @@ from specdec.kvcache import ResyncRequired, SessionCaches
 from specdec.modeling import LoadedModel
 from specdec.proposals import decode_block
 from specdec.sampling import Warp, rejection_sample, round_generator
-from specdec.scheduler import Extend, Job
+from specdec.scheduler import ComputeMeter, Extend, Job
 from specdec.v1 import common_pb2
 
 
@@ -40,14 +39,14 @@ def verify_job(
     seed: int,
 ) -> Job[VerifyResult]:
     """Verifies ``block`` after the committed tokens ``[..base_len] + tail`` (one Extend step)."""
-    started = time.perf_counter()
+    meter = ComputeMeter()
     drafts, q = decode_block(block, loaded.vocab_size, loaded.device)
     try:
         entry = caches.sync(session_id, base_len, base_hash)
     except ResyncRequired:
         return VerifyResult(resync=True)
     k = len(drafts)
-    logits = yield Extend(entry, [*tail, *drafts.tolist()], k + 1)
+    logits = yield Extend(entry, [*tail, *drafts.tolist()], k + 1, meter)
     committed_len = base_len + len(tail)
     generator = None if warp.greedy else round_generator(seed, committed_len, "target", loaded.device)
     if q is None and not warp.greedy:
@@ -60,5 +59,5 @@ def verify_job(
         token_ids=tuple(verdict.token_ids),
         cache_len=len(entry.tokens),
         computed_tokens=len(tail) + k,
-        compute_ms=(time.perf_counter() - started) * 1000,
+        compute_ms=meter.ms,
     )

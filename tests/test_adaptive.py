@@ -50,7 +50,33 @@ def test_useless_draft_turns_speculation_off_and_probes_now_and_then() -> None:
     for _ in range(30):
         controller.observe(4, 0)
     choices = [controller.choose(100) for _ in range(16)]
-    assert choices.count(0) == 14 and choices.count(2) == 2  # one probe every 8 target-only rounds
+    assert [i for i, k in enumerate(choices) if k] == [3, 11]  # after 4 rounds, then every 8 (the cap)
+    assert set(choices) == {0, 2}
+    controller = KController(k_max=4, costs=costs(60, {1: 400, 5: 700}), probe_every=32)
+    for _ in range(30):
+        controller.observe(4, 0)
+    probes = [i for i in range(100) if controller.choose(100)]
+    assert probes == [3, 11, 27, 59, 91]  # gaps 4, 8, 16, 32, 32: a useless draft costs ever less
+
+
+def test_a_successful_probe_turns_speculation_back_on() -> None:
+    controller = KController(k_max=4, costs=costs(40, {1: 340, 5: 700}))
+    for _ in range(3):
+        controller.observe(4, 0)
+    assert controller.choose(100) == 0
+    for _ in range(3):
+        controller.choose(100)
+    for _ in range(3):  # probes and rounds that find the draft agreeing again
+        controller.observe(2, 2)
+    assert controller.choose(100) > 0
+
+
+def test_global_acceptance_pools_counts_instead_of_averaging_ratios() -> None:
+    c = StepCosts()
+    c.observe_acceptance(4, 4)
+    c.observe_acceptance(4, 0)
+    assert c.alpha == pytest.approx((4 * 0.98) / (4 * 0.98 + 1))  # ~0.8, not (1 + 0) / 2
+    assert KController(k_max=4, costs=c).alpha == pytest.approx(c.alpha)  # the prior of a fresh turn
 
 
 def test_acceptance_estimate_follows_a_change() -> None:

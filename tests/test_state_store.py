@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specdec.errors import SessionBusy, SessionNotFound, StateConflict, StateLost
-from specdec.state import CacheLocation, Commit, CommitOutcome, StateStore, open_store
+from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store
 from tests.helpers import RedisServer
 
 
@@ -184,3 +184,17 @@ async def test_rollback_clamps_recorded_cache_lengths(store: StateStore) -> None
     await store.commit(session, "o", Commit(1, "b", truncate_to=1))
     got = await store.get(session)
     assert got is not None and got.tokens == [1] and got.target == CacheLocation("t", "i", 1)
+
+
+@pytest.mark.asyncio
+async def test_the_last_recent_steps_stay_recognised_after_many_commits(store: StateStore) -> None:
+    """Regression: trimming the step window once dropped every remembered step (Redis)."""
+    await store.acquire("many", "o", create=True)
+    version = 0
+    for i in range(RECENT_STEPS + 5):
+        version = (await store.commit("many", "o", Commit(version, f"step{i}", [i]))).version
+    for i in range(5, RECENT_STEPS + 5):  # each of the last RECENT_STEPS is still known
+        retried = await store.commit("many", "o", Commit(version - 1, f"step{i}", [i]))
+        assert retried.outcome is CommitOutcome.ALREADY_APPLIED
+    with pytest.raises(StateConflict):  # older ones are forgotten: a stale version is a conflict
+        await store.commit("many", "o", Commit(version - 1, "step4", [4]))

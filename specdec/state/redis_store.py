@@ -77,7 +77,8 @@ local version = tonumber(cur[1]) + 1
 local steps = cur[2] .. ARGV[4] .. '|'
 local _, bars = string.gsub(steps, '|', '')
 while bars > tonumber(ARGV[14]) + 1 do
-  steps = string.sub(steps, string.find(steps, '|', 2, true))
+  local cut = string.find(steps, '|', 2, true)  -- (find returns start AND end: keep only start)
+  steps = string.sub(steps, cut)
   bars = bars - 1
 end
 redis.call('HSET', KEYS[1], 'tokens', tokens, 'version', version, 'steps', steps,

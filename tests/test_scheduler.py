@@ -1,0 +1,94 @@
+"""The step scheduler: batched passes, each job's compute share, and the host lock."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specdec.scheduler import ComputeMeter, Extend, HostLock, Job, StepScheduler
+
+_PROBE = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except BlockingIOError:
+    print("held")
+else:
+    print("free")
+"""
+
+
+def _probe(path: Path) -> str:
+    return subprocess.run([sys.executable, "-c", _PROBE, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def test_another_process_waits_while_a_forward_holds_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.lock"
+    lock = HostLock(str(path))
+    with lock:
+        assert _probe(path).strip() == "held"
+    assert _probe(path).strip() == "free"
+
+
+def test_no_file_means_no_locking() -> None:
+    lock = HostLock(None)
+    with lock, lock:  # re-entrant because it does nothing
+        pass
+
+
+class _SlowCaches:
+    """Stands in for SessionCaches in this unit test: every forward pass takes 0.2 s."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def extend_many(self, ops: Sequence[tuple[Any, Sequence[int], int]]) -> list[torch.Tensor]:
+        self.batches.append(len(ops))
+        time.sleep(0.2)
+        return [torch.zeros(n, 4) for _, _, n in ops]
+
+
+def _job(meter: ComputeMeter, steps: int) -> Job[float]:
+    for _ in range(steps):
+        yield Extend(None, [1], 1, meter)  # type: ignore[arg-type]
+    return meter.ms
+
+
+@pytest.mark.asyncio
+async def test_jobs_in_one_pass_share_its_time_and_waiting_is_not_counted() -> None:
+    scheduler = StepScheduler(max_batch=8)
+    caches = _SlowCaches()
+    scheduler.attach(caches)  # type: ignore[arg-type]
+    try:
+        meters = [ComputeMeter() for _ in range(4)]
+        results = await asyncio.gather(*(scheduler.run(f"s{i}", lambda m=m: _job(m, 2)) for i, m in enumerate(meters)))
+        # Two passes of four rows: each job is charged 2 x 0.2 s / 4, not the 0.4 s it waited.
+        assert caches.batches == [4, 4]
+        assert all(ms == pytest.approx(100, abs=30) for ms in results)
+        # The same session's jobs run one after the other: the second one is charged its own pass only.
+        first, second = ComputeMeter(), ComputeMeter()
+        await asyncio.gather(scheduler.run("s", lambda: _job(first, 1)), scheduler.run("s", lambda: _job(second, 1)))
+        assert first.ms == pytest.approx(200, abs=40) and second.ms == pytest.approx(200, abs=40)
+    finally:
+        scheduler.stop()
+
+
+def test_a_worker_keeps_the_host_lock_for_a_burst_then_lets_go(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.lock"
+    lock = HostLock(str(path), max_hold_s=0.3)
+    lock.acquire()
+    lock.pass_done()  # a short pass: the burst goes on
+    assert _probe(path).strip() == "held"
+    time.sleep(0.35)
+    lock.pass_done()  # the burst has lasted max_hold_s: the other worker gets its turn
+    assert _probe(path).strip() == "free"
+    lock.release()  # idempotent
