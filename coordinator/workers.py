@@ -51,18 +51,16 @@ async def wait_until_serving(channel: grpc.aio.Channel, address: str, timeout_s:
     raise RuntimeError(f"worker {address} not serving after {timeout_s:.0f}s (last status: {last})")
 
 
-def _security(settings: CoordinatorSettings) -> ClientSecurity:
-    return ClientSecurity(
+def _connect(address: str, settings: CoordinatorSettings) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]]:
+    """A channel to a worker (TLS/mTLS as configured) and the metadata every call carries."""
+    security = ClientSecurity(
         ca_file=settings.worker_tls_ca_file,
         cert_file=settings.worker_tls_cert_file,
         key_file=settings.worker_tls_key_file,
         server_name=settings.worker_tls_server_name,
         token_file=settings.worker_token_file,
     )
-
-
-def _channel(address: str, settings: CoordinatorSettings) -> grpc.aio.Channel:
-    return _security(settings).channel(address, [*channel_options(settings), *_RECONNECT_OPTIONS])
+    return security.channel(address, [*channel_options(settings), *_RECONNECT_OPTIONS]), security.metadata()
 
 
 class _Breaker:
@@ -85,8 +83,7 @@ class TargetClient:
 
     def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float) -> None:
         self.address = address
-        self._channel = _channel(address, settings)
-        self._metadata = _security(settings).metadata()
+        self._channel, self._metadata = _connect(address, settings)
         self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
         self.breaker = _Breaker(retry_s)
         self.info = common_pb2.WorkerInfo()
@@ -186,8 +183,7 @@ class DraftClient:
     def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = _channel(address, settings)
-        self._metadata = _security(settings).metadata()
+        self._channel, self._metadata = _connect(address, settings)
         self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
         self._breaker = _Breaker(retry_s)
         self._latency_s: float | None = None

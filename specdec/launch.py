@@ -115,7 +115,7 @@ class LocalCluster:
     startup_timeout_s: float = 600.0
     targets: int = 1
     route: Callable[[str, str], str] | None = None
-    share_cpu: bool = False  # CPU workers on this host: one forward pass at a time (see HostLock)
+    share_cpu: bool = False  # CPU workers on this host take turns for the cores (see HostLock)
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property

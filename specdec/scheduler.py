@@ -114,12 +114,6 @@ class HostLock:
         if self._since is not None and time.monotonic() - self._since >= self._max_hold_s:
             self.release()
 
-    def __enter__(self) -> None:
-        self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
 
 class StepScheduler:
     """Owns the model thread; see the module docstring."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -34,7 +34,12 @@ CLUSTER_COORDINATOR_ARGS = ["--max-speculative-tokens", "8"]
 
 
 def _cluster(
-    tmp_path_factory: pytest.TempPathFactory, target: Path, draft: Path | None, name: str, state_url: str = "memory://"
+    tmp_path_factory: pytest.TempPathFactory,
+    target: Path,
+    draft: Path | None,
+    name: str,
+    state_url: str = "memory://",
+    coordinator_args: Sequence[str] = (),
 ) -> Iterator[LocalCluster]:
     workdir = Path(tmp_path_factory.mktemp(name))
     cluster = LocalCluster(
@@ -42,7 +47,7 @@ def _cluster(
         str(draft) if draft else None,
         workdir,
         worker_args=CLUSTER_WORKER_ARGS,
-        coordinator_args=[*CLUSTER_COORDINATOR_ARGS, "--state-url", state_url],
+        coordinator_args=[*CLUSTER_COORDINATOR_ARGS, "--state-url", state_url, *coordinator_args],
         startup_timeout_s=120,
     )
     with cluster:
@@ -98,24 +103,16 @@ def routes() -> Iterator[Callable[..., ProxyRoutes]]:
 @pytest.fixture(scope="session")
 def cluster_pipelined(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
     """Target + a sometimes-right draft + a coordinator in pipelined mode."""
-    workdir = Path(tmp_path_factory.mktemp("cluster-pipelined"))
-    args = [*CLUSTER_COORDINATOR_ARGS, "--speculation-mode", "pipelined"]
-    cluster = LocalCluster(
-        str(tiny_models.target), str(tiny_models.noisy), workdir, worker_args=CLUSTER_WORKER_ARGS,
-        coordinator_args=args, startup_timeout_s=120,
-    )  # fmt: skip
-    with cluster:
-        yield cluster
+    mode = ["--speculation-mode", "pipelined"]
+    yield from _cluster(
+        tmp_path_factory, tiny_models.target, tiny_models.noisy, "cluster-pipelined", coordinator_args=mode
+    )
 
 
 @pytest.fixture(scope="session")
 def cluster_sequential(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
     """The same models as cluster_pipelined, coordinator in sequential mode."""
-    workdir = Path(tmp_path_factory.mktemp("cluster-sequential"))
-    args = [*CLUSTER_COORDINATOR_ARGS, "--speculation-mode", "sequential"]
-    cluster = LocalCluster(
-        str(tiny_models.target), str(tiny_models.noisy), workdir, worker_args=CLUSTER_WORKER_ARGS,
-        coordinator_args=args, startup_timeout_s=120,
-    )  # fmt: skip
-    with cluster:
-        yield cluster
+    mode = ["--speculation-mode", "sequential"]
+    yield from _cluster(
+        tmp_path_factory, tiny_models.target, tiny_models.noisy, "cluster-sequential", coordinator_args=mode
+    )
