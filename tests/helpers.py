@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -24,8 +25,10 @@ class RedisServer:
         password: str | None = None,
         port: int | None = None,
         tls: tuple[Path, Path] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
-        """``tls``: (certificate, key) files; the server then listens only for TLS (rediss://)."""
+        """``tls``: (certificate, key) files; the server then listens only for TLS (rediss://).
+        ``extra_args``: more redis-server options (e.g. ``--user`` ACL rules)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found; install it (apt-get install -y redis-server)")
@@ -51,6 +54,7 @@ class RedisServer:
             args[2] = "0"  # no plaintext port
             args += ["--tls-port", str(self.port), "--tls-cert-file", str(tls[0]), "--tls-key-file", str(tls[1])]
             args += ["--tls-auth-clients", "no"]
+        args += extra_args
         self.tls = tls is not None
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ready()

@@ -7,6 +7,7 @@ shared token; the state store is a password-protected, TLS-only redis-server.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,12 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import PermissionDenied, Unauthenticated
+from specdec.errors import PermissionDenied, StateUnavailable, Unauthenticated
 from specdec.launch import LaunchError, LocalCluster, spawn
 from specdec.security import Authenticator, load_tokens, scoped_session_id
-from specdec.state import open_store
+from specdec.state import Commit, open_store
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, free_port
 from tests.reference import make_request, reference_greedy
 from tests.tiny_models import TinyModels
 
@@ -285,3 +286,48 @@ def test_session_scopes() -> None:
 def test_a_password_in_two_places_is_refused() -> None:
     with pytest.raises(ValueError, match="given twice"):
         open_store("redis://:in-url@127.0.0.1:1/0", 60, 60, 1, password="in-setting")
+
+
+def test_redis_acl_user_is_supported(tmp_path: Path) -> None:
+    """An ACL user limited to specdec's keys works; a wrong user/password is refused clearly."""
+    acl = ["--user", "specdec", "on", ">acl-Pa55word-0123", "~specdec:*", "&*", "+@all", "--user", "default", "off"]
+    redis = RedisServer(tmp_path / "redis", extra_args=acl)
+    url = f"redis://127.0.0.1:{redis.port}/0"
+
+    async def use(username: str, password: str) -> int:
+        store = open_store(url, 60, 60, 2, username=username, password=password)
+        try:
+            await store.start()
+            await store.acquire("acl-session", "o", create=True)
+            result = await store.commit("acl-session", "o", Commit(0, "s0", [1, 2, 3]))
+            return result.version
+        finally:
+            await store.close()
+
+    try:
+        assert asyncio.run(use("specdec", "acl-Pa55word-0123")) == 1
+        with pytest.raises(StateUnavailable) as info:
+            asyncio.run(use("specdec", "wrong-password-0123"))
+        assert "AuthenticationError" in str(info.value) and "wrong-password" not in str(info.value)
+    finally:
+        redis.stop()
+
+
+def test_readiness_stays_false_while_starting_up(tmp_path: Path) -> None:
+    """A coordinator waiting for its workers: alive, not started, not ready (k8s keeps it out)."""
+    port = free_port()
+    args = ["--target-addresses", "127.0.0.1:1", "--health-port", str(port), "--worker-startup-timeout-s", "60"]
+    process = spawn("coordinator", args, tmp_path)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def status(service: str) -> int:
+                return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+            assert status("specdec.liveness") == health_pb2.HealthCheckResponse.SERVING
+            assert status("specdec.startup") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert status("specdec.readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        process.stop()
