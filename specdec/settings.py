@@ -78,8 +78,10 @@ class ModelWorkerSettings(ServiceSettings):
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for torch (0 = torch's default)")
     trust_remote_code: bool = Field(False, description="allow model code from the model repository")
     quantize: Literal["none", "int8"] = Field("none", description="int8 = dynamic int8 Linear layers (CPU draft)")
-    small_batch_kernel: Literal["auto", "on", "off"] = Field(
-        "auto", description="weight-stationary matmul for 2..128 rows (auto = on for CPU)"
+    cpu_kernel: Literal["auto", "packed", "torch"] = Field(
+        "auto",
+        description="Linear layers of a float32 CPU model: packed = weights pre-packed for oneDNN once at load "
+        "(faster, most of all for the few rows of a verify block); torch = nn.Linear; auto = packed where available",
     )
     max_batch: int = Field(16, gt=0, description="requests whose steps share one forward pass at most")
     cpu_lock_file: str | None = Field(

@@ -48,7 +48,7 @@ class WorkerCore:
         s = self.settings
         if s.torch_threads:
             await self.scheduler.call(torch.set_num_threads, s.torch_threads)
-        options = LoadOptions(s.device, s.dtype, s.quantize, s.small_batch_kernel, s.trust_remote_code)
+        options = LoadOptions(s.device, s.dtype, s.quantize, s.cpu_kernel, s.trust_remote_code)
         self._loaded = await self.scheduler.call(load_model, s.model, options)
         caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s)
         self.metrics.cached_sessions.set_function(lambda: len(caches))

@@ -1,0 +1,88 @@
+"""Model loading options: the packed oneDNN Linear kernel for CPU float32 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from specdec.modeling import LoadOptions, PackedLinear, load_model, packed_linear_available, use_packed_linear
+from tests.tiny_models import TinyModels, build_tokenizer
+
+pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48), (1, 1, 48), (300, 48)])
+def test_packed_linear_computes_what_nn_linear_computes(bias: bool, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias).requires_grad_(False)
+    x = torch.randn(shape)
+    packed = PackedLinear(linear)
+    got = packed(x)
+    assert got.shape == (*shape[:-1], 80)
+    torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+    assert "in_features=48, out_features=80" in repr(packed)
+
+
+def _llama(tied: bool) -> LlamaForCausalLM:
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(3)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_packed_model_decodes_the_same_greedy_tokens(tied: bool) -> None:
+    model = _llama(tied)
+    prompt = torch.tensor([[1, 70, 71, 72, 73, 74]])
+    expected = model.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40)
+    reference_logits = model(expected).logits
+    dense = sum(1 for m in model.modules() if type(m) is torch.nn.Linear)
+    assert use_packed_linear(model) == dense == 2 * 7 + 1  # q k v o gate up down per layer, lm_head
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    torch.testing.assert_close(model(expected).logits, reference_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40), expected)
+    # untied: the dense projection weights are gone (not kept beside the packed copies); tied: the
+    # embedding keeps the shared matrix
+    params = dict(model.named_parameters())
+    assert not any(name.endswith("proj.weight") for name in params)
+    assert ("model.embed_tokens.weight" in params) and ("lm_head.weight" not in params)
+
+
+def test_load_options_choose_the_kernel(tiny_models: TinyModels) -> None:
+    def linear_types(options: LoadOptions) -> set[type]:
+        model = load_model(str(tiny_models.target), options).model
+        return {type(m) for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))}
+
+    assert linear_types(LoadOptions(device="cpu")) == {PackedLinear}
+    assert linear_types(LoadOptions(device="cpu", cpu_kernel="torch")) == {torch.nn.Linear}
+    assert linear_types(LoadOptions(device="cpu", cpu_kernel="packed")) == {PackedLinear}
+    # half precision and int8 are not packed by auto, and refuse an explicit request
+    assert linear_types(LoadOptions(device="cpu", dtype="bfloat16")) == {torch.nn.Linear}
+    with pytest.raises(ValueError, match="float32 models on the CPU"):
+        load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="bfloat16", cpu_kernel="packed"))
+    with pytest.raises(ValueError, match="own int8 kernels"):
+        load_model(str(tiny_models.target), LoadOptions(device="cpu", quantize="int8", cpu_kernel="packed"))
+
+
+def _verify_block_argmax(model: torch.nn.Module, ids: torch.Tensor, prefix: int) -> torch.Tensor:
+    out = model(ids[:, :prefix], use_cache=True)
+    return model(ids[:, prefix:], past_key_values=out.past_key_values).logits.argmax(-1)
+
+
+def test_packed_and_torch_kernels_agree_on_a_verify_block(tiny_models: TinyModels) -> None:
+    """The target's block verification (several rows on a KV cache) sees the same argmaxes."""
+    reference = AutoModelForCausalLM.from_pretrained(tiny_models.target).eval().requires_grad_(False)
+    packed = load_model(str(tiny_models.target), LoadOptions(device="cpu")).model
+    ids = torch.tensor([[1, *range(80, 110)]])
+    assert torch.equal(_verify_block_argmax(packed, ids, 20), _verify_block_argmax(reference, ids, 20))
