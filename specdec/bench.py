@@ -59,11 +59,13 @@ class Run:
 
 
 def hf_runs(cfg: BenchConfig, tick: Callable[[str], None]) -> list[Run]:
-    """HF generate, target alone and with the draft as assistant_model (what users get without us)."""
+    """HF generate, target alone and with the draft as assistant_model (what users get without us),
+    then assisted generation again with the target's Linear layers packed as our target worker
+    packs them on a CPU: the like-for-like comparison of the two ways of speculating."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.modeling import quantize_int8
+    from specdec.modeling import quantize_int8, use_packed_linear
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
@@ -71,17 +73,26 @@ def hf_runs(cfg: BenchConfig, tick: Callable[[str], None]) -> list[Run]:
     if cfg.draft_quantize == "int8":
         draft = quantize_int8(draft)
     runs: list[Run] = []
+
+    def generate(model: Any, method: str, i: int, **extra: Any) -> None:
+        tick(method)
+        inputs = tokenizer(cfg.prompts[i], return_tensors="pt")
+        started = time.perf_counter()
+        out = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, do_sample=False, **extra)
+        seconds = time.perf_counter() - started
+        runs.append(Run(method, i, out[0, inputs["input_ids"].shape[1] :].tolist(), seconds))
+
     with torch.inference_mode():
         warm = tokenizer(cfg.prompts[0], return_tensors="pt")
         target.generate(**warm, max_new_tokens=4, do_sample=False)
-        for i, prompt in enumerate(cfg.prompts):
-            inputs = tokenizer(prompt, return_tensors="pt")
-            for method, extra in (("hf target-only", {}), ("hf assisted", {"assistant_model": draft})):
-                tick(method)
-                started = time.perf_counter()
-                out = target.generate(**inputs, max_new_tokens=cfg.max_new_tokens, do_sample=False, **extra)
-                seconds = time.perf_counter() - started
-                runs.append(Run(method, i, out[0, inputs["input_ids"].shape[1] :].tolist(), seconds))
+        for i in range(len(cfg.prompts)):
+            generate(target, "hf target-only", i)
+            generate(target, "hf assisted", i, assistant_model=draft)
+        if cfg.device == "cpu":
+            use_packed_linear(target)
+            target.generate(**warm, max_new_tokens=4, do_sample=False)
+            for i in range(len(cfg.prompts)):
+                generate(target, "hf assisted, packed target", i, assistant_model=draft)
     del target, draft
     gc.collect()
     return runs
@@ -258,7 +269,11 @@ def _derived(
     ratios = {
         "pipelined / sequential": _rate(methods, pipe) / _rate(methods, seq),
         "best service / hf assisted": _rate(methods, best) / _rate(methods, "hf assisted"),
+        "best service / hf assisted, packed target": _rate(methods, best)
+        / _rate(methods, "hf assisted, packed target"),
         "best service / hf target-only": _rate(methods, best) / _rate(methods, "hf target-only"),
+        "service target-only / hf target-only": _rate(methods, "service target-only")
+        / _rate(methods, "hf target-only"),
         "best service / service target-only": _rate(methods, best) / _rate(methods, "service target-only"),
         "worst prompt: adaptive / target-only": min(per_prompt),
         f"{max(sweep)} sessions / 1 session (aggregate)": sweep[max(sweep)]["tokens_per_s"]
@@ -305,9 +320,8 @@ def format_table(report: dict[str, Any]) -> str:
 def run(cfg: BenchConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
-    total = (
-        (0 if cfg.skip_hf else 2 * len(cfg.prompts)) + len(SERVICE_METHODS) * len(cfg.prompts) + len(cfg.concurrency)
-    )
+    hf_methods = 0 if cfg.skip_hf else 3 if cfg.device == "cpu" else 2
+    total = (hf_methods + len(SERVICE_METHODS)) * len(cfg.prompts) + len(cfg.concurrency)
     with tqdm(total=total, unit="run", desc="bench") as bar:
 
         def tick(label: str) -> None:

@@ -68,12 +68,13 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["methods"]) == {
-        "hf target-only", "hf assisted", "service target-only", "service sequential K",
+        "hf target-only", "hf assisted", "hf assisted, packed target", "service target-only", "service sequential K",
         "service sequential adaptive", "service pipelined K", "service pipelined adaptive",
     }  # fmt: skip
     assert report["methods"]["service pipelined K"]["pipelined_rounds"] > 0
     assert set(report["concurrency"]) == {"1", "2"}
     assert {"pipelined / sequential", "best service / hf assisted"} <= set(report["ratios"])
     assert report["greedy_tokens_equal_hf"]["service sequential K"] is True
+    assert report["greedy_tokens_equal_hf"]["hf assisted, packed target"] is True
     assert 0 < report["leviathan"]["alpha"] < 1
     assert "Leviathan expectation" in result.stdout and "JSON report" in result.stdout
