@@ -19,7 +19,8 @@ _FIRST_PROBE = 4  # target-only rounds before the first probe; the gap doubles u
 _MAX_TOKENS = 64
 
 
-def _ewma(old: float | None, new: float) -> float:
+def ewma(old: float | None, new: float) -> float:
+    """Exponentially weighted moving average with weight 0.2 for ``new`` (``new`` itself at first)."""
     return new if old is None else old + _EWMA * (new - old)
 
 
@@ -48,14 +49,14 @@ class StepCosts:
 
     def observe_draft(self, tokens: int, ms: float) -> None:
         if tokens > 0:
-            self.draft_per_token = _ewma(self.draft_per_token, ms / tokens)
+            self.draft_per_token = ewma(self.draft_per_token, ms / tokens)
 
     def observe_verify(self, tokens: int, ms: float) -> None:
         if 0 < tokens <= _MAX_TOKENS:
-            self.verify[tokens] = _ewma(self.verify.get(tokens), ms)
+            self.verify[tokens] = ewma(self.verify.get(tokens), ms)
 
     def observe_overhead(self, ms: float) -> None:
-        self.overhead = _ewma(self.overhead, max(ms, 0.0))
+        self.overhead = ewma(self.overhead, max(ms, 0.0))
 
     def verify_ms(self, tokens: int) -> float | None:
         """Measured, else linearly interpolated/extrapolated from the nearest measurements."""

@@ -12,6 +12,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
 from specdec.errors import WorkerFailed, WorkerUnavailable
 from specdec.security import ClientSecurity
@@ -200,7 +201,7 @@ class DraftClient:
 
     def observe_latency(self, seconds: float) -> None:
         """Records how long a proposal took to arrive (wall time, load included)."""
-        self._latency_s = seconds if self._latency_s is None else self._latency_s + 0.2 * (seconds - self._latency_s)
+        self._latency_s = ewma(self._latency_s, seconds)
 
     @property
     def patience_s(self) -> float:

@@ -177,15 +177,18 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
 
 
 def _wants_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
-    if choice == "torch" or device.type != "cpu" or dtype != torch.float32:
-        if choice == "packed":
-            raise ValueError("--cpu-kernel packed is for float32 models on the CPU; use auto or torch here")
+    """Whether to pack the model's Linear layers; an explicit ``packed`` that cannot apply raises."""
+    if choice == "torch":
         return False
-    if not packed_linear_available():
-        if choice == "packed":
-            raise ValueError("--cpu-kernel packed needs a torch build with oneDNN (mkldnn); use auto or torch")
-        return False
-    return True
+    if device.type != "cpu" or dtype != torch.float32:
+        problem = "is for float32 models on the CPU"
+    elif not packed_linear_available():
+        problem = "needs a torch build with oneDNN (mkldnn)"
+    else:
+        return True
+    if choice == "packed":
+        raise ValueError(f"--cpu-kernel packed {problem}; use auto or torch here")
+    return False
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

@@ -45,10 +45,11 @@ def open_store(
     ``username``/``password`` (Redis ACL / AUTH) override those in the URL; ``tls_ca_file`` is the
     CA that signed a ``rediss://`` server's certificate.
     """
-    scheme = urlsplit(url).scheme
+    parts = urlsplit(url)
+    scheme = parts.scheme
     if scheme == "memory":
         return MemoryStateStore(ttl_s=ttl_s, lease_s=lease_s)
-    if password is not None and urlsplit(url).password:
+    if password is not None and parts.password:
         raise ValueError("the Redis password is given twice (in state_url and as a setting); keep one")
     if tls_ca_file and scheme != "rediss":
         raise ValueError("state_tls_ca_file needs a rediss:// state_url")
