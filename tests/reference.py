@@ -30,7 +30,10 @@ def reference_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int, igno
     config = GenerationConfig.from_model_config(model.config) if not ignore_eos else GenerationConfig()
     config.update(max_new_tokens=max_new, do_sample=False, pad_token_id=model.config.pad_token_id)
     if ignore_eos:
+        # generate() fills an unset eos_token_id from the model's own generation config, so that
+        # one has to go too, or the reference stops at EOS where the service generates on.
         config.eos_token_id = None
+        model.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
     # An explicit mask: generate() would otherwise treat pad-token ids in the prompt as padding.
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)

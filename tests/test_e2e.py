@@ -145,6 +145,29 @@ def test_max_new_tokens_and_stop_tokens_are_exact(
     assert reply.finish_reason == coordinator_pb2.FINISH_REASON_STOP
 
 
+def test_eos_ends_a_reply_unless_ignored(other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
+    """A prompt whose greedy continuation meets EOS: the reply stops on it; with ignore_eos it goes
+    on, equal to a plain greedy loop over the target (and to the generate() reference)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.target).eval()
+    eos = model.config.eos_token_id
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt) :]
+
+    prompt = next([p] for p in range(256) if eos in greedy([p], 20)[:-1])
+    expected = greedy(prompt, 20)
+    stopped = other.Generate(request(prompt, k=3, max_new=20))
+    assert list(stopped.token_ids) == expected[: expected.index(eos) + 1]
+    assert stopped.finish_reason == coordinator_pb2.FINISH_REASON_STOP
+    ignored = other.Generate(request(prompt, k=3, max_new=20, ignore_eos=True))
+    assert list(ignored.token_ids) == expected == reference_greedy(str(tiny_models.target), tuple(prompt), 20, True)
+    assert ignored.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+
+
 def target_info(cluster: LocalCluster) -> common_pb2.WorkerInfo:
     return worker_info(cluster.processes["target-0"].address, "target")
 
