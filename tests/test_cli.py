@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.tiny_models import TinyModels
 
@@ -78,3 +82,22 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     assert report["greedy_tokens_equal_hf"]["hf assisted, packed target"] is True
     assert 0 < report["leviathan"]["alpha"] < 1
     assert "Leviathan expectation" in result.stdout and "JSON report" in result.stdout
+
+
+def test_cpu_split_profile_prints_every_pass_and_ratio(tiny_models: TinyModels) -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_cpu_split.py"
+    args = ["--model", str(tiny_models.target), "--draft-model", str(tiny_models.other), "--seconds", "0.3"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    cores = os.cpu_count() or 1
+    assert lines[0] == f"cores: {cores}; split: target {cores - cores // 2}, draft {cores // 2} threads"
+    ms = {line.split("  ")[0]: [float(t) for t in re.findall(r"([\d.]+) ms", line)] for line in lines}
+    target, draft = ms["target verify (5 tokens)"], ms["draft step (1 token)"]
+    assert len(target) == len(draft) == 3 and min(target + draft) > 0
+    sequential, overlapped, separate = (ms[line.split("  ")[0]][0] for line in lines[4:7])
+    assert sequential == pytest.approx(4 * draft[0] + target[0], abs=0.3)  # times are printed to 0.1 ms
+    assert overlapped == pytest.approx(max(4 * draft[2], target[2]), abs=0.3)
+    assert separate == pytest.approx(max(4 * draft[0], target[0]), abs=0.3)
+    ratios = [float(r) for r in re.findall(r"-> ([\d.]+)x", done.stdout)]
+    assert ratios == pytest.approx([sequential / overlapped, sequential / separate], rel=0.1)
