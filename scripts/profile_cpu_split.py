@@ -4,10 +4,12 @@
 Pipelining hides the draft's work behind the target's verify pass only if the two can run at the
 same time without slowing each other down. This measures, with the real models and the workers'
 own loader, a verify pass of K+1 tokens and a one-token draft step on a cached context:
-both alone with all cores, both alone with a share of the cores, and both at once, each with its
-share. From those it prints the round time of sequential speculation (draft K tokens, then verify,
-all cores each) against pipelined speculation on split cores (max of the two, run side by side),
-and against pipelined speculation with the draft on separate hardware.
+both alone with all cores, both alone with a share of the cores, both at once each with its share
+(split), and both at once with the target on all cores beside the draft on its share
+(oversubscribed). From those it prints the round time of sequential speculation (draft K tokens,
+then verify, all cores each) against pipelined speculation (max of the two, run side by side),
+split, oversubscribed, and with the draft on separate hardware. OMP_WAIT_POLICY and the like are
+passed on to the timed processes.
 
     .venv/bin/python scripts/profile_cpu_split.py \\
         --model ~/.cache/specdec-models/qwen2.5-coder-1.5b \\
@@ -100,6 +102,7 @@ def main() -> None:
         **_measure(conns, {"draft": split["draft"]}, args.seconds),
     }
     together = _measure(conns, split, args.seconds)
+    crowded = _measure(conns, {"target": cores, "draft": split["draft"]}, args.seconds)
     for conn in conns.values():
         conn.send(None)
     for proc in procs:
@@ -110,15 +113,21 @@ def main() -> None:
 
     out = sys.stdout.write
     out(f"cores: {cores}; split: target {split['target']}, draft {split['draft']} threads\n")
-    out(f"{'pass':<28}{'all cores, alone':>18}{'split, alone':>18}{'split, side by side':>22}\n")
+    out(f"{'pass':<28}{'all cores, alone':>18}{'split, alone':>18}{'split, side by side':>22}{'oversubscribed':>18}\n")
     for name, label in (("target", f"target verify ({k + 1} tokens)"), ("draft", "draft step (1 token)")):
-        out(f"{label:<28}{ms(full[name]):>18}{ms(alone[name]):>18}{ms(together[name]):>22}\n")
+        row = f"{ms(full[name]):>18}{ms(alone[name]):>18}{ms(together[name]):>22}{ms(crowded[name]):>18}"
+        out(f"{label:<28}{row}\n")
     sequential = k * full["draft"] + full["target"]
     overlapped = max(k * together["draft"], together["target"])
+    oversubscribed = max(k * crowded["draft"], crowded["target"])
     separate = max(k * full["draft"], full["target"])
-    out(f"sequential round (K={k}, all cores each):        {ms(sequential)}\n")
-    out(f"pipelined round, split cores side by side:      {ms(overlapped)}  -> {sequential / overlapped:.2f}x\n")
-    out(f"pipelined round, draft on separate hardware:    {ms(separate)}  -> {sequential / separate:.2f}x\n")
+    out(f"{f'sequential round (K={k}, all cores each):':<48}{ms(sequential)}\n")
+    for label, round_time in (
+        ("split cores side by side", overlapped),
+        ("oversubscribed", oversubscribed),
+        ("draft on separate hardware", separate),
+    ):
+        out(f"{f'pipelined round, {label}:':<48}{ms(round_time)}  -> {sequential / round_time:.2f}x\n")
     out("(pipelined ratios are upper bounds: every block drafted ahead assumed to be used)\n")
 
 

@@ -94,10 +94,11 @@ def test_cpu_split_profile_prints_every_pass_and_ratio(tiny_models: TinyModels) 
     assert lines[0] == f"cores: {cores}; split: target {cores - cores // 2}, draft {cores // 2} threads"
     ms = {line.split("  ")[0]: [float(t) for t in re.findall(r"([\d.]+) ms", line)] for line in lines}
     target, draft = ms["target verify (5 tokens)"], ms["draft step (1 token)"]
-    assert len(target) == len(draft) == 3 and min(target + draft) > 0
-    sequential, overlapped, separate = (ms[line.split("  ")[0]][0] for line in lines[4:7])
+    assert len(target) == len(draft) == 4 and min(target + draft) > 0
+    sequential, overlapped, oversubscribed, separate = (ms[line.split("  ")[0]][0] for line in lines[4:8])
     assert sequential == pytest.approx(4 * draft[0] + target[0], abs=0.3)  # times are printed to 0.1 ms
     assert overlapped == pytest.approx(max(4 * draft[2], target[2]), abs=0.3)
+    assert oversubscribed == pytest.approx(max(4 * draft[3], target[3]), abs=0.3)
     assert separate == pytest.approx(max(4 * draft[0], target[0]), abs=0.3)
     ratios = [float(r) for r in re.findall(r"-> ([\d.]+)x", done.stdout)]
-    assert ratios == pytest.approx([sequential / overlapped, sequential / separate], rel=0.1)
+    assert ratios == pytest.approx([sequential / x for x in (overlapped, oversubscribed, separate)], rel=0.1)
