@@ -26,36 +26,38 @@ import time
 from multiprocessing.connection import Connection
 
 import torch
-from transformers import DynamicCache
 
+from specdec.kvcache import SessionCaches
 from specdec.logging import configure_logging
 from specdec.modeling import LoadOptions, load_model
 
 
 def _serve(conn: Connection, model_id: str, quantize: str, tokens: int, context: int) -> None:
-    """Child process: loads one model, then times ``tokens``-token passes on request."""
+    """Child process: loads one model, then times ``tokens``-token passes on request, through the
+    workers' own cache path (extend by the block, keep its logits, roll back)."""
     configure_logging("warning", "console")
     loaded = load_model(model_id, LoadOptions(device="cpu", quantize=quantize))
-    model, vocab = loaded.model, loaded.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, context), generator=generator)
-    block = torch.randint(0, vocab, (1, tokens), generator=generator)
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(prompt, past_key_values=cache, use_cache=True)
+    prompt = torch.randint(0, loaded.vocab_size, (context,), generator=generator).tolist()
+    block = torch.randint(0, loaded.vocab_size, (tokens,), generator=generator).tolist()
+    caches = SessionCaches(loaded, max_sessions=1, idle_s=float("inf"))
+    entry = caches.sync("profile", 0, 0)
+    caches.extend(entry, prompt, 1)
+
+    def one_pass() -> None:
+        caches.extend(entry, block, tokens)
+        entry.truncate(context)
+
     conn.send("ready")
     while (request := conn.recv()) is not None:
         threads, seconds, start_at = request
         torch.set_num_threads(threads)
-        with torch.no_grad():
-            model(block, past_key_values=cache, use_cache=True)  # warm-up at this thread count
-            cache.crop(-tokens)
-            time.sleep(max(0.0, start_at - time.time()))
-            began, passes = time.perf_counter(), 0
-            while time.perf_counter() - began < seconds:
-                model(block, past_key_values=cache, use_cache=True)
-                cache.crop(-tokens)
-                passes += 1
+        one_pass()  # warm-up at this thread count
+        time.sleep(max(0.0, start_at - time.time()))
+        began, passes = time.perf_counter(), 0
+        while time.perf_counter() - began < seconds:
+            one_pass()
+            passes += 1
         conn.send((time.perf_counter() - began) / passes)
 
 
@@ -84,7 +86,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     conns: dict[str, Connection] = {}
-    procs = []
+    procs: list[mp.process.BaseProcess] = []
     for name, model_id, quantize, tokens in (
         ("target", args.model, "none", k + 1),
         ("draft", args.draft_model, args.draft_quantize, 1),
@@ -92,7 +94,8 @@ def main() -> None:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_serve, args=(child, model_id, quantize, tokens, args.context))
         proc.start()
-        conns[name], procs = parent, [*procs, proc]
+        conns[name] = parent
+        procs.append(proc)
     for conn in conns.values():
         conn.recv()
 
