@@ -11,8 +11,8 @@ import grpc
 from coordinator.engine import Engine
 from coordinator.turn import Finish, Turn
 from coordinator.validation import parse_request
-from specdec.errors import InvalidRequest
 from specdec.security import caller_identity, scoped_session_id
+from specdec.session_ids import check_session_id
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 _FINISH = {Finish.STOP: coordinator_pb2.FINISH_REASON_STOP, Finish.LENGTH: coordinator_pb2.FINISH_REASON_LENGTH}
@@ -100,7 +100,6 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
     async def CloseSession(
         self, request: coordinator_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.CloseSessionResponse:
-        if not request.session_id:
-            raise InvalidRequest("session_id is required")
+        check_session_id(request.session_id)
         session_id = scoped_session_id(caller_identity.get(), request.session_id)
         return coordinator_pb2.CloseSessionResponse(existed=await self._engine.close_session(session_id))

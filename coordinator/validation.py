@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
-import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from specdec.errors import InvalidRequest, RequestTooLarge
 from specdec.sampling import Warp
+from specdec.session_ids import check_session_id
 from specdec.v1 import common_pb2, coordinator_pb2
-
-_SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 @dataclass(frozen=True)
@@ -103,8 +101,8 @@ def _k(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> int:
 
 def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:
     """Validates a request; raises InvalidRequest naming the offending field."""
-    if request.session_id and not _SESSION_ID.match(request.session_id):
-        raise InvalidRequest("session_id must be 1-128 characters of letters, digits and . _ : -")
+    if request.session_id:
+        check_session_id(request.session_id)
     if request.require_existing_session and not request.session_id:
         raise InvalidRequest("require_existing_session needs a session_id")
     prompt_text, prompt_ids = _prompt(request, limits)

@@ -65,6 +65,19 @@ class WorkerFailed(SpecdecError):
     code = grpc.StatusCode.INTERNAL
 
 
+class RequestFailed(SpecdecError):
+    """A worker could not process this one request (an error outside the model's forward pass);
+    the worker keeps serving. Details only in the worker's log."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class NumericalError(SpecdecError):
+    """Sampling met non-finite numbers for this request (the worker keeps serving)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class StateLost(SpecdecError):
     """The state store lost the session's data (e.g. restarted without persistence)."""
 

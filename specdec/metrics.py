@@ -31,7 +31,13 @@ class WorkerMetrics:
         self.compute_seconds = Histogram(
             "specdec_worker_compute_seconds", "Model time per request", buckets=_LATENCY_BUCKETS, registry=registry
         )
-        self.model_errors = Counter("specdec_worker_model_errors", "Exceptions in the model thread", registry=registry)
+        self.model_errors = Counter(
+            "specdec_worker_model_errors", "Forward-pass exceptions (the worker exits)", registry=registry
+        )
+        self.request_errors = Counter(
+            "specdec_worker_request_errors", "Requests failed by their own input or numbers (the worker goes on)",
+            registry=registry,
+        )  # fmt: skip
 
 
 class CoordinatorMetrics:

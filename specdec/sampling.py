@@ -16,12 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.errors import NumericalError
+
 Tensor = torch.Tensor
+
+# Temperatures below this decode greedily (as vLLM does): dividing logits by a smaller number
+# overflows float32 and the limit T -> 0 of the warped distribution is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class Warp:
-    """Temperature / top-k / top-p warping; ``temperature == 0`` means greedy (argmax)."""
+    """Temperature / top-k / top-p warping; a temperature below GREEDY_TEMPERATURE (0 included)
+    means greedy decoding (argmax)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -37,7 +44,7 @@ class Warp:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
@@ -45,11 +52,18 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
 
     ``logits``: [..., V] -> float32 [..., V] summing to 1 over the last dim. Greedy warps give the
     one-hot distribution of the argmax (the limit temperature -> 0).
+
+    The logits are shifted so that their maximum is 0 before dividing by the temperature (the
+    softmax, top-k and top-p do not change), so no finite logits overflow at any temperature.
+    Logits that are NaN or +inf raise NumericalError: an error of this request, not of the process.
     """
     logits = logits.float()
+    top = logits.max(-1, keepdim=True).values
+    if not bool(torch.isfinite(top).all()) or bool(torch.isnan(logits).any()):
+        raise NumericalError("the model produced non-finite logits for this request; nothing was sampled")
     if warp.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    scores = logits / warp.temperature
+    scores = (logits - top) / warp.temperature
     if warp.top_k and warp.top_k < scores.shape[-1]:
         kth = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
@@ -173,6 +187,8 @@ def rejection_sample(
 
 
 def _greedy_verdict(target_logits: Tensor, draft_tokens: Tensor) -> Verdict:
+    if bool(torch.isnan(target_logits).any()):
+        raise NumericalError("the model produced non-finite logits for this request; nothing was sampled")
     targets = target_logits.argmax(-1)
     k = draft_tokens.shape[0]
     matches = targets[:k] == draft_tokens.to(targets.device).long()

@@ -36,6 +36,11 @@ T = TypeVar("T")
 SHORT_STEP_TOKENS = 32  # steps up to this many tokens are batched together
 
 
+class ModelFault(Exception):
+    """The model's forward pass raised: a genuine model/device fault (the worker must not go on
+    serving from a possibly corrupt state). Exceptions in a job's own code are not wrapped."""
+
+
 @dataclass
 class ComputeMeter:
     """A job's share of the forward passes it took part in (a pass of n rows counts 1/n to
@@ -236,9 +241,11 @@ class StepScheduler:
             share_ms = (time.perf_counter() - began) * 1000 / len(steps)
             self._host_lock.pass_done()
         except BaseException as exc:  # every job in the batch fails with it
+            fault = ModelFault(f"forward pass failed: {exc!r}")
+            fault.__cause__ = exc
             for task in tasks:
                 task.step = None
-                _settle(task.future, exc=exc)
+                _settle(task.future, exc=fault)
                 self._active.pop(task.session, None)
             for task in tasks:
                 self._activate(task.session)

@@ -11,13 +11,14 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec.errors import InvalidRequest, SpecdecError, WorkerUnavailable
+from specdec.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable
 from specdec.kvcache import SessionCaches
 from specdec.metrics import WorkerMetrics
 from specdec.modeling import LoadedModel, LoadOptions, load_model
 from specdec.sampling import Warp
-from specdec.scheduler import HostLock, Job, StepScheduler
+from specdec.scheduler import HostLock, Job, ModelFault, StepScheduler
 from specdec.server import ServerControl
+from specdec.session_ids import INTERNAL_SESSION_ID_MAX, check_session_id
 from specdec.settings import ModelWorkerSettings
 from specdec.v1 import common_pb2
 
@@ -28,9 +29,12 @@ T = TypeVar("T")
 class WorkerCore:
     """A model plus its per-session caches, driven by one model thread (a StepScheduler).
 
-    An unexpected exception in the model thread fails the affected requests with a generic
-    INTERNAL and takes the worker out of service (health NOT_SERVING, graceful exit with status
-    1), so that the orchestrator restarts it rather than it serving from a possibly corrupt state.
+    A request's own errors (bad input, non-finite numbers, any exception in its job's code) fail
+    that request only: its session cache is dropped (the next request re-syncs it) and the worker
+    keeps serving. An exception inside the model's forward pass (ModelFault) is a model/device
+    fault: the requests in that pass fail with a generic INTERNAL and the worker leaves service
+    (health NOT_SERVING, graceful exit with status 1), so that the orchestrator restarts it rather
+    than it serving from a possibly corrupt state.
     """
 
     def __init__(self, settings: ModelWorkerSettings, control: ServerControl, registry: CollectorRegistry) -> None:
@@ -57,7 +61,12 @@ class WorkerCore:
 
     async def run(self, session_id: str, start: Callable[[], Job[T]]) -> T:
         """Runs a job in the model thread, applying the crash policy above."""
-        return await self._guard(self.scheduler.run(session_id, start))
+        try:
+            return await self._guard(self.scheduler.run(session_id, start))
+        except SpecdecError:
+            if self._caches is not None:  # the session's cache may hold a half-done step: drop it
+                await self.scheduler.call(self._caches.release, session_id)
+            raise
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs a plain function in the model thread, applying the crash policy above."""
@@ -68,11 +77,15 @@ class WorkerCore:
             return await work
         except SpecdecError:
             raise
-        except Exception:
+        except ModelFault:
             self.metrics.model_errors.inc()
             log.exception("model_error")
             self._control.request_stop(exit_code=1, reason="model error")
             raise
+        except Exception as exc:
+            self.metrics.request_errors.inc()
+            log.exception("request_error")
+            raise RequestFailed("the worker could not process this request; the worker's log has the details") from exc
 
     @property
     def loaded(self) -> LoadedModel:
@@ -106,8 +119,7 @@ class WorkerCore:
 
     def check_request(self, session_id: str, base_len: int, tail: Sequence[int], extra_positions: int) -> None:
         """Rejects a sync request that no correct coordinator sends."""
-        if not session_id:
-            raise InvalidRequest("session_id is required")
+        check_session_id(session_id, INTERNAL_SESSION_ID_MAX)
         if not tail:
             raise InvalidRequest("tail_token_ids must hold at least the last committed token")
         vocab = self.loaded.vocab_size
@@ -118,6 +130,7 @@ class WorkerCore:
             raise InvalidRequest(f"{end} positions exceed the model's context length {self.loaded.max_context_len}")
 
     async def release(self, session_id: str) -> bool:
+        check_session_id(session_id, INTERNAL_SESSION_ID_MAX)
         return await self.call(self.caches.release, session_id)
 
     def close(self) -> None:

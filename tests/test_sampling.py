@@ -225,3 +225,32 @@ def test_distribution_test_catches_a_broken_sampler() -> None:
         speculative_sequence(target, draft, (0,), length, 2, warp, 0, gen, sampler=_broken_sampler) for _ in range(n)
     )
     assert _chi_square_pvalue(samples, exact, n) < 1e-6
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3, 1.0, 1e6, 3.4e38])
+def test_warping_never_overflows(temperature: float) -> None:
+    """Large logits at a small temperature, or any temperature up to float32's max: finite probabilities."""
+    logits = torch.tensor([[1e4, -1e4, 0.0, 9999.0, -math.inf]])
+    for top_k, top_p in ((0, 1.0), (2, 1.0), (0, 1e-45), (3, 0.99999994)):
+        p = warped_probs(logits, Warp(temperature, top_k, top_p))
+        assert bool(torch.isfinite(p).all()) and float(p.sum()) == pytest.approx(1.0)
+        assert float(p[0, 4]) == 0.0
+
+
+def test_temperatures_below_the_epsilon_are_greedy() -> None:
+    assert Warp(9.99e-6).greedy and Warp(0.0).greedy and Warp(1e-40).greedy and not Warp(1e-5).greedy
+    logits = torch.tensor([0.5, 3.0, 2.9])
+    assert warped_probs(logits, Warp(1e-30)).tolist() == [0.0, 1.0, 0.0]
+
+
+def test_non_finite_logits_are_an_error_of_the_request() -> None:
+    from specdec.errors import NumericalError
+
+    for bad in (math.nan, math.inf):
+        logits = torch.tensor([[0.0, bad, 1.0], [0.0, 0.0, 0.0]])
+        with pytest.raises(NumericalError):
+            warped_probs(logits, Warp(1.0))
+        with pytest.raises(NumericalError):
+            rejection_sample(logits, torch.tensor([1]), torch.tensor([[0.0, 1.0, 0.0]]), Warp(1.0), None)
+    with pytest.raises(NumericalError):
+        rejection_sample(torch.tensor([[0.0, math.nan], [0.0, 0.0]]), torch.tensor([1]), None, Warp(), None)

@@ -75,6 +75,8 @@ def test_seed_is_kept() -> None:
             "num_speculative_tokens must be <= 8",
         ),
         (req(session_id="bad id with spaces"), "session_id must be"),
+        (req(session_id="chat\n"), "session_id must be"),
+        (req(session_id="a" * 129), "session_id must be"),
         (req(require_existing_session=True), "require_existing_session needs a session_id"),
     ],
 )
