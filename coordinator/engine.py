@@ -90,7 +90,15 @@ class Engine:
             default_k=s.num_speculative_tokens,
             max_k=s.max_speculative_tokens,
             max_prompt_chars=MAX_PROMPT_CHARS,
+            draft_context_len=draft_info.max_context_len if draft_info is not None else 0,
         )
+        if draft_info is not None and draft_info.max_context_len < target_info.max_context_len:
+            log.warning(
+                "draft_context_shorter",
+                draft_context_len=draft_info.max_context_len,
+                target_context_len=target_info.max_context_len,
+                effect="sessions longer than the draft's context decode target-only",
+            )
         pipelined = choose_pipelined(s.speculation_mode, target_info, draft_info)
         self._deps = TurnDeps(
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,

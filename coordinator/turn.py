@@ -112,7 +112,9 @@ class Turn:
     def __post_init__(self) -> None:
         self.session_id = self.request.session_id or f"oneshot-{self.owner}"
         d = self.deps
-        self.workers = WorkerSession(self.session_id, d.targets, d.draft, d.metrics, self._time_left, d.pipelined)
+        self.workers = WorkerSession(
+            self.session_id, d.targets, d.draft, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined
+        )
         self.controller = KController(self.request.k, d.costs, d.pipelined, d.probe_every)
 
     @property
@@ -191,6 +193,8 @@ class Turn:
 
     def _k(self) -> int:
         budget = self.request.max_new_tokens - self._generated - 1
+        # The draft runs the committed tokens + K - 1 drafts: it cannot draft past its own context.
+        budget = min(budget, self.deps.limits.draft_context_len - len(self._committed) + 1)
         if not self.workers.draft_usable or budget <= 0:
             return 0
         if self.deps.adaptive_k and not self.request.fixed_k:

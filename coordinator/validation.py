@@ -24,6 +24,7 @@ class Limits:
     default_k: int
     max_k: int
     max_prompt_chars: int
+    draft_context_len: int = 0  # the draft's context length (0 = no draft); it drafts no further
 
 
 @dataclass(frozen=True)

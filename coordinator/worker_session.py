@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
-from specdec.errors import WorkerFailed, WorkerUnavailable
+from specdec.errors import DeadlineExceeded, WorkerFailed, WorkerTimedOut, WorkerUnavailable
 from specdec.metrics import CoordinatorMetrics
 from specdec.sampling import Warp
 from specdec.state import CacheLocation
@@ -71,9 +71,11 @@ class WorkerSession:
         targets: TargetPool,
         draft: DraftClient | None,
         metrics: CoordinatorMetrics,
-        timeout: Callable[[], float],
+        worker_timeout_s: float,
+        deadline: float | None,
         pipelined: bool = False,
     ) -> None:
+        """``deadline``: the caller's deadline (event-loop time), None for none."""
         self.session_id = session_id
         self._targets = targets
         self._draft = draft
@@ -81,12 +83,24 @@ class WorkerSession:
         self._last: Proposal | None = None
         self._lookahead_round: int | None = None
         self._metrics = metrics
-        self._timeout = timeout
+        self._worker_timeout_s = worker_timeout_s
+        self._deadline = deadline
         self._stream: DraftStream | None = None
+        self._draft_refused = False  # the draft failed one of this turn's requests: target-only for the rest
         self.counters = SyncCounters()
         self.target_address: str | None = None
         self.target_len = 0
         self.draft_len = 0
+
+    def _caller_left(self) -> float:
+        """Seconds until the caller's deadline (inf without one)."""
+        if self._deadline is None:
+            return float("inf")
+        return self._deadline - asyncio.get_running_loop().time()
+
+    def _timeout(self) -> float:
+        """A worker call's time limit: --worker-timeout-s, capped by the caller's deadline."""
+        return max(min(self._worker_timeout_s, self._caller_left()), 0.001)
 
     def restore(self, target: CacheLocation | None, draft: CacheLocation | None) -> None:
         """Adopts the cache locations recorded in the session state."""
@@ -111,7 +125,7 @@ class WorkerSession:
 
     @property
     def draft_usable(self) -> bool:
-        return self._draft is not None and self._draft.usable
+        return self._draft is not None and self._draft.usable and not self._draft_refused
 
     async def propose(self, committed: list[int], k: int, warp: Warp, seed: int, round_id: int) -> Proposal | None:
         """K draft tokens, or None when the draft failed (the round then decodes target-only).
@@ -127,18 +141,25 @@ class WorkerSession:
             if proposal is None:
                 proposal = await self._request_block(committed, k, warp, seed, round_id)
         except WorkerCallFailed as exc:
-            return self._draft_failed(str(exc))
+            return self._draft_failed(exc)
         self._last = proposal
         return proposal
 
-    def _draft_timeout(self) -> float:
+    def _draft_timeout(self) -> tuple[float, bool]:
+        """How long to wait for the draft, and whether that is the caller's deadline (not the
+        draft's patience) talking."""
         assert self._draft is not None
-        return min(self._draft.patience_s, self._timeout())
+        patience, left = self._draft.patience_s, self._caller_left()
+        return (max(left, 0.001), True) if left < patience else (patience, False)
+
+    async def _send(self, request: draft_pb2.ProposeRequest) -> None:
+        assert self._stream is not None
+        await self._stream.send(request, *self._draft_timeout())
 
     async def _read(self, wanted: Callable[[draft_pb2.ProposeResponse], bool]) -> draft_pb2.ProposeResponse:
         """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped."""
         assert self._stream is not None
-        while not wanted(reply := await self._stream.receive(self._draft_timeout())):
+        while not wanted(reply := await self._stream.receive(*self._draft_timeout())):
             log.debug("stale_draft_reply", round_id=reply.round_id, lookahead=reply.lookahead)
         return reply
 
@@ -157,11 +178,7 @@ class WorkerSession:
             or list(reply.assumed_token_ids) != committed[last.start :]
         ):
             return None  # the draft guessed the target's token wrong
-        assert self._stream is not None
-        await self._stream.send(
-            draft_pb2.ProposeRequest(session_id=self.session_id, round_id=round_id, adopt_lookahead=True),
-            self._draft_timeout(),
-        )
+        await self._send(draft_pb2.ProposeRequest(session_id=self.session_id, round_id=round_id, adopt_lookahead=True))
         self._lookahead_round = round_id
         computed = len(reply.draft.token_ids) + 1  # the previous block's last draft, the guess, the rest
         return Proposal(_first(reply.draft, k), reply.cache_len, len(committed), reply.compute_ms, computed, True)
@@ -179,7 +196,7 @@ class WorkerSession:
                 tail_token_ids=tail, num_tokens=k, warp=warp_to_proto(warp), seed=seed, lookahead=self._pipelined,
             )  # fmt: skip
             sent = time.monotonic()
-            await self._stream.send(request, self._draft_timeout())
+            await self._send(request)
             reply = await self._read(lambda r: not r.lookahead and r.round_id == round_id)
             assert self._draft is not None
             self._draft.observe_latency(time.monotonic() - sent)
@@ -192,10 +209,17 @@ class WorkerSession:
             cached = 0
         raise WorkerCallFailed("cache resync did not take")
 
-    def _draft_failed(self, reason: str) -> None:
+    def _draft_failed(self, exc: WorkerCallFailed) -> None:
+        """The round goes target-only. A draft that is unreachable or hung is skipped by every
+        session for --draft-retry-s; one that failed only this request is skipped by this turn."""
         assert self._draft is not None
-        self._metrics.draft_failures.inc()
-        self._draft.mark_failed(reason)
+        if exc.worker_fault:
+            self._metrics.draft_failures.inc()
+            self._draft.mark_failed(str(exc))
+        else:
+            self._metrics.draft_request_errors.inc()
+            log.warning("draft_request_failed", reason=str(exc))
+            self._draft_refused = True
         self.close_stream()
         self.draft_len = 0
         self._last = self._lookahead_round = None
@@ -227,6 +251,13 @@ class WorkerSession:
                 cached = self.target_len if replica.address == self.target_address else 0
                 try:
                     reply, reused = await self._verify_on(replica, committed, block, warp, seed, cached, remaining)
+                except WorkerTimedOut as exc:
+                    if self._caller_left() <= remaining:  # the caller's deadline, not the replica, ran out
+                        raise DeadlineExceeded("the request's deadline expired during verification") from exc
+                    replica.breaker.trip()
+                    self._metrics.target_failovers.inc()
+                    last_error = exc
+                    continue
                 except WorkerUnavailable as exc:
                     replica.breaker.trip()
                     self._metrics.target_failovers.inc()

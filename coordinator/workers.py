@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
-from specdec.errors import WorkerFailed, WorkerUnavailable
+from specdec.errors import WorkerFailed, WorkerTimedOut, WorkerUnavailable
 from specdec.security import ClientSecurity
 from specdec.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -29,10 +29,29 @@ _RECONNECT_OPTIONS = [
 ]
 # Codes after which another replica may succeed; anything else is the worker failing the request.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Codes that say the worker (or the way to it) is unavailable, not that one request was bad.
+_WORKER_FAULTS = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
 
 
 class WorkerCallFailed(Exception):
-    """A draft call failed or timed out (internal: the round falls back to target-only)."""
+    """A draft call failed or timed out (internal: the round falls back to target-only).
+
+    ``worker_fault``: the draft is unreachable, hung or refusing service (every session should
+    stop asking it for a while); False when only this request failed (a deterministic error of
+    its input, or the caller's own deadline), which must not affect other sessions.
+    """
+
+    def __init__(self, message: str, worker_fault: bool = True) -> None:
+        super().__init__(message)
+        self.worker_fault = worker_fault
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
@@ -108,6 +127,8 @@ class TargetClient:
             return await call
         except grpc.aio.AioRpcError as exc:
             log.warning("target_call_failed", address=self.address, code=exc.code().name, details=exc.details())
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise WorkerTimedOut("the target worker is unavailable; retry later") from exc
             if exc.code() in _RETRYABLE:
                 raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
             raise WorkerFailed("the target worker failed while processing the request") from exc
@@ -152,27 +173,37 @@ class TargetPool:
 
 
 class DraftStream:
-    """A session turn's Propose stream (requests in, proposals out, lookahead blocks unasked)."""
+    """A session turn's Propose stream (requests in, proposals out, lookahead blocks unasked).
+
+    ``caller_limited``: the timeout passed is the caller's remaining deadline, not the draft's
+    patience; running out of it then says nothing about the draft.
+    """
 
     def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
         self._call = call
 
-    async def send(self, request: draft_pb2.ProposeRequest, timeout_s: float) -> None:
+    async def send(self, request: draft_pb2.ProposeRequest, timeout_s: float, caller_limited: bool = False) -> None:
         try:
             await asyncio.wait_for(self._call.write(request), timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
-            self.cancel()
-            raise WorkerCallFailed(f"draft propose failed: {exc!r}") from exc
+            raise self._failed(exc, caller_limited) from exc
 
-    async def receive(self, timeout_s: float) -> draft_pb2.ProposeResponse:
+    async def receive(self, timeout_s: float, caller_limited: bool = False) -> draft_pb2.ProposeResponse:
         try:
             reply = await asyncio.wait_for(self._call.read(), timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
-            self.cancel()
-            raise WorkerCallFailed(f"draft propose failed: {exc!r}") from exc
+            raise self._failed(exc, caller_limited) from exc
         if reply is grpc.aio.EOF:
             raise WorkerCallFailed("draft closed the stream")
         return reply
+
+    def _failed(self, exc: BaseException, caller_limited: bool) -> WorkerCallFailed:
+        self.cancel()
+        if isinstance(exc, grpc.aio.AioRpcError):
+            fault = exc.code() in _WORKER_FAULTS
+        else:  # a timeout: the draft is hung, unless the caller's deadline was the shorter one
+            fault = not (isinstance(exc, asyncio.TimeoutError) and caller_limited)
+        return WorkerCallFailed(f"draft propose failed: {exc!r}", worker_fault=fault)
 
     def cancel(self) -> None:
         self._call.cancel()

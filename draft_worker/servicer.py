@@ -32,6 +32,12 @@ def _response(block: Block, round_id: int, lookahead: bool) -> draft_pb2.Propose
     )
 
 
+def _no_lookahead(round_id: int) -> draft_pb2.ProposeResponse:
+    """The answer to a lookahead that could not be drafted: an empty lookahead block. Every
+    request that asks for a lookahead gets one answer, so the coordinator never waits in vain."""
+    return draft_pb2.ProposeResponse(round_id=round_id, cache_status=common_pb2.CACHE_STATUS_OK, lookahead=True)
+
+
 class _ProposeStream:
     """One Propose stream: requests answered in order; lookahead blocks pushed unasked."""
 
@@ -99,7 +105,8 @@ class _ProposeStream:
         previous, params, core = self._last, self._params, self._core
         assert previous is not None and params is not None
         if previous.cache_len + 2 + params.k - 1 > core.loaded.max_context_len:
-            return  # no room for another block
+            self._outbox.put_nowait(_no_lookahead(round_id))  # no room for another block: say so
+            return
         self._lookahead = asyncio.create_task(self._run_lookahead(previous, params, round_id))
 
     async def _run_lookahead(self, previous: Block, params: DraftParams, round_id: int) -> None:
@@ -112,9 +119,11 @@ class _ProposeStream:
             self._outbox.put_nowait(exc)
             return
         self._count(block, params.k + 1)
-        if block is not None:
-            self._last = block
-            self._outbox.put_nowait(_response(block, round_id, lookahead=True))
+        if block is None:  # the cache moved on (evicted, released): an explicit "no lookahead"
+            self._outbox.put_nowait(_no_lookahead(round_id))
+            return
+        self._last = block
+        self._outbox.put_nowait(_response(block, round_id, lookahead=True))
 
     async def cancel_lookahead(self) -> None:
         if self._lookahead is not None and not self._lookahead.done():

@@ -59,6 +59,16 @@ class WorkerUnavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(SpecdecError):
+    """The request's own deadline expired while a worker was working on it."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class WorkerTimedOut(WorkerUnavailable):
+    """A worker call ran out of time (the worker is slow or hung, or the caller's deadline hit)."""
+
+
 class WorkerFailed(SpecdecError):
     """A model worker failed while processing the request (details only in the logs)."""
 

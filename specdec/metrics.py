@@ -67,8 +67,13 @@ class CoordinatorMetrics:
             ["part"], buckets=_LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
         self.draft_failures = Counter(
-            "specdec_draft_failures", "Draft calls abandoned (timeout or error)", registry=registry
-        )
+            "specdec_draft_failures", "Draft unreachable or hung: every session decodes target-only a while",
+            registry=registry,
+        )  # fmt: skip
+        self.draft_request_errors = Counter(
+            "specdec_draft_request_errors", "Draft requests failed by their own input (that turn goes target-only)",
+            registry=registry,
+        )  # fmt: skip
         self.target_failovers = Counter(
             "specdec_target_failovers", "Verify calls moved to another target replica", registry=registry
         )

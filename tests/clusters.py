@@ -28,6 +28,7 @@ def fault_cluster(
     state_url: str = "memory://",
     coordinator_args: Sequence[str] = (),
     worker_args: Sequence[str] = (),
+    draft_args: Sequence[str] = (),
     route: Callable[[str, str], str] | None = None,
 ) -> Iterator[LocalCluster]:
     cluster = LocalCluster(
@@ -35,6 +36,7 @@ def fault_cluster(
         str(draft) if draft else None,
         workdir,
         worker_args=[*FAULT_WORKER_ARGS, *worker_args],
+        draft_args=draft_args,
         coordinator_args=[*FAULT_COORDINATOR_ARGS, "--state-url", state_url, *coordinator_args],
         startup_timeout_s=120,
         targets=targets,

@@ -5,7 +5,8 @@ Every test runs the real processes (coordinator, draft and target workers) on lo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ import pytest
 from specdec.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric
+from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy
 from tests.tiny_models import TinyModels
 
@@ -109,3 +111,115 @@ def test_close_session_validates_the_id(robust_cluster: LocalCluster) -> None:
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "session_id must be" in err.value.details()
         assert not stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="never-used")).existed
+
+
+def _ordinary_turns(stub: coordinator_pb2_grpc.GenerationStub, expected: list[int], count: int) -> list[object]:
+    """An ordinary session's turns (a draft equal to the target, fixed K = 4, 40 tokens = 8 full
+    rounds): every round must be speculative and every draft accepted."""
+    stats = []
+    for _ in range(count):
+        reply = stub.Generate(make_request(PROMPT, k=4, max_new=40, ignore_eos=True), timeout=60)
+        assert list(reply.token_ids) == expected
+        stats.append(reply.stats)
+    return stats
+
+
+def test_one_sessions_trouble_does_not_switch_speculation_off_for_others(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """Pipelined; a session at the context limit (its lookahead has no room) and 2x --max-sessions
+    sessions churning through the draft's cache (lookaheads find their cache evicted), while an
+    ordinary session keeps every draft accepted and never decodes target-only."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 40, ignore_eos=True)
+    args = ["--speculation-mode", "pipelined", "--draft-retry-s", "30"]
+    with (
+        fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.same, coordinator_args=args, draft_args=["--max-sessions", "4"]
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        edge_prompt = [7 + i % 200 for i in range(249)]  # 249 + 7 = the 256-token context
+
+        def at_the_limit(_: int) -> None:
+            reply = stub.Generate(make_request(edge_prompt, k=4, max_new=7, ignore_eos=True), timeout=60)
+            assert list(reply.token_ids) == reference_greedy(
+                str(tiny_models.target), tuple(edge_prompt), 7, ignore_eos=True
+            )
+
+        def churn(i: int) -> None:
+            prompt = [(i * 37 + j) % 250 + 3 for j in range(6)]
+            stub.Generate(make_request(prompt, k=3, max_new=30, session_id=f"churn-{i}", ignore_eos=True), timeout=60)
+
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            background = [pool.submit(at_the_limit, i) for i in range(3)]
+            background += [pool.submit(churn, i) for i in range(8)]
+            during = _ordinary_turns(stub, expected, 3)
+            for job in background:
+                job.result()
+        after = _ordinary_turns(stub, expected, 1)
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    for stats in [*during, *after]:
+        assert stats.target_only_rounds == 0 and stats.acceptance_rate == 1.0
+        assert stats.rounds == 8
+    assert failures == 0
+    fault_report["session at the context limit + 2x --max-sessions churning (pipelined)"] = {
+        "ordinary_session_target_only_rounds": 0,
+        "ordinary_session_acceptance": 1.0,
+        "draft_breaker_trips": 0,
+    }
+
+
+def test_a_draft_refusing_one_request_does_not_trip_the_breaker(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """The draft refuses blocks over --max-draft-tokens 2 (INVALID_ARGUMENT): a request asking for
+    K = 4 decodes target-only (same tokens), and the next request with K = 2 speculates at once."""
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 12, ignore_eos=True)
+    small_blocks = ["--max-draft-tokens", "2"]
+    with (
+        fault_cluster(tmp_path, tiny_models.target, tiny_models.same, draft_args=small_blocks) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        refused = stub.Generate(make_request(PROMPT, k=4, max_new=12, ignore_eos=True), timeout=30)
+        accepted = stub.Generate(make_request(PROMPT, k=2, max_new=12, ignore_eos=True), timeout=30)
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+        request_errors = metric(cluster, "coordinator", "specdec_draft_request_errors_total")
+    assert list(refused.token_ids) == list(accepted.token_ids) == expected
+    assert refused.stats.target_only_rounds == refused.stats.rounds
+    assert accepted.stats.target_only_rounds == 0 and accepted.stats.acceptance_rate == 1.0
+    assert failures == 0 and request_errors == 1
+    fault_report["draft refuses one request (INVALID_ARGUMENT)"] = {
+        "that_turn": "target-only, identical output",
+        "next_request_speculative": True,
+        "draft_breaker_trips": 0,
+    }
+
+
+def test_the_callers_deadline_during_verification_does_not_fail_over(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    """Slow links to two target replicas and a caller whose deadline runs out mid-verification:
+    DEADLINE_EXCEEDED for that caller; no replica is marked down, no session moves."""
+    with (
+        fault_cluster(tmp_path, tiny_models.target, None, targets=2, route=routes(0.15)) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(make_request(PROMPT, max_new=2), timeout=30)
+        codes = set()
+        for timeout in (0.25, 0.4, 0.55, 0.7, 0.85):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(make_request(PROMPT, max_new=100, ignore_eos=True), timeout=timeout)
+            codes.add(err.value.code().name)
+        time.sleep(0.5)
+        failovers = metric(cluster, "coordinator", "specdec_target_failovers_total")
+    assert codes == {"DEADLINE_EXCEEDED"}
+    assert failovers == 0
+    fault_report["caller's deadline expires during verification (2 replicas)"] = {
+        "client_code": "DEADLINE_EXCEEDED",
+        "replicas_marked_down": 0,
+    }
