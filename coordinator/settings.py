@@ -39,7 +39,12 @@ class CoordinatorSettings(ServiceSettings):
     )
     worker_token_file: str | None = Field(None, description="file holding the bearer token sent to the workers")
     session_ttl_s: float = Field(3600.0, gt=0, description="an idle session's state expires after this")
-    session_lease_s: float = Field(60.0, gt=0, description="a request's hold on its session, renewed every round")
+    session_lease_s: float = Field(
+        90.0,
+        gt=0,
+        description="a request's hold on its session, renewed in the background while it runs; must exceed "
+        "worker_timeout_s + state_retry_s",
+    )
     state_timeout_s: float = Field(2.0, gt=0, description="socket timeout of state store calls")
     num_speculative_tokens: int = Field(
         4, ge=0, description="default K (the most draft tokens per round; adaptive K may use fewer); 0 = none"
@@ -82,6 +87,17 @@ class CoordinatorSettings(ServiceSettings):
             raise ValueError("worker_tls_cert_file and worker_tls_key_file must be given together")
         if self.worker_tls_cert_file and not self.worker_tls_ca_file:
             raise ValueError("a worker client certificate (mTLS) needs worker_tls_ca_file")
+        return self
+
+    @model_validator(mode="after")
+    def _lease_outlasts_a_stall(self) -> CoordinatorSettings:
+        """A turn stalled in one worker call and then in state retries must still hold its lease
+        (it is renewed every lease/3, but a renewal can be stuck behind the same stalled store)."""
+        if self.session_lease_s <= self.worker_timeout_s + self.state_retry_s:
+            raise ValueError(
+                f"session_lease_s ({self.session_lease_s:g}) must exceed worker_timeout_s + state_retry_s "
+                f"({self.worker_timeout_s:g} + {self.state_retry_s:g}); raise the lease or lower the timeouts"
+            )
         return self
 
     @model_validator(mode="after")

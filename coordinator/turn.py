@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import structlog
 from transformers import PreTrainedTokenizerBase
@@ -27,6 +28,7 @@ from specdec.state import Commit, CommitResult, StateStore
 from specdec.v1 import common_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 
 class Finish(enum.Enum):
@@ -90,6 +92,7 @@ class TurnDeps:
     adaptive_k: bool = True
     probe_every: int = 32
     cleanup_timeout_s: float = 2.0
+    lease_s: float = 90.0
 
 
 @dataclass
@@ -108,6 +111,10 @@ class Turn:
     _generated: int = 0
     _round: int = 0
     _detok: IncrementalDetokenizer | None = None
+    _acquiring: bool = False  # the lease was asked for (it may be ours even if the call was cut short)
+    _dirty: bool = False  # this turn may have changed the session: roll back unless it finishes
+    _created: bool = False
+    _renewal: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         self.session_id = self.request.session_id or f"oneshot-{self.owner}"
@@ -128,11 +135,15 @@ class Turn:
         return max(timeout, 0.001)
 
     async def rounds(self) -> AsyncIterator[RoundOutput]:
-        """Runs the turn, yielding each round's committed tokens."""
+        """Runs the turn, yielding each round's committed tokens.
+
+        Whatever ends it (the last round, an error, a cancellation at any await, the lease
+        request included), ``_end`` runs: an unfinished turn is rolled back and the lease released.
+        """
         finished = False
         with structlog.contextvars.bound_contextvars(session_id=self.session_id):
-            await self._begin()
             try:
+                await self._begin()
                 while not finished:
                     out = await self._run_round()
                     finished = out.finish is not None
@@ -142,37 +153,30 @@ class Turn:
 
     async def _begin(self) -> None:
         store = self.deps.store
+        self._acquiring = True  # from here on, _end releases the lease (a no-op if we never got it)
         record = await store.acquire(self.session_id, self.owner, create=not self.request.require_existing)
-        try:
-            prompt = self._prompt_ids(new_session=not record.tokens)
-            self._check_context(len(record.tokens), len(prompt))
-            warp = self.request.warp
-            sampling = {
-                "temperature": warp.temperature,
-                "top_k": warp.top_k,
-                "top_p": warp.top_p,
-                "seed": self.request.seed,
-            }
-            self._version = record.version
-            await self._commit(Commit(record.version, f"{self.owner}:prompt", prompt, sampling=sampling))
-        except BaseException:
-            await asyncio.shield(self._abandon(new_session=not record.tokens))
-            raise
-        self._start_len = len(record.tokens)
+        self._start_len, self._version = len(record.tokens), record.version
+        self._created = record.version == 0  # a session this turn made: an unfinished turn deletes it
+        self._renewal = asyncio.create_task(self._renew_lease())
+        prompt = self._prompt_ids(new_session=not record.tokens)
+        self._check_context(len(record.tokens), len(prompt))
+        self._dirty = True  # the prompt commit may apply even if we never see its reply
+        await self._commit(Commit(record.version, f"{self.owner}:prompt", prompt))
         self._committed = [*record.tokens, *prompt]
         self.workers.restore(record.target, record.draft)
         self._detok = IncrementalDetokenizer(self.deps.tokenizer, self._committed)
         self.stats.prompt_tokens = len(prompt)
 
-    async def _abandon(self, new_session: bool) -> None:
-        """Undoes a failed start: the lease is given back, a session created for nothing deleted."""
-        try:
-            if new_session:
-                await self.deps.store.delete(self.session_id)
-            else:
-                await self.deps.store.release(self.session_id, self.owner)
-        except SpecdecError as exc:
-            log.warning("session_cleanup_failed", error=str(exc))
+    async def _renew_lease(self) -> None:
+        """Keeps the lease while the turn runs (a long prefill commits nothing for a while)."""
+        every = self.deps.lease_s / 3
+        while True:
+            await asyncio.sleep(every)
+            try:
+                if not await self.deps.store.renew(self.session_id, self.owner):
+                    log.warning("session_lease_lost")
+            except SpecdecError as exc:
+                log.warning("session_lease_renewal_failed", error=str(exc))
 
     def _prompt_ids(self, new_session: bool) -> list[int]:
         if self.request.prompt_ids is not None:
@@ -269,34 +273,54 @@ class Turn:
 
     async def _commit(self, commit: Commit) -> CommitResult:
         """Commits with retries while the store is unreachable (safe: a step applies once)."""
-        delay = 0.05
-        budget = asyncio.get_running_loop().time() + min(self.deps.state_retry_s, self._time_left())
+        result = await self._retrying_state(
+            lambda: self.deps.store.commit(self.session_id, self.owner, commit),
+            min(self.deps.state_retry_s, self._time_left()),
+            commit.step_id,
+        )
+        self._version = result.version
+        return result
+
+    async def _retrying_state(self, call: Callable[[], Awaitable[T]], budget_s: float, what: str) -> T:
+        """``call()``, retried with backoff for ``budget_s`` while the store is unreachable."""
+        loop = asyncio.get_running_loop()
+        delay, budget = 0.05, loop.time() + budget_s
         while True:
             try:
-                result = await self.deps.store.commit(self.session_id, self.owner, commit)
-                self._version = result.version
-                return result
+                return await call()
             except StateUnavailable:
-                if asyncio.get_running_loop().time() + delay >= budget:
+                if loop.time() + delay >= budget:
                     raise
-                log.warning("state_commit_retry", step=commit.step_id, delay_s=delay)
+                log.warning("state_retry", step=what, delay_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
     async def _end(self, finished: bool) -> None:
-        """Releases the session; an unfinished turn is rolled back and the worker caches freed."""
+        """Rolls an unfinished turn back, releases the lease, frees worker caches: on every exit
+        path, each step on its own (one failing never skips the next). The state calls get
+        --state-retry-s of their own: the caller may be gone, the session must not stay locked."""
+        if self._renewal is not None:
+            self._renewal.cancel()
         self.workers.close_stream()
-        store = self.deps.store
-        try:
-            if self.one_shot:
-                await store.delete(self.session_id)
-            elif not finished:
-                self.workers.forget_caches()
-                target, draft = self.workers.locations()
-                step = f"{self.owner}:rollback"
-                await self._commit(Commit(self._version, step, truncate_to=self._start_len, target=target, draft=draft))
-            await store.release(self.session_id, self.owner)
-        except SpecdecError as exc:
-            log.warning("session_cleanup_failed", error=str(exc))
+        store, budget = self.deps.store, self.deps.state_retry_s
+        if self._acquiring:
+            steps: list[tuple[str, Callable[[], Awaitable[object]]]] = []
+            if not finished and self._dirty and not self.one_shot and not self._created:
+                steps.append(("rollback", self._rollback))
+            steps.append(("release", lambda: store.release(self.session_id, self.owner)))
+            if self.one_shot or (self._created and not finished):
+                steps.append(("delete", lambda: store.delete(self.session_id)))
+            for name, step in steps:
+                try:
+                    await self._retrying_state(step, budget, name)
+                except SpecdecError as exc:
+                    log.warning("session_cleanup_failed", step=name, error=str(exc))
         if self.one_shot or not finished:
             await self.workers.release(self.deps.cleanup_timeout_s)
+
+    async def _rollback(self) -> CommitResult:
+        """The session back to where this turn found it; the owner's commit, whatever the version."""
+        self.workers.forget_caches()
+        target, draft = self.workers.locations()
+        commit = Commit(None, f"{self.owner}:rollback", truncate_to=self._start_len, target=target, draft=draft)
+        return await self.deps.store.commit(self.session_id, self.owner, commit)

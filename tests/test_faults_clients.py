@@ -73,7 +73,7 @@ def test_cancelled_streams_free_everything(
         assert max(cleanup) < 0.5, f"slowest cleanup {max(cleanup):.3f}s"
         client = redis.Redis.from_url(redis_server.url)
         ttls = [client.pttl(key) for key in client.scan_iter("specdec:session:cancel-*")]
-        assert ttls and all(ttl > 0 for ttl in ttls)
+        assert all(ttl > 0 for ttl in ttls)  # a session its own cancelled turn created is deleted
         assert not list(client.scan_iter("specdec:session:oneshot-*"))
         client.close()
         fd_growth = open_fds(coordinator_pid) - baseline

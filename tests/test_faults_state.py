@@ -227,3 +227,84 @@ def test_two_coordinators_race_on_one_session(
         "aborted_attempts_retried": sum(aborted for _, aborted in results.values()),
         "session_is_the_turns_in_order": True,
     }
+
+
+def _owner_released(url: str, session: str) -> bool:
+    return read_session(url, session).owner == ""
+
+
+def test_a_failed_or_cancelled_turn_is_rolled_back_and_the_session_free_at_once(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    """A named session's turn ends badly at many points: cancelled mid-stream, cancelled while Redis
+    is stalled, cancelled while its lease request is in flight (Redis paused 0.6 s), cut by the
+    caller's deadline. Each time the session is back to its pre-turn tokens and free within a few
+    seconds (not after the 90 s lease), and the next turn continues it with the target's greedy
+    output over the pre-turn history."""
+    redis_server = RedisServer(tmp_path / "redis-data")
+    session = "atomic"
+    history = list(PROMPT)
+    freed_after: dict[str, float] = {}
+    try:
+        with fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url, route=routes(0.01),
+            coordinator_args=["--state-timeout-s", "0.3"],
+        ) as cluster, grpc.insecure_channel(cluster.address) as channel:  # fmt: skip
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            first = stub.Generate(make_request(PROMPT, session_id=session, max_new=5, ignore_eos=True), timeout=30)
+            history += list(first.token_ids)
+
+            def pause_redis(seconds: float) -> None:
+                os.kill(redis_server.proc.pid, signal.SIGSTOP)
+                threading.Timer(seconds, os.kill, (redis_server.proc.pid, signal.SIGCONT)).start()
+
+            def cancel_mid_stream() -> None:
+                call = stub.GenerateStream(make_request([1, 2], session_id=session, max_new=60, ignore_eos=True))
+                next(call)
+                call.cancel()
+
+            def cancel_during_stall() -> None:
+                call = stub.GenerateStream(make_request([1, 2], session_id=session, max_new=60, ignore_eos=True))
+                next(call)
+                pause_redis(0.6)
+                time.sleep(0.2)
+                call.cancel()
+
+            def cancel_while_acquiring() -> None:
+                pause_redis(0.6)
+                call = stub.GenerateStream(make_request([1, 2], session_id=session, max_new=60, ignore_eos=True))
+                time.sleep(0.3)  # the lease request is stuck in the paused Redis
+                call.cancel()
+
+            def deadline_mid_turn() -> None:
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Generate(make_request([1, 2], session_id=session, max_new=200, ignore_eos=True), timeout=0.4)
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            scenarios = {
+                "cancelled mid-stream": cancel_mid_stream,
+                "cancelled while Redis is stalled": cancel_during_stall,
+                "cancelled while taking the lease": cancel_while_acquiring,
+                "caller's deadline mid-turn": deadline_mid_turn,
+            }
+            for name, fault in scenarios.items():
+                started = time.monotonic()
+                fault()
+                wait_for(lambda: _owner_released(redis_server.url, session), 8, 0.05)
+                freed_after[name] = round(time.monotonic() - started, 2)
+                assert read_session(redis_server.url, session).tokens == history, name
+                follow = make_request([3, 4], session_id=session, max_new=4, ignore_eos=True)
+                follow.require_existing_session = True
+                reply = stub.Generate(follow, timeout=30)
+                expected = reference_greedy(str(tiny_models.target), (*history, 3, 4), 4, ignore_eos=True)
+                assert list(reply.token_ids) == expected, name
+                history += [3, 4, *reply.token_ids]
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+        redis_server.stop()
+    assert max(freed_after.values()) < 8
+    fault_report["named turn failed or cancelled at any point (incl. Redis stalls, lease in flight)"] = {
+        "rolled_back": True,
+        "session_free_after_s": freed_after,
+        "next_turn_identical_output": True,
+    }

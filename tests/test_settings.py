@@ -26,6 +26,8 @@ def test_list_setting_from_comma_separated_flag() -> None:
     [
         ["--target-addresses", "a:1", "--num-speculative-tokens", "9", "--max-speculative-tokens", "4"],
         ["--target-addresses", "a:1", "--port", "70000"],
+        ["--target-addresses", "a:1", "--session-lease-s", "60"],  # not above worker timeout 60 + state retry 5
+        ["--target-addresses", "a:1", "--worker-timeout-s", "100"],
     ],
 )
 def test_invalid_settings_stop_start_up(argv: list[str]) -> None:

@@ -198,3 +198,50 @@ async def test_the_last_recent_steps_stay_recognised_after_many_commits(store: S
         assert retried.outcome is CommitOutcome.ALREADY_APPLIED
     with pytest.raises(StateConflict):  # older ones are forgotten: a stale version is a conflict
         await store.commit("many", "o", Commit(version - 1, "step4", [4]))
+
+
+async def test_owner_rolls_back_without_a_version_match_others_cannot(store: StateStore) -> None:
+    session = sid()
+    await store.acquire(session, "turn", create=True)
+    await store.commit(session, "turn", Commit(0, "p", [1, 2]))
+    await store.commit(session, "turn", Commit(1, "r1", [3]))
+    # the turn's own rollback, whatever version it last saw (a lost reply, a retry)
+    result = await store.commit(session, "turn", Commit(None, "rollback", truncate_to=0))
+    got = await store.get(session)
+    assert got is not None and got.tokens == [] and result.version == 3
+    assert (await store.commit(session, "turn", Commit(None, "rollback", truncate_to=0))).outcome.value == (
+        "already_applied"
+    )
+    with pytest.raises(StateConflict, match="taken over"):
+        await store.commit(session, "intruder", Commit(None, "x", truncate_to=0))
+
+
+async def test_renew_extends_only_the_owners_lease(redis_server: RedisServer) -> None:
+    store = open_store(redis_server.url, ttl_s=60, lease_s=0.4, timeout_s=2)
+    await store.start()
+    try:
+        session = sid()
+        await store.acquire(session, "owner", create=True)
+        for _ in range(4):  # 0.8 s in all: past the 0.4 s lease, held by renewing
+            await asyncio.sleep(0.2)
+            assert await store.renew(session, "owner")
+        with pytest.raises(SessionBusy):
+            await store.acquire(session, "other", create=False)
+        assert not await store.renew(session, "other")
+        await asyncio.sleep(0.5)  # no renewal: the lease lapses and another request may take it
+        assert (await store.acquire(session, "other", create=False)).owner == "other"
+        assert not await store.renew(session, "owner")
+    finally:
+        await store.close()
+
+
+async def test_an_acquire_arriving_after_its_release_is_refused(store: StateStore) -> None:
+    """A cancelled request's acquire can reach the store after its cleanup released the lease: it
+    must not take the session (it would hold it for a whole lease with nobody to release it)."""
+    session = sid()
+    await store.acquire(session, "earlier", create=True)
+    await store.release(session, "earlier")
+    await store.release(session, "ghost")  # released before its acquire arrived
+    with pytest.raises(StateConflict, match="already ended"):
+        await store.acquire(session, "ghost", create=True)
+    assert (await store.acquire(session, "next", create=False)).owner == "next"

@@ -6,6 +6,7 @@ from urllib.parse import urlsplit
 
 from specdec.state.base import (
     RECENT_STEPS,
+    TOMBSTONE_EXTRA_MS,
     CacheLocation,
     Commit,
     CommitOutcome,
@@ -18,6 +19,7 @@ from specdec.state.redis_store import RedisStateStore
 
 __all__ = [
     "RECENT_STEPS",
+    "TOMBSTONE_EXTRA_MS",
     "CacheLocation",
     "Commit",
     "CommitOutcome",

@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 RECENT_STEPS = 16  # a re-sent commit is recognised while it is among the last this many applied
+# A released owner's acquire is refused for the lease time plus this (an acquire delayed longer
+# than any socket timeout and retry cannot come back from the dead).
+TOMBSTONE_EXTRA_MS = 60_000
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,9 @@ class SessionRecord:
 
 @dataclass(frozen=True)
 class Commit:
-    """One atomic change to a session, applied only if the version is still ``expected_version``.
+    """One atomic change to a session, applied only if the version is still ``expected_version``
+    (``None``: whatever the version, as long as the committer holds the lease; a turn rolling back
+    its own work uses it, so that a rollback whose first attempt was lost still applies).
 
     ``step_id`` names the change: re-sending a commit whose step is among the last
     RECENT_STEPS applied reports ALREADY_APPLIED instead of applying it twice. ``truncate_to`` (an explicit rollback)
@@ -74,7 +79,7 @@ class Commit:
             if location is not None and location.length > after:
                 raise ValueError(f"cache length {location.length} exceeds the committed length {after}")
 
-    expected_version: int
+    expected_version: int | None
     step_id: str
     append: Sequence[int] = ()
     truncate_to: int | None = None
@@ -124,8 +129,14 @@ class StateStore(ABC):
         """
 
     @abstractmethod
+    async def renew(self, session_id: str, owner: str) -> bool:
+        """Extends ``owner``'s lease by the lease time (and the TTL); False when it holds none."""
+
+    @abstractmethod
     async def release(self, session_id: str, owner: str) -> None:
-        """Gives the lease up (a no-op when ``owner`` does not hold it)."""
+        """Gives the lease up (a no-op when ``owner`` does not hold it). ``owner`` can never
+        acquire again: an acquire of it that arrives after the release (a cancelled call still in
+        flight) raises StateConflict, so acquire and release may reach the store in any order."""
 
     @abstractmethod
     async def get(self, session_id: str) -> SessionRecord | None:

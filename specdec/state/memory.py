@@ -10,6 +10,7 @@ import time
 from specdec.errors import SessionBusy, SessionNotFound, StateConflict
 from specdec.state.base import (
     RECENT_STEPS,
+    TOMBSTONE_EXTRA_MS,
     CacheLocation,
     Commit,
     CommitOutcome,
@@ -35,6 +36,7 @@ class MemoryStateStore(StateStore):
         self._records: dict[str, SessionRecord] = {}
         self._expires: dict[str, float] = {}
         self._lease_until: dict[str, float] = {}
+        self._released: dict[str, float] = {}  # owner -> until when its acquire is refused
         self._lock = asyncio.Lock()
 
     def _live(self, session_id: str, now: float) -> SessionRecord | None:
@@ -54,6 +56,8 @@ class MemoryStateStore(StateStore):
     async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
         async with self._lock:
             now = time.time()
+            if self._released.get(owner, 0.0) > now:
+                raise StateConflict(f"the request holding session {session_id!r} already ended")
             record = self._live(session_id, now)
             if record is None:
                 if not create:
@@ -74,7 +78,7 @@ class MemoryStateStore(StateStore):
                 raise StateConflict(f"session {session_id!r} expired or was closed during the request")
             if commit.step_id in record.recent_steps:
                 return CommitResult(CommitOutcome.ALREADY_APPLIED, record.version)
-            if record.version != commit.expected_version:
+            if commit.expected_version is not None and record.version != commit.expected_version:
                 raise StateConflict(f"session {session_id!r} was changed by another request")
             if record.owner != owner:
                 raise StateConflict(f"session {session_id!r} was taken over by another request")
@@ -92,9 +96,21 @@ class MemoryStateStore(StateStore):
             self._touch(session_id, now)
             return CommitResult(CommitOutcome.APPLIED, record.version)
 
+    async def renew(self, session_id: str, owner: str) -> bool:
+        async with self._lock:
+            now = time.time()
+            record = self._live(session_id, now)
+            if record is None or record.owner != owner:
+                return False
+            self._touch(session_id, now)
+            return True
+
     async def release(self, session_id: str, owner: str) -> None:
         async with self._lock:
-            record = self._live(session_id, time.time())
+            now = time.time()
+            self._released = {o: until for o, until in self._released.items() if until > now}
+            self._released[owner] = now + self._lease_s + TOMBSTONE_EXTRA_MS / 1000
+            record = self._live(session_id, now)
             if record is not None and record.owner == owner:
                 record.owner = ""
                 self._lease_until.pop(session_id, None)

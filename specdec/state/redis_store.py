@@ -18,6 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from specdec.errors import SessionBusy, SessionNotFound, StateConflict, StateLost, StateUnavailable
 from specdec.state.base import (
     RECENT_STEPS,
+    TOMBSTONE_EXTRA_MS,
     CacheLocation,
     Commit,
     CommitOutcome,
@@ -35,11 +36,12 @@ _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math
 # lost it (and every session), which must surface as an error, never as a silent fresh start.
 _EPOCH = "if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'epoch'} end\n"
 
-# KEYS: session, epoch; ARGV: epoch, owner, create (0/1), lease_ms, ttl_ms
+# KEYS: session, epoch, the owner's tombstone; ARGV: epoch, owner, create (0/1), lease_ms, ttl_ms
 _ACQUIRE = (
     _EPOCH
     + _NOW_MS
     + """
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'released'} end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[3] == '0' then return {'missing'} end
   redis.call('HSET', KEYS[1], 'tokens', '', 'version', 0, 'steps', '|', 'owner', ARGV[2],
@@ -55,8 +57,8 @@ return {'ok', redis.call('HGETALL', KEYS[1])}
 """
 )
 
-# KEYS: session, epoch; ARGV: epoch, owner, expected_version, step, append (packed uint32),
-# truncate_to (-1 = none), target json ('' = unchanged), target length (-1 = none), draft json,
+# KEYS: session, epoch; ARGV: epoch, owner, expected_version (-1 = any: the owner's rollback), step,
+# append (packed uint32), truncate_to (-1 = none), target json ('' = unchanged), target length (-1 = none), draft json,
 # draft length, sampling json ('' = unchanged), lease_ms, ttl_ms, recent steps kept
 _COMMIT = (
     _EPOCH
@@ -65,7 +67,7 @@ _COMMIT = (
 local cur = redis.call('HMGET', KEYS[1], 'version', 'steps', 'owner', 'tokens')
 if not cur[1] then return {'missing', 0} end
 if string.find(cur[2], '|' .. ARGV[4] .. '|', 1, true) then return {'already', tonumber(cur[1])} end
-if tonumber(cur[1]) ~= tonumber(ARGV[3]) then return {'conflict', tonumber(cur[1])} end
+if tonumber(ARGV[3]) >= 0 and tonumber(cur[1]) ~= tonumber(ARGV[3]) then return {'conflict', tonumber(cur[1])} end
 if cur[3] ~= ARGV[2] then return {'not_owner', tonumber(cur[1])} end
 local tokens = cur[4]
 local cut = tonumber(ARGV[6])
@@ -101,8 +103,22 @@ return {'applied', version}
 """
 )
 
-# KEYS: session; ARGV: owner
+# KEYS: session; ARGV: owner, lease_ms, ttl_ms
+_RENEW = (
+    _NOW_MS
+    + """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'lease', now + tonumber(ARGV[2]))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+)
+
+# KEYS: session, the owner's tombstone; ARGV: owner, tombstone_ms. The tombstone makes an
+# acquire by this owner that reaches Redis later (sent before a cancellation, delayed by a stall,
+# on another connection) a no-op: release and acquire may then arrive in either order.
 _RELEASE = """
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'owner', '', 'lease', 0)
 end
@@ -165,10 +181,14 @@ class RedisStateStore(StateStore):
         self._epoch = ""
         self._acquire = self._client.register_script(_ACQUIRE)
         self._commit = self._client.register_script(_COMMIT)
+        self._renew = self._client.register_script(_RENEW)
         self._release = self._client.register_script(_RELEASE)
 
     def key(self, session_id: str) -> str:
         return f"{self._prefix}session:{session_id}"
+
+    def _tombstone(self, owner: str) -> str:
+        return f"{self._prefix}released:{owner}"
 
     async def start(self) -> None:
         await self._adopt_epoch()
@@ -191,11 +211,13 @@ class RedisStateStore(StateStore):
 
     async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
         args = [self._epoch, owner, int(create), self._lease_ms, self._ttl_ms]
-        keys = [self.key(session_id), self._epoch_key]
+        keys = [self.key(session_id), self._epoch_key, self._tombstone(owner)]
         reply: list[Any] = await self._call(lambda: self._acquire(keys=keys, args=args))
         status = reply[0].decode()
         if status == "epoch":
             raise await self._epoch_lost(session_id)
+        if status == "released":
+            raise StateConflict(f"the request holding session {session_id!r} already ended")
         if status == "missing":
             raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
         if status == "busy":
@@ -206,7 +228,7 @@ class RedisStateStore(StateStore):
         args = [
             self._epoch,
             owner,
-            commit.expected_version,
+            -1 if commit.expected_version is None else commit.expected_version,
             commit.step_id,
             pack_tokens(commit.append),
             -1 if commit.truncate_to is None else commit.truncate_to,
@@ -238,8 +260,13 @@ class RedisStateStore(StateStore):
         }
         raise StateConflict(f"session {session_id!r} {reasons[status]}")
 
+    async def renew(self, session_id: str, owner: str) -> bool:
+        args = [owner, self._lease_ms, self._ttl_ms]
+        return bool(await self._call(lambda: self._renew(keys=[self.key(session_id)], args=args)))
+
     async def release(self, session_id: str, owner: str) -> None:
-        await self._call(lambda: self._release(keys=[self.key(session_id)], args=[owner]))
+        keys, args = [self.key(session_id), self._tombstone(owner)], [owner, self._lease_ms + TOMBSTONE_EXTRA_MS]
+        await self._call(lambda: self._release(keys=keys, args=args))
 
     async def get(self, session_id: str) -> SessionRecord | None:
         fields: dict[bytes, bytes] = await self._call(lambda: self._client.hgetall(self.key(session_id)))
