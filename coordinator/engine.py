@@ -25,12 +25,14 @@ MAX_PROMPT_CHARS = 1_000_000
 
 
 def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> None:
-    """Raises when the draft cannot propose tokens for the target (different vocabularies)."""
-    if target.vocab_size != draft.vocab_size or target.tokenizer_hash != draft.tokenizer_hash:
+    """Raises when the draft cannot propose tokens for the target (different tokenizers). The
+    output layers may be padded to different sizes (Qwen2.5-0.5B has 151,936 rows, the 7B and
+    larger 152,064): the draft is told the target's size and proposes no id beyond it."""
+    if target.tokenizer_hash != draft.tokenizer_hash:
         raise RuntimeError(
-            f"draft model {draft.model_id!r} (vocab {draft.vocab_size}, tokenizer {draft.tokenizer_hash}) does not "
-            f"share the vocabulary of target model {target.model_id!r} (vocab {target.vocab_size}, tokenizer "
-            f"{target.tokenizer_hash}); pick a draft from the same model family"
+            f"draft model {draft.model_id!r} (tokenizer {draft.tokenizer_hash}) does not share the tokenizer of "
+            f"target model {target.model_id!r} (tokenizer {target.tokenizer_hash}); pick a draft from the same "
+            "model family"
         )
 
 
@@ -75,8 +77,9 @@ class Engine:
         timeout = self.settings.worker_startup_timeout_s
         target_info = await self.targets.connect(timeout)
         draft_info = await self.draft.connect(timeout) if self.draft is not None else None
-        if draft_info is not None:
+        if draft_info is not None and self.draft is not None:
             check_compatible(target_info, draft_info)
+            self.draft.vocab_limit = target_info.vocab_size
         await self.store.start()
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
@@ -102,7 +105,7 @@ class Engine:
         pipelined = choose_pipelined(s.speculation_mode, target_info, draft_info)
         self._deps = TurnDeps(
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
-            StepCosts(), pipelined, s.adaptive_k, s.probe_every,
+            StepCosts(), pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
         )  # fmt: skip
         log.info(
             "coordinator_ready",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
-from specdec.errors import DeadlineExceeded, WorkerFailed, WorkerTimedOut, WorkerUnavailable
+from specdec.errors import DeadlineExceeded, SpecdecError, WorkerFailed, WorkerTimedOut, WorkerUnavailable
 from specdec.metrics import CoordinatorMetrics
 from specdec.sampling import Warp
 from specdec.state import CacheLocation
@@ -186,7 +186,7 @@ class WorkerSession:
     async def _request_block(
         self, committed: list[int], k: int, warp: Warp, seed: int, round_id: int
     ) -> Proposal | None:
-        assert self._stream is not None
+        assert self._stream is not None and self._draft is not None
         self._lookahead_round = None
         cached = self.draft_len
         for _ in range(2):
@@ -194,6 +194,7 @@ class WorkerSession:
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, base_len=base, prefix_hash=base_hash,
                 tail_token_ids=tail, num_tokens=k, warp=warp_to_proto(warp), seed=seed, lookahead=self._pipelined,
+                vocab_limit=self._draft.vocab_limit,
             )  # fmt: skip
             sent = time.monotonic()
             await self._send(request)
@@ -238,7 +239,9 @@ class WorkerSession:
         pause one more pass, which rides out a transient connection reset. Verify is safe to
         repeat: the worker crops to base_len and the round's randomness depends on the position.
         """
-        last_error = WorkerUnavailable("no target worker answered within the deadline; retry later")
+        last_error: SpecdecError = WorkerUnavailable("no target worker answered in time; retry later")
+        if self._caller_left() < self._worker_timeout_s:  # the caller's deadline is the limit here
+            last_error = DeadlineExceeded("the request's deadline expired during verification")
         loop = asyncio.get_running_loop()
         budget_end = loop.time() + self._timeout()  # one budget for the step, retries included
         for attempt in range(2):

@@ -220,6 +220,7 @@ class DraftClient:
         self._breaker = _Breaker(retry_s)
         self._latency_s: float | None = None
         self.info = common_pb2.WorkerInfo()
+        self.vocab_limit = 0  # the target's vocabulary size, sent with every proposal request
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._channel, self.address, timeout_s)

@@ -2,9 +2,9 @@
 
 ``propose_job`` drafts K tokens after a committed prefix. ``lookahead_job`` (pipelining) drafts
 the block after one it already proposed, assuming that block is fully accepted and followed by
-the draft's own guess of the target's next token. Both sample with the generator derived from the
-request seed and the committed length at which the block starts, so a lookahead block that is
-used is exactly the block a fresh request at that prefix would have produced.
+the draft's own guess of the target's next token. Each draft token is sampled with the generator
+of its absolute position (specdec.sampling.position_generator), so a lookahead block that is used
+is exactly the block a fresh request at that prefix would have produced.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from specdec.kvcache import ResyncRequired, SessionCache, SessionCaches
 from specdec.modeling import LoadedModel
-from specdec.sampling import DraftSample, Warp, round_generator, sample_draft_token
+from specdec.sampling import DraftSample, Warp, position_generator, sample_draft_token
 from specdec.scheduler import ComputeMeter, Extend, Job
 from specdec.tokens import prefix_hash
 
@@ -29,6 +29,7 @@ class DraftParams:
     warp: Warp
     seed: int
     top_n: int
+    vocab_limit: int = 0  # propose only ids below this (the target's vocabulary size); 0 = all
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,22 @@ def _draft_block(
     meter: ComputeMeter,
 ) -> Generator[Extend, torch.Tensor, list[DraftSample]]:
     """Samples ``params.k`` tokens starting from ``logits`` (the distribution after ``start`` tokens)."""
-    generator = None if params.warp.greedy else round_generator(params.seed, start, "draft", device)
     samples: list[DraftSample] = []
     for i in range(params.k):
-        sample = sample_draft_token(logits, params.warp, params.top_n, generator)
+        generator = None if params.warp.greedy else position_generator(params.seed, start + i, "draft", device)
+        sample = sample_draft_token(_proposable(logits, params), params.warp, params.top_n, generator)
         samples.append(sample)
         if i + 1 < params.k:
             logits = (yield Extend(entry, [sample.token_id], 1, meter))[-1]
     return samples
+
+
+def _proposable(logits: torch.Tensor, params: DraftParams) -> torch.Tensor:
+    """The logits of the ids the target can verify: a draft whose output layer is padded to more
+    rows than the target's proposes none of the extra ones (its proposal is then a distribution
+    over the target's ids, so exactness holds; a shorter draft vocabulary needs nothing: the ids it
+    lacks simply get probability 0)."""
+    return logits[: params.vocab_limit] if 0 < params.vocab_limit < logits.shape[-1] else logits
 
 
 def _finish(
@@ -115,7 +124,8 @@ def lookahead_job(
     except ResyncRequired:
         return None
     last = previous.samples[-1].token_id
-    guess = int((yield Extend(entry, [last], 1, meter))[-1].argmax())  # the most likely next token (any warp keeps it)
+    guess_logits = _proposable((yield Extend(entry, [last], 1, meter))[-1], params)
+    guess = int(guess_logits.argmax())  # the most likely next token (any warp keeps it)
     logits = (yield Extend(entry, [guess], 1, meter))[-1]
     assumed = (*previous.token_ids, guess)
     start = previous.start + len(assumed)

@@ -88,7 +88,9 @@ class _ProposeStream:
             raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
         core = self._core
         core.check_request(request.session_id, request.base_len, request.tail_token_ids, k - 1)
-        params = DraftParams(k, warp_from_proto(request.warp), request.seed, self._settings.proposal_top_n)
+        params = DraftParams(
+            k, warp_from_proto(request.warp), request.seed, self._settings.proposal_top_n, request.vocab_limit
+        )
         self._params = params
         tail = list(request.tail_token_ids)
         block = await core.run(

@@ -159,7 +159,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         device=device,
         dtype=dtype,
         vocab_size=vocab_size,
-        max_context_len=int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length),
+        max_context_len=_context_len(model_id, config, tokenizer),
         eos_token_ids=_eos_ids(model, tokenizer),
         tokenizer_hash=tokenizer_fingerprint(tokenizer),
     )
@@ -174,6 +174,35 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         max_context_len=loaded.max_context_len,
     )
     return loaded
+
+
+def sliding_window(config: Any) -> int | None:
+    """The smallest attention window among the layers that the KV cache keeps windowed (Mistral,
+    Gemma-2/3, Phi-3 configs), None when every layer keeps the whole context."""
+    from transformers import DynamicCache
+
+    windows = [layer.sliding_window for layer in DynamicCache(config=config).layers if getattr(layer, "is_sliding", 0)]
+    return min(windows) if windows else None
+
+
+def _context_len(model_id: str, config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
+    """The longest sequence served. A windowed cache layer drops positions once the window is
+    full, and then cannot be cut back to an earlier length, which every rejected draft needs: so a
+    model with windowed layers is served up to its window (minus one) and no further, with a
+    warning, instead of failing mid-session."""
+    context = int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    window = sliding_window(config)
+    if window is not None and window - 1 < context:
+        log.warning(
+            "context_capped_at_sliding_window",
+            model=model_id,
+            sliding_window=window,
+            model_context_len=context,
+            served_context_len=window - 1,
+            reason="speculative rollback cannot cut a sliding-window cache back once the window is full",
+        )
+        return window - 1
+    return context
 
 
 def _wants_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:

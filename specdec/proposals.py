@@ -58,9 +58,10 @@ def decode_block(
 def _decode_row(proposal: common_pb2.TokenProposal, kind: int, vocab_size: int) -> torch.Tensor:
     probs = torch.tensor(list(proposal.probs), dtype=torch.float32)
     if kind == common_pb2.PROPOSAL_KIND_DENSE:
-        if probs.numel() != vocab_size or proposal.ids:
-            raise InvalidRequest(f"a DENSE proposal has exactly {vocab_size} probs and no ids")
-        row = probs
+        # A draft with a smaller (differently padded) vocabulary sends fewer rows: the rest are 0.
+        if not 0 < probs.numel() <= vocab_size or proposal.ids:
+            raise InvalidRequest(f"a DENSE proposal has 1 to {vocab_size} probs and no ids")
+        row = torch.nn.functional.pad(probs, (0, vocab_size - probs.numel()))
     else:
         if probs.numel() == 0 or len(proposal.ids) != probs.numel():
             raise InvalidRequest("a SPARSE proposal has as many ids as probs (at least one)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,12 +79,14 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
     return scores.softmax(-1)
 
 
-def round_generator(seed: int, position: int, role: str, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for one round, derived from the request seed, the committed length and the role.
+def position_generator(seed: int, position: int, role: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of every random draw for the token at absolute ``position`` (the number of
+    tokens before it in the session), derived from the request seed, that position and the role
+    (``draft`` or ``target``).
 
-    Deriving it per position (instead of carrying generator state) makes a round's randomness a
-    function of the committed prefix alone: retries, re-prefills and worker restarts replay the
-    same draws, and draft and target use independent streams.
+    Keying each draw to its position (instead of carrying generator state) makes it a function of
+    where it happens alone: retries, re-prefills, worker restarts, failover to another replica and
+    blocks drafted ahead replay the same draws, and draft and target use independent streams.
     """
     material = f"{seed}:{position}:{role}".encode()
     derived = int.from_bytes(hashlib.blake2b(material, digest_size=8).digest(), "little") >> 1
@@ -152,14 +155,16 @@ def rejection_sample(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
     warp: Warp,
-    generator: torch.Generator | None,
+    generator: torch.Generator | Sequence[torch.Generator] | None,
 ) -> Verdict:
     """Speculative rejection sampling over one block.
 
     ``target_logits``: [k+1, V], row i scores the token after the prefix + the first i drafts.
     ``draft_tokens``: [k] int. ``draft_probs``: [k, V] proposal rows the drafts were sampled
-    from (ignored when greedy; required otherwise). The output follows the target distribution
-    exactly for any proposal; greedy warps reduce to "accept while argmax p == x".
+    from (ignored when greedy; required otherwise). ``generator``: one for the whole block, or
+    k+1 (row i's acceptance draw and its recovered/bonus token come from the i-th). The output
+    follows the target distribution exactly for any proposal; greedy warps reduce to "accept
+    while argmax p == x".
     """
     k = draft_tokens.shape[0]
     if target_logits.dim() != 2 or target_logits.shape[0] != k + 1:
@@ -173,16 +178,19 @@ def rejection_sample(
     rows = torch.arange(k, device=p.device)
     p_x = p[rows, drafts]
     q_x = draft_probs.to(p.device).float()[rows, drafts]
-    uniforms = torch.rand(k, generator=generator, device=p.device)
+    per_row = [generator] * (k + 1) if generator is None or isinstance(generator, torch.Generator) else generator
+    if len(per_row) != k + 1:
+        raise ValueError(f"rejection_sample needs k+1 = {k + 1} generators, got {len(per_row)}")
+    uniforms = torch.stack([torch.rand((), generator=g, device=p.device) for g in per_row[:k]]) if k else p_x
     # q(x) == 0 cannot happen for a token sampled from q: treat it as a bug and reject.
     accepted = (q_x > 0) & (uniforms * q_x < p_x)
     n = int(accepted.long().cumprod(0).sum())
     if n < k:
         residual = torch.clamp(p[n] - draft_probs[n].to(p.device).float(), min=0.0)
         dist = residual if float(residual.sum()) > 0 else p[n]
-        last = int(torch.multinomial(dist / dist.sum(), 1, generator=generator))
+        last = int(torch.multinomial(dist / dist.sum(), 1, generator=per_row[n]))
     else:
-        last = int(torch.multinomial(p[k], 1, generator=generator))
+        last = int(torch.multinomial(p[k], 1, generator=per_row[k]))
     return Verdict(num_accepted=n, token_ids=[*drafts[:n].tolist(), last])
 
 

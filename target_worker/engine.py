@@ -10,7 +10,7 @@ import torch
 from specdec.kvcache import ResyncRequired, SessionCaches
 from specdec.modeling import LoadedModel
 from specdec.proposals import decode_block
-from specdec.sampling import Warp, rejection_sample, round_generator
+from specdec.sampling import Warp, position_generator, rejection_sample
 from specdec.scheduler import ComputeMeter, Extend, Job
 from specdec.v1 import common_pb2
 
@@ -48,10 +48,12 @@ def verify_job(
     k = len(drafts)
     logits = yield Extend(entry, [*tail, *drafts.tolist()], k + 1, meter)
     committed_len = base_len + len(tail)
-    generator = None if warp.greedy else round_generator(seed, committed_len, "target", loaded.device)
+    generators = None
+    if not warp.greedy:  # row i decides the token at position committed_len + i
+        generators = [position_generator(seed, committed_len + i, "target", loaded.device) for i in range(k + 1)]
     if q is None and not warp.greedy:
         q = torch.nn.functional.one_hot(drafts, loaded.vocab_size).float()
-    verdict = rejection_sample(logits, drafts, q, warp, generator)
+    verdict = rejection_sample(logits, drafts, q, warp, generators)
     entry.truncate(committed_len + verdict.num_accepted)
     return VerifyResult(
         resync=False,

@@ -245,12 +245,16 @@ def test_health_reflection_and_info(cluster_same: LocalCluster, tiny_models: Tin
             assert info.eos_token_ids == [257] and info.max_context_len == 256 and len(info.tokenizer_hash) == 32
 
 
-def test_coordinator_refuses_a_draft_with_another_vocabulary(tmp_path: Path, tiny_models: TinyModels) -> None:
-    bigger = build_model(tmp_path / "bigger", seed=3, hidden=32, layers=1, vocab=300)
+def test_coordinator_refuses_a_draft_with_another_tokenizer(tmp_path: Path, tiny_models: TinyModels) -> None:
+    other_tokenizer = build_model(tmp_path / "other-tokenizer", seed=3, hidden=32, layers=1, vocab=300)
+    tokenizer = AutoTokenizer.from_pretrained(other_tokenizer)
+    tokenizer.add_tokens(["<tool_call>"])  # one more token: a different token -> id mapping
+    tokenizer.save_pretrained(other_tokenizer)
     cluster = LocalCluster(
-        str(tiny_models.target), str(bigger), tmp_path / "run", worker_args=["--device", "cpu"], startup_timeout_s=120
-    )
-    with pytest.raises(LaunchError, match="does not share the vocabulary"):
+        str(tiny_models.target), str(other_tokenizer), tmp_path / "run", worker_args=["--device", "cpu"],
+        startup_timeout_s=120,
+    )  # fmt: skip
+    with pytest.raises(LaunchError, match="does not share the tokenizer"):
         cluster.start()
 
 

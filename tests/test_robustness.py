@@ -16,8 +16,8 @@ from specdec.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric
 from tests.netproxy import ProxyRoutes
-from tests.reference import make_request, reference_greedy
-from tests.tiny_models import TinyModels
+from tests.reference import make_request, reference_greedy, worker_info
+from tests.tiny_models import TinyModels, build_resized, build_sliding
 
 PROMPT = [5, 17, 99, 3]
 U32_MAX = 2**32 - 1
@@ -223,3 +223,70 @@ def test_the_callers_deadline_during_verification_does_not_fail_over(
         "client_code": "DEADLINE_EXCEEDED",
         "replicas_marked_down": 0,
     }
+
+
+@pytest.mark.parametrize("direction", ["draft pads more rows", "target pads more rows"])
+def test_same_tokenizer_different_padded_vocabularies(tmp_path: Path, tiny_models: TinyModels, direction: str) -> None:
+    """Qwen2.5-0.5B (151,936 logit rows) drafting for Qwen2.5-7B (152,064) in miniature: the pair
+    is accepted, greedy output equals the target's, sampling is served (sparse and dense proposals),
+    and a draft whose padded rows it would like to propose never proposes them."""
+    if direction == "draft pads more rows":
+        target = tiny_models.target
+        draft = build_resized(tiny_models.target, tmp_path / "draft-300", 300, extra_scale=4.0)
+    else:
+        target = build_resized(tiny_models.target, tmp_path / "target-300", 300)
+        draft = tiny_models.noisy
+    prompt = [5, 17, 99, 3]
+    expected = reference_greedy(str(target), tuple(prompt), 24, ignore_eos=True)
+    for top_n in ("64", "0"):  # sparse, then dense proposals
+        with (
+            fault_cluster(tmp_path / f"run-{top_n}", target, draft, draft_args=["--proposal-top-n", top_n]) as cluster,
+            grpc.insecure_channel(cluster.address) as channel,
+        ):
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            greedy = stub.Generate(make_request(prompt, k=4, max_new=24, ignore_eos=True), timeout=60)
+            sampled = [
+                stub.Generate(make_request(prompt, k=4, max_new=24, temperature=1.0, seed=s), timeout=60)
+                for s in range(5)
+            ]
+            failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+            errors = metric(cluster, "coordinator", "specdec_draft_request_errors_total")
+        assert list(greedy.token_ids) == expected
+        assert greedy.stats.draft_tokens_proposed > 0
+        if direction == "draft pads more rows":
+            assert greedy.stats.draft_tokens_accepted > 0  # the draft is the target under its padding
+        assert all(reply.stats.draft_tokens_proposed > 0 for reply in sampled)
+        # A padded id the target itself generates cannot be fed to a smaller draft: that turn
+        # goes on target-only (a request error, never a breaker trip); ids below 259 never do.
+        padded_ids_generated = sum(max(reply.token_ids) >= 259 for reply in sampled)
+        assert failures == 0 and errors == padded_ids_generated
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3"])
+def test_sliding_window_models_are_served_up_to_their_window(tmp_path: Path, arch: str) -> None:
+    """Windowed KV layers cannot be cut back once the window is full: such a model is served up
+    to its window - 1 tokens (Info says so), every rollback inside it is exact, and a request
+    beyond it gets INVALID_ARGUMENT instead of a crash mid-session."""
+    target = build_sliding(tmp_path / "target", arch, seed=0)
+    draft = build_sliding(tmp_path / "draft", arch, seed=1)  # unrelated: most drafts are rejected
+    prompt = [5, 17, 99, 3]
+    with (
+        fault_cluster(tmp_path / "run", target, draft) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        assert worker_info(cluster.processes["target-0"].address, "target").max_context_len == 15
+        reply = stub.Generate(make_request(prompt, k=4, max_new=11, ignore_eos=True), timeout=60)
+        session = [stub.Generate(make_request([p], k=3, max_new=2, session_id="w", ignore_eos=True)) for p in (7, 8, 9)]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(make_request(prompt, k=4, max_new=12), timeout=60)
+        pids_alive = all(p.proc.poll() is None for p in cluster.processes.values())
+    assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 11, ignore_eos=True)
+    assert reply.stats.draft_tokens_proposed > reply.stats.draft_tokens_accepted  # rollbacks happened
+    history: list[int] = []
+    for p, turn in zip((7, 8, 9), session, strict=True):
+        history.append(p)
+        assert list(turn.token_ids) == reference_greedy(str(target), tuple(history), 2, ignore_eos=True)
+        history += list(turn.token_ids)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length 15" in err.value.details()
+    assert pids_alive

@@ -14,9 +14,9 @@ from specdec.sampling import (
     DraftSample,
     Verdict,
     Warp,
+    position_generator,
     proposal_matrix,
     rejection_sample,
-    round_generator,
     sample_draft_token,
     warped_probs,
 )
@@ -139,11 +139,11 @@ def test_sparse_draft_samples_from_reported_distribution() -> None:
     assert _chi_square(observed, expected) > 1e-4
 
 
-def test_round_generator_is_deterministic_and_role_separated() -> None:
-    a = torch.rand(4, generator=round_generator(7, 10, "target"))
-    b = torch.rand(4, generator=round_generator(7, 10, "target"))
-    c = torch.rand(4, generator=round_generator(7, 10, "draft"))
-    d = torch.rand(4, generator=round_generator(7, 11, "target"))
+def test_position_generator_is_deterministic_and_role_separated() -> None:
+    a = torch.rand(4, generator=position_generator(7, 10, "target"))
+    b = torch.rand(4, generator=position_generator(7, 10, "target"))
+    c = torch.rand(4, generator=position_generator(7, 10, "draft"))
+    d = torch.rand(4, generator=position_generator(7, 11, "target"))
     assert torch.equal(a, b)
     assert not torch.equal(a, c) and not torch.equal(a, d)
 

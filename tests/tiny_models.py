@@ -126,3 +126,58 @@ def build_crashy(source: Path, path: Path, crash_token_id: int) -> Path:
     )
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def build_resized(source: Path, path: Path, vocab: int, extra_scale: float | None = None) -> Path:
+    """``source`` with its embedding and output layer padded (or cut) to ``vocab`` rows, as padded
+    checkpoints of one model family differ (the same tokenizer). With ``extra_scale``, the extra
+    output rows are copies of the first rows times it (above 1: the padded ids often win); else
+    they keep transformers' initialisation of new rows (the mean row: rarely the top)."""
+    model = LlamaForCausalLM.from_pretrained(source)
+    old = model.config.vocab_size
+    with torch.no_grad():
+        lm_head = model.lm_head.weight.clone()
+        model.resize_token_embeddings(vocab)
+        if vocab > old and extra_scale is not None:
+            extra = vocab - old
+            model.lm_head.weight[old:] = lm_head[:extra] * extra_scale
+            model.get_input_embeddings().weight[old:] = model.get_input_embeddings().weight[:extra]
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
+    """A tiny random model of an architecture whose KV cache keeps some layers windowed
+    (``mistral``, ``gemma2``, ``gemma3``, ``phi3``), with the byte tokenizer."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config
+
+    tokenizer = build_tokenizer()
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "sliding_window": window,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    }
+    configs = {
+        "mistral": lambda: MistralConfig(**common),
+        "gemma2": lambda: Gemma2Config(head_dim=8, **common),
+        "gemma3": lambda: Gemma3TextConfig(head_dim=8, sliding_window_pattern=2, **common),
+        "phi3": lambda: Phi3Config(**common),
+    }
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(configs[arch]()).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -18,7 +18,7 @@ class DraftInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "round_id", "base_len", "prefix_hash", "tail_token_ids", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead")
+    __slots__ = ("session_id", "round_id", "base_len", "prefix_hash", "tail_token_ids", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead", "vocab_limit")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class ProposeRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     ADOPT_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_LIMIT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round_id: int
     base_len: int
@@ -39,7 +40,8 @@ class ProposeRequest(_message.Message):
     seed: int
     lookahead: bool
     adopt_lookahead: bool
-    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ...) -> None: ...
+    vocab_limit: int
+    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ..., vocab_limit: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms", "lookahead", "base_len", "assumed_token_ids")
