@@ -81,4 +81,9 @@ def test_adaptive_k_keeps_speculating_with_a_good_draft(tmp_path: Path, tiny_mod
     with fault_cluster(tmp_path, tiny_models.target, tiny_models.same, worker_args=[]) as cluster:
         reply = generate(cluster, make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True))
     assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), 60, ignore_eos=True)
-    assert reply.stats.mean_k > 0
+    stats = reply.stats
+    # Every draft is right: after the one target-only round that measures the target's cost,
+    # every round speculates (the last ones at most the remaining budget), all drafts accepted.
+    assert stats.acceptance_rate == 1.0
+    assert stats.target_only_rounds <= 2 and stats.rounds - stats.target_only_rounds >= 10
+    assert stats.mean_k >= 2.0 and stats.mean_accepted_length >= 3.0

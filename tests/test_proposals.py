@@ -15,7 +15,7 @@ V = 10
 
 def test_round_trip_every_kind() -> None:
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(V)
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(1))
     for samples in (
         [DraftSample(3), DraftSample(4)],
         [sample_draft_token(logits, Warp(1.0), 4, gen) for _ in range(3)],
@@ -50,9 +50,11 @@ def sparse(ids: list[int], probs: list[float], tokens: list[int] | None = None) 
         (sparse([1], [1.0], tokens=[1, 2]), "2 tokens but 1 proposals"),
         (
             common_pb2.DraftBlock(
-                token_ids=[1], kind=common_pb2.PROPOSAL_KIND_DENSE, proposals=[common_pb2.TokenProposal(probs=[1.0])]
+                token_ids=[1],
+                kind=common_pb2.PROPOSAL_KIND_DENSE,
+                proposals=[common_pb2.TokenProposal(probs=[1 / 11] * 11)],
             ),
-            "exactly 10 probs",
+            "1 to 10 probs",
         ),
         (
             common_pb2.DraftBlock(
@@ -67,3 +69,15 @@ def sparse(ids: list[int], probs: list[float], tokens: list[int] | None = None) 
 def test_malformed_blocks_are_rejected(block: common_pb2.DraftBlock, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         decode_block(block, V, "cpu")
+
+
+def test_a_dense_row_from_a_smaller_vocabulary_is_padded_with_zeros() -> None:
+    """A draft whose output layer has fewer rows than the target's sends shorter dense rows."""
+    probs = torch.tensor([0.5, 0.25, 0.25])
+    block = encode_block([DraftSample(token_id=1, probs=probs)])
+    tokens, q = decode_block(block, V, "cpu")
+    assert tokens.tolist() == [1] and q is not None
+    assert q[0].tolist() == [0.5, 0.25, 0.25] + [0.0] * (V - 3)
+    too_long = encode_block([DraftSample(token_id=1, probs=torch.full((V + 1,), 1 / (V + 1)))])
+    with pytest.raises(InvalidRequest, match="1 to 10 probs"):
+        decode_block(too_long, V, "cpu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,12 +50,15 @@ def test_no_file_means_no_locking() -> None:
 
 
 class _SlowCaches:
-    """Stands in for SessionCaches in this unit test: every forward pass takes 0.2 s."""
+    """Stands in for SessionCaches in this unit test: every forward pass takes 0.2 s; the first
+    one waits until ``gate`` is set, so that the test decides what is queued behind it."""
 
     def __init__(self) -> None:
         self.batches: list[int] = []
+        self.gate = threading.Event()
 
     def extend_many(self, ops: Sequence[tuple[Any, Sequence[int], int]]) -> list[torch.Tensor]:
+        self.gate.wait(10)
         self.batches.append(len(ops))
         time.sleep(0.2)
         return [torch.zeros(n, 4) for _, _, n in ops]
@@ -66,21 +70,36 @@ def _job(meter: ComputeMeter, steps: int) -> Job[float]:
     return meter.ms
 
 
+async def _queued(scheduler: StepScheduler, count: int) -> None:
+    """Waits until the model thread holds ``count`` jobs (they then join the next pass together)."""
+    while len(scheduler._active) + sum(len(w) for w in scheduler._waiting.values()) < count:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)  # the model thread's state: there is no event to await
+
+
 @pytest.mark.asyncio
 async def test_jobs_in_one_pass_share_its_time_and_waiting_is_not_counted() -> None:
     scheduler = StepScheduler(max_batch=8)
     caches = _SlowCaches()
     scheduler.attach(caches)  # type: ignore[arg-type]
     try:
+        blocker = asyncio.ensure_future(scheduler.run("blocker", lambda: _job(ComputeMeter(), 1)))
+        await _queued(scheduler, 1)  # the blocker's pass waits at the gate
         meters = [ComputeMeter() for _ in range(4)]
-        results = await asyncio.gather(*(scheduler.run(f"s{i}", lambda m=m: _job(m, 2)) for i, m in enumerate(meters)))
-        # Two passes of four rows: each job is charged 2 x 0.2 s / 4, not the 0.4 s it waited.
-        assert caches.batches == [4, 4]
-        assert all(ms == pytest.approx(100, abs=30) for ms in results)
+        jobs = [asyncio.ensure_future(scheduler.run(f"s{i}", lambda m=m: _job(m, 2))) for i, m in enumerate(meters)]
+        while scheduler._inbox.qsize() < 4:  # noqa: ASYNC110 (all four submitted before the gate opens)
+            await asyncio.sleep(0.005)
+        caches.gate.set()
+        await blocker
+        results = await asyncio.gather(*jobs)
+        # The blocker's pass, then two passes of four rows: each of the four jobs is charged
+        # 2 x 0.2 s / 4 = 100 ms, not the 0.6 s it waited.
+        assert caches.batches == [1, 4, 4]
+        assert all(ms == pytest.approx(100, abs=40) for ms in results)
         # The same session's jobs run one after the other: the second one is charged its own pass only.
         first, second = ComputeMeter(), ComputeMeter()
         await asyncio.gather(scheduler.run("s", lambda: _job(first, 1)), scheduler.run("s", lambda: _job(second, 1)))
-        assert first.ms == pytest.approx(200, abs=40) and second.ms == pytest.approx(200, abs=40)
+        assert caches.batches[-2:] == [1, 1]
+        assert first.ms == pytest.approx(200, abs=60) and second.ms == pytest.approx(200, abs=60)
     finally:
         scheduler.stop()
 

@@ -1,0 +1,214 @@
+"""Sampled output follows the target distribution exactly, through the production code path.
+
+The workers' own jobs run on real (tiny) models and their KV caches: the draft's ``propose_job``
+and ``lookahead_job`` (per-position generators, the top-n proposal), the wire encoding of the
+block (``encode_block`` -> protobuf bytes -> the target's ``decode_block``), and the target's
+``verify_job`` (per-position generators, rejection sampling, cache rollback), for several rounds,
+with and without blocks drafted ahead (pipelining), with temperature != 1, top-k and top-p, for
+K in {1, 4, 8}. Only gRPC and the scheduler thread are left out (a job's steps are run here
+directly, as the scheduler runs them). A chi-square test with pooling compares the first three
+tokens with the exactly enumerated target distribution; a power check shows that the same test
+catches a planted bug in the production sampler.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+from scipy import stats
+
+import target_worker.engine as target_engine
+from coordinator.worker_session import _sync_fields
+from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
+from specdec.kvcache import SessionCaches
+from specdec.modeling import LoadedModel, LoadOptions, load_model
+from specdec.proposals import encode_block
+from specdec.sampling import Verdict, Warp, warped_probs
+from specdec.scheduler import Job
+from specdec.tokens import common_prefix_len
+from specdec.v1 import common_pb2
+from tests.tiny_models import TinyModels
+
+PROMPT = (5, 17, 99, 3)
+WARP = Warp(temperature=0.8, top_k=4, top_p=0.9)
+LENGTH = 3  # tokens whose joint distribution is tested (support <= 4^3)
+
+
+def run_job(job: Job, caches: SessionCaches):  # type: ignore[no-untyped-def, type-arg]
+    """Runs a job's Extend steps as the scheduler does (one session, so one row per pass)."""
+    try:
+        step = next(job)
+        while True:
+            step = job.send(caches.extend(step.entry, step.token_ids, step.num_logits))
+    except StopIteration as done:
+        return done.value
+
+
+def on_the_wire(block: Block) -> common_pb2.DraftBlock:
+    """What the target receives: the draft's encoding, serialised and parsed again."""
+    return common_pb2.DraftBlock.FromString(encode_block(list(block.samples)).SerializeToString())
+
+
+@dataclass
+class Speculation:
+    """The coordinator's round loop over the workers' production jobs (one session at a time)."""
+
+    target: LoadedModel
+    draft: LoadedModel
+    k: int
+    top_n: int
+    pipelined: bool
+
+    def __post_init__(self) -> None:
+        self.target_caches = SessionCaches(self.target, 4, 600)
+        self.draft_caches = SessionCaches(self.draft, 4, 600)
+        self.ahead_used = 0  # rounds that verified a block drafted ahead
+
+    def generate(self, seed: int, max_new: int, stop_after: int) -> list[int]:
+        """``max_new`` sets K's budget as in a request; the loop stops once ``stop_after`` tokens
+        are committed (later rounds cannot change them)."""
+        committed, generated = list(PROMPT), 0
+        target_len = draft_len = 0
+        ahead: Block | None = None  # the block drafted ahead (pipelining), if any
+        while generated < min(max_new, stop_after):
+            k = min(self.k, max_new - generated - 1)  # as the coordinator caps K by the budget
+            block = self._block(committed, draft_len, k, seed, ahead) if k > 0 else None
+            ahead = None
+            if block is not None and self.pipelined:  # drafted while the target verifies `block`
+                ahead = run_job(lookahead_job(self.draft_caches, self.draft, "s", block, self._params(k, seed)),
+                                self.draft_caches)  # fmt: skip
+            wire = common_pb2.DraftBlock() if block is None else on_the_wire(block)
+            wire = _first(wire, k)
+            base, base_hash, tail = _sync_fields(committed, target_len)
+            result = run_job(
+                target_engine.verify_job(self.target_caches, self.target, "s", base, base_hash, tail, wire, WARP, seed),
+                self.target_caches,
+            )
+            tokens = list(result.token_ids)[: max_new - generated]
+            committed += tokens
+            generated += len(tokens)
+            target_len = min(result.cache_len, len(committed))
+            draft_tokens = self.draft_caches._entries["s"].tokens if "s" in self.draft_caches._entries else []
+            draft_len = min(common_prefix_len(draft_tokens, committed), len(committed) - 1)
+        self.target_caches.release("s")
+        self.draft_caches.release("s")
+        return committed[len(PROMPT) :]
+
+    def _params(self, k: int, seed: int) -> DraftParams:
+        return DraftParams(k=k, warp=WARP, seed=seed, top_n=self.top_n, vocab_limit=self.target.vocab_size)
+
+    def _block(self, committed: list[int], draft_len: int, k: int, seed: int, ahead: Block | None) -> Block:
+        if ahead is not None and ahead.samples and list(ahead.assumed) == committed[ahead.start - len(ahead.assumed) :]:
+            self.ahead_used += 1
+            return ahead  # the previous block was fully taken and the guessed token was right
+        base, base_hash, tail = _sync_fields(committed, draft_len)
+        block = run_job(
+            propose_job(self.draft_caches, self.draft, "s", base, base_hash, tail, self._params(k, seed)),
+            self.draft_caches,
+        )
+        assert block is not None
+        return block
+
+
+def _first(block: common_pb2.DraftBlock, k: int) -> common_pb2.DraftBlock:
+    from coordinator.worker_session import _first as first
+
+    return first(block, k)
+
+
+def exact_distribution(target: LoadedModel) -> dict[tuple[int, ...], float]:
+    """P(first LENGTH tokens) under the warped target, enumerated over its (top-k) support."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: tuple[int, ...], prob: float) -> None:
+        if len(prefix) == LENGTH:
+            out[prefix] = prob
+            return
+        with torch.inference_mode():
+            logits = target.model(torch.tensor([[*PROMPT, *prefix]])).logits[0, -1]
+        p = warped_probs(logits, WARP)
+        for token in torch.nonzero(p).flatten().tolist():
+            walk((*prefix, token), prob * float(p[token]))
+
+    walk((), 1.0)
+    return out
+
+
+def chi_square_pvalue(samples: collections.Counter[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    """Goodness of fit; outcomes expected fewer than 5 times are pooled into one bin."""
+    n = sum(samples.values())
+    assert all(outcome in exact for outcome in samples), "sampled a sequence the target cannot produce"
+    observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
+    for outcome, prob in exact.items():
+        if prob * n >= 5:
+            observed.append(samples[outcome])
+            expected.append(prob * n)
+        else:
+            pool_obs, pool_exp = pool_obs + samples[outcome], pool_exp + prob * n
+    if pool_exp > 0:
+        observed.append(pool_obs)
+        expected.append(pool_exp)
+    scale = n / sum(expected)  # the enumerated probabilities sum to 1 only up to float rounding
+    return float(stats.chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models: TinyModels) -> Iterator[dict[str, LoadedModel]]:
+    options = LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch")
+    yield {name: load_model(str(getattr(tiny_models, name)), options) for name in ("target", "noisy", "other")}
+
+
+CASES = [
+    pytest.param(1, 0, False, "other", id="K1-dense-sequential-unrelated-draft"),
+    pytest.param(4, 3, True, "noisy", id="K4-sparse-pipelined"),
+    pytest.param(8, 64, False, "noisy", id="K8-sparse-sequential"),
+]
+
+
+def sample_counts(speculation: Speculation, n: int) -> collections.Counter[tuple[int, ...]]:
+    """The first LENGTH tokens of ``n`` requests (seed = request number), each started with a
+    full first block of K drafts."""
+    return collections.Counter(
+        tuple(speculation.generate(seed, max_new=max(speculation.k + 1, LENGTH), stop_after=LENGTH)[:LENGTH])
+        for seed in range(n)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("k", "top_n", "pipelined", "draft"), CASES)
+def test_production_path_follows_the_target_distribution(
+    models: dict[str, LoadedModel], k: int, top_n: int, pipelined: bool, draft: str
+) -> None:
+    speculation = Speculation(models["target"], models[draft], k, top_n, pipelined)
+    samples = sample_counts(speculation, 1500)
+    assert (speculation.ahead_used > 100) == pipelined
+    assert chi_square_pvalue(samples, exact_distribution(models["target"])) > 1e-3
+
+
+def _residual_from_p(target_logits, draft_tokens, draft_probs, warp, generator) -> Verdict:  # type: ignore[no-untyped-def]
+    """The planted bug: after a rejection, the recovered token is drawn from p instead of
+    norm(max(0, p - q)) (every draw keyed as in production)."""
+    k = draft_tokens.shape[0]
+    p = warped_probs(target_logits, warp)
+    for i in range(k):
+        x = int(draft_tokens[i])
+        u = float(torch.rand((), generator=generator[i]))
+        if u * float(draft_probs[i, x]) >= float(p[i, x]):
+            return Verdict(i, [*draft_tokens[:i].tolist(), int(torch.multinomial(p[i], 1, generator=generator[i]))])
+    return Verdict(k, [*draft_tokens.tolist(), int(torch.multinomial(p[k], 1, generator=generator[k]))])
+
+
+@pytest.mark.slow
+def test_the_production_path_test_catches_a_planted_bug(
+    models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first case's setting (K = 1, dense, an unrelated draft), 3000 requests (twice the
+    first case's, still a minute of CPU): the planted bug is rejected at p < 1e-6."""
+    monkeypatch.setattr(target_engine, "rejection_sample", _residual_from_p)
+    speculation = Speculation(models["target"], models["other"], 1, 0, False)
+    samples = sample_counts(speculation, 3000)
+    assert chi_square_pvalue(samples, exact_distribution(models["target"])) < 1e-6
