@@ -305,3 +305,26 @@ def test_sampled_tokens_follow_the_target_distribution(
     observed = [counts[key] for key in keys]
     expected = [exact[key] / total * n for key in keys]
     assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_a_seeded_turn_replays_after_the_workers_lost_the_session(
+    cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub
+) -> None:
+    """Fixed K, a seed: the same tokens whether the workers still hold the session's caches or
+    must re-prefill it (every draw is keyed to its position, not to what ran before)."""
+    replies = []
+    for i, drop_caches in enumerate((False, True)):
+        session = f"seeded-{i}"
+        other.Generate(request(PROMPTS[1], session_id=session, max_new=8, temperature=1.0, seed=3, ignore_eos=True))
+        if drop_caches:
+            for role, stub_cls, message in (
+                ("target-0", target_pb2_grpc.TargetWorkerStub, target_pb2.TargetReleaseSessionRequest),
+                ("draft", draft_pb2_grpc.DraftWorkerStub, draft_pb2.DraftReleaseSessionRequest),
+            ):
+                with grpc.insecure_channel(cluster_other.processes[role].address) as channel:
+                    assert stub_cls(channel).ReleaseSession(message(session_id=session)).existed
+        turn = request([1, 2], session_id=session, max_new=16, temperature=0.9, top_k=50, seed=11, ignore_eos=True)
+        replies.append(other.Generate(turn))
+        other.CloseSession(coordinator_pb2.CloseSessionRequest(session_id=session))
+    assert list(replies[0].token_ids) == list(replies[1].token_ids)
+    assert replies[0].stats.cache_resyncs == 0 and replies[1].stats.cache_resyncs == 2
