@@ -114,10 +114,8 @@ class WorkerSession:
         target = None
         if self.target_address is not None:
             replica = next(r for r in self._targets.replicas if r.address == self.target_address)
-            target = CacheLocation(replica.address, replica.info.instance_id, self.target_len)
-        draft = (
-            CacheLocation(self._draft.address, self._draft.info.instance_id, self.draft_len) if self._draft else None
-        )
+            target = CacheLocation(replica.address, self.target_len)
+        draft = CacheLocation(self._draft.address, self.draft_len) if self._draft else None
         return target, draft
 
     def forget_caches(self) -> None:

@@ -78,7 +78,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(append=TOKENS, data=st.data())
     def commit(self, append: list[int], data: st.DataObject) -> None:
         after = len(self.tokens) + len(append)
-        target = CacheLocation("t:1", "i", data.draw(st.integers(0, after)))
+        target = CacheLocation("t:1", data.draw(st.integers(0, after)))
         self._apply(Commit(self.version, f"s{next(self.steps)}", append, target=target))
 
     @rule(append=TOKENS, data=st.data())
@@ -107,7 +107,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(extra=st.integers(1, 3))
     def cache_beyond_committed(self, extra: int) -> None:
-        target = CacheLocation("t:1", "i", len(self.tokens) + extra)
+        target = CacheLocation("t:1", len(self.tokens) + extra)
         with pytest.raises(ValueError):
             self.run(
                 self.store.commit(self.session, "owner", Commit(self.version, f"s{next(self.steps)}", target=target))

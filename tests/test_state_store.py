@@ -31,10 +31,8 @@ async def test_create_commit_and_read_back(store: StateStore) -> None:
     session = sid()
     record = await store.acquire(session, "owner-a", create=True)
     assert record.version == 0 and record.tokens == [] and record.owner == "owner-a"
-    loc = CacheLocation("127.0.0.1:1", "inst", 3)
-    result = await store.commit(
-        session, "owner-a", Commit(0, "step-1", [1, 2, 3], target=loc, sampling={"temperature": 0.5})
-    )
+    loc = CacheLocation("127.0.0.1:1", 3)
+    result = await store.commit(session, "owner-a", Commit(0, "step-1", [1, 2, 3], target=loc))
     assert result.outcome is CommitOutcome.APPLIED and result.version == 1
     result = await store.commit(session, "owner-a", Commit(1, "step-2", [4_000_000_000]))
     got = await store.get(session)
@@ -42,7 +40,6 @@ async def test_create_commit_and_read_back(store: StateStore) -> None:
     assert got.tokens == [1, 2, 3, 4_000_000_000]
     assert got.version == 2 and got.recent_steps == ["step-1", "step-2"]
     assert got.target == loc and got.draft is None
-    assert got.sampling == {"temperature": 0.5}
 
 
 async def test_retried_commit_applies_once(store: StateStore) -> None:
@@ -147,9 +144,9 @@ async def test_cache_lengths_beyond_the_committed_length_are_refused(store: Stat
     await store.acquire(session, "o", create=True)
     await store.commit(session, "o", Commit(0, "a", [1, 2, 3]))
     with pytest.raises(ValueError, match="exceeds the committed length"):
-        await store.commit(session, "o", Commit(1, "b", [4], target=CacheLocation("t", "i", 5)))
+        await store.commit(session, "o", Commit(1, "b", [4], target=CacheLocation("t", 5)))
     with pytest.raises(ValueError, match="exceeds the committed length"):
-        await store.commit(session, "o", Commit(1, "c", truncate_to=1, draft=CacheLocation("d", "i", 2)))
+        await store.commit(session, "o", Commit(1, "c", truncate_to=1, draft=CacheLocation("d", 2)))
     got = await store.get(session)
     assert got is not None and got.tokens == [1, 2, 3] and got.version == 1
 
@@ -180,10 +177,10 @@ async def test_rollback_clamps_recorded_cache_lengths(store: StateStore) -> None
     """Found by the state machine: a truncation must not leave a cache claiming more than is committed."""
     session = sid()
     await store.acquire(session, "o", create=True)
-    await store.commit(session, "o", Commit(0, "a", [1, 2, 3], target=CacheLocation("t", "i", 3)))
+    await store.commit(session, "o", Commit(0, "a", [1, 2, 3], target=CacheLocation("t", 3)))
     await store.commit(session, "o", Commit(1, "b", truncate_to=1))
     got = await store.get(session)
-    assert got is not None and got.tokens == [1] and got.target == CacheLocation("t", "i", 1)
+    assert got is not None and got.tokens == [1] and got.target == CacheLocation("t", 1)
 
 
 @pytest.mark.asyncio
@@ -245,3 +242,8 @@ async def test_an_acquire_arriving_after_its_release_is_refused(store: StateStor
     with pytest.raises(StateConflict, match="already ended"):
         await store.acquire(session, "ghost", create=True)
     assert (await store.acquire(session, "next", create=False)).owner == "next"
+
+
+async def test_cache_locations_written_by_an_older_version_still_load() -> None:
+    old = '{"address": "t:1", "instance_id": "abc", "length": 7}'
+    assert CacheLocation.from_json(old) == CacheLocation("t:1", 7)

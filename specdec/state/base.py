@@ -3,7 +3,7 @@
 A session record holds small metadata only (never tensors): committed token ids, a version
 bumped on every commit (the fencing token), the id of the last applied commit step, the lease
 owner (the one request allowed to generate in the session), where each worker's KV cache is and
-how much of the committed prefix it holds, and the last sampling parameters. Every key expires
+how much of the committed prefix it holds. Every key expires
 after a TTL that each commit refreshes.
 """
 
@@ -14,7 +14,6 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 RECENT_STEPS = 16  # a re-sent commit is recognised while it is among the last this many applied
 # A released owner's acquire is refused for the lease time plus this (an acquire delayed longer
@@ -27,7 +26,6 @@ class CacheLocation:
     """A worker replica's KV cache for a session: valid for the first ``length`` committed tokens."""
 
     address: str
-    instance_id: str
     length: int
 
     def to_json(self) -> str:
@@ -37,7 +35,8 @@ class CacheLocation:
     def from_json(cls, raw: str | bytes | None) -> CacheLocation | None:
         if not raw:
             return None
-        return cls(**json.loads(raw))
+        fields = json.loads(raw)  # records written by older versions carry more keys
+        return cls(address=fields["address"], length=int(fields["length"]))
 
 
 @dataclass
@@ -51,7 +50,6 @@ class SessionRecord:
     owner: str = ""
     target: CacheLocation | None = None
     draft: CacheLocation | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
     created_at: float = 0.0
     updated_at: float = 0.0
 
@@ -85,7 +83,6 @@ class Commit:
     truncate_to: int | None = None
     target: CacheLocation | None = None
     draft: CacheLocation | None = None
-    sampling: dict[str, Any] | None = None
 
 
 class CommitOutcome(enum.Enum):

@@ -91,8 +91,6 @@ class MemoryStateStore(StateStore):
             record.updated_at = now
             record.target = _clamped(commit.target or record.target, len(record.tokens))
             record.draft = _clamped(commit.draft or record.draft, len(record.tokens))
-            if commit.sampling is not None:
-                record.sampling = dict(commit.sampling)
             self._touch(session_id, now)
             return CommitResult(CommitOutcome.APPLIED, record.version)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -46,7 +45,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[3] == '0' then return {'missing'} end
   redis.call('HSET', KEYS[1], 'tokens', '', 'version', 0, 'steps', '|', 'owner', ARGV[2],
              'lease', now + tonumber(ARGV[4]), 'created', now, 'updated', now,
-             'target', '', 'draft', '', 'sampling', '{}')
+             'target', '', 'draft', '')
 else
   local cur = redis.call('HMGET', KEYS[1], 'owner', 'lease')
   if cur[1] ~= '' and cur[1] ~= ARGV[2] and tonumber(cur[2]) > now then return {'busy'} end
@@ -59,7 +58,7 @@ return {'ok', redis.call('HGETALL', KEYS[1])}
 
 # KEYS: session, epoch; ARGV: epoch, owner, expected_version (-1 = any: the owner's rollback), step,
 # append (packed uint32), truncate_to (-1 = none), target json ('' = unchanged), target length (-1 = none), draft json,
-# draft length, sampling json ('' = unchanged), lease_ms, ttl_ms, recent steps kept
+# draft length, lease_ms, ttl_ms, recent steps kept
 _COMMIT = (
     _EPOCH
     + _NOW_MS
@@ -78,16 +77,15 @@ if tonumber(ARGV[8]) > committed or tonumber(ARGV[10]) > committed then return {
 local version = tonumber(cur[1]) + 1
 local steps = cur[2] .. ARGV[4] .. '|'
 local _, bars = string.gsub(steps, '|', '')
-while bars > tonumber(ARGV[14]) + 1 do
+while bars > tonumber(ARGV[13]) + 1 do
   local cut = string.find(steps, '|', 2, true)  -- (find returns start AND end: keep only start)
   steps = string.sub(steps, cut)
   bars = bars - 1
 end
 redis.call('HSET', KEYS[1], 'tokens', tokens, 'version', version, 'steps', steps,
-           'updated', now, 'lease', now + tonumber(ARGV[12]))
+           'updated', now, 'lease', now + tonumber(ARGV[11]))
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'target', ARGV[7]) end
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'draft', ARGV[9]) end
-if ARGV[11] ~= '' then redis.call('HSET', KEYS[1], 'sampling', ARGV[11]) end
 for _, field in ipairs({'target', 'draft'}) do
   local raw = redis.call('HGET', KEYS[1], field)
   if raw and raw ~= '' then
@@ -98,7 +96,7 @@ for _, field in ipairs({'target', 'draft'}) do
     end
   end
 end
-redis.call('PEXPIRE', KEYS[1], ARGV[13])
+redis.call('PEXPIRE', KEYS[1], ARGV[12])
 return {'applied', version}
 """
 )
@@ -145,7 +143,6 @@ def _record(session_id: str, fields: dict[bytes, bytes]) -> SessionRecord:
         owner=raw["owner"].decode(),
         target=CacheLocation.from_json(raw["target"]),
         draft=CacheLocation.from_json(raw["draft"]),
-        sampling=json.loads(raw["sampling"] or b"{}"),
         created_at=int(raw["created"]) / 1000,
         updated_at=int(raw["updated"]) / 1000,
     )
@@ -236,7 +233,6 @@ class RedisStateStore(StateStore):
             commit.target.length if commit.target else -1,
             commit.draft.to_json() if commit.draft else "",
             commit.draft.length if commit.draft else -1,
-            "" if commit.sampling is None else json.dumps(commit.sampling),
             self._lease_ms,
             self._ttl_ms,
             RECENT_STEPS,
