@@ -13,9 +13,9 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.turn import Turn, TurnDeps
 from coordinator.validation import Limits, TurnRequest
 from coordinator.workers import DraftClient, TargetPool
-from specdec.errors import NotServing, Overloaded
-from specdec.metrics import CoordinatorMetrics
-from specdec.modeling import load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
+from specdec.serving.errors import NotServing, Overloaded
+from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import StateStore, open_store
 from specdec.v1 import common_pb2
 

@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry
 from coordinator.engine import Engine
 from coordinator.servicer import GenerationServicer
 from coordinator.settings import CoordinatorSettings
-from specdec.logging import configure_logging
-from specdec.metrics import CoordinatorMetrics
-from specdec.server import ServerControl, ServiceSpec, serve
-from specdec.settings import load_settings
+from specdec.serving.logging import configure_logging
+from specdec.serving.metrics import CoordinatorMetrics
+from specdec.serving.server import ServerControl, ServiceSpec, serve
+from specdec.serving.settings import load_settings
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = structlog.get_logger(__name__)

@@ -11,8 +11,8 @@ import grpc
 from coordinator.engine import Engine
 from coordinator.turn import Finish, Turn
 from coordinator.validation import parse_request
-from specdec.security import caller_identity, scoped_session_id
-from specdec.session_ids import check_session_id
+from specdec.serving.security import caller_identity, scoped_session_id
+from specdec.serving.session_ids import check_session_id
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 _FINISH = {Finish.STOP: coordinator_pb2.FINISH_REASON_STOP, Finish.LENGTH: coordinator_pb2.FINISH_REASON_LENGTH}

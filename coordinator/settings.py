@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from specdec.security import read_secret_file
-from specdec.settings import ServiceSettings
+from specdec.serving.security import read_secret_file
+from specdec.serving.settings import ServiceSettings
 
 
 class CoordinatorSettings(ServiceSettings):

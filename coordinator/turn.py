@@ -22,8 +22,8 @@ from coordinator.text import IncrementalDetokenizer
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Proposal, WorkerSession
 from coordinator.workers import DraftClient, TargetPool
-from specdec.errors import InvalidRequest, SpecdecError, StateUnavailable
-from specdec.metrics import CoordinatorMetrics
+from specdec.serving.errors import InvalidRequest, SpecdecError, StateUnavailable
+from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import Commit, CommitResult, StateStore
 from specdec.v1 import common_pb2, target_pb2
 

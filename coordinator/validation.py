@@ -7,9 +7,9 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from specdec.errors import InvalidRequest, RequestTooLarge
-from specdec.sampling import Warp
-from specdec.session_ids import check_session_id
+from specdec.runtime.sampling import Warp
+from specdec.serving.errors import InvalidRequest, RequestTooLarge
+from specdec.serving.session_ids import check_session_id
 from specdec.v1 import common_pb2, coordinator_pb2
 
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
-from specdec.errors import DeadlineExceeded, SpecdecError, WorkerFailed, WorkerTimedOut, WorkerUnavailable
-from specdec.metrics import CoordinatorMetrics
-from specdec.sampling import Warp
+from specdec.runtime.proposals import warp_to_proto
+from specdec.runtime.sampling import Warp
+from specdec.runtime.tokens import common_prefix_len, prefix_hash
+from specdec.serving.errors import DeadlineExceeded, SpecdecError, WorkerFailed, WorkerTimedOut, WorkerUnavailable
+from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import CacheLocation
-from specdec.tokens import common_prefix_len, prefix_hash
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
-from specdec.worker import warp_to_proto
 
 log = structlog.get_logger(__name__)
 
@@ -56,10 +56,12 @@ class SyncCounters:
     resyncs: int = 0
 
 
-def _sync_fields(committed: list[int], cached: int) -> tuple[int, int, list[int]]:
-    """(base_len, prefix hash, tail) for a worker holding ``cached`` committed tokens; tail >= 1 token."""
+def prefix_sync(committed: list[int], cached: int) -> common_pb2.PrefixSync:
+    """The prefix sync for a worker holding ``cached`` committed tokens (the tail >= 1 token)."""
     base = min(cached, len(committed) - 1)
-    return base, prefix_hash(committed[:base]), committed[base:]
+    return common_pb2.PrefixSync(
+        base_len=base, prefix_hash=prefix_hash(committed[:base]), tail_token_ids=committed[base:]
+    )
 
 
 class WorkerSession:
@@ -188,11 +190,10 @@ class WorkerSession:
         self._lookahead_round = None
         cached = self.draft_len
         for _ in range(2):
-            base, base_hash, tail = _sync_fields(committed, cached)
+            sync = prefix_sync(committed, cached)
             request = draft_pb2.ProposeRequest(
-                session_id=self.session_id, round_id=round_id, base_len=base, prefix_hash=base_hash,
-                tail_token_ids=tail, num_tokens=k, warp=warp_to_proto(warp), seed=seed, lookahead=self._pipelined,
-                vocab_limit=self._draft.vocab_limit,
+                session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k, warp=warp_to_proto(warp),
+                seed=seed, lookahead=self._pipelined, vocab_limit=self._draft.vocab_limit,
             )  # fmt: skip
             sent = time.monotonic()
             await self._send(request)
@@ -203,7 +204,8 @@ class WorkerSession:
                 if len(reply.draft.token_ids) != k:
                     raise WorkerCallFailed(f"asked for {k} tokens, got {len(reply.draft.token_ids)}")
                 self._lookahead_round = round_id if self._pipelined else None
-                return Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, len(tail) + k - 1)
+                computed = len(sync.tail_token_ids) + k - 1
+                return Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed)
             self._resynced("draft")
             cached = 0
         raise WorkerCallFailed("cache resync did not take")
@@ -279,17 +281,16 @@ class WorkerSession:
         timeout_s: float,
     ) -> tuple[target_pb2.VerifyResponse, int]:
         for _ in range(2):
-            base, base_hash, tail = _sync_fields(committed, cached)
+            sync = prefix_sync(committed, cached)
             request = target_pb2.VerifyRequest(
-                session_id=self.session_id, base_len=base, prefix_hash=base_hash, tail_token_ids=tail,
-                draft=block, warp=warp_to_proto(warp), seed=seed,
-            )  # fmt: skip
+                session_id=self.session_id, sync=sync, draft=block, warp=warp_to_proto(warp), seed=seed
+            )
             reply = await replica.verify(request, timeout_s)
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 self.counters.target_passes += 1
                 if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1:
                     raise WorkerFailed("the target worker returned a malformed verdict")
-                return reply, base
+                return reply, sync.base_len
             self._resynced("target")
             cached = 0
         raise WorkerFailed("the target worker could not rebuild the session cache")

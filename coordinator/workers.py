@@ -14,9 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
-from specdec.errors import WorkerFailed, WorkerTimedOut, WorkerUnavailable
-from specdec.security import ClientSecurity
-from specdec.server import channel_options
+from specdec.serving.errors import WorkerFailed, WorkerTimedOut, WorkerUnavailable
+from specdec.serving.security import ClientSecurity
+from specdec.serving.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = structlog.get_logger(__name__)

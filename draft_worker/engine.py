@@ -3,7 +3,7 @@
 ``propose_job`` drafts K tokens after a committed prefix. ``lookahead_job`` (pipelining) drafts
 the block after one it already proposed, assuming that block is fully accepted and followed by
 the draft's own guess of the target's next token. Each draft token is sampled with the generator
-of its absolute position (specdec.sampling.position_generator), so a lookahead block that is used
+of its absolute position (specdec.runtime.sampling.position_generator), so a lookahead block that is used
 is exactly the block a fresh request at that prefix would have produced.
 """
 
@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kvcache import ResyncRequired, SessionCache, SessionCaches
-from specdec.modeling import LoadedModel
-from specdec.sampling import DraftSample, Warp, position_generator, sample_draft_token
-from specdec.scheduler import ComputeMeter, Extend, Job
-from specdec.tokens import prefix_hash
+from specdec.runtime.kvcache import ResyncRequired, SessionCache, SessionCaches
+from specdec.runtime.modeling import LoadedModel
+from specdec.runtime.sampling import DraftSample, Warp, position_generator, sample_draft_token
+from specdec.runtime.scheduler import ComputeMeter, Extend, Job
+from specdec.runtime.tokens import prefix_hash
+from specdec.v1 import common_pb2
 
 
 @dataclass(frozen=True)
@@ -97,19 +98,17 @@ def propose_job(
     caches: SessionCaches,
     loaded: LoadedModel,
     session_id: str,
-    base_len: int,
-    base_hash: int,
-    tail: Sequence[int],
+    sync: common_pb2.PrefixSync,
     params: DraftParams,
 ) -> Job[Block | None]:
-    """K draft tokens after the committed tokens ``[..base_len] + tail``; None = resync required."""
+    """K draft tokens after the committed prefix ``sync`` describes; None = resync required."""
     meter = ComputeMeter()
     try:
-        entry = caches.sync(session_id, base_len, base_hash)
+        entry = caches.sync(session_id, sync.base_len, sync.prefix_hash)
     except ResyncRequired:
         return None
-    logits = (yield Extend(entry, list(tail), 1, meter))[-1]
-    start = base_len + len(tail)
+    logits = (yield Extend(entry, list(sync.tail_token_ids), 1, meter))[-1]
+    start = sync.base_len + len(sync.tail_token_ids)
     samples = yield from _draft_block(entry, logits, params, start, loaded.device, meter)
     return _finish(entry, samples, start, (), meter)
 

@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry
 
 from draft_worker.servicer import DraftServicer
 from draft_worker.settings import DraftSettings
-from specdec.logging import configure_logging
-from specdec.server import ServerControl, ServiceSpec, serve
-from specdec.settings import load_settings
+from specdec.serving.logging import configure_logging
+from specdec.serving.server import ServerControl, ServiceSpec, serve
+from specdec.serving.settings import load_settings
+from specdec.serving.worker import WorkerCore
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.worker import WorkerCore
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 

@@ -11,10 +11,10 @@ import structlog
 
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
 from draft_worker.settings import DraftSettings
-from specdec.errors import InvalidRequest
-from specdec.proposals import encode_block
+from specdec.runtime.proposals import encode_block, warp_from_proto
+from specdec.serving.errors import InvalidRequest
+from specdec.serving.worker import WorkerCore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.worker import WorkerCore, warp_from_proto
 
 _END = object()
 
@@ -87,19 +87,16 @@ class _ProposeStream:
         if not 0 < k <= self._settings.max_draft_tokens:
             raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
         core = self._core
-        core.check_request(request.session_id, request.base_len, request.tail_token_ids, k - 1)
+        core.check_request(request.session_id, request.sync, k - 1)
         params = DraftParams(
             k, warp_from_proto(request.warp), request.seed, self._settings.proposal_top_n, request.vocab_limit
         )
         self._params = params
-        tail = list(request.tail_token_ids)
+        sync = request.sync
         block = await core.run(
-            self._session,
-            lambda: propose_job(
-                core.caches, core.loaded, self._session, request.base_len, request.prefix_hash, tail, params
-            ),
+            self._session, lambda: propose_job(core.caches, core.loaded, self._session, sync, params)
         )
-        self._count(block, len(tail) + k - 1)
+        self._count(block, len(sync.tail_token_ids) + k - 1)
         self._last = block
         return block
 

@@ -27,9 +27,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from specdec.kvcache import SessionCaches
-from specdec.logging import configure_logging
-from specdec.modeling import LoadOptions, load_model
+from specdec.runtime.kvcache import SessionCaches
+from specdec.runtime.modeling import LoadOptions, load_model
+from specdec.serving.logging import configure_logging
 
 
 def _serve(conn: Connection, model_id: str, quantize: str, tokens: int, context: int) -> None:

@@ -6,5 +6,5 @@ scripts/install.sh dev
 scripts/install_deploy_tools.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m specdec.protogen --check
+.venv/bin/python -m specdec.tools.protogen --check
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

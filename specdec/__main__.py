@@ -1,5 +1,5 @@
 import sys
 
-from specdec.cli import main
+from specdec.tools.cli import main
 
 sys.exit(main())

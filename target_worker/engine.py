@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specdec.kvcache import ResyncRequired, SessionCaches
-from specdec.modeling import LoadedModel
-from specdec.proposals import decode_block
-from specdec.sampling import Warp, position_generator, rejection_sample
-from specdec.scheduler import ComputeMeter, Extend, Job
+from specdec.runtime.kvcache import ResyncRequired, SessionCaches
+from specdec.runtime.modeling import LoadedModel
+from specdec.runtime.proposals import decode_block
+from specdec.runtime.sampling import Warp, position_generator, rejection_sample
+from specdec.runtime.scheduler import ComputeMeter, Extend, Job
 from specdec.v1 import common_pb2
 
 
@@ -31,18 +30,17 @@ def verify_job(
     caches: SessionCaches,
     loaded: LoadedModel,
     session_id: str,
-    base_len: int,
-    base_hash: int,
-    tail: Sequence[int],
+    sync: common_pb2.PrefixSync,
     block: common_pb2.DraftBlock,
     warp: Warp,
     seed: int,
 ) -> Job[VerifyResult]:
-    """Verifies ``block`` after the committed tokens ``[..base_len] + tail`` (one Extend step)."""
+    """Verifies ``block`` after the committed prefix ``sync`` describes (one Extend step)."""
     meter = ComputeMeter()
     drafts, q = decode_block(block, loaded.vocab_size, loaded.device)
+    base_len, tail = sync.base_len, list(sync.tail_token_ids)
     try:
-        entry = caches.sync(session_id, base_len, base_hash)
+        entry = caches.sync(session_id, base_len, sync.prefix_hash)
     except ResyncRequired:
         return VerifyResult(resync=True)
     k = len(drafts)

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import grpc
 from prometheus_client import CollectorRegistry
 
-from specdec.logging import configure_logging
-from specdec.server import ServerControl, ServiceSpec, serve
-from specdec.settings import load_settings
+from specdec.serving.logging import configure_logging
+from specdec.serving.server import ServerControl, ServiceSpec, serve
+from specdec.serving.settings import load_settings
+from specdec.serving.worker import WorkerCore
 from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.worker import WorkerCore
 from target_worker.servicer import TargetServicer
 from target_worker.settings import TargetSettings
 

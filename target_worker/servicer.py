@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from specdec.errors import InvalidRequest
+from specdec.runtime.proposals import warp_from_proto
+from specdec.serving.errors import InvalidRequest
+from specdec.serving.worker import WorkerCore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.worker import WorkerCore, warp_from_proto
 from target_worker.engine import verify_job
 from target_worker.settings import TargetSettings
 
@@ -29,16 +30,14 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             raise InvalidRequest(
                 f"draft block of {k} tokens exceeds max_draft_tokens={self._settings.max_draft_tokens}"
             )
-        self._core.check_request(request.session_id, request.base_len, request.tail_token_ids, k)
-        warp = warp_from_proto(request.warp)
-        core, tail = self._core, list(request.tail_token_ids)
+        self._core.check_request(request.session_id, request.sync, k)
+        warp, core = warp_from_proto(request.warp), self._core
         result = await core.run(
             request.session_id,
             lambda: verify_job(
-                core.caches, core.loaded, request.session_id, request.base_len, request.prefix_hash,
-                tail, request.draft, warp, request.seed,
+                core.caches, core.loaded, request.session_id, request.sync, request.draft, warp, request.seed
             ),
-        )  # fmt: skip
+        )
         if result.resync:
             core.metrics.resyncs.inc()
             return target_pb2.VerifyResponse(cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED)

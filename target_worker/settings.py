@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from specdec.settings import ModelWorkerSettings
+from specdec.serving.settings import ModelWorkerSettings
 
 
 class TargetSettings(ModelWorkerSettings):

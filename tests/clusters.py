@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from specdec.launch import LocalCluster
+from specdec.tools.launch import LocalCluster
 
 FAULT_COORDINATOR_ARGS = [
     "--max-speculative-tokens", "8", "--draft-timeout-s", "1", "--draft-retry-s", "1", "--target-retry-s", "1",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from specdec.errors import StateConflict
+from specdec.serving.errors import StateConflict
 from specdec.state import Commit, CommitOutcome, open_store
 
 

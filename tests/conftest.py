@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.launch import LocalCluster
+from specdec.tools.launch import LocalCluster
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
 from tests.tiny_models import TinyModels, build_tiny_models

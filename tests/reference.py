@@ -10,8 +10,8 @@ import grpc
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from specdec.launch import LocalCluster
 from specdec.state import SessionRecord, open_store
+from specdec.tools.launch import LocalCluster
 from specdec.v1 import (
     common_pb2,
     coordinator_pb2,

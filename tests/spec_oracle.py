@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from specdec.sampling import Verdict, Warp, proposal_matrix, rejection_sample, sample_draft_token, warped_probs
+from specdec.runtime.sampling import Verdict, Warp, proposal_matrix, rejection_sample, sample_draft_token, warped_probs
 
 LogitFn = Callable[[tuple[int, ...]], torch.Tensor]
 Sampler = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Warp, torch.Generator | None], Verdict]

@@ -21,8 +21,8 @@ import yaml
 
 from coordinator.settings import CoordinatorSettings
 from draft_worker.settings import DraftSettings
-from specdec.server import LIVENESS, READINESS, STARTUP
-from specdec.settings import ServiceSettings
+from specdec.serving.server import LIVENESS, READINESS, STARTUP
+from specdec.serving.settings import ServiceSettings
 from target_worker.settings import TargetSettings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,6 +22,6 @@ def test_readme_documents_every_setting(settings_cls: type[BaseSettings]) -> Non
 
 
 def test_generated_stubs_match_the_protos() -> None:
-    from specdec.protogen import stale_files
+    from specdec.tools.protogen import stale_files
 
     assert stale_files() == []

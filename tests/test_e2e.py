@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.launch import LaunchError, LocalCluster
+from specdec.tools.launch import LaunchError, LocalCluster
 from specdec.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -283,7 +283,7 @@ def test_sampled_tokens_follow_the_target_distribution(
     """Through the whole service: the first two sampled tokens match the exact warped target distribution."""
     from scipy import stats as scipy_stats
 
-    from specdec.sampling import Warp, warped_probs
+    from specdec.runtime.sampling import Warp, warped_probs
 
     warp, prompt, n = Warp(temperature=1.0, top_k=4), PROMPTS[0], 1500
     model = AutoModelForCausalLM.from_pretrained(tiny_models.target, dtype=torch.float32).eval()

@@ -22,14 +22,14 @@ import torch
 from scipy import stats
 
 import target_worker.engine as target_engine
-from coordinator.worker_session import _sync_fields
+from coordinator.worker_session import prefix_sync
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
-from specdec.kvcache import SessionCaches
-from specdec.modeling import LoadedModel, LoadOptions, load_model
-from specdec.proposals import encode_block
-from specdec.sampling import Verdict, Warp, warped_probs
-from specdec.scheduler import Job
-from specdec.tokens import common_prefix_len
+from specdec.runtime.kvcache import SessionCaches
+from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.proposals import encode_block
+from specdec.runtime.sampling import Verdict, Warp, warped_probs
+from specdec.runtime.scheduler import Job
+from specdec.runtime.tokens import common_prefix_len
 from specdec.v1 import common_pb2
 from tests.tiny_models import TinyModels
 
@@ -83,9 +83,9 @@ class Speculation:
                                 self.draft_caches)  # fmt: skip
             wire = common_pb2.DraftBlock() if block is None else on_the_wire(block)
             wire = _first(wire, k)
-            base, base_hash, tail = _sync_fields(committed, target_len)
+            sync = prefix_sync(committed, target_len)
             result = run_job(
-                target_engine.verify_job(self.target_caches, self.target, "s", base, base_hash, tail, wire, WARP, seed),
+                target_engine.verify_job(self.target_caches, self.target, "s", sync, wire, WARP, seed),
                 self.target_caches,
             )
             tokens = list(result.token_ids)[: max_new - generated]
@@ -105,9 +105,8 @@ class Speculation:
         if ahead is not None and ahead.samples and list(ahead.assumed) == committed[ahead.start - len(ahead.assumed) :]:
             self.ahead_used += 1
             return ahead  # the previous block was fully taken and the guessed token was right
-        base, base_hash, tail = _sync_fields(committed, draft_len)
         block = run_job(
-            propose_job(self.draft_caches, self.draft, "s", base, base_hash, tail, self._params(k, seed)),
+            propose_job(self.draft_caches, self.draft, "s", prefix_sync(committed, draft_len), self._params(k, seed)),
             self.draft_caches,
         )
         assert block is not None

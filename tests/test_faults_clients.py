@@ -17,7 +17,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.launch import LocalCluster
+from specdec.tools.launch import LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer

@@ -184,7 +184,7 @@ def test_two_coordinators_race_on_one_session(
     the history before it."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from specdec.launch import spawn
+    from specdec.tools.launch import spawn
 
     with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url) as cluster:
         first = cluster.processes["coordinator"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specdec.server import INTERNAL_MESSAGE
+from specdec.serving.server import INTERNAL_MESSAGE
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer

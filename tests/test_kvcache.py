@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.kvcache import ResyncRequired, SessionCaches
-from specdec.modeling import LoadedModel, LoadOptions, load_model
-from specdec.tokens import prefix_hash
+from specdec.runtime.kvcache import ResyncRequired, SessionCaches
+from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.tokens import prefix_hash
 from tests.tiny_models import TinyModels
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from specdec.modeling import LoadOptions, PackedLinear, load_model, packed_linear_available, use_packed_linear
+from specdec.runtime.modeling import LoadOptions, PackedLinear, load_model, packed_linear_available, use_packed_linear
 from tests.tiny_models import TinyModels, build_tokenizer
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")

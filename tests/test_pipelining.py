@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specdec.launch import LocalCluster
+from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric
 from tests.reference import make_request, reference_greedy, worker_info

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.errors import InvalidRequest
-from specdec.proposals import decode_block, encode_block
-from specdec.sampling import DraftSample, Warp, proposal_matrix, sample_draft_token
+from specdec.runtime.proposals import decode_block, encode_block
+from specdec.runtime.sampling import DraftSample, Warp, proposal_matrix, sample_draft_token
+from specdec.serving.errors import InvalidRequest
 from specdec.v1 import common_pb2
 
 V = 10

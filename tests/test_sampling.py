@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specdec.sampling import (
+from specdec.runtime.sampling import (
     DraftSample,
     Verdict,
     Warp,
@@ -244,7 +244,7 @@ def test_temperatures_below_the_epsilon_are_greedy() -> None:
 
 
 def test_non_finite_logits_are_an_error_of_the_request() -> None:
-    from specdec.errors import NumericalError
+    from specdec.serving.errors import NumericalError
 
     for bad in (math.nan, math.inf):
         logits = torch.tensor([[0.0, bad, 1.0], [0.0, 0.0, 0.0]])

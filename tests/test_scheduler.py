@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from specdec.scheduler import ComputeMeter, Extend, HostLock, Job, StepScheduler
+from specdec.runtime.scheduler import ComputeMeter, Extend, HostLock, Job, StepScheduler
 
 _PROBE = """
 import fcntl, os, sys

@@ -17,10 +17,10 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.errors import PermissionDenied, StateUnavailable, Unauthenticated
-from specdec.launch import LaunchError, LocalCluster, spawn
-from specdec.security import Authenticator, load_tokens, scoped_session_id
+from specdec.serving.errors import PermissionDenied, StateUnavailable, Unauthenticated
+from specdec.serving.security import Authenticator, load_tokens, scoped_session_id
 from specdec.state import Commit, open_store
+from specdec.tools.launch import LaunchError, LocalCluster, spawn
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.helpers import RedisServer, free_port
 from tests.reference import make_request, reference_greedy

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.settings import CoordinatorSettings
-from specdec.settings import load_settings
+from specdec.serving.settings import load_settings
 from target_worker.settings import TargetSettings
 
 

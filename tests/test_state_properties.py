@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from specdec.errors import StateConflict
+from specdec.serving.errors import StateConflict
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store
 from tests.helpers import RedisServer
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.errors import SessionBusy, SessionNotFound, StateConflict, StateLost
+from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict, StateLost
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store
 from tests.helpers import RedisServer
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from coordinator.validation import Limits, parse_request
-from specdec.errors import InvalidRequest, RequestTooLarge
+from specdec.serving.errors import InvalidRequest, RequestTooLarge
 from specdec.v1 import common_pb2, coordinator_pb2
 
 LIMITS = Limits(

@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import time
 
-from specdec.errors import SessionBusy, SessionNotFound, StateConflict
+from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict
 from specdec.state.base import (
     RECENT_STEPS,
     TOMBSTONE_EXTRA_MS,

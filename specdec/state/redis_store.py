@@ -14,7 +14,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from specdec.errors import SessionBusy, SessionNotFound, StateConflict, StateLost, StateUnavailable
+from specdec.runtime.tokens import pack_tokens, unpack_tokens
+from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict, StateLost, StateUnavailable
 from specdec.state.base import (
     RECENT_STEPS,
     TOMBSTONE_EXTRA_MS,
@@ -25,7 +26,6 @@ from specdec.state.base import (
     SessionRecord,
     StateStore,
 )
-from specdec.tokens import pack_tokens, unpack_tokens
 
 T = TypeVar("T")
 log = structlog.get_logger(__name__)

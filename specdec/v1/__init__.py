@@ -1,1 +1,1 @@
-"""Generated gRPC stubs (python -m specdec.protogen)."""
+"""Generated gRPC stubs (python -m specdec.tools.protogen)."""

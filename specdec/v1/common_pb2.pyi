@@ -79,6 +79,16 @@ class DraftBlock(_message.Message):
     proposals: _containers.RepeatedCompositeFieldContainer[TokenProposal]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ProposalKind, str]] = ..., proposals: _Optional[_Iterable[_Union[TokenProposal, _Mapping]]] = ...) -> None: ...
 
+class PrefixSync(_message.Message):
+    __slots__ = ("base_len", "prefix_hash", "tail_token_ids")
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
+    TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    base_len: int
+    prefix_hash: int
+    tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
     __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]

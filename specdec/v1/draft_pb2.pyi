@@ -18,30 +18,26 @@ class DraftInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "round_id", "base_len", "prefix_hash", "tail_token_ids", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead", "vocab_limit")
+    __slots__ = ("session_id", "round_id", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead", "vocab_limit", "sync")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
-    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
-    TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WARP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     ADOPT_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     VOCAB_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round_id: int
-    base_len: int
-    prefix_hash: int
-    tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     warp: _common_pb2.WarpParams
     seed: int
     lookahead: bool
     adopt_lookahead: bool
     vocab_limit: int
-    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ..., vocab_limit: _Optional[int] = ...) -> None: ...
+    sync: _common_pb2.PrefixSync
+    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ..., vocab_limit: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms", "lookahead", "base_len", "assumed_token_ids")

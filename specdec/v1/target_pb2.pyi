@@ -18,22 +18,18 @@ class TargetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "base_len", "prefix_hash", "tail_token_ids", "draft", "warp", "seed")
+    __slots__ = ("session_id", "draft", "warp", "seed", "sync")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
-    TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     WARP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    base_len: int
-    prefix_hash: int
-    tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft: _common_pb2.DraftBlock
     warp: _common_pb2.WarpParams
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    sync: _common_pb2.PrefixSync
+    def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("cache_status", "num_accepted", "token_ids", "cache_len", "computed_tokens", "compute_ms")

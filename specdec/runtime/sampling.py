@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.errors import NumericalError
+from specdec.serving.errors import NumericalError
 
 Tensor = torch.Tensor
 

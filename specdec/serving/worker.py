@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable
-from specdec.kvcache import SessionCaches
-from specdec.metrics import WorkerMetrics
-from specdec.modeling import LoadedModel, LoadOptions, load_model
-from specdec.sampling import Warp
-from specdec.scheduler import HostLock, Job, ModelFault, StepScheduler
-from specdec.server import ServerControl
-from specdec.session_ids import INTERNAL_SESSION_ID_MAX, check_session_id
-from specdec.settings import ModelWorkerSettings
+from specdec.runtime.kvcache import SessionCaches
+from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
+from specdec.serving.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable
+from specdec.serving.metrics import WorkerMetrics
+from specdec.serving.server import ServerControl
+from specdec.serving.session_ids import INTERNAL_SESSION_ID_MAX, check_session_id
+from specdec.serving.settings import ModelWorkerSettings
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
@@ -117,9 +116,10 @@ class WorkerCore:
             batched_requests=self.scheduler.batched_requests,
         )
 
-    def check_request(self, session_id: str, base_len: int, tail: Sequence[int], extra_positions: int) -> None:
+    def check_request(self, session_id: str, sync: common_pb2.PrefixSync, extra_positions: int) -> None:
         """Rejects a sync request that no correct coordinator sends."""
         check_session_id(session_id, INTERNAL_SESSION_ID_MAX)
+        base_len, tail = sync.base_len, sync.tail_token_ids
         if not tail:
             raise InvalidRequest("tail_token_ids must hold at least the last committed token")
         vocab = self.loaded.vocab_size
@@ -135,15 +135,3 @@ class WorkerCore:
 
     def close(self) -> None:
         self.scheduler.stop()
-
-
-def warp_from_proto(warp: common_pb2.WarpParams) -> Warp:
-    """WarpParams -> Warp; unset top_p (0) means off."""
-    try:
-        return Warp(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p or 1.0)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from exc
-
-
-def warp_to_proto(warp: Warp) -> common_pb2.WarpParams:
-    return common_pb2.WarpParams(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p)

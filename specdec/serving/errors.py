@@ -1,4 +1,4 @@
-"""Domain errors. One server interceptor maps them to gRPC status codes (specdec.server)."""
+"""Domain errors. One server interceptor maps them to gRPC status codes (specdec.serving.server)."""
 
 from __future__ import annotations
 

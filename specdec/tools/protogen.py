@@ -1,6 +1,6 @@
 """Regenerates the gRPC stubs in ``specdec/v1`` from ``protos/``.
 
-Run from a source checkout: ``python -m specdec.protogen`` (or ``--check`` to verify that the
+Run from a source checkout: ``python -m specdec.tools.protogen`` (or ``--check`` to verify that the
 committed stubs match the protos).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from grpc_tools import protoc
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = REPO_ROOT / "protos"
 STUB_DIR = Path("specdec") / "v1"
 
@@ -38,7 +38,7 @@ def generate(out_root: Path) -> list[Path]:
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed; see its messages above")
     generated = out_root / STUB_DIR
-    (generated / "__init__.py").write_text('"""Generated gRPC stubs (python -m specdec.protogen)."""\n')
+    (generated / "__init__.py").write_text('"""Generated gRPC stubs (python -m specdec.tools.protogen)."""\n')
     return sorted(generated.iterdir())
 
 
@@ -60,7 +60,7 @@ def main() -> int:
     if parser.parse_args().check:
         stale = stale_files()
         if stale:
-            sys.stderr.write(f"stale stubs: {', '.join(stale)}; run python -m specdec.protogen\n")
+            sys.stderr.write(f"stale stubs: {', '.join(stale)}; run python -m specdec.tools.protogen\n")
             return 1
         return 0
     generate(REPO_ROOT)

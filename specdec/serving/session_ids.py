@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from specdec.errors import InvalidRequest
+from specdec.serving.errors import InvalidRequest
 
 SESSION_ID_MAX = 128  # characters a client's session id may have
 INTERNAL_SESSION_ID_MAX = 192  # room for the caller namespace prefix the coordinator adds

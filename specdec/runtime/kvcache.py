@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from specdec.modeling import LoadedModel
-from specdec.tokens import prefix_hash
+from specdec.runtime.modeling import LoadedModel
+from specdec.runtime.tokens import prefix_hash
 
 
 class ResyncRequired(Exception):

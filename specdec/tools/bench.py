@@ -65,7 +65,7 @@ def hf_runs(cfg: BenchConfig, tick: Callable[[str], None]) -> list[Run]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.modeling import quantize_int8, use_packed_linear
+    from specdec.runtime.modeling import quantize_int8, use_packed_linear
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
@@ -119,7 +119,7 @@ def _stats(reply: Any) -> dict[str, float]:
 @contextmanager
 def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
     """Target + draft workers and two coordinators (sequential, pipelined); yields their addresses."""
-    from specdec.launch import LocalCluster, spawn
+    from specdec.tools.launch import LocalCluster, spawn
 
     k = str(max(cfg.k, 1))
     common = ["--max-speculative-tokens", k, "--num-speculative-tokens", k, "--default-max-new-tokens", "1024"]

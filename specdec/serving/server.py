@@ -17,10 +17,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specdec.errors import NotServing, SpecdecError
-from specdec.metrics import start_metrics
-from specdec.security import Authenticator, ServerTls, caller_identity, load_tokens
-from specdec.settings import ServiceSettings
+from specdec.serving.errors import NotServing, SpecdecError
+from specdec.serving.metrics import start_metrics
+from specdec.serving.security import Authenticator, ServerTls, caller_identity, load_tokens
+from specdec.serving.settings import ServiceSettings
 
 log = structlog.get_logger(__name__)
 

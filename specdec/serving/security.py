@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from specdec.errors import PermissionDenied, Unauthenticated
+from specdec.serving.errors import PermissionDenied, Unauthenticated
 
 # The authenticated caller of the RPC being handled ("" when authentication is off).
 caller_identity: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_caller_identity", default="")

@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 import torch
 
-from specdec.kvcache import SessionCache, SessionCaches
+from specdec.runtime.kvcache import SessionCache, SessionCaches
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")

@@ -1,4 +1,5 @@
-"""Wire encoding of draft blocks: the draft worker encodes, the target worker decodes."""
+"""Wire encoding shared by the coordinator and the workers: draft blocks (the draft worker encodes,
+the target worker decodes) and warp parameters."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import math
 
 import torch
 
-from specdec.errors import InvalidRequest
-from specdec.sampling import DraftSample
+from specdec.runtime.sampling import DraftSample, Warp
+from specdec.serving.errors import InvalidRequest
 from specdec.v1 import common_pb2
 
 _SUM_TOLERANCE = 1e-3
@@ -77,3 +78,15 @@ def _decode_row(proposal: common_pb2.TokenProposal, kind: int, vocab_size: int) 
     ):
         raise InvalidRequest("proposal probabilities must be finite, non-negative and sum to 1")
     return row / total
+
+
+def warp_from_proto(warp: common_pb2.WarpParams) -> Warp:
+    """WarpParams -> Warp; unset top_p (0) means off."""
+    try:
+        return Warp(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p or 1.0)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
+def warp_to_proto(warp: Warp) -> common_pb2.WarpParams:
+    return common_pb2.WarpParams(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p)

@@ -1,0 +1,1 @@
+"""gRPC serving plumbing: server lifecycle, security, settings, logging, metrics, domain errors."""

@@ -1,0 +1,1 @@
+"""Command-line tools: the specdec command, local launcher, benchmark, model fetch, stub generation."""
