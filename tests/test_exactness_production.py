@@ -161,10 +161,13 @@ def models(tiny_models: TinyModels) -> Iterator[dict[str, LoadedModel]]:
     yield {name: load_model(str(getattr(tiny_models, name)), options) for name in ("target", "noisy", "other")}
 
 
+# A block drafted ahead decides tested tokens only when the first round commits fewer than
+# LENGTH tokens even if fully taken: K = 1 (two tokens) is the pipelined case that matters here.
 CASES = [
-    pytest.param(1, 0, False, "other", id="K1-dense-sequential-unrelated-draft"),
-    pytest.param(4, 3, True, "noisy", id="K4-sparse-pipelined"),
-    pytest.param(8, 64, False, "noisy", id="K8-sparse-sequential"),
+    pytest.param(1, 0, False, "other", 1500, id="K1-dense-sequential-unrelated-draft"),
+    pytest.param(1, 3, True, "noisy", 1500, id="K1-sparse-pipelined"),
+    pytest.param(4, 64, False, "noisy", 1500, id="K4-sparse-sequential"),
+    pytest.param(8, 0, True, "noisy", 1000, id="K8-dense-pipelined"),
 ]
 
 
@@ -172,19 +175,20 @@ def sample_counts(speculation: Speculation, n: int) -> collections.Counter[tuple
     """The first LENGTH tokens of ``n`` requests (seed = request number), each started with a
     full first block of K drafts."""
     return collections.Counter(
-        tuple(speculation.generate(seed, max_new=max(speculation.k + 1, LENGTH), stop_after=LENGTH)[:LENGTH])
+        tuple(speculation.generate(seed, max_new=max(speculation.k + 1, LENGTH + 1), stop_after=LENGTH)[:LENGTH])
         for seed in range(n)
     )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("k", "top_n", "pipelined", "draft"), CASES)
+@pytest.mark.parametrize(("k", "top_n", "pipelined", "draft", "n"), CASES)
 def test_production_path_follows_the_target_distribution(
-    models: dict[str, LoadedModel], k: int, top_n: int, pipelined: bool, draft: str
+    models: dict[str, LoadedModel], k: int, top_n: int, pipelined: bool, draft: str, n: int
 ) -> None:
     speculation = Speculation(models["target"], models[draft], k, top_n, pipelined)
-    samples = sample_counts(speculation, 1500)
-    assert (speculation.ahead_used > 100) == pipelined
+    samples = sample_counts(speculation, n)
+    if pipelined and k == 1:
+        assert speculation.ahead_used > 100  # blocks drafted ahead decided many of the tested tokens
     assert chi_square_pvalue(samples, exact_distribution(models["target"])) > 1e-3
 
 
