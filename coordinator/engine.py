@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -11,13 +12,14 @@ import structlog
 from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import Turn, TurnDeps
-from coordinator.validation import Limits, TurnRequest
+from coordinator.validation import FEATURES, Limits, TurnRequest
 from coordinator.workers import DraftClient, TargetPool
 from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.sampling import GREEDY_TEMPERATURE
 from specdec.serving.errors import NotServing, Overloaded
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import StateStore, open_store
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +53,37 @@ def choose_pipelined(mode: str, target: common_pb2.WorkerInfo, draft: common_pb2
     return not shared_cpu
 
 
+def server_info(
+    settings: CoordinatorSettings,
+    limits: Limits,
+    target: common_pb2.WorkerInfo,
+    draft: common_pb2.WorkerInfo | None,
+    pipelined: bool,
+) -> coordinator_pb2.GetInfoResponse:
+    """What GetInfo answers (fixed once start-up has met the workers)."""
+    return coordinator_pb2.GetInfoResponse(
+        server_version=importlib.metadata.version("specdec"),
+        target_model_id=target.model_id,
+        draft_model_id=draft.model_id if draft else "",
+        draft_methods=["model"] if draft else [],
+        max_context_len=limits.max_context_len,
+        draft_max_context_len=limits.draft_context_len,
+        vocab_size=limits.vocab_size,
+        eos_token_ids=sorted(limits.eos_token_ids),
+        max_speculative_tokens=limits.max_k,
+        default_speculative_tokens=limits.default_k,
+        max_new_tokens=limits.max_context_len - 1,
+        default_max_new_tokens=limits.default_max_new_tokens,
+        max_message_bytes=settings.max_message_bytes,
+        max_concurrent_requests=settings.max_concurrent_requests,
+        max_prompt_chars=limits.max_prompt_chars,
+        speculation_mode="pipelined" if pipelined else "sequential",
+        adaptive_k=settings.adaptive_k,
+        features=list(FEATURES),
+        greedy_temperature=GREEDY_TEMPERATURE,
+    )
+
+
 class Engine:
     """Owns connections and limits; creates one Turn per request."""
 
@@ -70,6 +103,7 @@ class Engine:
             tls_ca_file=s.state_tls_ca_file,
         )
         self._deps: TurnDeps | None = None
+        self._info: coordinator_pb2.GetInfoResponse | None = None
         self._active = 0
 
     async def start(self) -> None:
@@ -107,6 +141,7 @@ class Engine:
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
             StepCosts(), pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
         )  # fmt: skip
+        self._info = server_info(s, limits, target_info, draft_info, pipelined)
         log.info(
             "coordinator_ready",
             target=target_info.model_id,
@@ -124,6 +159,12 @@ class Engine:
     @property
     def limits(self) -> Limits:
         return self.deps.limits
+
+    @property
+    def info(self) -> coordinator_pb2.GetInfoResponse:
+        if self._info is None:
+            raise NotServing("the coordinator is starting up; retry when health reports SERVING")
+        return self._info
 
     @asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:

@@ -103,3 +103,8 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
         check_session_id(request.session_id)
         session_id = scoped_session_id(caller_identity.get(), request.session_id)
         return coordinator_pb2.CloseSessionResponse(existed=await self._engine.close_session(session_id))
+
+    async def GetInfo(
+        self, request: coordinator_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.GetInfoResponse:
+        return self._engine.info

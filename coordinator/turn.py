@@ -227,7 +227,14 @@ class Turn:
         text = self._detok.push(tokens)
         if finish is not None:
             text += self._detok.flush()
+            self.deps.metrics.finished_requests.labels(self._finish_reason(finish, tokens)).inc()
         return RoundOutput(token_ids=tokens, text=text, finish=finish)
+
+    def _finish_reason(self, finish: Finish, tokens: list[int]) -> str:
+        """The metric label of why the reply ended: ``eos``, ``stop_token`` or ``length``."""
+        if finish is Finish.LENGTH:
+            return "length"
+        return "eos" if tokens[-1] in self.deps.limits.eos_token_ids else "stop_token"
 
     def _cut(self, tokens: list[int]) -> tuple[list[int], Finish | None]:
         """Cuts a round's tokens at the first stop token or at max_new_tokens."""

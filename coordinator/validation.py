@@ -12,6 +12,24 @@ from specdec.serving.errors import InvalidRequest, RequestTooLarge
 from specdec.serving.session_ids import check_session_id
 from specdec.v1 import common_pb2, coordinator_pb2
 
+# The GenerateRequest fields parse_request honours (GetInfo lists them as the server's features).
+FEATURES = (
+    "session_id",
+    "prompt",
+    "prompt_token_ids",
+    "sampling.max_new_tokens",
+    "sampling.temperature",
+    "sampling.top_k",
+    "sampling.top_p",
+    "sampling.seed",
+    "sampling.stop_token_ids",
+    "sampling.ignore_eos",
+    "speculation.num_speculative_tokens",
+    "speculation.disable",
+    "speculation.fixed",
+    "require_existing_session",
+)
+
 
 @dataclass(frozen=True)
 class Limits:

@@ -102,3 +102,14 @@ def test_cpu_split_profile_prints_every_pass_and_ratio(tiny_models: TinyModels) 
     assert separate == pytest.approx(max(4 * draft[0], target[0]), abs=0.3)
     ratios = [float(r) for r in re.findall(r"-> ([\d.]+)x", done.stdout)]
     assert ratios == pytest.approx([sequential / x for x in (overlapped, oversubscribed, separate)], rel=0.1)
+
+
+def test_generate_info_prints_the_servers_description(tiny_models: TinyModels) -> None:
+    import json
+
+    result = run("generate", "--model", str(tiny_models.target), "--info", "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-2000:]
+    info = json.loads(result.stdout)
+    assert info["targetModelId"] == str(tiny_models.target) and info["draftModelId"] == ""
+    assert info["draftMethods"] == [] and info["maxContextLen"] == 256 and "sampling.top_p" in info["features"]
+    assert run("generate", "--model", str(tiny_models.target)).returncode == 2  # neither --prompt nor --info

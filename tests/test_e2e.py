@@ -22,6 +22,7 @@ from specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
+from tests.clusters import metric
 from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_model
 
@@ -145,7 +146,9 @@ def test_max_new_tokens_and_stop_tokens_are_exact(
     assert reply.finish_reason == coordinator_pb2.FINISH_REASON_STOP
 
 
-def test_eos_ends_a_reply_unless_ignored(other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
+def test_eos_ends_a_reply_unless_ignored(
+    cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
     """A prompt whose greedy continuation meets EOS: the reply stops on it; with ignore_eos it goes
     on, equal to a plain greedy loop over the target (and to the generate() reference)."""
     model = AutoModelForCausalLM.from_pretrained(tiny_models.target).eval()
@@ -160,12 +163,20 @@ def test_eos_ends_a_reply_unless_ignored(other: coordinator_pb2_grpc.GenerationS
 
     prompt = next([p] for p in range(256) if eos in greedy([p], 20)[:-1])
     expected = greedy(prompt, 20)
+
+    def finished() -> dict[str, float]:
+        name = "specdec_finished_requests_total"
+        return {r: metric(cluster_other, "coordinator", name, f'reason="{r}"') for r in ("eos", "length")}
+
+    before = finished()
     stopped = other.Generate(request(prompt, k=3, max_new=20))
     assert list(stopped.token_ids) == expected[: expected.index(eos) + 1]
     assert stopped.finish_reason == coordinator_pb2.FINISH_REASON_STOP
     ignored = other.Generate(request(prompt, k=3, max_new=20, ignore_eos=True))
     assert list(ignored.token_ids) == expected == reference_greedy(str(tiny_models.target), tuple(prompt), 20, True)
     assert ignored.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+    after = finished()
+    assert after["eos"] == before["eos"] + 1 and after["length"] == before["length"] + 1
 
 
 def target_info(cluster: LocalCluster) -> common_pb2.WorkerInfo:
@@ -328,3 +339,32 @@ def test_a_seeded_turn_replays_after_the_workers_lost_the_session(
         other.CloseSession(coordinator_pb2.CloseSessionRequest(session_id=session))
     assert list(replies[0].token_ids) == list(replies[1].token_ids)
     assert replies[0].stats.cache_resyncs == 0 and replies[1].stats.cache_resyncs == 2
+
+
+def _request_fields(descriptor, prefix: str = "") -> set[str]:  # type: ignore[no-untyped-def]
+    """Every leaf field of a request message, by its proto path (TokenIds counts as one field)."""
+    fields = set()
+    for field in descriptor.fields:
+        path = f"{prefix}{field.name}"
+        message = field.message_type
+        if message is not None and message.name in ("SamplingParams", "SpeculationParams"):
+            fields |= _request_fields(message, f"{path}.")
+        else:
+            fields.add(path)
+    return fields
+
+
+def test_get_info_describes_the_server(same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
+    info = same.GetInfo(coordinator_pb2.GetInfoRequest())
+    assert info.server_version == "0.1.0"
+    assert info.target_model_id == str(tiny_models.target) and info.draft_model_id == str(tiny_models.same)
+    assert list(info.draft_methods) == ["model"]
+    assert info.max_context_len == info.draft_max_context_len == 256 and info.vocab_size == 259
+    assert list(info.eos_token_ids) == [257]
+    assert info.max_speculative_tokens == 8 and info.default_speculative_tokens == 4
+    assert info.max_new_tokens == 255 and info.default_max_new_tokens == 255  # 256 capped by the context
+    assert info.max_message_bytes == 8 << 20 and info.max_concurrent_requests == 64
+    assert info.max_prompt_chars == 1_000_000 and info.speculation_mode == "sequential" and info.adaptive_k
+    assert info.greedy_temperature == pytest.approx(1e-5)
+    # The features list is what the server honours: every request field, no more, no less.
+    assert set(info.features) == _request_fields(coordinator_pb2.GenerateRequest.DESCRIPTOR)

@@ -78,6 +78,10 @@ class CoordinatorMetrics:
             "specdec_target_failovers", "Verify calls moved to another target replica", registry=registry
         )
         self.cache_resyncs = Counter("specdec_cache_resyncs", "Worker caches re-prefilled", ["role"], registry=registry)
+        self.finished_requests = Counter(
+            "specdec_finished_requests", "Replies that ended, by reason: eos, stop_token, length", ["reason"],
+            registry=registry,
+        )  # fmt: skip
 
     def record_round(
         self, k: int, accepted: int, draft_ms: float, verify_ms: float, overhead_ms: float, committed: int

@@ -32,7 +32,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--model", required=True, help="target model: local HF directory or hub id")
     p.add_argument("--draft-model", help="draft model (same tokenizer); omit for target-only decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, draft tokens per round")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--prompt", help="prompt text (required unless --info)")
+    p.add_argument("--info", action="store_true", help="print the server's GetInfo (JSON) instead of generating")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -76,6 +77,18 @@ def _stream(address: str, request: Any) -> tuple[Any, float]:
         return last, time.perf_counter() - started
 
 
+def _info(address: str) -> str:
+    """The server's GetInfo as JSON."""
+    import grpc
+    from google.protobuf import json_format
+
+    from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = coordinator_pb2_grpc.GenerationStub(channel).GetInfo(coordinator_pb2.GetInfoRequest(), timeout=30)
+    return json_format.MessageToJson(reply, always_print_fields_with_no_presence=True, indent=2)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
@@ -100,6 +113,9 @@ def _generate(args: argparse.Namespace) -> int:
         )
         try:
             with cluster:
+                if args.info:
+                    sys.stdout.write(_info(cluster.address) + "\n")
+                    return 0
                 last, elapsed = _stream(cluster.address, _generate_request(args))
         except LaunchError as exc:
             sys.stderr.write(f"specdec generate: {exc}\n")
@@ -190,5 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         parser.error("serve needs a role: specdec serve coordinator|draft|target [flags]")
+    if args.command == "generate" and not (args.prompt or args.info):
+        parser.error("generate needs --prompt (or --info)")
     commands = {"models": _models, "bench": _bench, "generate": _generate}
     return commands[args.command](args)

@@ -130,3 +130,49 @@ class CloseSessionResponse(_message.Message):
     EXISTED_FIELD_NUMBER: _ClassVar[int]
     existed: bool
     def __init__(self, existed: _Optional[bool] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_METHODS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_MODE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    server_version: str
+    target_model_id: str
+    draft_model_id: str
+    draft_methods: _containers.RepeatedScalarFieldContainer[str]
+    max_context_len: int
+    draft_max_context_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_speculative_tokens: int
+    default_speculative_tokens: int
+    max_new_tokens: int
+    default_max_new_tokens: int
+    max_message_bytes: int
+    max_concurrent_requests: int
+    max_prompt_chars: int
+    speculation_mode: str
+    adaptive_k: bool
+    features: _containers.RepeatedScalarFieldContainer[str]
+    greedy_temperature: float
+    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ...) -> None: ...

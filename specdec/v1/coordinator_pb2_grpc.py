@@ -50,6 +50,11 @@ class GenerationStub:
                 request_serializer=specdec_dot_v1_dot_coordinator__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_coordinator__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/specdec.v1.Generation/GetInfo',
+                request_serializer=specdec_dot_v1_dot_coordinator__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_coordinator__pb2.GetInfoResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -77,6 +82,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """Describes the server: models, limits, speculation and the request features it supports.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=specdec_dot_v1_dot_coordinator__pb2.CloseSessionRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_coordinator__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=specdec_dot_v1_dot_coordinator__pb2.GetInfoRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_coordinator__pb2.GetInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +195,33 @@ class Generation:
             '/specdec.v1.Generation/CloseSession',
             specdec_dot_v1_dot_coordinator__pb2.CloseSessionRequest.SerializeToString,
             specdec_dot_v1_dot_coordinator__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Generation/GetInfo',
+            specdec_dot_v1_dot_coordinator__pb2.GetInfoRequest.SerializeToString,
+            specdec_dot_v1_dot_coordinator__pb2.GetInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
