@@ -48,13 +48,14 @@ def fault_cluster(
 
 def metric(cluster: LocalCluster, role: str, name: str, label: str = "") -> float:
     """The sum of a Prometheus metric's samples scraped from a service's /metrics (only the
-    samples whose labels contain ``label``, e.g. ``reason="eos"``, when given)."""
+    samples whose labels contain ``label``, e.g. ``reason="eos"``, when given: 0 while no such
+    labelled sample exists yet)."""
     port = cluster.processes[role].metrics_port
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$"
     values = [float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE) if label in (m[1] or "")]
-    if not values:
+    if not values and not label:
         raise KeyError(f"{name} not exported by {role}")
     return sum(values)
 
