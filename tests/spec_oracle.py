@@ -6,10 +6,12 @@ exact target distribution of short sequences can be enumerated.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Callable
 
 import torch
+from scipy import stats
 
 from specdec.runtime.sampling import Verdict, Warp, proposal_matrix, rejection_sample, sample_draft_token, warped_probs
 
@@ -71,3 +73,29 @@ def exact_distribution(
                 break
         out[seq] = prob
     return out
+
+
+def chi_square(observed: list[int], expected_weights: list[float]) -> float:
+    """p-value of a chi-square goodness-of-fit test; expected weights are scaled to the sample size."""
+    total = sum(observed) / sum(expected_weights)
+    return float(stats.chisquare(observed, [w * total for w in expected_weights]).pvalue)
+
+
+def chi_square_pvalue(
+    samples: collections.Counter[tuple[int, ...]], exact: dict[tuple[int, ...], float], n: int
+) -> float:
+    """Chi-square goodness of fit; outcomes with small expected counts are pooled into one bin."""
+    observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
+    for outcome, prob in exact.items():
+        if prob * n >= 5:
+            observed.append(samples[outcome])
+            expected.append(prob * n)
+        else:
+            pool_obs += samples[outcome]
+            pool_exp += prob * n
+    assert sum(samples.values()) == n
+    assert all(outcome in exact and exact[outcome] > 0 for outcome in samples), "sampled an impossible sequence"
+    if pool_exp > 0:
+        observed.append(pool_obs)
+        expected.append(pool_exp)
+    return chi_square(observed, expected)

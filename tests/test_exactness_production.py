@@ -6,7 +6,7 @@ block (``encode_block`` -> protobuf bytes -> the target's ``decode_block``), and
 ``verify_job`` (per-position generators, rejection sampling, cache rollback), for several rounds,
 with and without blocks drafted ahead (pipelining), with temperature != 1, top-k and top-p, for
 K in {1, 4, 8}. Only gRPC and the scheduler thread are left out (a job's steps are run here
-directly, as the scheduler runs them). A chi-square test with pooling compares the first three
+directly, as the scheduler runs them). A chi-square test with pooling (tests/spec_oracle.py) compares the first three
 tokens with the exactly enumerated target distribution; a power check shows that the same test
 catches a planted bug in the production sampler.
 """
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from scipy import stats
 
 import target_worker.engine as target_engine
 from coordinator.worker_session import prefix_sync
@@ -31,6 +30,7 @@ from specdec.runtime.sampling import Verdict, Warp, warped_probs
 from specdec.runtime.scheduler import Job
 from specdec.runtime.tokens import common_prefix_len
 from specdec.v1 import common_pb2
+from tests.spec_oracle import chi_square_pvalue
 from tests.tiny_models import TinyModels
 
 PROMPT = (5, 17, 99, 3)
@@ -137,24 +137,6 @@ def exact_distribution(target: LoadedModel) -> dict[tuple[int, ...], float]:
     return out
 
 
-def chi_square_pvalue(samples: collections.Counter[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
-    """Goodness of fit; outcomes expected fewer than 5 times are pooled into one bin."""
-    n = sum(samples.values())
-    assert all(outcome in exact for outcome in samples), "sampled a sequence the target cannot produce"
-    observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
-    for outcome, prob in exact.items():
-        if prob * n >= 5:
-            observed.append(samples[outcome])
-            expected.append(prob * n)
-        else:
-            pool_obs, pool_exp = pool_obs + samples[outcome], pool_exp + prob * n
-    if pool_exp > 0:
-        observed.append(pool_obs)
-        expected.append(pool_exp)
-    scale = n / sum(expected)  # the enumerated probabilities sum to 1 only up to float rounding
-    return float(stats.chisquare(observed, [e * scale for e in expected]).pvalue)
-
-
 @pytest.fixture(scope="module")
 def models(tiny_models: TinyModels) -> Iterator[dict[str, LoadedModel]]:
     options = LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch")
@@ -189,7 +171,7 @@ def test_production_path_follows_the_target_distribution(
     samples = sample_counts(speculation, n)
     if pipelined and k == 1:
         assert speculation.ahead_used > 100  # blocks drafted ahead decided many of the tested tokens
-    assert chi_square_pvalue(samples, exact_distribution(models["target"])) > 1e-3
+    assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) > 1e-3
 
 
 def _residual_from_p(target_logits, draft_tokens, draft_probs, warp, generator) -> Verdict:  # type: ignore[no-untyped-def]
@@ -214,4 +196,4 @@ def test_the_production_path_test_catches_a_planted_bug(
     monkeypatch.setattr(target_engine, "rejection_sample", _residual_from_p)
     speculation = Speculation(models["target"], models["other"], 1, 0, False)
     samples = sample_counts(speculation, 3000)
-    assert chi_square_pvalue(samples, exact_distribution(models["target"])) < 1e-6
+    assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec.runtime.sampling import (
@@ -20,7 +19,13 @@ from specdec.runtime.sampling import (
     sample_draft_token,
     warped_probs,
 )
-from tests.spec_oracle import exact_distribution, random_logit_table, speculative_sequence
+from tests.spec_oracle import (
+    chi_square,
+    chi_square_pvalue,
+    exact_distribution,
+    random_logit_table,
+    speculative_sequence,
+)
 
 V = 5
 
@@ -136,7 +141,7 @@ def test_sparse_draft_samples_from_reported_distribution() -> None:
     q = proposal_matrix([sample], V)[0]
     expected = [float(q[t]) for t in sample.ids.tolist()]
     observed = [counts[t] for t in sample.ids.tolist()]
-    assert _chi_square(observed, expected) > 1e-4
+    assert chi_square(observed, expected) > 1e-4
 
 
 def test_position_generator_is_deterministic_and_role_separated() -> None:
@@ -171,30 +176,6 @@ def _broken_sampler(target_logits, draft_tokens, draft_probs, warp, generator) -
     return Verdict(k, [*draft_tokens.tolist(), int(torch.multinomial(p[k], 1, generator=generator))])
 
 
-def _chi_square(observed: list[int], expected_weights: list[float]) -> float:
-    """p-value of a chi-square goodness-of-fit test; expected weights are scaled to the sample size."""
-    total = sum(observed) / sum(expected_weights)
-    return float(stats.chisquare(observed, [w * total for w in expected_weights]).pvalue)
-
-
-def _chi_square_pvalue(samples: collections.Counter, exact: dict[tuple[int, ...], float], n: int) -> float:
-    """Chi-square goodness of fit; outcomes with small expected counts are pooled into one bin."""
-    observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
-    for outcome, prob in exact.items():
-        if prob * n >= 5:
-            observed.append(samples[outcome])
-            expected.append(prob * n)
-        else:
-            pool_obs += samples[outcome]
-            pool_exp += prob * n
-    assert sum(samples.values()) == n
-    assert all(outcome in exact and exact[outcome] > 0 for outcome in samples), "sampled an impossible sequence"
-    if pool_exp > 0:
-        observed.append(pool_obs)
-        expected.append(pool_exp)
-    return _chi_square(observed, expected)
-
-
 DIST_CASES = [
     pytest.param(Warp(1.0), 0, 2, id="dense-T1-k2"),
     pytest.param(Warp(0.8, top_k=3), 2, 3, id="sparse2-T0.8-topk3-k3"),
@@ -212,7 +193,7 @@ def test_speculative_sampling_follows_target_distribution(warp: Warp, top_n: int
     samples = collections.Counter(
         speculative_sequence(target, draft, (0,), length, k, warp, top_n, gen) for _ in range(n)
     )
-    assert _chi_square_pvalue(samples, exact, n) > 1e-3
+    assert chi_square_pvalue(samples, exact, n) > 1e-3
 
 
 def test_distribution_test_catches_a_broken_sampler() -> None:
@@ -224,7 +205,7 @@ def test_distribution_test_catches_a_broken_sampler() -> None:
     samples = collections.Counter(
         speculative_sequence(target, draft, (0,), length, 2, warp, 0, gen, sampler=_broken_sampler) for _ in range(n)
     )
-    assert _chi_square_pvalue(samples, exact, n) < 1e-6
+    assert chi_square_pvalue(samples, exact, n) < 1e-6
 
 
 @pytest.mark.parametrize("temperature", [1e-5, 1e-3, 1.0, 1e6, 3.4e38])
