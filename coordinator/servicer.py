@@ -49,6 +49,16 @@ def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
     )
 
 
+def _set_matched_stop(
+    message: coordinator_pb2.GenerateResponse | coordinator_pb2.GenerateStreamResponse, turn: Turn
+) -> None:
+    """Which stop ended the reply: the stop string, else the stop/EOS token id."""
+    if turn.stop_string is not None:
+        message.stop_string = turn.stop_string
+    elif turn.stop_token_id is not None:
+        message.stop_token_id = turn.stop_token_id
+
+
 class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -71,7 +81,7 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
                 token_ids += out.token_ids
                 text.append(out.text)
                 finish = out.finish
-        return coordinator_pb2.GenerateResponse(
+        reply = coordinator_pb2.GenerateResponse(
             session_id=request.session_id,
             token_ids=token_ids,
             text="".join(text),
@@ -80,6 +90,8 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
             stats=_stats(turn),
             seed=turn.request.seed,
         )
+        _set_matched_stop(reply, turn)
+        return reply
 
     async def GenerateStream(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -95,6 +107,7 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
                     message.usage.CopyFrom(_usage(turn))
                     message.stats.CopyFrom(_stats(turn))
                     message.seed = turn.request.seed
+                    _set_matched_stop(message, turn)
                 yield message
 
     async def CloseSession(

@@ -42,3 +42,61 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
+
+
+class ReplyText:
+    """The reply's text as its tokens are committed, with stop strings.
+
+    ``push`` takes a round's tokens one at a time and stops at the token whose text completes a
+    stop string (the match may fall inside a speculated block: the caller commits only the tokens
+    taken). ``take`` returns the text not yet sent, holding back a tail that could still grow into
+    a stop string, so a stream never shows text that a later stop removes; the deltas add up to
+    the final text.
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, context: Sequence[int], stops: Sequence[str], include_stop: bool
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, context)
+        self._stops = tuple(stops)
+        self._include = include_stop
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._text = ""
+        self._released = 0
+        self.matched: str | None = None
+
+    def push(self, token_ids: Sequence[int]) -> int:
+        """Adds tokens until one completes a stop string; returns how many were taken."""
+        if not self._stops:
+            self._text += self._detok.push(token_ids)
+            return len(token_ids)
+        for taken, token in enumerate(token_ids, 1):
+            before = len(self._text)
+            self._text += self._detok.push([token])
+            hit = self._find(max(0, before - self._longest + 1))
+            if hit is not None:
+                position, self.matched = hit
+                self._text = self._text[: position + len(self.matched) if self._include else position]
+                return taken
+        return len(token_ids)
+
+    def _find(self, start: int) -> tuple[int, str] | None:
+        """The earliest stop string in the text from ``start`` on."""
+        hits = [(position, stop) for stop in self._stops if (position := self._text.find(stop, start)) >= 0]
+        return min(hits) if hits else None
+
+    def take(self, final: bool) -> str:
+        """Text not sent yet; on the last round everything (the tokenizer's held-back bytes too)."""
+        if final and self.matched is None:
+            self._text += self._detok.flush()
+        end = len(self._text) if final or self.matched is not None else len(self._text) - self._undecided()
+        delta, self._released = self._text[self._released : end], end
+        return delta
+
+    def _undecided(self) -> int:
+        """Length of the longest unsent tail that is the start of a stop string."""
+        tail = self._text[self._released :]
+        for n in range(min(len(tail), self._longest - 1), 0, -1):
+            if any(stop.startswith(tail[-n:]) for stop in self._stops):
+                return n
+        return 0

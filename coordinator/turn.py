@@ -18,7 +18,7 @@ import structlog
 from transformers import PreTrainedTokenizerBase
 
 from coordinator.adaptive import KController, StepCosts
-from coordinator.text import IncrementalDetokenizer
+from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Proposal, WorkerSession
 from coordinator.workers import DraftClient, TargetPool
@@ -110,7 +110,8 @@ class Turn:
     _start_len: int = 0
     _generated: int = 0
     _round: int = 0
-    _detok: IncrementalDetokenizer | None = None
+    _reply: ReplyText | None = None
+    stop_token_id: int | None = None  # the stop or EOS token that ended the reply, if one did
     _acquiring: bool = False  # the lease was asked for (it may be ours even if the call was cut short)
     _dirty: bool = False  # this turn may have changed the session: roll back unless it finishes
     _created: bool = False
@@ -164,7 +165,8 @@ class Turn:
         await self._commit(Commit(record.version, f"{self.owner}:prompt", prompt))
         self._committed = [*record.tokens, *prompt]
         self.workers.restore(record.target, record.draft)
-        self._detok = IncrementalDetokenizer(self.deps.tokenizer, self._committed)
+        req = self.request
+        self._reply = ReplyText(self.deps.tokenizer, self._committed, req.stop_strings, req.include_stop_str)
         self.stats.prompt_tokens = len(prompt)
 
     async def _renew_lease(self) -> None:
@@ -217,23 +219,34 @@ class Turn:
             self.stats.cached_tokens = reused
         start = len(self._committed)
         tokens, finish = self._cut(list(verdict.token_ids))
+        assert self._reply is not None
+        taken = self._reply.push(tokens)  # a stop string can end the reply inside the block
+        if self._reply.matched is not None:
+            tokens, finish = tokens[:taken], Finish.STOP
+        elif finish is Finish.STOP:
+            self.stop_token_id = tokens[-1]
         self._committed += tokens
         self._generated += len(tokens)
         self.workers.advance(start, self._committed, proposal, verdict.cache_len)
         target, draft = self.workers.locations()
         await self._commit(Commit(self._version, f"{self.owner}:{self._round}", tokens, target=target, draft=draft))
         self._account(proposal, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000)
-        assert self._detok is not None
-        text = self._detok.push(tokens)
+        text = self._reply.take(final=finish is not None)
         if finish is not None:
-            text += self._detok.flush()
             self.deps.metrics.finished_requests.labels(self._finish_reason(finish, tokens)).inc()
         return RoundOutput(token_ids=tokens, text=text, finish=finish)
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the reply, if one did."""
+        return self._reply.matched if self._reply is not None else None
+
     def _finish_reason(self, finish: Finish, tokens: list[int]) -> str:
-        """The metric label of why the reply ended: ``eos``, ``stop_token`` or ``length``."""
+        """The metric label of why the reply ended: ``eos``, ``stop_token``, ``stop_string`` or ``length``."""
         if finish is Finish.LENGTH:
             return "length"
+        if self.stop_string is not None:
+            return "stop_string"
         return "eos" if tokens[-1] in self.deps.limits.eos_token_ids else "stop_token"
 
     def _cut(self, tokens: list[int]) -> tuple[list[int], Finish | None]:

@@ -24,6 +24,8 @@ FEATURES = (
     "sampling.seed",
     "sampling.stop_token_ids",
     "sampling.ignore_eos",
+    "sampling.stop",
+    "sampling.include_stop_str_in_output",
     "speculation.num_speculative_tokens",
     "speculation.disable",
     "speculation.fixed",
@@ -56,6 +58,8 @@ class TurnRequest:
     warp: Warp
     seed: int
     stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    include_stop_str: bool
     k: int
     fixed_k: bool
     require_existing: bool
@@ -100,6 +104,22 @@ def _warp(sampling: common_pb2.SamplingParams) -> Warp:
     return Warp(temperature=temperature, top_k=sampling.top_k, top_p=top_p)
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def _stop_strings(sampling: common_pb2.SamplingParams) -> tuple[str, ...]:
+    stops = tuple(sampling.stop)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"sampling.stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for stop in stops:
+        if not 0 < len(stop) <= MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"every sampling.stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(stop)}"
+            )
+    return stops
+
+
 def _max_new_tokens(sampling: common_pb2.SamplingParams, limits: Limits) -> int:
     if not sampling.HasField("max_new_tokens"):
         return limits.default_max_new_tokens
@@ -136,6 +156,8 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         warp=_warp(sampling),
         seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
         stop_ids=stop_ids,
+        stop_strings=_stop_strings(sampling),
+        include_stop_str=sampling.include_stop_str_in_output,
         k=_k(request.speculation, limits),
         fixed_k=request.speculation.fixed,
         require_existing=request.require_existing_session,

@@ -368,3 +368,70 @@ def test_get_info_describes_the_server(same: coordinator_pb2_grpc.GenerationStub
     assert info.greedy_temperature == pytest.approx(1e-5)
     # The features list is what the server honours: every request field, no more, no less.
     assert set(info.features) == _request_fields(coordinator_pb2.GenerateRequest.DESCRIPTOR)
+
+
+def _stop_case(model_dir: str, prompt: tuple[int, ...]) -> tuple[list[int], str, int, str]:
+    """The greedy reply, a 2-character ASCII stop string from its text, the number of tokens up to
+    the one that completes it, and the text before it."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    expected = reference_greedy(model_dir, prompt, MAX_NEW, ignore_eos=True)
+
+    def text(n: int) -> str:
+        return tokenizer.decode(expected[:n], skip_special_tokens=True)
+
+    full = text(len(expected))
+    stop = next(
+        full[i : i + 2] for i in range(4, len(full) - 1) if full[i : i + 2].isascii() and full[i : i + 2].isprintable()
+    )
+    cut = next(n for n in range(1, len(expected) + 1) if stop in text(n))
+    return expected, stop, cut, full[: full.index(stop)]
+
+
+def test_stop_strings_end_the_reply_inside_a_block(
+    same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    """The draft is the target, K = 8: the stop string is met inside an accepted block. Only the
+    tokens up to it are committed (the next turn continues from exactly there), the text ends
+    before it (or with it), and the stream never shows it."""
+    prompt = tuple(PROMPTS[1])
+    expected, stop, cut, before = _stop_case(str(tiny_models.target), prompt)
+    req = request(list(prompt), k=8, session_id="stops", ignore_eos=True)
+    req.sampling.stop.extend([stop, "never-there"])
+    reply = same.Generate(req)
+    assert list(reply.token_ids) == expected[:cut] and reply.text == before
+    assert reply.finish_reason == coordinator_pb2.FINISH_REASON_STOP and reply.stop_string == stop
+    assert reply.usage.completion_tokens == cut and reply.stats.draft_tokens_accepted > 0
+    follow = same.Generate(request([7, 8], k=8, session_id="stops", max_new=8, ignore_eos=True))
+    history = (*prompt, *expected[:cut], 7, 8)
+    assert list(follow.token_ids) == reference_greedy(str(tiny_models.target), history, 8, ignore_eos=True)
+    same.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="stops"))
+    req = request(list(prompt), k=8, ignore_eos=True)
+    req.sampling.stop.append(stop)
+    req.sampling.include_stop_str_in_output = True
+    assert same.Generate(req).text == before + stop
+    shown = ""
+    messages = list(same.GenerateStream(request(list(prompt), k=3, ignore_eos=True, stop=[stop])))
+    for message in messages:
+        shown += message.text
+        assert before.startswith(shown)
+    assert shown == before and messages[-1].stop_string == stop
+    assert [t for m in messages for t in m.token_ids] == expected[:cut]
+
+
+def test_a_stop_token_is_reported(same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), MAX_NEW, ignore_eos=True)
+    reply = same.Generate(request(PROMPTS[1], k=8, stop_token_ids=[expected[5]], ignore_eos=True))
+    assert reply.WhichOneof("matched_stop") == "stop_token_id" and reply.stop_token_id == expected[5]
+    assert list(reply.token_ids) == expected[: expected.index(expected[5]) + 1]
+
+
+@pytest.mark.parametrize(
+    ("stops", "message"),
+    [([""], "1 to 256 characters"), (["x" * 257], "1 to 256 characters"), (["s"] * 17, "at most 16")],
+)
+def test_bad_stop_strings_are_invalid(
+    same: coordinator_pb2_grpc.GenerationStub, stops: list[str], message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        same.Generate(request(PROMPTS[0], stop=stops))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()

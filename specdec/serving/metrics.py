@@ -79,8 +79,8 @@ class CoordinatorMetrics:
         )
         self.cache_resyncs = Counter("specdec_cache_resyncs", "Worker caches re-prefilled", ["role"], registry=registry)
         self.finished_requests = Counter(
-            "specdec_finished_requests", "Replies that ended, by reason: eos, stop_token, length", ["reason"],
-            registry=registry,
+            "specdec_finished_requests", "Replies that ended, by reason: eos, stop_token, stop_string, length",
+            ["reason"], registry=registry,
         )  # fmt: skip
 
     def record_round(
