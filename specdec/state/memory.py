@@ -6,6 +6,7 @@ import asyncio
 import copy
 import dataclasses
 import time
+from collections import OrderedDict
 
 from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict
 from specdec.state.base import (
@@ -36,7 +37,8 @@ class MemoryStateStore(StateStore):
         self._records: dict[str, SessionRecord] = {}
         self._expires: dict[str, float] = {}
         self._lease_until: dict[str, float] = {}
-        self._released: dict[str, float] = {}  # owner -> until when its acquire is refused
+        # owner -> until when its acquire is refused; expiries grow with insertion (now + a constant)
+        self._released: OrderedDict[str, float] = OrderedDict()
         self._lock = asyncio.Lock()
 
     def _live(self, session_id: str, now: float) -> SessionRecord | None:
@@ -106,8 +108,10 @@ class MemoryStateStore(StateStore):
     async def release(self, session_id: str, owner: str) -> None:
         async with self._lock:
             now = time.time()
-            self._released = {o: until for o, until in self._released.items() if until > now}
+            while self._released and next(iter(self._released.values())) <= now:
+                self._released.popitem(last=False)
             self._released[owner] = now + self._lease_s + TOMBSTONE_EXTRA_MS / 1000
+            self._released.move_to_end(owner)
             record = self._live(session_id, now)
             if record is not None and record.owner == owner:
                 record.owner = ""
