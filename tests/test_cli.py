@@ -113,3 +113,24 @@ def test_generate_info_prints_the_servers_description(tiny_models: TinyModels) -
     assert info["targetModelId"] == str(tiny_models.target) and info["draftModelId"] == ""
     assert info["draftMethods"] == [] and info["maxContextLen"] == 256 and "sampling.top_p" in info["features"]
     assert run("generate", "--model", str(tiny_models.target)).returncode == 2  # neither --prompt nor --info
+
+
+def test_generate_stops_at_a_stop_string(tiny_models: TinyModels) -> None:
+    """The tiny target's greedy text for this prompt, cut before a stop string taken from it."""
+    from transformers import AutoTokenizer
+
+    from tests.reference import reference_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.target)
+    prompt = "Once upon a time"
+    ids = tuple(tokenizer(prompt)["input_ids"])
+    full = tokenizer.decode(reference_greedy(str(tiny_models.target), ids, 12), skip_special_tokens=True)
+    stop = next(
+        full[i : i + 2] for i in range(3, len(full) - 1) if full[i : i + 2].isascii() and full[i : i + 2].isprintable()
+    )
+    result = run(
+        "generate", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.same), "--prompt", prompt,
+        "--max-new-tokens", "12", "--device", "cpu", "--stop", stop, "--stop", "never-there",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.rsplit("\n-- ", 1)[0] == full[: full.index(stop)]

@@ -39,6 +39,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeat for several)")
+    p.add_argument("--include-stop-str", action="store_true", help="keep the matched stop string in the text")
     p.add_argument("--state-url", default="memory://", help="memory:// or redis://host:port/db")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:n] for both workers")
     p.add_argument("--dtype", default="auto", help="auto|float32|float16|bfloat16")
@@ -53,6 +55,8 @@ def _generate_request(args: argparse.Namespace) -> Any:
     )
     if args.seed is not None:
         sampling.seed = args.seed
+    sampling.stop.extend(args.stop)
+    sampling.include_stop_str_in_output = args.include_stop_str
     return coordinator_pb2.GenerateRequest(
         prompt=args.prompt,
         sampling=sampling,
