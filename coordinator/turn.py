@@ -129,12 +129,6 @@ class Turn:
     def one_shot(self) -> bool:
         return not self.request.session_id
 
-    def _time_left(self) -> float:
-        timeout = self.deps.worker_timeout_s
-        if self.deadline is not None:
-            timeout = min(timeout, self.deadline - asyncio.get_running_loop().time())
-        return max(timeout, 0.001)
-
     async def rounds(self) -> AsyncIterator[RoundOutput]:
         """Runs the turn, yielding each round's committed tokens.
 
@@ -295,7 +289,7 @@ class Turn:
         """Commits with retries while the store is unreachable (safe: a step applies once)."""
         result = await self._retrying_state(
             lambda: self.deps.store.commit(self.session_id, self.owner, commit),
-            min(self.deps.state_retry_s, self._time_left()),
+            min(self.deps.state_retry_s, self.workers.time_left()),
             commit.step_id,
         )
         self._version = result.version

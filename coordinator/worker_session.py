@@ -100,8 +100,8 @@ class WorkerSession:
             return float("inf")
         return self._deadline - asyncio.get_running_loop().time()
 
-    def _timeout(self) -> float:
-        """A worker call's time limit: --worker-timeout-s, capped by the caller's deadline."""
+    def time_left(self) -> float:
+        """A call's time limit: --worker-timeout-s, capped by the caller's deadline."""
         return max(min(self._worker_timeout_s, self._caller_left()), 0.001)
 
     def restore(self, target: CacheLocation | None, draft: CacheLocation | None) -> None:
@@ -243,7 +243,7 @@ class WorkerSession:
         if self._caller_left() < self._worker_timeout_s:  # the caller's deadline is the limit here
             last_error = DeadlineExceeded("the request's deadline expired during verification")
         loop = asyncio.get_running_loop()
-        budget_end = loop.time() + self._timeout()  # one budget for the step, retries included
+        budget_end = loop.time() + self.time_left()  # one budget for the step, retries included
         for attempt in range(2):
             if attempt:
                 await asyncio.sleep(_VERIFY_RETRY_PAUSE_S)

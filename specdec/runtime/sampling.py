@@ -181,7 +181,8 @@ def rejection_sample(
     per_row = [generator] * (k + 1) if generator is None or isinstance(generator, torch.Generator) else generator
     if len(per_row) != k + 1:
         raise ValueError(f"rejection_sample needs k+1 = {k + 1} generators, got {len(per_row)}")
-    uniforms = torch.stack([torch.rand((), generator=g, device=p.device) for g in per_row[:k]]) if k else p_x
+    draws = [torch.rand((), generator=g, device=p.device) for g in per_row[:k]]
+    uniforms = torch.stack(draws) if draws else p_x.new_empty(0)
     # q(x) == 0 cannot happen for a token sampled from q: treat it as a bug and reject.
     accepted = (q_x > 0) & (uniforms * q_x < p_x)
     n = int(accepted.long().cumprod(0).sum())
