@@ -17,7 +17,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy, worker_info
-from tests.tiny_models import TinyModels, build_resized, build_sliding
+from tests.tiny_models import TinyModels, build_model, build_resized, build_sliding
 
 PROMPT = [5, 17, 99, 3]
 U32_MAX = 2**32 - 1
@@ -290,3 +290,27 @@ def test_sliding_window_models_are_served_up_to_their_window(tmp_path: Path, arc
         history += list(turn.token_ids)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length 15" in err.value.details()
     assert pids_alive
+
+
+def test_a_draft_with_a_shorter_context_drafts_up_to_it(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """The target's own weights with a 32-token context as the draft: every round before the
+    draft's context is speculative (all drafts accepted), the rounds past it decode target-only,
+    the output is the target's and the draft never gets a request it must refuse."""
+    draft = build_model(tmp_path / "short", seed=0, hidden=64, layers=2, vocab=259, init_range=0.2, context=32)
+    prompt = [7 + i for i in range(20)]
+    with (
+        fault_cluster(tmp_path / "run", tiny_models.target, draft) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        reply = coordinator_pb2_grpc.GenerationStub(channel).Generate(
+            make_request(prompt, k=4, max_new=30, ignore_eos=True), timeout=60
+        )
+        errors = metric(cluster, "coordinator", "specdec_draft_request_errors_total")
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), 30, ignore_eos=True)
+    stats = reply.stats
+    assert stats.acceptance_rate == 1.0 and stats.draft_tokens_proposed > 0
+    # The draft never runs past its 32 positions: the last speculative round starts at most at 32
+    # committed tokens with one draft (33 - 32 = 1) and ends at most at 34; the rest is target-only.
+    assert stats.target_only_rounds >= 30 - (34 - len(prompt)) and stats.rounds > stats.target_only_rounds
+    assert errors == 0 and failures == 0

@@ -23,7 +23,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def build_model(path: Path, seed: int, hidden: int, layers: int, vocab: int, init_range: float = 0.02) -> Path:
+def build_model(
+    path: Path, seed: int, hidden: int, layers: int, vocab: int, init_range: float = 0.02, context: int = 256
+) -> Path:
     """Saves a random Llama with the byte tokenizer at ``path``."""
     tokenizer = build_tokenizer()
     config = LlamaConfig(
@@ -33,7 +35,7 @@ def build_model(path: Path, seed: int, hidden: int, layers: int, vocab: int, ini
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         initializer_range=init_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
