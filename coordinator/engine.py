@@ -14,6 +14,7 @@ from coordinator.settings import CoordinatorSettings
 from coordinator.turn import Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
 from coordinator.workers import DraftClient, TargetPool
+from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
 from specdec.serving.errors import NotServing, Overloaded
@@ -59,6 +60,7 @@ def server_info(
     target: common_pb2.WorkerInfo,
     draft: common_pb2.WorkerInfo | None,
     pipelined: bool,
+    chat_template: bool,
 ) -> coordinator_pb2.GetInfoResponse:
     """What GetInfo answers (fixed once start-up has met the workers)."""
     return coordinator_pb2.GetInfoResponse(
@@ -81,6 +83,8 @@ def server_info(
         adaptive_k=settings.adaptive_k,
         features=list(FEATURES),
         greedy_temperature=GREEDY_TEMPERATURE,
+        chat_template=chat_template,
+        max_top_logprobs=MAX_TOP_LOGPROBS,
     )
 
 
@@ -141,7 +145,8 @@ class Engine:
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
             StepCosts(), pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
         )  # fmt: skip
-        self._info = server_info(s, limits, target_info, draft_info, pipelined)
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        self._info = server_info(s, limits, target_info, draft_info, pipelined, has_template)
         log.info(
             "coordinator_ready",
             target=target_info.model_id,

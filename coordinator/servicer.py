@@ -13,7 +13,7 @@ from coordinator.turn import Finish, Turn
 from coordinator.validation import parse_request
 from specdec.serving.security import caller_identity, scoped_session_id
 from specdec.serving.session_ids import check_session_id
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 _FINISH = {Finish.STOP: coordinator_pb2.FINISH_REASON_STOP, Finish.LENGTH: coordinator_pb2.FINISH_REASON_LENGTH}
 
@@ -75,11 +75,15 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
         turn = self._turn(request, context)
         token_ids: list[int] = []
         text: list[str] = []
+        logprobs: list[common_pb2.TokenLogprob] = []
+        prompt_logprobs: list[common_pb2.TokenLogprob] = []
         finish = None
         async with self._engine.admitted():
             async for out in turn.rounds():
                 token_ids += out.token_ids
                 text.append(out.text)
+                logprobs += out.logprobs
+                prompt_logprobs += out.prompt_logprobs
                 finish = out.finish
         reply = coordinator_pb2.GenerateResponse(
             session_id=request.session_id,
@@ -89,6 +93,8 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
             usage=_usage(turn),
             stats=_stats(turn),
             seed=turn.request.seed,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         _set_matched_stop(reply, turn)
         return reply
@@ -100,7 +106,11 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
         async with self._engine.admitted():
             async for out in turn.rounds():
                 message = coordinator_pb2.GenerateStreamResponse(
-                    session_id=request.session_id, token_ids=out.token_ids, text=out.text
+                    session_id=request.session_id,
+                    token_ids=out.token_ids,
+                    text=out.text,
+                    logprobs=out.logprobs,
+                    prompt_logprobs=out.prompt_logprobs,
                 )
                 if out.finish is not None:
                     message.finish_reason = _FINISH[out.finish]

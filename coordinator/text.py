@@ -51,28 +51,45 @@ class ReplyText:
     stop string (the match may fall inside a speculated block: the caller commits only the tokens
     taken). ``take`` returns the text not yet sent, holding back a tail that could still grow into
     a stop string, so a stream never shows text that a later stop removes; the deltas add up to
-    the final text.
+    the final text. Stop strings do not match before the reply has ``min_tokens`` tokens (a match
+    that ends in a later token still counts).
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, context: Sequence[int], stops: Sequence[str], include_stop: bool
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        context: Sequence[int],
+        stops: Sequence[str],
+        include_stop: bool,
+        min_tokens: int = 0,
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, context)
         self._stops = tuple(stops)
         self._include = include_stop
+        self._min_tokens = min_tokens
         self._longest = max((len(s) for s in self._stops), default=0)
         self._text = ""
         self._released = 0
+        self._tokens = 0
         self.matched: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The reply's text so far (complete once the last round was taken)."""
+        return self._text
 
     def push(self, token_ids: Sequence[int]) -> int:
         """Adds tokens until one completes a stop string; returns how many were taken."""
         if not self._stops:
             self._text += self._detok.push(token_ids)
+            self._tokens += len(token_ids)
             return len(token_ids)
         for taken, token in enumerate(token_ids, 1):
             before = len(self._text)
             self._text += self._detok.push([token])
+            self._tokens += 1
+            if self._tokens < self._min_tokens:
+                continue
             hit = self._find(max(0, before - self._longest + 1))
             if hit is not None:
                 position, self.matched = hit

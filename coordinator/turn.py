@@ -8,7 +8,9 @@ does not finish (error, cancellation), the session is rolled back to where the t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -20,11 +22,12 @@ from transformers import PreTrainedTokenizerBase
 from coordinator.adaptive import KController, StepCosts
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
-from coordinator.worker_session import Proposal, WorkerSession
+from coordinator.worker_session import Decoding, LogprobsAsk, Proposal, WorkerSession
 from coordinator.workers import DraftClient, TargetPool
+from specdec.runtime.tokens import common_prefix_len
 from specdec.serving.errors import InvalidRequest, SpecdecError, StateUnavailable
 from specdec.serving.metrics import CoordinatorMetrics
-from specdec.state import Commit, CommitResult, StateStore
+from specdec.state import CacheLocation, Commit, CommitResult, SessionRecord, StateStore
 from specdec.v1 import common_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
@@ -68,11 +71,14 @@ class TurnStats:
 
 @dataclass(frozen=True)
 class RoundOutput:
-    """Tokens committed by one round, their text, and the finish reason on the last round."""
+    """Tokens committed by one round, their text, and the finish reason on the last round; with
+    logprobs asked for, one entry per token (and the prompt's on the first round)."""
 
     token_ids: list[int]
     text: str
     finish: Finish | None
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -107,7 +113,11 @@ class Turn:
     controller: KController = field(init=False)
     _committed: list[int] = field(default_factory=list)
     _version: int = 0
-    _start_len: int = 0
+    _kept: int = 0  # committed tokens the turn kept (a chat re-render may replace a tail)
+    _replaced: list[int] = field(default_factory=list)  # the tail it replaced (restored on rollback)
+    _chat_before: str = ""  # the conversation when the turn began (restored on rollback)
+    _chat: list[dict[str, str]] | None = None  # the conversation with this turn's messages (chat turns)
+    _decoding: Decoding | None = None
     _generated: int = 0
     _round: int = 0
     _reply: ReplyText | None = None
@@ -150,17 +160,29 @@ class Turn:
         store = self.deps.store
         self._acquiring = True  # from here on, _end releases the lease (a no-op if we never got it)
         record = await store.acquire(self.session_id, self.owner, create=not self.request.require_existing)
-        self._start_len, self._version = len(record.tokens), record.version
+        self._version, self._chat_before = record.version, record.chat
         self._created = record.version == 0  # a session this turn made: an unfinished turn deletes it
         self._renewal = asyncio.create_task(self._renew_lease())
-        prompt = self._prompt_ids(new_session=not record.tokens)
-        self._check_context(len(record.tokens), len(prompt))
+        if self.request.messages is not None:
+            kept, prompt = self._chat_prompt(record)
+        else:
+            if record.chat:
+                raise InvalidRequest("this session is a chat: continue it with `messages`, not a prompt")
+            kept, prompt = len(record.tokens), self._prompt_ids(new_session=not record.tokens)
+        self._kept, self._replaced = kept, record.tokens[kept:]
+        self._check_context(kept, len(prompt))
         self._dirty = True  # the prompt commit may apply even if we never see its reply
-        await self._commit(Commit(record.version, f"{self.owner}:prompt", prompt))
-        self._committed = [*record.tokens, *prompt]
-        self.workers.restore(record.target, record.draft)
+        chat = None if self._chat is None else json.dumps(self._chat)
+        truncate = kept if self._replaced else None
+        await self._commit(Commit(record.version, f"{self.owner}:prompt", prompt, truncate_to=truncate, chat=chat))
+        self._committed = [*record.tokens[:kept], *prompt]
+        self.workers.restore(_upto(record.target, kept), _upto(record.draft, kept))
         req = self.request
-        self._reply = ReplyText(self.deps.tokenizer, self._committed, req.stop_strings, req.include_stop_str)
+        self._reply = ReplyText(
+            self.deps.tokenizer, self._committed, req.stop_strings, req.include_stop_str, req.min_tokens
+        )
+        processing = dataclasses.replace(req.processing, reply_start=len(self._committed))
+        self._decoding = Decoding(req.warp, req.seed, processing)
         self.stats.prompt_tokens = len(prompt)
 
     async def _renew_lease(self) -> None:
@@ -173,6 +195,22 @@ class Turn:
                     log.warning("session_lease_lost")
             except SpecdecError as exc:
                 log.warning("session_lease_renewal_failed", error=str(exc))
+
+    def _chat_prompt(self, record: SessionRecord) -> tuple[int, list[int]]:
+        """The tokens of the whole conversation (the stored one + the new messages) rendered with
+        the chat template: (committed tokens kept, tokens to append). Usually everything committed
+        is kept; a reply whose tokens differ from its text's tokenization (or a template that
+        renders past turns differently) replaces the committed tail from the first difference."""
+        if record.tokens and not record.chat:
+            raise InvalidRequest("this session was started with a prompt: continue it with `prompt`, not `messages`")
+        assert self.request.messages is not None
+        history: list[dict[str, str]] = json.loads(record.chat) if record.chat else []
+        self._chat = [*history, *({"role": role, "content": content} for role, content in self.request.messages)]
+        ids = render_chat(self.deps.tokenizer, self._chat)
+        kept = common_prefix_len(record.tokens, ids)
+        if kept == len(ids):
+            raise InvalidRequest("the new messages add no tokens to the conversation")
+        return kept, ids[kept:]
 
     def _prompt_ids(self, new_session: bool) -> list[int]:
         if self.request.prompt_ids is not None:
@@ -203,12 +241,13 @@ class Turn:
 
     async def _run_round(self) -> RoundOutput:
         self._round += 1
-        k, req, loop = self._k(), self.request, asyncio.get_running_loop()
+        k, loop, decoding = self._k(), asyncio.get_running_loop(), self._decoding
+        assert decoding is not None
         began = loop.time()
-        proposal = await self.workers.propose(self._committed, k, req.warp, req.seed, self._round) if k > 0 else None
+        proposal = await self.workers.propose(self._committed, k, decoding, self._round) if k > 0 else None
         drafted = loop.time()
         block = proposal.block if proposal else common_pb2.DraftBlock()
-        verdict, reused = await self.workers.verify(self._committed, block, req.warp, req.seed)
+        verdict, reused = await self.workers.verify(self._committed, block, decoding, self._logprobs_ask())
         if self._round == 1:
             self.stats.cached_tokens = reused
         start = len(self._committed)
@@ -223,12 +262,32 @@ class Turn:
         self._generated += len(tokens)
         self.workers.advance(start, self._committed, proposal, verdict.cache_len)
         target, draft = self.workers.locations()
-        await self._commit(Commit(self._version, f"{self.owner}:{self._round}", tokens, target=target, draft=draft))
-        self._account(proposal, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000)
         text = self._reply.take(final=finish is not None)
+        chat = None
+        if finish is not None and self._chat is not None:  # the reply joins the conversation
+            chat = json.dumps([*self._chat, {"role": "assistant", "content": self._reply.text}])
+        step = f"{self.owner}:{self._round}"
+        await self._commit(Commit(self._version, step, tokens, target=target, draft=draft, chat=chat))
+        self._account(proposal, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000)
         if finish is not None:
             self.deps.metrics.finished_requests.labels(self._finish_reason(finish, tokens)).inc()
-        return RoundOutput(token_ids=tokens, text=text, finish=finish)
+        return RoundOutput(
+            token_ids=tokens,
+            text=text,
+            finish=finish,
+            logprobs=list(verdict.logprobs[: len(tokens)]),
+            prompt_logprobs=list(verdict.prompt_logprobs),
+        )
+
+    def _logprobs_ask(self) -> LogprobsAsk:
+        req = self.request
+        prompt = req.prompt_logprobs is not None and self._round == 1
+        return LogprobsAsk(
+            tokens=req.logprobs,
+            top=req.top_logprobs,
+            prompt_count=self.stats.prompt_tokens if prompt else 0,
+            prompt_top=req.prompt_logprobs or 0,
+        )
 
     @property
     def stop_string(self) -> str | None:
@@ -247,7 +306,8 @@ class Turn:
         """Cuts a round's tokens at the first stop token or at max_new_tokens."""
         tokens = tokens[: self.request.max_new_tokens - self._generated]
         for i, token in enumerate(tokens):
-            if token in self.request.stop_ids:
+            # before min_tokens the workers never produce a stop token (they ban them)
+            if token in self.request.stop_ids and self._generated + i >= self.request.min_tokens:
                 return tokens[: i + 1], Finish.STOP
         if self._generated + len(tokens) >= self.request.max_new_tokens:
             return tokens, Finish.LENGTH
@@ -336,5 +396,27 @@ class Turn:
         """The session back to where this turn found it; the owner's commit, whatever the version."""
         self.workers.forget_caches()
         target, draft = self.workers.locations()
-        commit = Commit(None, f"{self.owner}:rollback", truncate_to=self._start_len, target=target, draft=draft)
+        commit = Commit(
+            None, f"{self.owner}:rollback", self._replaced, self._kept, target, draft, chat=self._chat_before
+        )
         return await self.deps.store.commit(self.session_id, self.owner, commit)
+
+
+def _upto(location: CacheLocation | None, length: int) -> CacheLocation | None:
+    """A cache location cut to the first ``length`` committed tokens."""
+    return None if location is None else CacheLocation(location.address, min(location.length, length))
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation's tokens with the chat template and its generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest(
+            "the target model's tokenizer has no chat template: "
+            "send `prompt` or `prompt_token_ids` instead of `messages`"
+        )
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # the template's own checks (roles, order) raise from inside Jinja
+        raise InvalidRequest(f"the chat template could not render these messages: {exc}") from exc
+    ids = rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
+    return [int(i) for i in ids]

@@ -7,6 +7,8 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
+from specdec.runtime.processing import NO_PROCESSING, Processing
 from specdec.runtime.sampling import Warp
 from specdec.serving.errors import InvalidRequest, RequestTooLarge
 from specdec.serving.session_ids import check_session_id
@@ -26,6 +28,16 @@ FEATURES = (
     "sampling.ignore_eos",
     "sampling.stop",
     "sampling.include_stop_str_in_output",
+    "sampling.logprobs",
+    "sampling.top_logprobs",
+    "sampling.prompt_logprobs",
+    "sampling.min_tokens",
+    "sampling.repetition_penalty",
+    "sampling.presence_penalty",
+    "sampling.frequency_penalty",
+    "sampling.min_p",
+    "sampling.logit_bias",
+    "messages",
     "speculation.num_speculative_tokens",
     "speculation.disable",
     "speculation.fixed",
@@ -63,6 +75,12 @@ class TurnRequest:
     k: int
     fixed_k: bool
     require_existing: bool
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content), instead of a prompt
+    min_tokens: int = 0
+    processing: Processing = NO_PROCESSING  # the turn sets reply_start; banned_until_min = stop_ids
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # alternatives per prompt token; None = no prompt logprobs
 
 
 def _check_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
@@ -71,6 +89,23 @@ def _check_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
         raise InvalidRequest(
             f"{field} contains token id {bad[0]}, but the vocabulary has {vocab_size} ids (0..{vocab_size - 1})"
         )
+
+
+MAX_MESSAGES = 1024
+
+
+def _messages(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple[tuple[str, str], ...]:
+    if request.WhichOneof("input") is not None:
+        raise InvalidRequest("set either `messages` or a prompt (`prompt` / `prompt_token_ids`), not both")
+    if len(request.messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"messages has {len(request.messages)} entries; at most {MAX_MESSAGES} are allowed")
+    chars = sum(len(m.content) for m in request.messages)
+    if chars > limits.max_prompt_chars:
+        raise RequestTooLarge(f"the messages have {chars} characters; the limit is {limits.max_prompt_chars}")
+    for index, message in enumerate(request.messages):
+        if not message.role:
+            raise InvalidRequest(f"messages[{index}].role is empty; use e.g. 'system', 'user' or 'assistant'")
+    return tuple((m.role, m.content) for m in request.messages)
 
 
 def _prompt(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple[str | None, tuple[int, ...] | None]:
@@ -89,7 +124,9 @@ def _prompt(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple[s
                 f"prompt_token_ids has {len(ids)} tokens; the context length is {limits.max_context_len}"
             )
         return None, ids
-    raise InvalidRequest("the prompt is empty: set `prompt` (text) or `prompt_token_ids` (at least one id)")
+    raise InvalidRequest(
+        "the prompt is empty: set `prompt` (text), `prompt_token_ids` (at least one id) or `messages` (chat)"
+    )
 
 
 def _warp(sampling: common_pb2.SamplingParams) -> Warp:
@@ -101,7 +138,60 @@ def _warp(sampling: common_pb2.SamplingParams) -> Warp:
     top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
     if not (0.0 < top_p <= 1.0):
         raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
-    return Warp(temperature=temperature, top_k=sampling.top_k, top_p=top_p)
+    if not (0.0 <= sampling.min_p <= 1.0):
+        raise InvalidRequest(f"sampling.min_p must be in [0, 1] (0 = off), got {sampling.min_p}")
+    return Warp(temperature=temperature, top_k=sampling.top_k, top_p=top_p, min_p=sampling.min_p)
+
+
+MAX_REPETITION_PENALTY = 100.0
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _processing(sampling: common_pb2.SamplingParams, limits: Limits, stop_ids: frozenset[int]) -> Processing:
+    repetition = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
+    if not (0.0 < repetition <= MAX_REPETITION_PENALTY):
+        raise InvalidRequest(
+            f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {repetition}"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not (-MAX_PENALTY <= value <= MAX_PENALTY):
+            raise InvalidRequest(
+                f"sampling.{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {value}"
+            )
+    bias = sampling.logit_bias
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequest(
+            f"sampling.logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed"
+        )
+    _check_ids(bias.keys(), limits.vocab_size, "sampling.logit_bias")
+    for token, value in bias.items():
+        if not (-MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidRequest(
+                f"sampling.logit_bias[{token}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}"
+            )
+    return Processing(
+        repetition_penalty=repetition,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        logit_bias=tuple(sorted(bias.items())),
+        min_tokens=sampling.min_tokens,
+        banned_until_min=tuple(sorted(stop_ids)),
+    )
+
+
+def _logprobs(sampling: common_pb2.SamplingParams) -> tuple[int, int | None]:
+    """(top_logprobs, prompt_logprobs), checked."""
+    if sampling.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"sampling.top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {sampling.top_logprobs}")
+    if sampling.top_logprobs and not sampling.logprobs:
+        raise InvalidRequest("sampling.top_logprobs needs sampling.logprobs = true")
+    prompt = sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None
+    if prompt is not None and prompt > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"sampling.prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {prompt}")
+    return sampling.top_logprobs, prompt
 
 
 MAX_STOP_STRINGS = 16
@@ -144,15 +234,22 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         check_session_id(request.session_id)
     if request.require_existing_session and not request.session_id:
         raise InvalidRequest("require_existing_session needs a session_id")
-    prompt_text, prompt_ids = _prompt(request, limits)
+    messages = _messages(request, limits) if request.messages else None
+    prompt_text, prompt_ids = _prompt(request, limits) if messages is None else (None, None)
     sampling = request.sampling
     _check_ids(sampling.stop_token_ids, limits.vocab_size, "sampling.stop_token_ids")
     stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else limits.eos_token_ids)
+    max_new_tokens = _max_new_tokens(sampling, limits)
+    if sampling.min_tokens > max_new_tokens:
+        raise InvalidRequest(
+            f"sampling.min_tokens ({sampling.min_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
+        )
+    top_logprobs, prompt_logprobs = _logprobs(sampling)
     return TurnRequest(
         session_id=request.session_id,
         prompt_text=prompt_text,
         prompt_ids=prompt_ids,
-        max_new_tokens=_max_new_tokens(sampling, limits),
+        max_new_tokens=max_new_tokens,
         warp=_warp(sampling),
         seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
         stop_ids=stop_ids,
@@ -161,4 +258,10 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         k=_k(request.speculation, limits),
         fixed_k=request.speculation.fixed,
         require_existing=request.require_existing_session,
+        messages=messages,
+        min_tokens=sampling.min_tokens,
+        processing=_processing(sampling, limits, stop_ids),
+        logprobs=sampling.logprobs,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

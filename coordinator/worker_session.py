@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
+from specdec.runtime.processing import NO_PROCESSING, Processing, processing_to_proto
 from specdec.runtime.proposals import warp_to_proto
 from specdec.runtime.sampling import Warp
 from specdec.runtime.tokens import common_prefix_len, prefix_hash
@@ -26,6 +27,26 @@ from specdec.v1 import common_pb2, draft_pb2, target_pb2
 log = structlog.get_logger(__name__)
 
 _VERIFY_RETRY_PAUSE_S = 0.1
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How a turn samples; both workers get it with every call."""
+
+    warp: Warp
+    seed: int
+    processing: Processing = NO_PROCESSING
+
+
+@dataclass(frozen=True)
+class LogprobsAsk:
+    """What a verify call returns besides the verdict: the raw log-probabilities of its tokens
+    (with ``top`` alternatives) and of the last ``prompt_count`` committed tokens (the prompt)."""
+
+    tokens: bool = False
+    top: int = 0
+    prompt_count: int = 0
+    prompt_top: int = 0
 
 
 @dataclass
@@ -127,7 +148,7 @@ class WorkerSession:
     def draft_usable(self) -> bool:
         return self._draft is not None and self._draft.usable and not self._draft_refused
 
-    async def propose(self, committed: list[int], k: int, warp: Warp, seed: int, round_id: int) -> Proposal | None:
+    async def propose(self, committed: list[int], k: int, decoding: Decoding, round_id: int) -> Proposal | None:
         """K draft tokens, or None when the draft failed (the round then decodes target-only).
 
         Pipelined: if the previous block was fully accepted and the draft's guess of the target's
@@ -139,7 +160,7 @@ class WorkerSession:
                 self._stream = self._draft.open_stream()
             proposal = await self._adopt_lookahead(committed, k, round_id) if self._pipelined else None
             if proposal is None:
-                proposal = await self._request_block(committed, k, warp, seed, round_id)
+                proposal = await self._request_block(committed, k, decoding, round_id)
         except WorkerCallFailed as exc:
             return self._draft_failed(exc)
         self._last = proposal
@@ -183,17 +204,16 @@ class WorkerSession:
         computed = len(reply.draft.token_ids) + 1  # the previous block's last draft, the guess, the rest
         return Proposal(_first(reply.draft, k), reply.cache_len, len(committed), reply.compute_ms, computed, True)
 
-    async def _request_block(
-        self, committed: list[int], k: int, warp: Warp, seed: int, round_id: int
-    ) -> Proposal | None:
+    async def _request_block(self, committed: list[int], k: int, decoding: Decoding, round_id: int) -> Proposal | None:
         assert self._stream is not None and self._draft is not None
         self._lookahead_round = None
         cached = self.draft_len
         for _ in range(2):
             sync = prefix_sync(committed, cached)
             request = draft_pb2.ProposeRequest(
-                session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k, warp=warp_to_proto(warp),
-                seed=seed, lookahead=self._pipelined, vocab_limit=self._draft.vocab_limit,
+                session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
+                warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
+                vocab_limit=self._draft.vocab_limit, processing=processing_to_proto(decoding.processing),
             )  # fmt: skip
             sent = time.monotonic()
             await self._send(request)
@@ -231,7 +251,7 @@ class WorkerSession:
         log.info("cache_resync", role=role)
 
     async def verify(
-        self, committed: list[int], block: common_pb2.DraftBlock, warp: Warp, seed: int
+        self, committed: list[int], block: common_pb2.DraftBlock, decoding: Decoding, ask: LogprobsAsk | None = None
     ) -> tuple[target_pb2.VerifyResponse, int]:
         """The verdict on ``block`` and the committed tokens the target reused from its cache.
 
@@ -239,6 +259,7 @@ class WorkerSession:
         pause one more pass, which rides out a transient connection reset. Verify is safe to
         repeat: the worker crops to base_len and the round's randomness depends on the position.
         """
+        ask = ask or LogprobsAsk()
         last_error: SpecdecError = WorkerUnavailable("no target worker answered in time; retry later")
         if self._caller_left() < self._worker_timeout_s:  # the caller's deadline is the limit here
             last_error = DeadlineExceeded("the request's deadline expired during verification")
@@ -253,7 +274,7 @@ class WorkerSession:
                     raise last_error
                 cached = self.target_len if replica.address == self.target_address else 0
                 try:
-                    reply, reused = await self._verify_on(replica, committed, block, warp, seed, cached, remaining)
+                    reply, reused = await self._verify_on(replica, committed, block, decoding, ask, cached, remaining)
                 except WorkerTimedOut as exc:
                     if self._caller_left() <= remaining:  # the caller's deadline, not the replica, ran out
                         raise DeadlineExceeded("the request's deadline expired during verification") from exc
@@ -275,20 +296,26 @@ class WorkerSession:
         replica: TargetClient,
         committed: list[int],
         block: common_pb2.DraftBlock,
-        warp: Warp,
-        seed: int,
+        decoding: Decoding,
+        ask: LogprobsAsk,
         cached: int,
         timeout_s: float,
     ) -> tuple[target_pb2.VerifyResponse, int]:
+        if ask.prompt_count:  # the prompt's positions must be computed again to be scored
+            cached = min(cached, max(len(committed) - ask.prompt_count - 1, 0))
         for _ in range(2):
             sync = prefix_sync(committed, cached)
             request = target_pb2.VerifyRequest(
-                session_id=self.session_id, sync=sync, draft=block, warp=warp_to_proto(warp), seed=seed
-            )
+                session_id=self.session_id, sync=sync, draft=block, warp=warp_to_proto(decoding.warp),
+                seed=decoding.seed, processing=processing_to_proto(decoding.processing), logprobs=ask.tokens,
+                top_logprobs=ask.top, prompt_logprobs_count=ask.prompt_count, prompt_top_logprobs=ask.prompt_top,
+            )  # fmt: skip
             reply = await replica.verify(request, timeout_s)
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 self.counters.target_passes += 1
-                if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1:
+                if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1 or (
+                    ask.tokens and len(reply.logprobs) != len(reply.token_ids)
+                ):
                     raise WorkerFailed("the target worker returned a malformed verdict")
                 return reply, sync.base_len
             self._resynced("target")

@@ -16,6 +16,7 @@ import torch
 
 from specdec.runtime.kvcache import ResyncRequired, SessionCache, SessionCaches
 from specdec.runtime.modeling import LoadedModel
+from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.sampling import DraftSample, Warp, position_generator, sample_draft_token
 from specdec.runtime.scheduler import ComputeMeter, Extend, Job
 from specdec.runtime.tokens import prefix_hash
@@ -31,6 +32,7 @@ class DraftParams:
     seed: int
     top_n: int
     vocab_limit: int = 0  # propose only ids below this (the target's vocabulary size); 0 = all
+    processing: Processing = NO_PROCESSING  # the target's penalties / bias / min_tokens
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,18 @@ def _draft_block(
     samples: list[DraftSample] = []
     for i in range(params.k):
         generator = None if params.warp.greedy else position_generator(params.seed, start + i, "draft", device)
-        sample = sample_draft_token(_proposable(logits, params), params.warp, params.top_n, generator)
+        sample = sample_draft_token(_processed(entry, logits, params), params.warp, params.top_n, generator)
         samples.append(sample)
         if i + 1 < params.k:
             logits = (yield Extend(entry, [sample.token_id], 1, meter))[-1]
     return samples
+
+
+def _processed(entry: SessionCache, logits: torch.Tensor, params: DraftParams) -> torch.Tensor:
+    """The logits of the next token (after ``entry.tokens``) processed as the target will process
+    them, restricted to the ids the target can verify."""
+    row = process_logits(logits[None], entry.tokens, len(entry.tokens), params.processing)[0]
+    return _proposable(row, params)
 
 
 def _proposable(logits: torch.Tensor, params: DraftParams) -> torch.Tensor:
@@ -123,7 +132,7 @@ def lookahead_job(
     except ResyncRequired:
         return None
     last = previous.samples[-1].token_id
-    guess_logits = _proposable((yield Extend(entry, [last], 1, meter))[-1], params)
+    guess_logits = _processed(entry, (yield Extend(entry, [last], 1, meter))[-1], params)
     guess = int(guess_logits.argmax())  # the most likely next token (any warp keeps it)
     logits = (yield Extend(entry, [guess], 1, meter))[-1]
     assumed = (*previous.token_ids, guess)

@@ -11,6 +11,7 @@ import structlog
 
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
 from draft_worker.settings import DraftSettings
+from specdec.runtime.processing import processing_from_proto
 from specdec.runtime.proposals import encode_block, warp_from_proto
 from specdec.serving.errors import InvalidRequest
 from specdec.serving.worker import WorkerCore
@@ -89,7 +90,12 @@ class _ProposeStream:
         core = self._core
         core.check_request(request.session_id, request.sync, k - 1)
         params = DraftParams(
-            k, warp_from_proto(request.warp), request.seed, self._settings.proposal_top_n, request.vocab_limit
+            k,
+            warp_from_proto(request.warp),
+            request.seed,
+            self._settings.proposal_top_n,
+            request.vocab_limit,
+            processing_from_proto(request.processing),
         )
         self._params = params
         sync = request.sync

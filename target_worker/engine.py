@@ -7,10 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from specdec.runtime.kvcache import ResyncRequired, SessionCaches
+from specdec.runtime.logprobs import token_logprobs
 from specdec.runtime.modeling import LoadedModel
+from specdec.runtime.processing import Processing, process_logits
 from specdec.runtime.proposals import decode_block
 from specdec.runtime.sampling import Warp, position_generator, rejection_sample
 from specdec.runtime.scheduler import ComputeMeter, Extend, Job
+from specdec.serving.errors import InvalidRequest
 from specdec.v1 import common_pb2
 
 
@@ -24,6 +27,19 @@ class VerifyResult:
     cache_len: int = 0
     computed_tokens: int = 0
     compute_ms: float = 0.0
+    logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class LogprobsAsk:
+    """What log-probabilities a verify call returns: of the verdict's tokens (``tokens``, with
+    ``top`` alternatives) and of the last ``prompt_count`` committed tokens (``prompt_top``)."""
+
+    tokens: bool = False
+    top: int = 0
+    prompt_count: int = 0
+    prompt_top: int = 0
 
 
 def verify_job(
@@ -34,18 +50,36 @@ def verify_job(
     block: common_pb2.DraftBlock,
     warp: Warp,
     seed: int,
+    processing: Processing,
+    ask: LogprobsAsk,
 ) -> Job[VerifyResult]:
-    """Verifies ``block`` after the committed prefix ``sync`` describes (one Extend step)."""
+    """Verifies ``block`` after the committed prefix ``sync`` describes (one Extend step).
+
+    Row i of the pass decides the token at ``committed_len + i``; ``processing`` sees the history
+    up to that row (the committed tokens and the drafts before it). Log-probabilities are of the
+    raw logits. Prompt log-probabilities need the logits of the prompt positions, so the pass
+    keeps them only when asked (the caller sends those tokens in the tail).
+    """
     meter = ComputeMeter()
     drafts, q = decode_block(block, loaded.vocab_size, loaded.device)
     base_len, tail = sync.base_len, list(sync.tail_token_ids)
+    committed_len = base_len + len(tail)
+    # Prompt token j is scored by the row of position j - 1; the session's first token has none.
+    prompt_first = committed_len - ask.prompt_count
+    if prompt_first < 0:
+        raise InvalidRequest(f"prompt_logprobs_count {ask.prompt_count} exceeds the {committed_len} committed tokens")
+    scored_from = max(prompt_first, 1)
+    prompt_rows = committed_len - scored_from if ask.prompt_count else 0
+    if prompt_rows and scored_from - 1 < base_len:
+        raise InvalidRequest("prompt logprobs need the prompt's positions in the tail: send a shorter base_len")
     try:
         entry = caches.sync(session_id, base_len, sync.prefix_hash)
     except ResyncRequired:
         return VerifyResult(resync=True)
     k = len(drafts)
-    logits = yield Extend(entry, [*tail, *drafts.tolist()], k + 1, meter)
-    committed_len = base_len + len(tail)
+    all_logits = yield Extend(entry, [*tail, *drafts.tolist()], k + 1 + prompt_rows, meter)
+    raw = all_logits[prompt_rows:]
+    logits = process_logits(raw, entry.tokens, committed_len, processing)
     generators = None
     if not warp.greedy:  # row i decides the token at position committed_len + i
         generators = [position_generator(seed, committed_len + i, "target", loaded.device) for i in range(k + 1)]
@@ -53,6 +87,13 @@ def verify_job(
         q = torch.nn.functional.one_hot(drafts, loaded.vocab_size).float()
     verdict = rejection_sample(logits, drafts, q, warp, generators)
     entry.truncate(committed_len + verdict.num_accepted)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = []
+    if ask.prompt_count:
+        if prompt_first == 0:  # nothing precedes the session's first token
+            prompt_logprobs.append(common_pb2.TokenLogprob(token_id=entry.tokens[0]))
+        scored = entry.tokens[scored_from:committed_len]
+        prompt_logprobs += token_logprobs(all_logits[:prompt_rows], scored, ask.prompt_top)
+    rows = len(verdict.token_ids)
     return VerifyResult(
         resync=False,
         num_accepted=verdict.num_accepted,
@@ -60,4 +101,6 @@ def verify_job(
         cache_len=len(entry.tokens),
         computed_tokens=len(tail) + k,
         compute_ms=meter.ms,
+        logprobs=tuple(token_logprobs(raw[:rows], verdict.token_ids, ask.top)) if ask.tokens else (),
+        prompt_logprobs=tuple(prompt_logprobs),
     )

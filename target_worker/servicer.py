@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import grpc
 
+from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
+from specdec.runtime.processing import processing_from_proto
 from specdec.runtime.proposals import warp_from_proto
 from specdec.serving.errors import InvalidRequest
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_worker.engine import verify_job
+from target_worker.engine import LogprobsAsk, verify_job
 from target_worker.settings import TargetSettings
 
 
@@ -31,11 +33,25 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
                 f"draft block of {k} tokens exceeds max_draft_tokens={self._settings.max_draft_tokens}"
             )
         self._core.check_request(request.session_id, request.sync, k)
+        if max(request.top_logprobs, request.prompt_top_logprobs) > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"at most {MAX_TOP_LOGPROBS} top logprobs per token")
         warp, core = warp_from_proto(request.warp), self._core
+        processing = processing_from_proto(request.processing)
+        ask = LogprobsAsk(
+            request.logprobs, request.top_logprobs, request.prompt_logprobs_count, request.prompt_top_logprobs
+        )
         result = await core.run(
             request.session_id,
             lambda: verify_job(
-                core.caches, core.loaded, request.session_id, request.sync, request.draft, warp, request.seed
+                core.caches,
+                core.loaded,
+                request.session_id,
+                request.sync,
+                request.draft,
+                warp,
+                request.seed,
+                processing,
+                ask,
             ),
         )
         if result.resync:
@@ -50,6 +66,8 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             cache_len=result.cache_len,
             computed_tokens=result.computed_tokens,
             compute_ms=result.compute_ms,
+            logprobs=result.logprobs,
+            prompt_logprobs=result.prompt_logprobs,
         )
 
     async def ReleaseSession(

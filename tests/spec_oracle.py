@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 import torch
 from scipy import stats
+from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
+from specdec.runtime.processing import Processing
 from specdec.runtime.sampling import Verdict, Warp, proposal_matrix, rejection_sample, sample_draft_token, warped_probs
 
 LogitFn = Callable[[tuple[int, ...]], torch.Tensor]
@@ -99,3 +101,26 @@ def chi_square_pvalue(
         observed.append(pool_obs)
         expected.append(pool_exp)
     return chi_square(observed, expected)
+
+
+def reference_processing(
+    processing: Processing, prompt_len: int
+) -> Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]:
+    """``processing`` written independently of specdec.runtime.processing, with HF's own processors
+    where HF has one: (logits of the next token, the whole sequence before it) -> processed logits.
+    The reply starts after ``prompt_len`` tokens."""
+    repetition = RepetitionPenaltyLogitsProcessor(processing.repetition_penalty)
+    minimum = MinNewTokensLengthLogitsProcessor(prompt_len, processing.min_tokens, list(processing.banned_until_min))
+
+    def apply(logits: torch.Tensor, sequence: tuple[int, ...]) -> torch.Tensor:
+        ids = torch.tensor([sequence])
+        scores = repetition(ids, logits[None].clone().float())[0]
+        for token, count in collections.Counter(sequence[prompt_len:]).items():
+            scores[token] -= processing.frequency_penalty * count + processing.presence_penalty
+        for token, bias in processing.logit_bias:
+            scores[token] += bias
+        if processing.banned_until_min:
+            scores = minimum(ids, scores[None])[0]
+        return scores
+
+    return apply

@@ -14,7 +14,7 @@ catches a planted bug in the production sampler.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -25,17 +25,19 @@ from coordinator.worker_session import prefix_sync
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.proposals import encode_block
 from specdec.runtime.sampling import Verdict, Warp, warped_probs
 from specdec.runtime.scheduler import Job
 from specdec.runtime.tokens import common_prefix_len
 from specdec.v1 import common_pb2
-from tests.spec_oracle import chi_square_pvalue
+from tests.spec_oracle import chi_square_pvalue, reference_processing
 from tests.tiny_models import TinyModels
 
 PROMPT = (5, 17, 99, 3)
 WARP = Warp(temperature=0.8, top_k=4, top_p=0.9)
 LENGTH = 3  # tokens whose joint distribution is tested (support <= 4^3)
+NO_LOGPROBS = target_engine.LogprobsAsk()
 
 
 def run_job(job: Job, caches: SessionCaches):  # type: ignore[no-untyped-def, type-arg]
@@ -62,6 +64,8 @@ class Speculation:
     k: int
     top_n: int
     pipelined: bool
+    warp: Warp = WARP
+    processing: Processing = NO_PROCESSING
 
     def __post_init__(self) -> None:
         self.target_caches = SessionCaches(self.target, 4, 600)
@@ -85,7 +89,9 @@ class Speculation:
             wire = _first(wire, k)
             sync = prefix_sync(committed, target_len)
             result = run_job(
-                target_engine.verify_job(self.target_caches, self.target, "s", sync, wire, WARP, seed),
+                target_engine.verify_job(
+                    self.target_caches, self.target, "s", sync, wire, self.warp, seed, self.processing, NO_LOGPROBS
+                ),
                 self.target_caches,
             )
             tokens = list(result.token_ids)[: max_new - generated]
@@ -99,7 +105,7 @@ class Speculation:
         return committed[len(PROMPT) :]
 
     def _params(self, k: int, seed: int) -> DraftParams:
-        return DraftParams(k=k, warp=WARP, seed=seed, top_n=self.top_n, vocab_limit=self.target.vocab_size)
+        return DraftParams(k, self.warp, seed, self.top_n, self.target.vocab_size, self.processing)
 
     def _block(self, committed: list[int], draft_len: int, k: int, seed: int, ahead: Block | None) -> Block:
         if ahead is not None and ahead.samples and list(ahead.assumed) == committed[ahead.start - len(ahead.assumed) :]:
@@ -119,8 +125,12 @@ def _first(block: common_pb2.DraftBlock, k: int) -> common_pb2.DraftBlock:
     return first(block, k)
 
 
-def exact_distribution(target: LoadedModel) -> dict[tuple[int, ...], float]:
-    """P(first LENGTH tokens) under the warped target, enumerated over its (top-k) support."""
+def exact_distribution(
+    target: LoadedModel, reference: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor] | None = None
+) -> dict[tuple[int, ...], float]:
+    """P(first LENGTH tokens) under the warped target, enumerated over its (top-k) support;
+    ``reference(logits, sequence)`` processes each position's logits first (a plain forward pass
+    over the whole sequence, no cache and no speculation)."""
     out: dict[tuple[int, ...], float] = {}
 
     def walk(prefix: tuple[int, ...], prob: float) -> None:
@@ -129,7 +139,9 @@ def exact_distribution(target: LoadedModel) -> dict[tuple[int, ...], float]:
             return
         with torch.inference_mode():
             logits = target.model(torch.tensor([[*PROMPT, *prefix]])).logits[0, -1]
-        p = warped_probs(logits, WARP)
+        if reference is not None:
+            logits = reference(logits, (*PROMPT, *prefix))
+        p = warped_probs(logits, WARP if reference is None else PENALISED_WARP)
         for token in torch.nonzero(p).flatten().tolist():
             walk((*prefix, token), prob * float(p[token]))
 
@@ -140,7 +152,7 @@ def exact_distribution(target: LoadedModel) -> dict[tuple[int, ...], float]:
 @pytest.fixture(scope="module")
 def models(tiny_models: TinyModels) -> Iterator[dict[str, LoadedModel]]:
     options = LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch")
-    yield {name: load_model(str(getattr(tiny_models, name)), options) for name in ("target", "noisy", "other")}
+    yield {name: load_model(str(getattr(tiny_models, name)), options) for name in ("target", "noisy", "other", "same")}
 
 
 # A block drafted ahead decides tested tokens only when the first round commits fewer than
@@ -197,3 +209,69 @@ def test_the_production_path_test_catches_a_planted_bug(
     speculation = Speculation(models["target"], models["other"], 1, 0, False)
     samples = sample_counts(speculation, 3000)
     assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6
+
+
+# Penalties strong enough to move the tested distribution a lot: a history-dependent processing
+# bug (a row that does not see the drafts before it) changes which tokens follow a repeat.
+PENALISED_WARP = Warp(temperature=0.9, top_k=4, min_p=0.3)
+
+
+def penalties(banned: int) -> Processing:
+    return Processing(
+        repetition_penalty=1.8,
+        presence_penalty=0.7,
+        frequency_penalty=1.5,
+        logit_bias=((7, 1.5), (40, -2.0)),
+        reply_start=len(PROMPT),
+        min_tokens=2,
+        banned_until_min=(banned,),
+    )
+
+
+def _stale_history(logits: torch.Tensor, tokens, first_position: int, processing: Processing) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The planted bug: every row of a verify pass is processed with the committed history only
+    (the drafts before the row are not counted), as a processor that ignores speculation does."""
+    rows = [process_logits(logits[r : r + 1], tokens, first_position, processing) for r in range(logits.shape[0])]
+    return torch.cat(rows)
+
+
+def _favourite(target: LoadedModel) -> int:
+    with torch.inference_mode():
+        return int(target.model(torch.tensor([PROMPT])).logits[0, -1].argmax())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("k", "pipelined", "draft"),
+    [pytest.param(4, False, "noisy", id="K4-sequential"), pytest.param(1, True, "noisy", id="K1-pipelined")],
+)
+def test_penalties_follow_the_exact_penalised_distribution(
+    models: dict[str, LoadedModel], k: int, pipelined: bool, draft: str
+) -> None:
+    """Repetition, presence and frequency penalties, logit bias, min_tokens (banning the target's
+    favourite first token) and min_p, through the production jobs: the first three tokens follow
+    the distribution a plain, non-speculative pass with the same processing gives."""
+    target = models["target"]
+    processing = penalties(_favourite(target))
+    speculation = Speculation(target, models[draft], k, 0, pipelined, PENALISED_WARP, processing)
+    samples = sample_counts(speculation, 1500)
+    exact = exact_distribution(target, reference_processing(processing, len(PROMPT)))
+    assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_penalty_test_catches_processing_on_the_wrong_history(
+    models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Power check: the same test rejects a target that processes every row with the committed
+    history only (drafts from the target's own copy, so rows past the first decide tokens)."""
+    monkeypatch.setattr(target_engine, "process_logits", _stale_history)
+    target = models["target"]
+    processing = penalties(_favourite(target))
+    speculation = Speculation(target, models["same"], 4, 0, False, PENALISED_WARP, processing)
+    samples = sample_counts(speculation, 1500)
+    exact = exact_distribution(target, reference_processing(processing, len(PROMPT)))
+    impossible = sum(n for outcome, n in samples.items() if exact.get(outcome, 0.0) == 0.0)
+    # Sequences the exact processing can never produce (min-p / top-k cut them) are proof enough;
+    # otherwise the chi-square test must reject.
+    assert impossible > 0 or chi_square_pvalue(samples, exact, sum(samples.values())) < 1e-6

@@ -21,6 +21,9 @@ LIMITS = Limits(
 )
 
 
+S = common_pb2.SamplingParams
+
+
 def req(**kwargs: object) -> coordinator_pb2.GenerateRequest:
     base: dict[str, object] = {"prompt_token_ids": common_pb2.TokenIds(ids=[1, 2, 3])}
     base.update(kwargs)
@@ -78,8 +81,55 @@ def test_seed_is_kept() -> None:
         (req(session_id="chat\n"), "session_id must be"),
         (req(session_id="a" * 129), "session_id must be"),
         (req(require_existing_session=True), "require_existing_session needs a session_id"),
+        (req(sampling=S(repetition_penalty=0.0)), r"repetition_penalty must be in \(0, 100\]"),
+        (req(sampling=S(repetition_penalty=-1.0)), r"repetition_penalty must be in \(0, 100\]"),
+        (req(sampling=S(repetition_penalty=math.nan)), r"repetition_penalty must be in \(0, 100\]"),
+        (req(sampling=S(presence_penalty=2.5)), r"presence_penalty must be in \[-2, 2\]"),
+        (req(sampling=S(frequency_penalty=-math.inf)), r"frequency_penalty must be in \[-2, 2\]"),
+        (req(sampling=S(frequency_penalty=math.nan)), r"frequency_penalty must be in \[-2, 2\]"),
+        (req(sampling=S(min_p=1.5)), r"min_p must be in \[0, 1\]"),
+        (req(sampling=S(min_p=math.nan)), r"min_p must be in \[0, 1\]"),
+        (req(sampling=S(logit_bias={3: 101.0})), r"logit_bias\[3\] must be in \[-100, 100\]"),
+        (req(sampling=S(logit_bias={3: math.nan})), r"logit_bias\[3\] must be in \[-100, 100\]"),
+        (req(sampling=S(logit_bias={100: 1.0})), "logit_bias contains token id 100"),
+        (req(sampling=S(logit_bias=dict.fromkeys(range(1025), 1.0))), "logit_bias has 1025 entries; at most 1024"),
+        (req(sampling=S(logprobs=True, top_logprobs=21)), r"top_logprobs must be in \[0, 20\]"),
+        (req(sampling=S(top_logprobs=2)), "top_logprobs needs sampling.logprobs"),
+        (req(sampling=S(prompt_logprobs=21)), r"prompt_logprobs must be in \[0, 20\]"),
+        (req(sampling=S(max_new_tokens=4, min_tokens=5)), r"min_tokens \(5\) must not exceed max_new_tokens \(4\)"),
+        (req(sampling=S(stop=["x"] * 17)), "sampling.stop has 17 strings; at most 16"),
+        (req(sampling=S(stop=["x" * 257])), "1 to 256 characters"),
+        (req(messages=[coordinator_pb2.ChatMessage(role="user", content="hi")]), "either `messages` or a prompt"),
+        (
+            coordinator_pb2.GenerateRequest(messages=[coordinator_pb2.ChatMessage(role="", content="hi")]),
+            r"messages\[0\].role is empty",
+        ),
     ],
 )
 def test_invalid_requests(request_: coordinator_pb2.GenerateRequest, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         parse_request(request_, LIMITS)
+
+
+def test_sampling_features_are_parsed() -> None:
+    sampling = S(
+        repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.5, min_p=0.1, logit_bias={4: -100.0, 9: 3.0},
+        min_tokens=3, logprobs=True, top_logprobs=20, prompt_logprobs=0, stop_token_ids=[7],
+    )  # fmt: skip
+    turn = parse_request(req(sampling=sampling), LIMITS)
+    p = turn.processing
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == pytest.approx((1.3, 0.5, -0.5))
+    assert p.logit_bias == ((4, -100.0), (9, 3.0)) and p.min_tokens == 3 and p.banned_until_min == (2, 7)
+    assert turn.warp.min_p == pytest.approx(0.1) and turn.min_tokens == 3
+    assert turn.logprobs and turn.top_logprobs == 20 and turn.prompt_logprobs == 0
+    plain = parse_request(req(), LIMITS)
+    assert not plain.processing.active and plain.prompt_logprobs is None and not plain.logprobs
+
+
+def test_chat_messages_are_an_input() -> None:
+    messages = [
+        coordinator_pb2.ChatMessage(role="system", content="be brief"),
+        coordinator_pb2.ChatMessage(role="user"),
+    ]
+    turn = parse_request(coordinator_pb2.GenerateRequest(messages=messages), LIMITS)
+    assert turn.messages == (("system", "be brief"), ("user", "")) and turn.prompt_ids is None

@@ -83,10 +83,10 @@ def _decode_row(proposal: common_pb2.TokenProposal, kind: int, vocab_size: int) 
 def warp_from_proto(warp: common_pb2.WarpParams) -> Warp:
     """WarpParams -> Warp; unset top_p (0) means off."""
     try:
-        return Warp(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p or 1.0)
+        return Warp(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p or 1.0, min_p=warp.min_p)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
 
 
 def warp_to_proto(warp: Warp) -> common_pb2.WarpParams:
-    return common_pb2.WarpParams(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p)
+    return common_pb2.WarpParams(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p)

@@ -28,12 +28,13 @@ GREEDY_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class Warp:
-    """Temperature / top-k / top-p warping; a temperature below GREEDY_TEMPERATURE (0 included)
-    means greedy decoding (argmax)."""
+    """Temperature / top-k / top-p / min-p warping; a temperature below GREEDY_TEMPERATURE (0
+    included) means greedy decoding (argmax)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -42,6 +43,8 @@ class Warp:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -49,7 +52,7 @@ class Warp:
 
 
 def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
-    """Probabilities after temperature, top-k, then top-p (the order HF uses).
+    """Probabilities after temperature, top-k, top-p, then min-p (the order HF uses).
 
     ``logits``: [..., V] -> float32 [..., V] summing to 1 over the last dim. Greedy warps give the
     one-hot distribution of the argmax (the limit temperature -> 0).
@@ -76,7 +79,11 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
         drop_sorted[..., 0] = False  # always keep the most likely token
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, -math.inf)
-    return scores.softmax(-1)
+    probs = scores.softmax(-1)
+    if warp.min_p > 0:  # the most likely token always survives (its probability is the maximum)
+        floor = warp.min_p * probs.max(-1, keepdim=True).values
+        probs = scores.masked_fill(probs < floor, -math.inf).softmax(-1)
+    return probs
 
 
 def position_generator(seed: int, position: int, role: str, device: torch.device | str = "cpu") -> torch.Generator:

@@ -50,6 +50,7 @@ class SessionRecord:
     owner: str = ""
     target: CacheLocation | None = None
     draft: CacheLocation | None = None
+    chat: str = ""  # the conversation (JSON) of a session driven by chat messages; "" = none
     created_at: float = 0.0
     updated_at: float = 0.0
 
@@ -62,7 +63,8 @@ class Commit:
 
     ``step_id`` names the change: re-sending a commit whose step is among the last
     RECENT_STEPS applied reports ALREADY_APPLIED instead of applying it twice. ``truncate_to`` (an explicit rollback)
-    cuts the committed tokens before ``append`` is added. ``None`` cache locations are unchanged.
+    cuts the committed tokens before ``append`` is added. ``None`` cache locations are unchanged
+    (but cut to the tokens kept: a location is never longer than the tokens it was computed for).
     """
 
     def __post_init__(self) -> None:
@@ -83,6 +85,7 @@ class Commit:
     truncate_to: int | None = None
     target: CacheLocation | None = None
     draft: CacheLocation | None = None
+    chat: str | None = None  # the new conversation (JSON) of a chat session; None = unchanged
 
 
 class CommitOutcome(enum.Enum):

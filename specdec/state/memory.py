@@ -87,12 +87,15 @@ class MemoryStateStore(StateStore):
             commit.check(len(record.tokens))
             if commit.truncate_to is not None:
                 del record.tokens[commit.truncate_to :]
+            kept = len(record.tokens)  # a location this commit does not set is valid this far, at most
             record.tokens.extend(commit.append)
+            if commit.chat is not None:
+                record.chat = commit.chat
             record.version += 1
             record.recent_steps = [*record.recent_steps, commit.step_id][-RECENT_STEPS:]
             record.updated_at = now
-            record.target = _clamped(commit.target or record.target, len(record.tokens))
-            record.draft = _clamped(commit.draft or record.draft, len(record.tokens))
+            record.target = commit.target or _clamped(record.target, kept)
+            record.draft = commit.draft or _clamped(record.draft, kept)
             self._touch(session_id, now)
             return CommitResult(CommitOutcome.APPLIED, record.version)
 

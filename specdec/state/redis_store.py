@@ -58,7 +58,7 @@ return {'ok', redis.call('HGETALL', KEYS[1])}
 
 # KEYS: session, epoch; ARGV: epoch, owner, expected_version (-1 = any: the owner's rollback), step,
 # append (packed uint32), truncate_to (-1 = none), target json ('' = unchanged), target length (-1 = none), draft json,
-# draft length, lease_ms, ttl_ms, recent steps kept
+# draft length, lease_ms, ttl_ms, recent steps kept, chat ('' = unchanged, else '=' .. the new value)
 _COMMIT = (
     _EPOCH
     + _NOW_MS
@@ -71,6 +71,7 @@ if cur[3] ~= ARGV[2] then return {'not_owner', tonumber(cur[1])} end
 local tokens = cur[4]
 local cut = tonumber(ARGV[6])
 if cut >= 0 then tokens = string.sub(tokens, 1, cut * 4) end
+local kept = #tokens / 4
 tokens = tokens .. ARGV[5]
 local committed = #tokens / 4
 if tonumber(ARGV[8]) > committed or tonumber(ARGV[10]) > committed then return {'invalid', committed} end
@@ -84,18 +85,20 @@ while bars > tonumber(ARGV[13]) + 1 do
 end
 redis.call('HSET', KEYS[1], 'tokens', tokens, 'version', version, 'steps', steps,
            'updated', now, 'lease', now + tonumber(ARGV[11]))
-if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'target', ARGV[7]) end
-if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'draft', ARGV[9]) end
+if ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'chat', string.sub(ARGV[14], 2)) end
+-- a location this commit does not set is valid for the tokens it kept, at most
 for _, field in ipairs({'target', 'draft'}) do
   local raw = redis.call('HGET', KEYS[1], field)
   if raw and raw ~= '' then
     local loc = cjson.decode(raw)
-    if loc.length > committed then
-      loc.length = committed
+    if loc.length > kept then
+      loc.length = kept
       redis.call('HSET', KEYS[1], field, cjson.encode(loc))
     end
   end
 end
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'target', ARGV[7]) end
+if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'draft', ARGV[9]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[12])
 return {'applied', version}
 """
@@ -143,6 +146,7 @@ def _record(session_id: str, fields: dict[bytes, bytes]) -> SessionRecord:
         owner=raw["owner"].decode(),
         target=CacheLocation.from_json(raw["target"]),
         draft=CacheLocation.from_json(raw["draft"]),
+        chat=raw.get("chat", b"").decode(),
         created_at=int(raw["created"]) / 1000,
         updated_at=int(raw["updated"]) / 1000,
     )
@@ -236,6 +240,7 @@ class RedisStateStore(StateStore):
             self._lease_ms,
             self._ttl_ms,
             RECENT_STEPS,
+            "" if commit.chat is None else "=" + commit.chat,
         ]
         keys = [self.key(session_id), self._epoch_key]
         status_raw, *rest = await self._call(lambda: self._commit(keys=keys, args=args))

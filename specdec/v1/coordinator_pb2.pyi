@@ -28,20 +28,30 @@ class SpeculationParams(_message.Message):
     def __init__(self, num_speculative_tokens: _Optional[int] = ..., disable: _Optional[bool] = ..., fixed: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "prompt", "prompt_token_ids", "sampling", "speculation", "require_existing_session")
+    __slots__ = ("session_id", "prompt", "prompt_token_ids", "sampling", "speculation", "require_existing_session", "messages")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     REQUIRE_EXISTING_SESSION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt: str
     prompt_token_ids: _common_pb2.TokenIds
     sampling: _common_pb2.SamplingParams
     speculation: SpeculationParams
     require_existing_session: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., require_existing_session: _Optional[bool] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, session_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., require_existing_session: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -84,7 +94,7 @@ class SpeculationStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., mean_k: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "finish_reason", "usage", "stats", "seed", "stop_string", "stop_token_id")
+    __slots__ = ("session_id", "token_ids", "text", "finish_reason", "usage", "stats", "seed", "stop_string", "stop_token_id", "logprobs", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +104,8 @@ class GenerateResponse(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -103,10 +115,12 @@ class GenerateResponse(_message.Message):
     seed: int
     stop_string: str
     stop_token_id: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., seed: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., seed: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("session_id", "token_ids", "text", "finish_reason", "usage", "stats", "seed", "stop_string", "stop_token_id")
+    __slots__ = ("session_id", "token_ids", "text", "finish_reason", "usage", "stats", "seed", "stop_string", "stop_token_id", "logprobs", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +130,8 @@ class GenerateStreamResponse(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -125,7 +141,9 @@ class GenerateStreamResponse(_message.Message):
     seed: int
     stop_string: str
     stop_token_id: int
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., seed: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., seed: _Optional[int] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -144,7 +162,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature")
+    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +182,8 @@ class GetInfoResponse(_message.Message):
     ADAPTIVE_K_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     GREEDY_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     target_model_id: str
     draft_model_id: str
@@ -183,4 +203,6 @@ class GetInfoResponse(_message.Message):
     adaptive_k: bool
     features: _containers.RepeatedScalarFieldContainer[str]
     greedy_temperature: float
-    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ...) -> None: ...
+    chat_template: bool
+    max_top_logprobs: int
+    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,123 @@
+"""History-dependent logit processing: repetition / presence / frequency penalties, logit bias and
+the min_tokens ban, applied row by row to the history up to each row.
+
+Under speculation one forward pass scores several positions: row ``r`` of a verify pass decides
+the token at position ``first_position + r``, and its history is every token before that position,
+the drafts before it included. Applying a penalty to the committed history only (a bug peers have
+shipped) changes the distribution of every row after the first; here each row gets its own counts.
+The draft applies the same processing to its own proposals (acceptance stays high); exactness does
+not depend on that, because the target verifies against the distribution the draft sampled from.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.serving.errors import InvalidRequest
+from specdec.v1 import common_pb2
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Processing:
+    """What to apply before the warp (temperature / top-k / top-p / min-p), in this order:
+    repetition penalty (HF: over every token before the position), presence and frequency
+    penalties (OpenAI: over the reply's tokens before the position), additive logit bias, and the
+    ban of ``banned_until_min`` while the reply is shorter than ``min_tokens``."""
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    reply_start: int = 0
+    min_tokens: int = 0
+    banned_until_min: tuple[int, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or (self.min_tokens and self.banned_until_min)
+        )
+
+
+NO_PROCESSING = Processing()
+
+
+def _counts(
+    tokens: Sequence[int], start: int, first_position: int, rows: int, vocab: int, device: torch.device
+) -> Tensor:
+    """[rows, V] occurrence counts: row r counts tokens[start : first_position + r]."""
+    before = [t for t in tokens[start:first_position] if t < vocab]
+    base = torch.bincount(torch.tensor(before, dtype=torch.long), minlength=vocab)[:vocab].to(device).float()
+    counts = base.expand(rows, vocab).clone()
+    for r in range(1, rows):
+        position = first_position + r - 1  # the token row r sees that row r - 1 did not
+        token = tokens[position]
+        if position >= start and token < vocab:
+            counts[r:, token] += 1
+    return counts
+
+
+def process_logits(logits: Tensor, tokens: Sequence[int], first_position: int, processing: Processing) -> Tensor:
+    """``logits`` [R, V] -> processed float32 logits [R, V]; row r decides the token at position
+    ``first_position + r`` and sees ``tokens[:first_position + r]`` (``tokens`` must reach that far)."""
+    if not processing.active:
+        return logits
+    rows, vocab = logits.shape
+    if len(tokens) < first_position + rows - 1:
+        raise ValueError(f"{rows} rows from position {first_position} need {first_position + rows - 1} tokens")
+    p, out = processing, logits.float().clone()
+    if p.repetition_penalty != 1.0:
+        seen = _counts(tokens, 0, first_position, rows, vocab, out.device) > 0
+        penalised = torch.where(out < 0, out * p.repetition_penalty, out / p.repetition_penalty)
+        out = torch.where(seen, penalised, out)
+    if p.presence_penalty or p.frequency_penalty:
+        counts = _counts(tokens, p.reply_start, first_position, rows, vocab, out.device)
+        out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    for token, bias in p.logit_bias:
+        if token < vocab:
+            out[:, token] += bias
+    if p.min_tokens and p.banned_until_min:
+        banned = [t for t in p.banned_until_min if t < vocab]
+        for r in range(rows):
+            if first_position + r - p.reply_start < p.min_tokens:
+                out[r, banned] = -math.inf
+    return out
+
+
+def processing_from_proto(params: common_pb2.LogitsParams) -> Processing:
+    """LogitsParams -> Processing (0 repetition penalty = off), checked."""
+    repetition = params.repetition_penalty or 1.0
+    values = (repetition, params.presence_penalty, params.frequency_penalty, *params.logit_bias.values())
+    if not all(math.isfinite(v) for v in values) or repetition <= 0:
+        raise InvalidRequest("logits processing needs finite values and a repetition penalty > 0")
+    return Processing(
+        repetition_penalty=repetition,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=tuple(sorted(params.logit_bias.items())),
+        reply_start=params.reply_start,
+        min_tokens=params.min_tokens,
+        banned_until_min=tuple(sorted(set(params.banned_until_min))),
+    )
+
+
+def processing_to_proto(processing: Processing) -> common_pb2.LogitsParams:
+    return common_pb2.LogitsParams(
+        repetition_penalty=processing.repetition_penalty,
+        presence_penalty=processing.presence_penalty,
+        frequency_penalty=processing.frequency_penalty,
+        logit_bias=dict(processing.logit_bias),
+        reply_start=processing.reply_start,
+        min_tokens=processing.min_tokens,
+        banned_until_min=list(processing.banned_until_min),
+    )
