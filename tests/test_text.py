@@ -73,3 +73,18 @@ def test_no_stop_strings_passes_every_token() -> None:
     tok = build_tokenizer()
     taken, deltas, matched = _stream(tok, "plain text", [], per_push=4)
     assert taken == len(tok("plain text")["input_ids"]) and "".join(deltas) == "plain text" and matched == ""
+
+
+def test_stop_strings_do_not_match_before_min_tokens() -> None:
+    """ "ab" occurs at tokens 1-2 and again at 6-7: with min_tokens 4 only the second one ends the
+    reply; a match completed by the min_tokens-th token itself counts."""
+    from coordinator.text import ReplyText
+
+    tok = build_tokenizer()
+    ids = tok("abxyzab!")["input_ids"]  # one token per byte
+    for min_tokens, taken in [(0, 2), (2, 2), (3, 7), (7, 7)]:
+        reply = ReplyText(tok, [], ["ab"], False, min_tokens)
+        assert reply.push(ids) == taken, min_tokens
+        assert reply.matched == "ab"
+    reply = ReplyText(tok, [], ["ab"], False, 8)
+    assert reply.push(ids) == len(ids) and reply.matched is None
