@@ -162,6 +162,21 @@ class Engine:
         return self._deps
 
     @property
+    def ready(self) -> bool:
+        """Start-up is done: the workers answered and fit together."""
+        return self._deps is not None
+
+    @property
+    def active(self) -> int:
+        """Requests generating now."""
+        return self._active
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens committed since start."""
+        return self.metrics.generated_total
+
+    @property
     def limits(self) -> Limits:
         return self.deps.limits
 

@@ -9,8 +9,11 @@ from collections.abc import Sequence
 import grpc
 import structlog
 from prometheus_client import CollectorRegistry
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.engine import Engine
+from coordinator.engine_api import SERVICE_NAME as ENGINE_SERVICE_NAME
+from coordinator.engine_api import VllmEngineServicer
 from coordinator.servicer import GenerationServicer
 from coordinator.settings import CoordinatorSettings
 from specdec.serving.logging import configure_logging
@@ -35,8 +38,10 @@ async def run(settings: CoordinatorSettings) -> int:
 
     def register(server: grpc.aio.Server) -> None:
         coordinator_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(engine), server)
 
-    return await serve(settings, ServiceSpec([SERVICE_NAME], register, engine.start, engine.stop, registry), control)
+    services = [SERVICE_NAME, ENGINE_SERVICE_NAME]
+    return await serve(settings, ServiceSpec(services, register, engine.start, engine.stop, registry), control)
 
 
 def main(argv: Sequence[str]) -> None:

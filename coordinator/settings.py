@@ -20,6 +20,9 @@ class CoordinatorSettings(ServiceSettings):
     target_addresses: list[str] = Field(min_length=1, description="target worker host:port list (comma separated)")
     draft_address: str | None = Field(None, description="draft worker host:port; unset = target-only decoding")
     tokenizer: str | None = Field(None, description="tokenizer path or hub id (default: the target's model id)")
+    served_model_name: str | None = Field(
+        None, description="model name the engine API (vllm.grpc.engine) reports to gateways (default: the target's id)"
+    )
     state_url: str = Field("memory://", description="memory:// (single coordinator), redis://, rediss://")
     state_password: SecretStr | None = Field(
         None, description="Redis AUTH password (better than one in state_url; never logged)"

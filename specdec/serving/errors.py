@@ -110,3 +110,9 @@ class PermissionDenied(SpecdecError):
     """The caller is known but may not use this service."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unsupported(SpecdecError):
+    """An RPC this server does not offer."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED

@@ -49,6 +49,7 @@ class CoordinatorMetrics:
             "specdec_rejected_requests", "Requests refused at admission", registry=registry
         )
         self.generated_tokens = Counter("specdec_generated_tokens", "Tokens committed to sessions", registry=registry)
+        self.generated_total = 0  # the same count, read back for load reports
         self.rounds = Counter("specdec_rounds", "Draft-verify rounds", ["mode"], registry=registry)
         self.draft_tokens_proposed = Counter(
             "specdec_draft_tokens_proposed", "Draft tokens proposed, by position in the block", ["position"],
@@ -89,6 +90,7 @@ class CoordinatorMetrics:
         """One round: its mode, tokens, per-position acceptance and latency split."""
         self.rounds.labels("speculative" if k else "target_only").inc()
         self.generated_tokens.inc(committed)
+        self.generated_total += committed
         self.committed_per_round.observe(committed)
         for position in range(1, k + 1):
             self.draft_tokens_proposed.labels(str(position)).inc()

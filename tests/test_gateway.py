@@ -1,0 +1,309 @@
+"""OpenAI-compatible clients through a real gateway: the official ``openai`` SDK -> the Shepherd
+Model Gateway (``smg``, a separate process) -> the coordinator's ``vllm.grpc.engine.VllmEngine``
+service -> draft and target workers (tiny random models with the real Qwen2.5 tokenizer and chat
+template). A second set of checks calls the engine service with a client compiled from
+``smg-grpc-proto`` for what the gateway does not exercise."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from specdec.runtime.modeling import tokenizer_fingerprint
+from specdec.tools.launch import LocalCluster
+from specdec.tools.model_fetch import fetch_tokenizer
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.conftest import CLUSTER_WORKER_ARGS
+from tests.helpers import free_port
+from tests.reference import worker_info
+from tests.tiny_models import build_model
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
+
+
+@dataclass
+class Gateway:
+    cluster: LocalCluster
+    client: openai.OpenAI
+    model: str
+    tokenizer: PreTrainedTokenizerBase
+    log: Path
+
+
+def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], log: Path) -> str:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert gateway.poll() is None, log.read_text()[-3000:]
+        try:
+            models = client.models.list().data
+            if models:  # listed; serving once its tokenizer is registered too
+                client.completions.create(model=models[0].id, prompt="hi", max_tokens=1)
+                return models[0].id
+        except openai.APIError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the gateway never served a model:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
+    tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer("qwen2.5-coder-0.5b", cache_dir))
+    root = tmp_path_factory.mktemp("gateway")
+    target = build_model(root / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
+    draft = build_model(root / "draft", seed=4, hidden=32, layers=1, vocab=len(tokenizer), tokenizer=tokenizer)
+    cluster = LocalCluster(
+        str(target),
+        str(draft),
+        root / "run",
+        worker_args=CLUSTER_WORKER_ARGS,
+        coordinator_args=["--served-model-name", "tiny-qwen", "--no-adaptive-k"],
+        startup_timeout_s=180,
+    )
+    with cluster:
+        port, log = free_port(), root / "gateway.log"
+        command = [
+            str(Path(sys.executable).with_name("smg")), "launch", "--backend", "vllm", "--host", "127.0.0.1",
+            "--port", str(port), "--worker-urls", f"grpc://{cluster.address}", "--model-path", str(target),
+        ]  # fmt: skip
+        with log.open("wb") as sink:
+            process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
+            model = _wait_for_models(client, process, log)
+            yield Gateway(cluster, client, model, tokenizer, log)
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def native(gw: Gateway, ids: list[int], **sampling: object) -> coordinator_pb2.GenerateResponse:
+    """The native API's reply for the same tokens."""
+    with grpc.insecure_channel(gw.cluster.address) as channel:
+        request = coordinator_pb2.GenerateRequest(
+            prompt_token_ids=common_pb2.TokenIds(ids=ids),
+            sampling=common_pb2.SamplingParams(**sampling),  # type: ignore[arg-type]
+        )
+        return coordinator_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
+
+
+def chat_ids(gw: Gateway) -> list[int]:
+    rendered = gw.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def test_the_gateway_serves_the_model_under_its_served_name(gateway: Gateway) -> None:
+    assert gateway.model == "tiny-qwen"
+
+
+def test_greedy_chat_equals_the_native_reply_for_the_same_tokens(gateway: Gateway) -> None:
+    reply = gateway.client.chat.completions.create(
+        model=gateway.model,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,  # type: ignore[arg-type]
+    )
+    expected = native(gateway, chat_ids(gateway), max_new_tokens=12, logprobs=True, top_logprobs=2)
+    choice = reply.choices[0]
+    assert choice.message.content == expected.text and choice.finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.prompt_tokens == len(chat_ids(gateway))
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    got = [entry.logprob for entry in choice.logprobs.content]
+    assert got == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
+
+
+def test_streaming_chat_and_completions_add_up_to_the_native_text(gateway: Gateway) -> None:
+    stream = gateway.client.chat.completions.create(
+        model=gateway.model,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == native(gateway, chat_ids(gateway), max_new_tokens=12).text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    prompt = "def fibonacci(n):"
+    ids = gateway.tokenizer(prompt)["input_ids"]
+    completion = gateway.client.completions.create(model=gateway.model, prompt=prompt, max_tokens=10, temperature=0)
+    assert completion.choices[0].text == native(gateway, ids, max_new_tokens=10).text
+    streamed = gateway.client.completions.create(
+        model=gateway.model, prompt=prompt, max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
+
+
+def test_stop_strings_end_the_reply_at_the_engine(gateway: Gateway) -> None:
+    """The engine stops at the stop string itself (not after max_tokens), as the native API does."""
+    plain = native(gateway, chat_ids(gateway), max_new_tokens=40, ignore_eos=True).text
+    stop = plain[len(plain) // 2 : len(plain) // 2 + 2]
+    assert stop.strip(), plain
+    reply = gateway.client.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=40, temperature=0, stop=[stop],  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    expected = native(gateway, chat_ids(gateway), max_new_tokens=40, ignore_eos=True, stop=[stop])
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content == expected.text
+    assert reply.usage is not None and reply.usage.completion_tokens == len(expected.token_ids) < 40
+
+
+def test_seed_reproduces_and_n_gives_distinct_samples(gateway: Gateway) -> None:
+    def sample(n: int) -> list[str]:
+        reply = gateway.client.chat.completions.create(
+            model=gateway.model,
+            messages=MESSAGES,
+            max_tokens=8,
+            temperature=1.0,
+            seed=1234,
+            n=n,  # type: ignore[arg-type]
+        )
+        assert [c.index for c in reply.choices] == list(range(n))
+        return [c.message.content or "" for c in reply.choices]
+
+    first, again, pair = sample(1), sample(1), sample(2)
+    assert first == again  # fixed K (--adaptive-k false): one seed, one completion
+    assert pair[0] == first[0] and pair[0] != pair[1]  # index 0 keeps the seed; index 1 derives its own
+    expected = native(gateway, chat_ids(gateway), max_new_tokens=8, temperature=1.0, seed=1234)
+    assert first[0] == expected.text
+
+
+def test_an_unsupported_constraint_is_a_400(gateway: Gateway) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        gateway.client.chat.completions.create(
+            model=gateway.model,
+            messages=MESSAGES,
+            max_tokens=4,
+            response_format={"type": "json_object"},  # type: ignore[arg-type]
+        )
+    assert "structured output" in str(error.value) and "not supported" in str(error.value)
+
+
+def _cached_sessions(gw: Gateway) -> tuple[int, int]:
+    return (
+        worker_info(gw.cluster.processes["target-0"].address, "target").active_sessions,
+        worker_info(gw.cluster.processes["draft"].address, "draft").active_sessions,
+    )
+
+
+def test_a_client_disconnect_frees_the_caches_within_a_second(gateway: Gateway) -> None:
+    stream = gateway.client.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=200, temperature=0, stream=True,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    assert _cached_sessions(gateway) != (0, 0)  # generating
+    stream.close()
+    closed = time.monotonic()
+    while _cached_sessions(gateway) != (0, 0):
+        assert time.monotonic() - closed < 1.0, "the caches were not freed within 1 s of the disconnect"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def engine_stub(gateway: Gateway) -> Iterator[vllm_grpc.VllmEngineStub]:
+    with grpc.insecure_channel(gateway.cluster.address) as channel:
+        yield vllm_grpc.VllmEngineStub(channel)
+
+
+def test_engine_info_rpcs(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
+    assert engine_stub.HealthCheck(vllm_pb2.HealthCheckRequest(), timeout=10).healthy
+    info = engine_stub.GetModelInfo(vllm_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.served_model_name == "tiny-qwen" and info.is_generation
+    assert info.vocab_size == len(gateway.tokenizer) and info.max_context_length == 256
+    assert list(info.eos_token_ids) == [gateway.tokenizer.eos_token_id]
+    server = engine_stub.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=10)
+    assert server.server_type == "specdec" and server.max_num_seqs > 0
+    loads = engine_stub.GetLoads(vllm_pb2.GetLoadsRequest(), timeout=10)
+    assert loads.dp_rank_count == 1 and loads.loads[0].max_running_requests == server.max_num_seqs
+    chunks = list(engine_stub.GetTokenizer(smg_common_pb2.GetTokenizerRequest(), timeout=30))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest() and not any(c.sha256 for c in chunks[:-1])
+    unpacked = Path(gateway.log.parent / "unpacked-tokenizer")
+    zipfile.ZipFile(io.BytesIO(data)).extractall(unpacked)
+    assert tokenizer_fingerprint(AutoTokenizer.from_pretrained(unpacked)) == tokenizer_fingerprint(gateway.tokenizer)
+    with pytest.raises(grpc.RpcError) as error:
+        engine_stub.Embed(vllm_pb2.EmbedRequest(request_id="e"), timeout=10)
+    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as error:
+        list(engine_stub.SubscribeKvEvents(smg_common_pb2.SubscribeKvEventsRequest(), timeout=10))
+    assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _engine_request(ids: list[int], request_id: str, **params: object) -> vllm_pb2.GenerateRequest:
+    return vllm_pb2.GenerateRequest(
+        request_id=request_id,
+        tokenized=vllm_pb2.TokenizedInput(input_ids=ids),
+        sampling_params=vllm_pb2.SamplingParams(**params),  # type: ignore[arg-type]
+    )
+
+
+def test_engine_generate_n_and_prompt_logprobs(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
+    """Non-streaming: one GenerateComplete per index with all tokens; temperature 0 -> greedy."""
+    ids = chat_ids(gateway)
+    request = _engine_request(ids, "n2", temperature=0.0, max_tokens=6, n=2, prompt_logprobs=1, logprobs=0)
+    replies = list(engine_stub.Generate(request, timeout=60))
+    completes = sorted((r.complete for r in replies), key=lambda c: c.index)
+    expected = native(gateway, ids, max_new_tokens=6, prompt_logprobs=1)
+    assert [c.index for c in completes] == [0, 1] and all(not r.HasField("chunk") for r in replies)
+    for complete in completes:
+        assert list(complete.output_ids) == list(expected.token_ids) and complete.finish_reason == "length"
+        assert len(complete.output_logprobs.token_logprobs) == 6
+        assert list(complete.input_logprobs.token_ids) == ids
+        assert not complete.input_logprobs.token_logprobs[0].HasField("value")
+        values = [v.value for v in complete.input_logprobs.token_logprobs[1:]]
+        assert values == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_engine_abort_cancels_a_running_request(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
+    request = _engine_request(chat_ids(gateway), "to-abort", max_tokens=200, ignore_eos=True)
+    request.stream = True
+    stream = engine_stub.Generate(request, timeout=60)
+    first = next(stream)
+    assert first.HasField("chunk")
+    engine_stub.Abort(vllm_pb2.AbortRequest(request_ids=["to-abort"]), timeout=10)
+    rest = list(stream)
+    assert rest[-1].complete.finish_reason == "abort"
+    assert sum(len(r.chunk.token_ids) for r in [first, *rest] if r.HasField("chunk")) < 200
+    deadline = time.monotonic() + 1.0
+    while _cached_sessions(gateway) != (0, 0):
+        assert time.monotonic() < deadline, "abort did not free the caches within 1 s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"regex": "a+"}, "structured output (regex) is not supported"),
+        ({"logprobs": -1}, "logprobs = -1 (all) is not supported"),
+        ({"n": 17}, "n must be in [1, 16]"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty must be in"),
+    ],
+)
+def test_engine_rejects_what_it_cannot_honour(
+    engine_stub: vllm_grpc.VllmEngineStub, params: dict[str, object], message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as error:
+        list(engine_stub.Generate(_engine_request([1, 2, 3], "bad", **params), timeout=30))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
