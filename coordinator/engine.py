@@ -144,6 +144,7 @@ class Engine:
         self._deps = TurnDeps(
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
             StepCosts(), pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
+            prefix_block=s.prefix_block_tokens,
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self._info = server_info(s, limits, target_info, draft_info, pipelined, has_template)

@@ -59,6 +59,12 @@ class CoordinatorSettings(ServiceSettings):
     )
     adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")
     probe_every: int = Field(32, gt=0, description="with speculation off for a session, probe it every N rounds")
+    prefix_block_tokens: int = Field(
+        16,
+        ge=0,
+        description="prefix reuse: a new session or one-shot request starts from a cached prefix of its prompt, "
+        "matched in blocks of this many tokens (0 = off: one-shot caches are freed at once)",
+    )
     max_speculative_tokens: int = Field(16, ge=1, description="largest K a request may ask for")
     default_max_new_tokens: int = Field(256, gt=0, description="max_new_tokens when a request leaves it unset")
     max_concurrent_requests: int = Field(

@@ -24,10 +24,11 @@ from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Decoding, LogprobsAsk, Proposal, WorkerSession
 from coordinator.workers import DraftClient, TargetPool
-from specdec.runtime.tokens import common_prefix_len
+from specdec.runtime.tokens import block_hashes, common_prefix_len
 from specdec.serving.errors import InvalidRequest, SpecdecError, StateUnavailable
 from specdec.serving.metrics import CoordinatorMetrics
-from specdec.state import CacheLocation, Commit, CommitResult, SessionRecord, StateStore
+from specdec.serving.security import caller_identity
+from specdec.state import CacheLocation, Commit, CommitResult, PrefixLocation, SessionRecord, StateStore
 from specdec.v1 import common_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
@@ -99,6 +100,7 @@ class TurnDeps:
     probe_every: int = 32
     cleanup_timeout_s: float = 2.0
     lease_s: float = 90.0
+    prefix_block: int = 0  # prefix reuse in blocks of this many tokens; 0 = off
 
 
 @dataclass
@@ -177,6 +179,8 @@ class Turn:
         await self._commit(Commit(record.version, f"{self.owner}:prompt", prompt, truncate_to=truncate, chat=chat))
         self._committed = [*record.tokens[:kept], *prompt]
         self.workers.restore(_upto(record.target, kept), _upto(record.draft, kept))
+        if not kept and self.deps.prefix_block:  # nothing of this session cached: a shared prefix may be
+            await self._reuse_prefix()
         req = self.request
         self._reply = ReplyText(
             self.deps.tokenizer, self._committed, req.stop_strings, req.include_stop_str, req.min_tokens
@@ -184,6 +188,35 @@ class Turn:
         processing = dataclasses.replace(req.processing, reply_start=len(self._committed))
         self._decoding = Decoding(req.warp, req.seed, processing)
         self.stats.prompt_tokens = len(prompt)
+
+    def _prefix_keys(self, tokens: list[int]) -> list[str]:
+        """Block chain hashes of ``tokens``, salted with the caller's identity (a caller never
+        finds another caller's prefixes)."""
+        return block_hashes(tokens, self.deps.prefix_block, salt=caller_identity.get())
+
+    async def _reuse_prefix(self) -> None:
+        """Starts from the longest cached prefix of the prompt that some earlier request left in
+        the workers (found in the state store, so any coordinator replica finds it)."""
+        keys = self._prefix_keys(self._committed[:-1])  # the last token is always sent (the tail)
+        try:
+            hit = await self.deps.store.find_prefix(keys)
+        except SpecdecError as exc:  # reuse is an optimisation: go on without it
+            log.warning("prefix_lookup_failed", error=str(exc))
+            return
+        if hit is not None:
+            index, location = hit
+            self.workers.adopt(location, (index + 1) * self.deps.prefix_block)
+
+    async def _record_prefix(self) -> None:
+        """Records where the finished turn's tokens are cached, for later requests to start from."""
+        target, draft = self.workers.locations()
+        if target is None:
+            return
+        try:
+            keys = self._prefix_keys(self._committed[: target.length])
+            await self.deps.store.put_prefixes(keys, PrefixLocation(self.session_id, target, draft))
+        except SpecdecError as exc:
+            log.warning("prefix_record_failed", error=str(exc))
 
     async def _renew_lease(self) -> None:
         """Keeps the lease while the turn runs (a long prefill commits nothing for a while)."""
@@ -389,7 +422,9 @@ class Turn:
                     await self._retrying_state(step, budget, name)
                 except SpecdecError as exc:
                     log.warning("session_cleanup_failed", step=name, error=str(exc))
-        if self.one_shot or not finished:
+        if finished and self.deps.prefix_block:
+            await self._record_prefix()  # a one-shot request's caches stay for reuse (LRU-bounded)
+        elif self.one_shot or not finished:
             await self.workers.release(self.deps.cleanup_timeout_s)
 
     async def _rollback(self) -> CommitResult:

@@ -21,7 +21,7 @@ from specdec.runtime.sampling import Warp
 from specdec.runtime.tokens import common_prefix_len, prefix_hash
 from specdec.serving.errors import DeadlineExceeded, SpecdecError, WorkerFailed, WorkerTimedOut, WorkerUnavailable
 from specdec.serving.metrics import CoordinatorMetrics
-from specdec.state import CacheLocation
+from specdec.state import CacheLocation, PrefixLocation
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
@@ -77,11 +77,15 @@ class SyncCounters:
     resyncs: int = 0
 
 
-def prefix_sync(committed: list[int], cached: int) -> common_pb2.PrefixSync:
-    """The prefix sync for a worker holding ``cached`` committed tokens (the tail >= 1 token)."""
+def prefix_sync(committed: list[int], cached: int, source: str = "") -> common_pb2.PrefixSync:
+    """The prefix sync for a worker holding ``cached`` committed tokens (the tail >= 1 token),
+    possibly in the cache of session ``source`` (prefix reuse)."""
     base = min(cached, len(committed) - 1)
     return common_pb2.PrefixSync(
-        base_len=base, prefix_hash=prefix_hash(committed[:base]), tail_token_ids=committed[base:]
+        base_len=base,
+        prefix_hash=prefix_hash(committed[:base]),
+        tail_token_ids=committed[base:],
+        source_session_id=source if base else "",
     )
 
 
@@ -114,6 +118,8 @@ class WorkerSession:
         self.target_address: str | None = None
         self.target_len = 0
         self.draft_len = 0
+        # prefix reuse: the other session whose caches hold target_len / draft_len of our tokens
+        self._target_source = self._draft_source = ""
 
     def _caller_left(self) -> float:
         """Seconds until the caller's deadline (inf without one)."""
@@ -131,6 +137,16 @@ class WorkerSession:
             self.target_address, self.target_len = target.address, target.length
         if draft is not None and self._draft is not None and draft.address == self._draft.address:
             self.draft_len = draft.length
+
+    def adopt(self, location: PrefixLocation, length: int) -> None:
+        """Starts from another session's caches that hold the first ``length`` committed tokens
+        (prefix reuse); the workers check the prefix's hash and copy the cache, or ask to resync."""
+        target, draft = location.target, location.draft
+        if target is not None and any(r.address == target.address for r in self._targets.replicas):
+            self.target_address, self.target_len = target.address, min(length, target.length)
+            self._target_source = location.cache_id
+        if draft is not None and self._draft is not None and draft.address == self._draft.address:
+            self.draft_len, self._draft_source = min(length, draft.length), location.cache_id
 
     def locations(self) -> tuple[CacheLocation | None, CacheLocation | None]:
         """Cache locations to record with a commit."""
@@ -207,9 +223,10 @@ class WorkerSession:
     async def _request_block(self, committed: list[int], k: int, decoding: Decoding, round_id: int) -> Proposal | None:
         assert self._stream is not None and self._draft is not None
         self._lookahead_round = None
-        cached = self.draft_len
+        cached, source = self.draft_len, self._draft_source
+        self._draft_source = ""
         for _ in range(2):
-            sync = prefix_sync(committed, cached)
+            sync = prefix_sync(committed, cached, source)
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
                 warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
@@ -227,7 +244,7 @@ class WorkerSession:
                 computed = len(sync.tail_token_ids) + k - 1
                 return Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed)
             self._resynced("draft")
-            cached = 0
+            cached, source = 0, ""
         raise WorkerCallFailed("cache resync did not take")
 
     def _draft_failed(self, exc: WorkerCallFailed) -> None:
@@ -272,9 +289,12 @@ class WorkerSession:
                 remaining = budget_end - loop.time()
                 if remaining <= _VERIFY_RETRY_PAUSE_S:
                     raise last_error
-                cached = self.target_len if replica.address == self.target_address else 0
+                own = replica.address == self.target_address
+                cached, source = (self.target_len, self._target_source) if own else (0, "")
                 try:
-                    reply, reused = await self._verify_on(replica, committed, block, decoding, ask, cached, remaining)
+                    reply, reused = await self._verify_on(
+                        replica, committed, block, decoding, ask, cached, remaining, source
+                    )
                 except WorkerTimedOut as exc:
                     if self._caller_left() <= remaining:  # the caller's deadline, not the replica, ran out
                         raise DeadlineExceeded("the request's deadline expired during verification") from exc
@@ -300,17 +320,19 @@ class WorkerSession:
         ask: LogprobsAsk,
         cached: int,
         timeout_s: float,
+        source: str = "",
     ) -> tuple[target_pb2.VerifyResponse, int]:
         if ask.prompt_count:  # the prompt's positions must be computed again to be scored
             cached = min(cached, max(len(committed) - ask.prompt_count - 1, 0))
         for _ in range(2):
-            sync = prefix_sync(committed, cached)
+            sync = prefix_sync(committed, cached, source)
             request = target_pb2.VerifyRequest(
                 session_id=self.session_id, sync=sync, draft=block, warp=warp_to_proto(decoding.warp),
                 seed=decoding.seed, processing=processing_to_proto(decoding.processing), logprobs=ask.tokens,
                 top_logprobs=ask.top, prompt_logprobs_count=ask.prompt_count, prompt_top_logprobs=ask.prompt_top,
             )  # fmt: skip
             reply = await replica.verify(request, timeout_s)
+            self._target_source = ""  # the worker has its own copy now, or refused the source
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 self.counters.target_passes += 1
                 if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1 or (
@@ -319,7 +341,7 @@ class WorkerSession:
                     raise WorkerFailed("the target worker returned a malformed verdict")
                 return reply, sync.base_len
             self._resynced("target")
-            cached = 0
+            cached, source = 0, ""
         raise WorkerFailed("the target worker could not rebuild the session cache")
 
     def advance(self, start: int, committed: list[int], proposal: Proposal | None, target_cache_len: int) -> None:

@@ -113,7 +113,7 @@ def propose_job(
     """K draft tokens after the committed prefix ``sync`` describes; None = resync required."""
     meter = ComputeMeter()
     try:
-        entry = caches.sync(session_id, sync.base_len, sync.prefix_hash)
+        entry = caches.sync(session_id, sync.base_len, sync.prefix_hash, sync.source_session_id)
     except ResyncRequired:
         return None
     logits = (yield Extend(entry, list(sync.tail_token_ids), 1, meter))[-1]

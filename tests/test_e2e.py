@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -211,13 +212,39 @@ def test_multi_turn_session_reuses_the_worker_caches(
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_one_shot_requests_leave_no_worker_cache(
-    cluster_same: LocalCluster, same: coordinator_pb2_grpc.GenerationStub
+def test_a_one_shot_request_reuses_the_cached_prefix_of_an_earlier_one(
+    cluster_same: LocalCluster, same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
 ) -> None:
-    same.Generate(request(PROMPTS[0]))
-    assert target_info(cluster_same).active_sessions == 0
-    with grpc.insecure_channel(cluster_same.processes["draft"].address) as channel:
-        assert draft_pb2_grpc.DraftWorkerStub(channel).Info(draft_pb2.DraftInfoRequest()).info.active_sessions == 0
+    """Prefix reuse (blocks of 16 tokens): a finished one-shot request leaves its caches; a later
+    one-shot request whose prompt starts with those tokens copies them instead of recomputing
+    them (cached_tokens, the workers' reused-token counters), with the same tokens as target-only
+    decoding; a cancelled one leaves nothing."""
+    prompt = [(7 * i + 3) % 250 for i in range(40)]
+    first = same.Generate(request(prompt, max_new=8, ignore_eos=True))
+    assert first.usage.cached_tokens == 0
+    info = target_info(cluster_same)
+    draft_before = worker_info(cluster_same.processes["draft"].address, "draft")
+    longer = [*prompt, *first.token_ids, 11, 12, 13]
+    second = same.Generate(request(longer, max_new=8, ignore_eos=True))
+    after = target_info(cluster_same)
+    # the first request's target cache holds 47 tokens (all but the last): two whole blocks of 16
+    assert second.usage.cached_tokens == 32
+    assert after.reused_tokens_total - info.reused_tokens_total == 32
+    # the target ran the uncached tail, one token per later round and the drafts: not the prefix
+    computed = after.prefill_tokens_total - info.prefill_tokens_total
+    assert computed == len(longer) - 32 + (second.stats.rounds - 1) + second.stats.draft_tokens_proposed
+    draft_after = worker_info(cluster_same.processes["draft"].address, "draft")
+    assert draft_after.reused_tokens_total > draft_before.reused_tokens_total
+    expected = reference_greedy(str(tiny_models.target), tuple(longer), 8, ignore_eos=True)
+    assert list(second.token_ids) == expected
+    kept = after.active_sessions
+    stream = same.GenerateStream(request(longer, max_new=60, ignore_eos=True))
+    next(stream)
+    stream.cancel()
+    deadline = time.monotonic() + 2
+    while target_info(cluster_same).active_sessions != kept:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 def test_empty_prompt_is_invalid(same: coordinator_pb2_grpc.GenerationStub) -> None:

@@ -6,6 +6,7 @@ template). A second set of checks calls the engine service with a client compile
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import subprocess
@@ -46,7 +47,7 @@ class Gateway:
 
 
 def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], log: Path) -> str:
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         assert gateway.poll() is None, log.read_text()[-3000:]
         try:
@@ -60,16 +61,14 @@ def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], lo
     raise AssertionError(f"the gateway never served a model:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
-    tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer("qwen2.5-coder-0.5b", cache_dir))
-    root = tmp_path_factory.mktemp("gateway")
+@contextlib.contextmanager
+def launch(root: Path, tokenizer: PreTrainedTokenizerBase, with_draft: bool) -> Iterator[Gateway]:
+    """Target (+ draft) + coordinator, and an ``smg`` gateway process in front of them."""
     target = build_model(root / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
     draft = build_model(root / "draft", seed=4, hidden=32, layers=1, vocab=len(tokenizer), tokenizer=tokenizer)
     cluster = LocalCluster(
         str(target),
-        str(draft),
+        str(draft) if with_draft else None,
         root / "run",
         worker_args=CLUSTER_WORKER_ARGS,
         coordinator_args=["--served-model-name", "tiny-qwen", "--no-adaptive-k"],
@@ -80,6 +79,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         command = [
             str(Path(sys.executable).with_name("smg")), "launch", "--backend", "vllm", "--host", "127.0.0.1",
             "--port", str(port), "--worker-urls", f"grpc://{cluster.address}", "--model-path", str(target),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         ]  # fmt: skip
         with log.open("wb") as sink:
             process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
@@ -90,6 +90,18 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         finally:
             process.terminate()
             process.wait(timeout=30)
+
+
+def _qwen_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
+    return AutoTokenizer.from_pretrained(fetch_tokenizer("qwen2.5-coder-0.5b", cache_dir))
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """The gateway in front of a speculating service (target + draft)."""
+    with launch(tmp_path_factory.mktemp("gateway"), _qwen_tokenizer(tmp_path_factory), with_draft=True) as gw:
+        yield gw
 
 
 def native(gw: Gateway, ids: list[int], **sampling: object) -> coordinator_pb2.GenerateResponse:
@@ -206,6 +218,7 @@ def _cached_sessions(gw: Gateway) -> tuple[int, int]:
 
 
 def test_a_client_disconnect_frees_the_caches_within_a_second(gateway: Gateway) -> None:
+    kept = _cached_sessions(gateway)  # finished requests' caches, kept for prefix reuse
     stream = gateway.client.chat.completions.create(
         model=gateway.model, messages=MESSAGES, max_tokens=200, temperature=0, stream=True,  # type: ignore[arg-type]
         extra_body={"ignore_eos": True},
@@ -213,10 +226,10 @@ def test_a_client_disconnect_frees_the_caches_within_a_second(gateway: Gateway) 
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             break
-    assert _cached_sessions(gateway) != (0, 0)  # generating
+    assert _cached_sessions(gateway) != kept  # this request's caches
     stream.close()
     closed = time.monotonic()
-    while _cached_sessions(gateway) != (0, 0):
+    while _cached_sessions(gateway) != kept:
         assert time.monotonic() - closed < 1.0, "the caches were not freed within 1 s of the disconnect"
         time.sleep(0.02)
 
@@ -277,6 +290,7 @@ def test_engine_generate_n_and_prompt_logprobs(engine_stub: vllm_grpc.VllmEngine
 
 
 def test_engine_abort_cancels_a_running_request(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
+    kept = _cached_sessions(gateway)
     request = _engine_request(chat_ids(gateway), "to-abort", max_tokens=200, ignore_eos=True)
     request.stream = True
     stream = engine_stub.Generate(request, timeout=60)
@@ -287,7 +301,7 @@ def test_engine_abort_cancels_a_running_request(engine_stub: vllm_grpc.VllmEngin
     assert rest[-1].complete.finish_reason == "abort"
     assert sum(len(r.chunk.token_ids) for r in [first, *rest] if r.HasField("chunk")) < 200
     deadline = time.monotonic() + 1.0
-    while _cached_sessions(gateway) != (0, 0):
+    while _cached_sessions(gateway) != kept:
         assert time.monotonic() < deadline, "abort did not free the caches within 1 s"
         time.sleep(0.02)
 
@@ -307,3 +321,35 @@ def test_engine_rejects_what_it_cannot_honour(
     with pytest.raises(grpc.RpcError) as error:
         list(engine_stub.Generate(_engine_request([1, 2, 3], "bad", **params), timeout=30))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
+
+
+def test_a_five_turn_chat_reuses_the_cached_conversation(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The gateway resends the whole conversation each turn; prefix reuse finds the previous
+    turn's cache, so turns 2-5 report cached tokens (at least the previous prompt, in whole
+    blocks of 16) and the target computes only the rest: the uncached prompt tail and one token per
+    later round (target-only service, so no drafts are computed)."""
+    root = tmp_path_factory.mktemp("gateway-target-only")
+    with launch(root, _qwen_tokenizer(tmp_path_factory), with_draft=False) as gw:
+        target = gw.cluster.processes["target-0"].address
+        conversation: list[dict[str, str]] = [{"role": "system", "content": "You are terse."}]
+        previous_prompt = 0
+        for turn in range(5):
+            conversation.append({"role": "user", "content": f"Question number {turn + 1}?"})
+            before = worker_info(target, "target").prefill_tokens_total
+            reply = gw.client.chat.completions.create(
+                model=gw.model,
+                messages=conversation,
+                max_tokens=6,
+                temperature=0,  # type: ignore[arg-type]
+            )
+            computed = worker_info(target, "target").prefill_tokens_total - before
+            usage = reply.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+            assert computed == usage.prompt_tokens - cached + usage.completion_tokens - 1
+            if turn:
+                assert cached >= previous_prompt // 16 * 16 > 0, (turn, cached, previous_prompt)
+            else:
+                assert cached == 0
+            previous_prompt = usage.prompt_tokens
+            conversation.append({"role": "assistant", "content": reply.choices[0].message.content or ""})

@@ -86,3 +86,20 @@ def test_batched_extend_matches_separate_extends(loaded: LoadedModel) -> None:
     for i, (past, new) in enumerate(plans):
         full = full_logits(loaded, [*past, *new, 42])[-1]
         torch.testing.assert_close(more[i][0], full, atol=1e-4, rtol=1e-4)
+
+
+def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedModel) -> None:
+    """Prefix reuse: the copy holds the donor's first tokens (checked by hash), continues to the
+    same logits as a full forward pass, and leaves the donor untouched."""
+    caches = SessionCaches(loaded, max_sessions=4, idle_s=60)
+    donor_seq, seq = [5, 9, 13, 200, 7, 7, 1, 40], [5, 9, 13, 200, 7, 88, 3]
+    donor = caches.sync("donor", 0, 0)
+    caches.extend(donor, donor_seq, 1)
+    with pytest.raises(ResyncRequired):  # the donor does not hold this prefix
+        caches.sync("new", 5, prefix_hash([5, 9, 13, 200, 8]), source="donor")
+    entry = caches.sync("new", 5, prefix_hash(seq[:5]), source="donor")
+    assert entry.tokens == seq[:5] and caches.reused_tokens_total == 5
+    logits = caches.extend(entry, seq[5:], 2)
+    torch.testing.assert_close(logits, full_logits(loaded, seq)[-2:], atol=1e-4, rtol=1e-4)
+    assert caches.sync("donor", 8, prefix_hash(donor_seq)).tokens == donor_seq
+    assert caches.extend(caches.sync("donor", 8, prefix_hash(donor_seq)), [2], 1).shape[0] == 1

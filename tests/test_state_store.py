@@ -247,3 +247,23 @@ async def test_an_acquire_arriving_after_its_release_is_refused(store: StateStor
 async def test_cache_locations_written_by_an_older_version_still_load() -> None:
     old = '{"address": "t:1", "instance_id": "abc", "length": 7}'
     assert CacheLocation.from_json(old) == CacheLocation("t:1", 7)
+
+
+async def test_prefixes_are_found_longest_first(store: StateStore) -> None:
+    from specdec.runtime.tokens import block_hashes
+    from specdec.state import PrefixLocation
+
+    tokens = list(range(100))
+    keys = block_hashes(tokens, 16)
+    assert len(keys) == 6 and block_hashes(tokens[:40], 16) == keys[:2]
+    assert block_hashes(tokens, 16, salt="caller-b")[0] != keys[0]
+    assert await store.find_prefix(keys) is None
+    short = PrefixLocation("a", CacheLocation("t:1", 40), None)
+    long = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 97))
+    await store.put_prefixes(keys[:2], short)
+    await store.put_prefixes(keys, long)
+    assert await store.find_prefix(keys) == (5, long)
+    await store.put_prefixes(keys[:2], short)  # a newer cache of the first two blocks
+    assert await store.find_prefix(keys[:3]) == (2, long)
+    assert await store.find_prefix(keys[:2]) == (1, short)
+    assert await store.find_prefix(block_hashes([*tokens[:16], 999, *tokens[17:]], 16)) == (0, short)

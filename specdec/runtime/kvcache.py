@@ -5,6 +5,7 @@ Not thread-safe: a worker calls it from its single model thread only.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -46,15 +47,17 @@ class SessionCaches:
         self._idle_s = idle_s
         self._entries: OrderedDict[str, SessionCache] = OrderedDict()
         self.prefill_tokens_total = 0
+        self.reused_tokens_total = 0  # tokens taken from another session's cache (prefix reuse)
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def sync(self, session_id: str, base_len: int, base_hash: int) -> SessionCache:
+    def sync(self, session_id: str, base_len: int, base_hash: int, source: str = "") -> SessionCache:
         """The session's cache cut back to ``base_len`` committed tokens.
 
         ``base_len == 0`` always succeeds (a fresh cache). Otherwise the cache must hold at least
-        ``base_len`` tokens whose hash is ``base_hash``, else ResyncRequired.
+        ``base_len`` tokens whose hash is ``base_hash``; failing that, a copy of the ``source``
+        session's cache does if that one holds them (prefix reuse); else ResyncRequired.
         """
         self.evict_idle()
         entry = self._entries.get(session_id)
@@ -62,11 +65,19 @@ class SessionCaches:
             entry = SessionCache(tokens=[], cache=DynamicCache(config=self._loaded.model.config))
             self._entries[session_id] = entry
             self._evict_over_capacity()
-        elif entry is None or len(entry.tokens) < base_len or prefix_hash(entry.tokens[:base_len]) != base_hash:
+        elif _holds(entry, base_len, base_hash):
+            assert entry is not None
+            entry.truncate(base_len)
+        elif source and source != session_id and _holds(donor := self._entries.get(source), base_len, base_hash):
+            assert donor is not None
+            entry = SessionCache(tokens=list(donor.tokens), cache=copy.deepcopy(donor.cache))
+            entry.truncate(base_len)
+            self._entries[session_id] = entry
+            self.reused_tokens_total += base_len
+            self._evict_over_capacity()
+        else:
             self._entries.pop(session_id, None)
             raise ResyncRequired(session_id)
-        else:
-            entry.truncate(base_len)
         entry.last_used = time.monotonic()
         self._entries.move_to_end(session_id)
         return entry
@@ -130,6 +141,11 @@ class SessionCaches:
     def _evict_over_capacity(self) -> None:
         while len(self._entries) > self._max_sessions:
             self._entries.popitem(last=False)
+
+
+def _holds(entry: SessionCache | None, length: int, expected_hash: int) -> bool:
+    """Whether ``entry`` holds ``length`` tokens whose hash is ``expected_hash``."""
+    return entry is not None and len(entry.tokens) >= length and prefix_hash(entry.tokens[:length]) == expected_hash
 
 
 @dataclass

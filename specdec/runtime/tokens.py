@@ -20,6 +20,18 @@ def prefix_hash(token_ids: Sequence[int]) -> int:
     return int.from_bytes(digest, "little") or 1
 
 
+def block_hashes(token_ids: Sequence[int], block: int, salt: str = "") -> list[str]:
+    """Chain hashes of the full ``block``-token blocks: entry i identifies ``token_ids[:(i + 1) *
+    block]`` (each hash covers the previous one and the block), salted (e.g. with the caller's
+    identity, so that one caller's prefixes are never found by another)."""
+    hashes: list[str] = []
+    previous = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    for end in range(block, len(token_ids) + 1, block):
+        previous = hashlib.blake2b(previous + pack_tokens(token_ids[end - block : end]), digest_size=16).digest()
+        hashes.append(previous.hex())
+    return hashes
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))

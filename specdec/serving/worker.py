@@ -114,11 +114,14 @@ class WorkerCore:
             host=self.host,
             batched_forwards=self.scheduler.batched_forwards,
             batched_requests=self.scheduler.batched_requests,
+            reused_tokens_total=self.caches.reused_tokens_total,
         )
 
     def check_request(self, session_id: str, sync: common_pb2.PrefixSync, extra_positions: int) -> None:
         """Rejects a sync request that no correct coordinator sends."""
         check_session_id(session_id, INTERNAL_SESSION_ID_MAX)
+        if sync.source_session_id:
+            check_session_id(sync.source_session_id, INTERNAL_SESSION_ID_MAX)
         base_len, tail = sync.base_len, sync.tail_token_ids
         if not tail:
             raise InvalidRequest("tail_token_ids must hold at least the last committed token")

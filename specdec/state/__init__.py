@@ -11,6 +11,7 @@ from specdec.state.base import (
     Commit,
     CommitOutcome,
     CommitResult,
+    PrefixLocation,
     SessionRecord,
     StateStore,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "CommitOutcome",
     "CommitResult",
     "MemoryStateStore",
+    "PrefixLocation",
     "RedisStateStore",
     "SessionRecord",
     "StateStore",

@@ -39,6 +39,35 @@ class CacheLocation:
         return cls(address=fields["address"], length=int(fields["length"]))
 
 
+@dataclass(frozen=True)
+class PrefixLocation:
+    """Where a token prefix is cached (prefix reuse): the worker cache (a session id) that holds
+    it, and how many of its first tokens each worker's copy holds."""
+
+    cache_id: str
+    target: CacheLocation | None
+    draft: CacheLocation | None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "cache_id": self.cache_id,
+                "target": asdict(self.target) if self.target else None,
+                "draft": asdict(self.draft) if self.draft else None,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> PrefixLocation:
+        fields = json.loads(raw)
+        target, draft = fields.get("target"), fields.get("draft")
+        return cls(
+            cache_id=fields["cache_id"],
+            target=CacheLocation(target["address"], int(target["length"])) if target else None,
+            draft=CacheLocation(draft["address"], int(draft["length"])) if draft else None,
+        )
+
+
 @dataclass
 class SessionRecord:
     """A session as stored."""
@@ -145,6 +174,16 @@ class StateStore(ABC):
     @abstractmethod
     async def delete(self, session_id: str) -> bool:
         """Deletes the session; False when it did not exist."""
+
+    @abstractmethod
+    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation) -> None:
+        """Records that ``location`` caches the prefixes named by ``keys`` (block chain hashes,
+        specdec.runtime.tokens.block_hashes); each entry expires after the session TTL."""
+
+    @abstractmethod
+    async def find_prefix(self, keys: Sequence[str]) -> tuple[int, PrefixLocation] | None:
+        """The longest recorded prefix among ``keys`` (chain hashes, shortest prefix first): its
+        index in ``keys`` and where it is cached; None when none is recorded."""
 
     @abstractmethod
     async def ping(self) -> None:

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict
 from specdec.state.base import (
@@ -16,9 +17,12 @@ from specdec.state.base import (
     Commit,
     CommitOutcome,
     CommitResult,
+    PrefixLocation,
     SessionRecord,
     StateStore,
 )
+
+MAX_PREFIXES = 100_000  # prefix entries kept (the oldest go first)
 
 
 def _clamped(location: CacheLocation | None, committed: int) -> CacheLocation | None:
@@ -39,6 +43,8 @@ class MemoryStateStore(StateStore):
         self._lease_until: dict[str, float] = {}
         # owner -> until when its acquire is refused; expiries grow with insertion (now + a constant)
         self._released: OrderedDict[str, float] = OrderedDict()
+        # prefix key -> (location, expiry), oldest first; at most MAX_PREFIXES
+        self._prefixes: OrderedDict[str, tuple[PrefixLocation, float]] = OrderedDict()
         self._lock = asyncio.Lock()
 
     def _live(self, session_id: str, now: float) -> SessionRecord | None:
@@ -98,6 +104,22 @@ class MemoryStateStore(StateStore):
             record.draft = commit.draft or _clamped(record.draft, kept)
             self._touch(session_id, now)
             return CommitResult(CommitOutcome.APPLIED, record.version)
+
+    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation) -> None:
+        expires = time.time() + self._ttl_s
+        for key in keys:
+            self._prefixes.pop(key, None)
+            self._prefixes[key] = (location, expires)
+        while len(self._prefixes) > MAX_PREFIXES:
+            self._prefixes.popitem(last=False)
+
+    async def find_prefix(self, keys: Sequence[str]) -> tuple[int, PrefixLocation] | None:
+        now = time.time()
+        for index in range(len(keys) - 1, -1, -1):
+            hit = self._prefixes.get(keys[index])
+            if hit is not None and hit[1] > now:
+                return index, hit[0]
+        return None
 
     async def renew(self, session_id: str, owner: str) -> bool:
         async with self._lock:

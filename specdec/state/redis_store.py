@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -23,6 +23,7 @@ from specdec.state.base import (
     Commit,
     CommitOutcome,
     CommitResult,
+    PrefixLocation,
     SessionRecord,
     StateStore,
 )
@@ -275,6 +276,30 @@ class RedisStateStore(StateStore):
 
     async def delete(self, session_id: str) -> bool:
         return bool(await self._call(lambda: self._client.delete(self.key(session_id))))
+
+    def _prefix_key(self, key: str) -> str:
+        return f"{self._prefix}prefix:{key}"
+
+    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation) -> None:
+        value = location.to_json()
+
+        async def put() -> None:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.set(self._prefix_key(key), value, px=self._ttl_ms)
+                await pipe.execute()
+
+        await self._call(put)
+
+    async def find_prefix(self, keys: Sequence[str]) -> tuple[int, PrefixLocation] | None:
+        if not keys:
+            return None
+        values: list[bytes | None] = await self._call(lambda: self._client.mget([self._prefix_key(k) for k in keys]))
+        for index in range(len(values) - 1, -1, -1):
+            raw = values[index]
+            if raw is not None:
+                return index, PrefixLocation.from_json(raw)
+        return None
 
     async def ping(self) -> None:
         await self._call(self._client.ping)

@@ -154,17 +154,19 @@ class DraftBlock(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ProposalKind, str]] = ..., proposals: _Optional[_Iterable[_Union[TokenProposal, _Mapping]]] = ...) -> None: ...
 
 class PrefixSync(_message.Message):
-    __slots__ = ("base_len", "prefix_hash", "tail_token_ids")
+    __slots__ = ("base_len", "prefix_hash", "tail_token_ids", "source_session_id")
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     base_len: int
     prefix_hash: int
     tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    source_session_id: str
+    def __init__(self, base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., source_session_id: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests", "reused_tokens_total")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +180,7 @@ class WorkerInfo(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     BATCHED_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_hash: str
@@ -191,4 +194,5 @@ class WorkerInfo(_message.Message):
     host: str
     batched_forwards: int
     batched_requests: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ...) -> None: ...
+    reused_tokens_total: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ..., reused_tokens_total: _Optional[int] = ...) -> None: ...
