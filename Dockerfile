@@ -17,8 +17,10 @@ COPY coordinator ./coordinator
 COPY draft_worker ./draft_worker
 COPY target_worker ./target_worker
 # torch is already there (from the chosen index), so this adds only specdec and its other deps.
-RUN /opt/specdec/bin/pip install . \
- && /opt/specdec/bin/specdec serve coordinator --help > /dev/null
+# The gateway extra adds smg, the OpenAI-compatible gateway run beside the coordinator.
+RUN /opt/specdec/bin/pip install ".[gateway]" \
+ && /opt/specdec/bin/specdec serve coordinator --help > /dev/null \
+ && /opt/specdec/bin/smg launch --help > /dev/null
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="specdec" \

@@ -293,6 +293,33 @@ def test_default_deny_then_only_the_coordinator_reaches_workers_and_redis() -> N
     assert _from_coordinator_only(_policy("redis")["ingress"], 6379)
     coordinator = _policy("coordinator")
     client_rules = [r for r in coordinator["ingress"] if r["from"] == [{"namespaceSelector": {}}]]
-    assert [r["ports"] for r in client_rules] == [[{"protocol": "TCP", "port": int(CONFIG["SPECDEC_PORT"])}]]
+    gateway_port = {"protocol": "TCP", "port": 8443}  # the OpenAI gateway sidecar
+    assert [r["ports"] for r in client_rules] == [
+        [{"protocol": "TCP", "port": int(CONFIG["SPECDEC_PORT"])}, gateway_port]
+    ]
     egress_ports = {p["port"] for rule in coordinator["egress"] for p in rule["ports"]}
     assert egress_ports == {int(CONFIG["SPECDEC_PORT"]), 6379}
+
+
+def test_the_gateway_sidecar_reaches_the_coordinator_on_the_pod_loopback() -> None:
+    """The OpenAI gateway runs beside the coordinator (smg speaks plaintext gRPC without tokens to
+    its workers, so the hop stays on the pod's loopback), serves HTTPS with the API certificate,
+    takes its clients' key from its own Secret file, and the image installs it."""
+    pod = _one("Deployment", "specdec-coordinator")["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    coordinator, gateway = containers["coordinator"], containers["gateway"]
+    local_port = _container_env(coordinator)["SPECDEC_LOCAL_PORT"]
+    script = gateway["args"][0]
+    assert gateway["command"] == ["/bin/sh", "-c"] and script.startswith("exec smg launch --backend vllm")
+    assert f"--worker-urls grpc://127.0.0.1:{local_port} " in script
+    assert "--tls-cert-path /etc/specdec/tls/coordinator.crt" in script
+    assert '--api-key "$(cat /etc/specdec/auth/gateway-api-key)"' in script
+    mounts = {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}
+    assert mounts["gateway-auth"] == "/etc/specdec/auth" and "auth" not in mounts
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert [i["key"] for i in volumes["gateway-auth"]["secret"]["items"]] == ["gateway-api-key"]
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "openai", "scheme": "HTTPS"}
+    service_ports = {p["name"]: p["port"] for p in _one("Service", "specdec")["spec"]["ports"]}
+    assert service_ports["openai"] == 8443
+    assert '".[gateway]"' in (ROOT / "Dockerfile").read_text()
+    assert 'gateway = ["smg==1.13.0"]' in (ROOT / "pyproject.toml").read_text()

@@ -8,6 +8,10 @@ shared token; the state store is a password-protected, TLS-only redis-server.
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +20,8 @@ import grpc
 import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+from transformers import AutoTokenizer
 
 from specdec.serving.errors import PermissionDenied, StateUnavailable, Unauthenticated
 from specdec.serving.security import Authenticator, load_tokens, scoped_session_id
@@ -91,7 +97,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) ->
         "--state-password", REDIS_PASSWORD,
         "--state-tls-ca-file", str(pki.ca_file), "--worker-tls-ca-file", str(pki.ca_file),
         "--worker-tls-cert-file", str(client_cert), "--worker-tls-key-file", str(client_key),
-        "--worker-token-file", str(worker_token), "--log-level", "debug",
+        "--worker-token-file", str(worker_token), "--log-level", "debug", "--local-port", "0",
     ]  # fmt: skip
     cluster = LocalCluster(
         str(tiny_models.target), str(tiny_models.other), workdir, worker_args, coordinator_args=coordinator_args
@@ -107,7 +113,8 @@ def _generate(
     secure: SecureCluster, token: str | None, require_existing: bool = False, **kwargs: object
 ) -> coordinator_pb2.GenerateResponse:
     metadata = [("authorization", f"Bearer {token}")] if token else None
-    request = make_request(PROMPT, **kwargs)  # type: ignore[arg-type]
+    prompt = kwargs.pop("prompt", PROMPT)
+    request = make_request(prompt, **kwargs)  # type: ignore[arg-type]
     request.require_existing_session = require_existing
     with secure.channel() as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
@@ -262,6 +269,61 @@ def test_tokens_file_format(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=message) as info:
             load_tokens(str(_write(tmp_path / "bad", text)))
         assert ALICE not in str(info.value)
+
+
+def test_the_gateway_sidecar_path_loopback_port_without_token(secure: SecureCluster, tiny_models: TinyModels) -> None:
+    """The deployment's gateway path: smg (which sends no token and speaks plaintext gRPC to its
+    workers) in the coordinator's pod, on the loopback-only --local-port; the public port still
+    needs TLS and a token from everybody, and the local port listens on 127.0.0.1 only."""
+    import openai
+
+    local = secure.cluster.processes["coordinator"].local_port
+    with grpc.insecure_channel(f"127.0.0.1:{local}") as channel:
+        assert vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(vllm_engine_pb2.HealthCheckRequest()).healthy
+    with secure.channel() as channel:
+        code, _ = _code(lambda: vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
+            vllm_engine_pb2.HealthCheckRequest(), timeout=30))  # fmt: skip
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert _reachable("127.0.0.1", local) and not _reachable(_host_address(), local)
+    port, log = free_port(), secure.pki.dir / "gateway.log"
+    command = [
+        str(Path(sys.executable).with_name("smg")), "launch", "--backend", "vllm", "--host", "127.0.0.1",
+        "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--worker-urls", f"grpc://127.0.0.1:{local}", "--model-path", str(tiny_models.target),
+    ]  # fmt: skip
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
+        deadline, text = time.monotonic() + 120, None
+        while text is None:
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                model = client.models.list().data[0].id
+                reply = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0)
+                text = reply.choices[0].text
+            except (openai.APIError, IndexError):
+                time.sleep(0.5)
+        ids = AutoTokenizer.from_pretrained(str(tiny_models.target))("Hello")["input_ids"]
+        native = _generate(secure, ALICE, prompt=ids, max_new=6, fixed=False).text
+        # random byte tokens: the gateway drops an incomplete trailing character, we show U+FFFD
+        assert text.rstrip("\ufffd") == native.rstrip("\ufffd") and reply.usage.completion_tokens == 6
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _host_address() -> str:
+    """This host's address on its outbound interface (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("10.255.255.255", 1))
+        return str(probe.getsockname()[0])
+
+
+def _reachable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(2)
+        return sock.connect_ex((host, port)) == 0
 
 
 def test_authenticator_decisions() -> None:

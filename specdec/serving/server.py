@@ -245,6 +245,27 @@ def _bind(server: grpc.aio.Server, settings: ServiceSettings, port: int, tls: gr
     return bound
 
 
+def _local_server(
+    spec: ServiceSpec, settings: ServiceSettings, control: ServerControl, health_state: Health
+) -> grpc.aio.Server | None:
+    """The same services on a loopback-only plaintext port (``local_port``), for a sidecar in
+    the same pod: only processes sharing the network namespace reach it, so its callers need no
+    token (they share the anonymous session namespace)."""
+    if settings.local_port is None:
+        return None
+    local = grpc.aio.server(interceptors=[ErrorInterceptor(control)], options=channel_options(settings))
+    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, local)
+    spec.register(local)
+    return local
+
+
+def _bind_local(server: grpc.aio.Server, port: int) -> int:
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind 127.0.0.1:{port}; is the port in use?")
+    return bound
+
+
 def _health_server(health_state: Health, settings: ServiceSettings) -> grpc.aio.Server | None:
     """A plaintext server with only grpc.health.v1 on ``health_port`` (probes need no TLS or token)."""
     if settings.health_port is None:
@@ -273,12 +294,18 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
     spec.register(server)
     reflection.enable_server_reflection([*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = _bind(server, settings, settings.port, credentials)
+    ports: dict[str, int] = {"port": port}
+    local = _local_server(spec, settings, control, health_state)
+    if local is not None and settings.local_port is not None:
+        ports["local_port"] = _bind_local(local, settings.local_port)
     probes = _health_server(health_state, settings)
     await health_state.set(False)
     await health_state.set_probe(STARTUP, False)
     await health_state.set_probe(LIVENESS, True)
     await server.start()
-    ports = {"port": port, **start_metrics(settings, spec.registry)}
+    if local is not None:
+        await local.start()
+    ports.update(start_metrics(settings, spec.registry))
     if probes is not None:
         ports["health_port"] = _bind(probes, settings, settings.health_port or 0, None)
         await probes.start()
@@ -300,6 +327,8 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
         log.info("drained" if drained else "grace_period_expired", inflight=control.inflight)
     finally:
         await server.stop(0)
+        if local is not None:
+            await local.stop(0)
         if probes is not None:
             await probes.stop(0)
         await spec.stop()

@@ -53,6 +53,13 @@ class ServiceSettings(BaseSettings):
     auth_tokens_file: str | None = Field(
         None, description="file of 'identity:token' lines: every API call needs 'authorization: Bearer <token>'"
     )
+    local_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="a plaintext API port bound to 127.0.0.1 only, without tokens, for a sidecar in the same pod "
+        "(the OpenAI gateway); unset = none",
+    )
 
     @model_validator(mode="after")
     def _tls_complete(self) -> ServiceSettings:

@@ -30,6 +30,7 @@ class ServiceProcess:
     port: int = 0
     metrics_port: int = 0
     health_port: int = 0
+    local_port: int = 0  # the loopback-only plaintext API port, 0 = none
 
     @property
     def address(self) -> str:
@@ -51,6 +52,7 @@ class ServiceProcess:
                 self.port = int(ready["port"])
                 self.metrics_port = int(ready.get("metrics_port", 0))
                 self.health_port = int(ready.get("health_port", 0))
+                self.local_port = int(ready.get("local_port", 0))
                 return
             time.sleep(0.05)
         raise LaunchError(f"{self.role} not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
