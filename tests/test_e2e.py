@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.tools.launch import LaunchError, LocalCluster
+from specdec.tools.launch import LaunchError, LocalCluster, spawn
 from specdec.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -462,3 +462,23 @@ def test_bad_stop_strings_are_invalid(
     with pytest.raises(grpc.RpcError) as err:
         same.Generate(request(PROMPTS[0], stop=stops))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
+
+def test_another_coordinator_replica_finds_the_cached_prefix(
+    cluster_other: LocalCluster, tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """The prefix index lives in Redis: a request on a second coordinator (same workers, same
+    Redis) starts from the caches a request on the first one left."""
+    prompt = [(11 * i + 5) % 250 for i in range(40)]
+    with grpc.insecure_channel(cluster_other.address) as channel:
+        coordinator_pb2_grpc.GenerationStub(channel).Generate(request(prompt, max_new=4, ignore_eos=True))
+    first = cluster_other.processes["coordinator"]
+    second = spawn("coordinator", first.args, tmp_path, name="coordinator-2")
+    try:
+        second.wait_ready(120)
+        with grpc.insecure_channel(second.address) as channel:
+            reply = coordinator_pb2_grpc.GenerationStub(channel).Generate(request(prompt, max_new=6, ignore_eos=True))
+    finally:
+        second.stop()
+    assert reply.usage.cached_tokens == 32  # two whole blocks of the 40-token prompt
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), 6, ignore_eos=True)
