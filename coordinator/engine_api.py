@@ -120,28 +120,29 @@ def native_request(
     return coordinator_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling)
 
 
+def _tops(entries: Sequence[common_pb2.TokenLogprob]) -> list[vllm_pb2.TopLogProbs]:
+    return [
+        vllm_pb2.TopLogProbs(values=[t.logprob for t in e.top], token_ids=[t.token_id for t in e.top]) for e in entries
+    ]
+
+
 def _output_logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> vllm_pb2.OutputLogProbs:
     return vllm_pb2.OutputLogProbs(
         token_logprobs=[e.logprob for e in entries],
         token_ids=[e.token_id for e in entries],
-        top_logprobs=[
-            vllm_pb2.TopLogProbs(values=[t.logprob for t in e.top], token_ids=[t.token_id for t in e.top])
-            for e in entries
-        ],
+        top_logprobs=_tops(entries),
     )
 
 
 def _input_logprobs(entries: Sequence[common_pb2.TokenLogprob]) -> vllm_pb2.InputLogProbs:
+    """The first token of a session has no logprob: its entry's value is unset."""
     return vllm_pb2.InputLogProbs(
         token_logprobs=[
             vllm_pb2.InputTokenLogProb(value=e.logprob) if e.HasField("logprob") else vllm_pb2.InputTokenLogProb()
             for e in entries
         ],
         token_ids=[e.token_id for e in entries],
-        top_logprobs=[
-            vllm_pb2.TopLogProbs(values=[t.logprob for t in e.top], token_ids=[t.token_id for t in e.top])
-            for e in entries
-        ],
+        top_logprobs=_tops(entries),
     )
 
 

@@ -62,8 +62,12 @@ def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], lo
 
 
 @contextlib.contextmanager
-def launch(root: Path, tokenizer: PreTrainedTokenizerBase, with_draft: bool) -> Iterator[Gateway]:
-    """Target (+ draft) + coordinator, and an ``smg`` gateway process in front of them."""
+def launch(
+    root: Path, tokenizer: PreTrainedTokenizerBase, with_draft: bool, tokenizer_on_gateway_host: bool = True
+) -> Iterator[Gateway]:
+    """Target (+ draft) + coordinator, and an ``smg`` gateway process in front of them. Without a
+    tokenizer on the gateway's host (the files deleted once the services have loaded, no
+    --model-path), the gateway must fetch it from the coordinator (GetTokenizer)."""
     target = build_model(root / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
     draft = build_model(root / "draft", seed=4, hidden=32, layers=1, vocab=len(tokenizer), tokenizer=tokenizer)
     cluster = LocalCluster(
@@ -78,14 +82,21 @@ def launch(root: Path, tokenizer: PreTrainedTokenizerBase, with_draft: bool) -> 
         port, log = free_port(), root / "gateway.log"
         command = [
             str(Path(sys.executable).with_name("smg")), "launch", "--backend", "vllm", "--host", "127.0.0.1",
-            "--port", str(port), "--worker-urls", f"grpc://{cluster.address}", "--model-path", str(target),
+            "--port", str(port), "--worker-urls", f"grpc://{cluster.address}",
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         ]  # fmt: skip
+        if tokenizer_on_gateway_host:
+            command += ["--model-path", str(target)]
+        else:
+            for path in [*target.glob("tokenizer*"), *target.glob("*.jinja"), *target.glob("special_tokens*")]:
+                path.unlink()
         with log.open("wb") as sink:
             process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
         try:
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
             model = _wait_for_models(client, process, log)
+            if not tokenizer_on_gateway_host:
+                assert "Fetching tokenizer from worker" in log.read_text()
             yield Gateway(cluster, client, model, tokenizer, log)
         finally:
             process.terminate()
@@ -327,9 +338,11 @@ def test_a_five_turn_chat_reuses_the_cached_conversation(tmp_path_factory: pytes
     """The gateway resends the whole conversation each turn; prefix reuse finds the previous
     turn's cache, so turns 2-5 report cached tokens (at least the previous prompt, in whole
     blocks of 16) and the target computes only the rest: the uncached prompt tail and one token per
-    later round (target-only service, so no drafts are computed)."""
+    later round (target-only service, so no drafts are computed). This gateway has no tokenizer
+    files: it fetched the tokenizer and chat template from the coordinator (GetTokenizer)."""
     root = tmp_path_factory.mktemp("gateway-target-only")
-    with launch(root, _qwen_tokenizer(tmp_path_factory), with_draft=False) as gw:
+    tokenizer = _qwen_tokenizer(tmp_path_factory)
+    with launch(root, tokenizer, with_draft=False, tokenizer_on_gateway_host=False) as gw:
         target = gw.cluster.processes["target-0"].address
         conversation: list[dict[str, str]] = [{"role": "system", "content": "You are terse."}]
         previous_prompt = 0
