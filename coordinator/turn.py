@@ -22,8 +22,9 @@ from transformers import PreTrainedTokenizerBase
 from coordinator.adaptive import KController, StepCosts
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
-from coordinator.worker_session import Decoding, LogprobsAsk, Proposal, WorkerSession
+from coordinator.worker_session import Decoding, Proposal, WorkerSession
 from coordinator.workers import DraftClient, TargetPool
+from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.tokens import block_hashes, common_prefix_len
 from specdec.serving.errors import InvalidRequest, SpecdecError, StateUnavailable
 from specdec.serving.metrics import CoordinatorMetrics

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import structlog
 
 from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
+from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.processing import NO_PROCESSING, Processing, processing_to_proto
 from specdec.runtime.proposals import warp_to_proto
 from specdec.runtime.sampling import Warp
@@ -36,17 +37,6 @@ class Decoding:
     warp: Warp
     seed: int
     processing: Processing = NO_PROCESSING
-
-
-@dataclass(frozen=True)
-class LogprobsAsk:
-    """What a verify call returns besides the verdict: the raw log-probabilities of its tokens
-    (with ``top`` alternatives) and of the last ``prompt_count`` committed tokens (the prompt)."""
-
-    tokens: bool = False
-    top: int = 0
-    prompt_count: int = 0
-    prompt_top: int = 0
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.runtime.kvcache import ResyncRequired, SessionCaches
-from specdec.runtime.logprobs import token_logprobs
+from specdec.runtime.logprobs import LogprobsAsk, token_logprobs
 from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.processing import Processing, process_logits
 from specdec.runtime.proposals import decode_block
@@ -29,17 +29,6 @@ class VerifyResult:
     compute_ms: float = 0.0
     logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
     prompt_logprobs: tuple[common_pb2.TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class LogprobsAsk:
-    """What log-probabilities a verify call returns: of the verdict's tokens (``tokens``, with
-    ``top`` alternatives) and of the last ``prompt_count`` committed tokens (``prompt_top``)."""
-
-    tokens: bool = False
-    top: int = 0
-    prompt_count: int = 0
-    prompt_top: int = 0
 
 
 def verify_job(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import grpc
 
-from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
+from specdec.runtime.logprobs import MAX_TOP_LOGPROBS, LogprobsAsk
 from specdec.runtime.processing import processing_from_proto
 from specdec.runtime.proposals import warp_from_proto
 from specdec.serving.errors import InvalidRequest
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_worker.engine import LogprobsAsk, verify_job
+from target_worker.engine import verify_job
 from target_worker.settings import TargetSettings
 
 

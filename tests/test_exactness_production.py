@@ -24,6 +24,7 @@ import target_worker.engine as target_engine
 from coordinator.worker_session import prefix_sync
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
 from specdec.runtime.kvcache import SessionCaches
+from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.proposals import encode_block
@@ -37,7 +38,7 @@ from tests.tiny_models import TinyModels
 PROMPT = (5, 17, 99, 3)
 WARP = Warp(temperature=0.8, top_k=4, top_p=0.9)
 LENGTH = 3  # tokens whose joint distribution is tested (support <= 4^3)
-NO_LOGPROBS = target_engine.LogprobsAsk()
+NO_LOGPROBS = LogprobsAsk()
 
 
 def run_job(job: Job, caches: SessionCaches):  # type: ignore[no-untyped-def, type-arg]

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from specdec.v1 import common_pb2
 
 MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class LogprobsAsk:
+    """What a verify call returns besides the verdict: the raw log-probabilities of its tokens
+    (``tokens``, with ``top`` alternatives) and of the last ``prompt_count`` committed tokens (the
+    prompt, with ``prompt_top`` alternatives)."""
+
+    tokens: bool = False
+    top: int = 0
+    prompt_count: int = 0
+    prompt_top: int = 0
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_n: int) -> list[common_pb2.TokenLogprob]:
