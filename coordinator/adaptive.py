@@ -1,12 +1,15 @@
-"""Adaptive K and automatic fallback to target-only decoding.
+"""Adaptive K, the choice of proposer per round, and automatic fallback to target-only decoding.
 
 ``StepCosts`` (one per coordinator) learns what a round costs on the deployed hardware: draft
 time per token, verification time by the number of tokens in the pass, and the per-round
-overhead. ``KController`` (one per turn) learns the session's acceptance rate and picks, each
-round, the K in [0, K_max] with the best expected tokens per second (Leviathan et al.: a round with
-per-token acceptance a yields (1 - a^(K+1)) / (1 - a) tokens). K = 0 is target-only decoding; it is
-chosen whenever speculation would be slower; then cheap probes (first after 4 target-only rounds,
-the gap doubling up to ``probe_every``) keep the acceptance estimate fresh.
+overhead (with and without a call to the draft worker). ``KController`` (one per turn) learns the
+session's acceptance rate of each proposer and picks, each round, the proposer and K with the best
+expected tokens per second (Leviathan et al.: a round with per-token acceptance a yields
+(1 - a^(K+1)) / (1 - a) tokens). The proposers: ``model`` (the draft worker; costs draft time per
+token) and ``ngram`` (lookup in the session's own tokens; free to draft, only where the suffix
+matches). K = 0 is target-only decoding; it is chosen whenever speculation would be slower; then
+cheap probes (first after 4 target-only rounds, the gap doubling up to ``probe_every``) keep the
+acceptance estimate fresh. A lookup that keeps failing is likewise tried only at probe rounds.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from dataclasses import dataclass, field
 
 _EWMA = 0.2
 _POOL_DECAY = 0.98  # per round: the global acceptance remembers roughly the last 50 rounds
-_FIRST_PROBE = 4  # target-only rounds before the first probe; the gap doubles up to probe_every
+_FIRST_PROBE = 4  # rounds a proposer stays unused before the first probe; the gap doubles up to probe_every
 _MAX_TOKENS = 64
+MODEL, NGRAM, NONE = "model", "ngram", "none"
 
 
 def ewma(old: float | None, new: float) -> float:
@@ -25,27 +29,56 @@ def ewma(old: float | None, new: float) -> float:
 
 
 @dataclass
+class Acceptance:
+    """Decayed counts of accepted drafts and of trials (accepted + the rejection that ended a
+    round). Pooling the counts matters: an average of per-round ratios is biased low (rounds 4/4
+    and 0/1 pool to 0.8, their ratios average 0.5)."""
+
+    decay: float
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, k: int, accepted: int) -> None:
+        if k > 0:
+            self.accepted = self.accepted * self.decay + accepted
+            self.trials = self.trials * self.decay + accepted + (1 if accepted < k else 0)
+
+    @property
+    def rate(self) -> float | None:
+        return self.accepted / self.trials if self.trials > 0 else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A round's proposer (``model``, ``ngram`` or ``none``) and its K (0 with ``none``)."""
+
+    method: str
+    k: int
+
+
+TARGET_ONLY = Plan(NONE, 0)
+
+
+@dataclass
 class StepCosts:
     """Measured costs of the deployed models (milliseconds), shared by all sessions."""
 
     draft_per_token: float | None = None
-    overhead: float | None = None
+    overhead: float | None = None  # rounds that call the draft worker
+    local_overhead: float | None = None  # rounds that do not (lookup drafts, target-only)
     verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
-    # Per-token acceptance over all sessions (the prior of a new turn): decayed sums of accepted
-    # drafts and of trials (accepted + the rejection that ended the round). Pooling the counts
-    # matters: an average of per-round ratios is biased low (rounds 4/4 and 0/1 pool to 0.8,
-    # their ratios average 0.5).
-    _accepted: float = 0.0
-    _trials: float = 0.0
+    # Per-token acceptance of each proposer over all sessions (the prior of a new turn).
+    acceptance: dict[str, Acceptance] = field(
+        default_factory=lambda: {MODEL: Acceptance(_POOL_DECAY), NGRAM: Acceptance(_POOL_DECAY)}
+    )
 
     @property
     def alpha(self) -> float | None:
-        return self._accepted / self._trials if self._trials > 0 else None
+        """The model draft's acceptance over all sessions."""
+        return self.acceptance[MODEL].rate
 
-    def observe_acceptance(self, k: int, accepted: int) -> None:
-        if k > 0:
-            self._accepted = self._accepted * _POOL_DECAY + accepted
-            self._trials = self._trials * _POOL_DECAY + accepted + (1 if accepted < k else 0)
+    def observe_acceptance(self, k: int, accepted: int, method: str = MODEL) -> None:
+        self.acceptance[method].observe(k, accepted)
 
     def observe_draft(self, tokens: int, ms: float) -> None:
         if tokens > 0:
@@ -55,8 +88,16 @@ class StepCosts:
         if 0 < tokens <= _MAX_TOKENS:
             self.verify[tokens] = ewma(self.verify.get(tokens), ms)
 
-    def observe_overhead(self, ms: float) -> None:
-        self.overhead = ewma(self.overhead, max(ms, 0.0))
+    def observe_overhead(self, ms: float, drafted: bool = True) -> None:
+        """A round's time besides model time; ``drafted``: the round called the draft worker."""
+        if drafted:
+            self.overhead = ewma(self.overhead, max(ms, 0.0))
+        else:
+            self.local_overhead = ewma(self.local_overhead, max(ms, 0.0))
+
+    def overhead_ms(self, drafted: bool) -> float:
+        own = self.overhead if drafted else self.local_overhead
+        return own if own is not None else (self.overhead or self.local_overhead or 0.0)
 
     def verify_ms(self, tokens: int) -> float | None:
         """Measured, else linearly interpolated/extrapolated from the nearest measurements."""
@@ -85,7 +126,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 @dataclass
 class KController:
-    """Chooses each round's K for one turn."""
+    """Chooses each round's proposer and K for one turn."""
 
     k_max: int
     costs: StepCosts
@@ -94,53 +135,92 @@ class KController:
     prior_alpha: float = 0.7
     prior_weight: float = 4.0
     decay: float = 0.9
-    _accepted: float = 0.0
-    _trials: float = 0.0
-    _since_probe: int = 0
-    _probe_gap: int = _FIRST_PROBE
+    _seen: dict[str, Acceptance] = field(init=False)
+    _since_probe: dict[str, int] = field(default_factory=lambda: {MODEL: 0, NGRAM: 0})
+    _probe_gap: dict[str, int] = field(default_factory=lambda: {MODEL: _FIRST_PROBE, NGRAM: _FIRST_PROBE})
+
+    def __post_init__(self) -> None:
+        self._seen = {MODEL: Acceptance(self.decay), NGRAM: Acceptance(self.decay)}
 
     @property
     def alpha(self) -> float:
-        """Per-token acceptance estimate: decaying counts of this turn on top of a prior (the
-        acceptance measured over all sessions, else ``prior_alpha``)."""
-        prior = self.costs.alpha if self.costs.alpha is not None else self.prior_alpha
-        return (self._accepted + prior * self.prior_weight) / (self._trials + self.prior_weight)
+        """The model draft's per-token acceptance estimate."""
+        return self.alpha_of(MODEL)
 
-    def observe(self, k: int, accepted: int) -> None:
+    def alpha_of(self, method: str) -> float:
+        """Per-token acceptance estimate of a proposer: decaying counts of this turn on top of a
+        prior (the acceptance measured over all sessions, else ``prior_alpha``)."""
+        pooled = self.costs.acceptance[method].rate
+        prior = pooled if pooled is not None else self.prior_alpha
+        seen = self._seen[method]
+        return (seen.accepted + prior * self.prior_weight) / (seen.trials + self.prior_weight)
+
+    def observe(self, k: int, accepted: int, method: str = MODEL) -> None:
         """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends it)."""
         if k == 0:
             return
-        self.costs.observe_acceptance(k, accepted)
-        self._accepted = self._accepted * self.decay + accepted
-        self._trials = self._trials * self.decay + accepted + (1 if accepted < k else 0)
+        self.costs.observe_acceptance(k, accepted, method)
+        self._seen[method].observe(k, accepted)
 
-    def expected_ms(self, k: int) -> float | None:
+    def expected_ms(self, k: int, method: str = MODEL) -> float | None:
         verify = self.costs.verify_ms(k + 1)
-        if verify is None or self.costs.draft_per_token is None:
+        if verify is None:
+            return None
+        if method != MODEL:  # a lookup draft costs nothing to make
+            return verify + self.costs.overhead_ms(drafted=False)
+        if self.costs.draft_per_token is None:
             return None
         draft = self.costs.draft_per_token * k
         if self.pipelined:  # a block drafted ahead costs nothing when the previous one was fully taken
             draft *= 1.0 - self.alpha ** (k + 1)
-        return verify + draft + (self.costs.overhead or 0.0)
+        return verify + draft + self.costs.overhead_ms(drafted=True)
 
     def choose(self, budget: int) -> int:
-        """K for the next round; ``budget`` = the most drafts that can still be used."""
-        upper = min(self.k_max, budget)
-        if upper <= 0:
-            return 0
+        """K for the next round with the model draft only; ``budget`` = the most drafts that can still be used."""
+        return self.plan(min(self.k_max, budget)).k
+
+    def plan(self, model: int, lookup: int = 0) -> Plan:
+        """The next round's proposer and K. ``model``: the most drafts the draft worker may be
+        asked for (0 = not usable); ``lookup``: tokens a lookup draft has ready (0 = no match)."""
+        limits = {MODEL: model, NGRAM: lookup}
+        if max(limits.values()) <= 0:
+            return TARGET_ONLY
         if 1 not in self.costs.verify:
-            return 0  # learn what target-only decoding costs first (one round per coordinator)
-        rates = {k: expected_tokens(self.alpha, k) / ms for k in range(upper + 1) if (ms := self.expected_ms(k))}
-        if len(rates) < 2:
-            return upper  # speculative costs not measured yet: speculate at K_max to learn them
-        best = max(rates, key=rates.__getitem__)
-        if best > 0:
-            self._since_probe, self._probe_gap = 0, min(_FIRST_PROBE, self.probe_every)
-            return best
-        # Off: probe with a short block, soon at first (acceptance often changes within a
-        # response), then backing off (a useless draft costs ever less) up to probe_every.
-        self._since_probe += 1
-        if self._since_probe >= min(self._probe_gap, self.probe_every):
-            self._since_probe, self._probe_gap = 0, min(self._probe_gap * 2, self.probe_every)
-            return min(2, upper)
-        return 0
+            return TARGET_ONLY  # learn what target-only decoding costs first (one round per coordinator)
+        rates = {TARGET_ONLY: self._rate(TARGET_ONLY)}
+        for method, upper in limits.items():
+            for k in range(1, upper + 1):
+                rates[Plan(method, k)] = self._rate(Plan(method, k))
+        known = {plan: rate for plan, rate in rates.items() if rate is not None}
+        unmeasured = [m for m in (MODEL, NGRAM) if limits[m] and Plan(m, limits[m]) not in known]
+        if unmeasured:  # speculative costs not measured yet: speculate at the most to learn them
+            return Plan(unmeasured[0], limits[unmeasured[0]])
+        best = max(known, key=lambda plan: known[plan])
+        self._reset(best.method)
+        # A lookup that keeps failing is tried only at probes. With speculation off, the model is
+        # probed with a short block, soon at first (acceptance often changes within a response),
+        # then backing off (a useless draft costs ever less).
+        if best.method != NGRAM and limits[NGRAM] and (probe := self._probe(NGRAM, limits[NGRAM])):
+            return probe
+        if best.method == NONE and limits[MODEL] and (probe := self._probe(MODEL, limits[MODEL])):
+            return probe
+        return best
+
+    def _rate(self, plan: Plan) -> float | None:
+        ms = self.expected_ms(plan.k, plan.method if plan.k else NGRAM)
+        if not ms:
+            return None
+        alpha = self.alpha_of(plan.method) if plan.k else 0.0
+        return expected_tokens(alpha, plan.k) / ms
+
+    def _reset(self, method: str) -> None:
+        if method in self._since_probe:
+            self._since_probe[method], self._probe_gap[method] = 0, min(_FIRST_PROBE, self.probe_every)
+
+    def _probe(self, method: str, upper: int) -> Plan | None:
+        self._since_probe[method] += 1
+        if self._since_probe[method] >= min(self._probe_gap[method], self.probe_every):
+            self._since_probe[method] = 0
+            self._probe_gap[method] = min(self._probe_gap[method] * 2, self.probe_every)
+            return Plan(method, min(2, upper))
+        return None

@@ -67,7 +67,9 @@ def server_info(
         server_version=importlib.metadata.version("specdec"),
         target_model_id=target.model_id,
         draft_model_id=draft.model_id if draft else "",
-        draft_methods=["model"] if draft else [],
+        draft_methods=["model", "ngram", "hybrid"] if draft else ["ngram"],
+        default_draft_method=limits.default_method,
+        lookup_max_tokens=limits.lookup_max_tokens,
         max_context_len=limits.max_context_len,
         draft_max_context_len=limits.draft_context_len,
         vocab_size=limits.vocab_size,
@@ -132,6 +134,8 @@ class Engine:
             max_k=s.max_speculative_tokens,
             max_prompt_chars=MAX_PROMPT_CHARS,
             draft_context_len=draft_info.max_context_len if draft_info is not None else 0,
+            default_method=s.default_method(),
+            lookup_max_tokens=s.lookup_max_tokens,
         )
         if draft_info is not None and draft_info.max_context_len < target_info.max_context_len:
             log.warning(
@@ -144,7 +148,7 @@ class Engine:
         self._deps = TurnDeps(
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
             StepCosts(), pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
-            prefix_block=s.prefix_block_tokens,
+            prefix_block=s.prefix_block_tokens, ngram=(s.ngram_min, s.ngram_max),
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self._info = server_info(s, limits, target_info, draft_info, pipelined, has_template)
@@ -154,6 +158,7 @@ class Engine:
             draft=draft_info.model_id if draft_info else None,
             mode="pipelined" if pipelined else "sequential",
             adaptive_k=s.adaptive_k,
+            draft_method=s.default_method(),
         )
 
     @property

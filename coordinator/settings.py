@@ -57,6 +57,17 @@ class CoordinatorSettings(ServiceSettings):
         description="pipelined drafts the next block while the target verifies; auto = pipelined unless draft and "
         "target share one CPU host",
     )
+    draft_method: Literal["auto", "model", "ngram", "hybrid"] = Field(
+        "auto",
+        description="who drafts when a request does not say: model = the draft worker; ngram = lookup in the "
+        "session's own tokens (no draft model needed); hybrid = lookup where it matches, the model elsewhere, "
+        "chosen per round; auto = hybrid with a draft worker, ngram without",
+    )
+    ngram_min: int = Field(2, ge=1, description="shortest suffix (tokens) a lookup draft matches")
+    ngram_max: int = Field(5, ge=1, description="longest suffix (tokens) a lookup draft matches (longest wins)")
+    lookup_max_tokens: int = Field(
+        8, ge=1, description="the most tokens one lookup draft proposes (the model's blocks use K)"
+    )
     adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")
     probe_every: int = Field(32, gt=0, description="with speculation off for a session, probe it every N rounds")
     prefix_block_tokens: int = Field(
@@ -108,6 +119,20 @@ class CoordinatorSettings(ServiceSettings):
                 f"({self.worker_timeout_s:g} + {self.state_retry_s:g}); raise the lease or lower the timeouts"
             )
         return self
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> CoordinatorSettings:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        if self.lookup_max_tokens > self.max_speculative_tokens:
+            raise ValueError("lookup_max_tokens must not exceed max_speculative_tokens")
+        return self
+
+    def default_method(self) -> str:
+        """The draft method of requests that do not choose one."""
+        if self.draft_method == "auto":
+            return "hybrid" if self.draft_address else "ngram"
+        return self.draft_method if self.draft_address else "ngram"
 
     @model_validator(mode="after")
     def _k_within_max(self) -> CoordinatorSettings:

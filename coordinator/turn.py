@@ -19,12 +19,13 @@ from typing import TypeVar
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import KController, StepCosts
+from coordinator.adaptive import MODEL, NGRAM, TARGET_ONLY, KController, Plan, StepCosts
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
-from coordinator.worker_session import Decoding, Proposal, WorkerSession
+from coordinator.worker_session import Decoding, Proposal, WorkerSession, lookup_proposal
 from coordinator.workers import DraftClient, TargetPool
 from specdec.runtime.logprobs import LogprobsAsk
+from specdec.runtime.lookup import NgramIndex
 from specdec.runtime.tokens import block_hashes, common_prefix_len
 from specdec.serving.errors import InvalidRequest, SpecdecError, StateUnavailable
 from specdec.serving.metrics import CoordinatorMetrics
@@ -53,6 +54,9 @@ class TurnStats:
     completion_tokens: int = 0
     cached_tokens: int = 0
     pipelined_rounds: int = 0
+    lookup_rounds: int = 0
+    lookup_proposed: int = 0
+    lookup_accepted: int = 0
     k_total: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
@@ -102,6 +106,7 @@ class TurnDeps:
     cleanup_timeout_s: float = 2.0
     lease_s: float = 90.0
     prefix_block: int = 0  # prefix reuse in blocks of this many tokens; 0 = off
+    ngram: tuple[int, int] = (2, 5)  # suffix lengths a lookup draft matches (n_min, n_max)
 
 
 @dataclass
@@ -121,6 +126,7 @@ class Turn:
     _chat_before: str = ""  # the conversation when the turn began (restored on rollback)
     _chat: list[dict[str, str]] | None = None  # the conversation with this turn's messages (chat turns)
     _decoding: Decoding | None = None
+    _index: NgramIndex | None = None  # the committed tokens' n-grams (lookup drafts)
     _generated: int = 0
     _round: int = 0
     _reply: ReplyText | None = None
@@ -186,6 +192,8 @@ class Turn:
         self._reply = ReplyText(
             self.deps.tokenizer, self._committed, req.stop_strings, req.include_stop_str, req.min_tokens
         )
+        if req.k and req.method != MODEL:
+            self._index = NgramIndex(*self.deps.ngram, self._committed)
         processing = dataclasses.replace(req.processing, reply_start=len(self._committed))
         self._decoding = Decoding(req.warp, req.seed, processing)
         self.stats.prompt_tokens = len(prompt)
@@ -263,22 +271,36 @@ class Turn:
                 f"= {total} tokens exceeds the context length {limit}; shorten the prompt or lower max_new_tokens"
             )
 
-    def _k(self) -> int:
-        budget = self.request.max_new_tokens - self._generated - 1
-        # The draft runs the committed tokens + K - 1 drafts: it cannot draft past its own context.
-        budget = min(budget, self.deps.limits.draft_context_len - len(self._committed) + 1)
-        if not self.workers.draft_usable or budget <= 0:
-            return 0
-        if self.deps.adaptive_k and not self.request.fixed_k:
-            return self.controller.choose(budget)
-        return min(self.request.k, budget)
+    def _plan(self) -> tuple[Plan, list[int]]:
+        """This round's proposer and K, and the lookup draft on offer (if the method uses one)."""
+        req, limits = self.request, self.deps.limits
+        budget = req.max_new_tokens - self._generated - 1
+        if req.k <= 0 or budget <= 0:
+            return TARGET_ONLY, []
+        lookup: list[int] = []
+        if self._index is not None:
+            lookup = self._index.propose(min(limits.lookup_max_tokens, budget)).token_ids
+        model = 0
+        if req.method != NGRAM and self.workers.draft_usable:
+            # The draft runs the committed tokens + K - 1 drafts: it cannot draft past its own context.
+            model = max(min(req.k, budget, limits.draft_context_len - len(self._committed) + 1), 0)
+        if self.deps.adaptive_k and not req.fixed_k:
+            return self.controller.plan(model, len(lookup)), lookup
+        if lookup:  # fixed K: the lookup draft whenever it matches (it costs nothing to make)
+            return Plan(NGRAM, len(lookup)), lookup
+        return (Plan(MODEL, model) if model else TARGET_ONLY), lookup
 
     async def _run_round(self) -> RoundOutput:
         self._round += 1
-        k, loop, decoding = self._k(), asyncio.get_running_loop(), self._decoding
+        (plan, lookup), loop, decoding = self._plan(), asyncio.get_running_loop(), self._decoding
         assert decoding is not None
         began = loop.time()
-        proposal = await self.workers.propose(self._committed, k, decoding, self._round) if k > 0 else None
+        proposal: Proposal | None = None
+        if plan.method == NGRAM:
+            proposal = lookup_proposal(lookup[: plan.k], len(self._committed))
+            self.workers.skip_draft()
+        elif plan.k > 0:
+            proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round)
         drafted = loop.time()
         block = proposal.block if proposal else common_pb2.DraftBlock()
         verdict, reused = await self.workers.verify(self._committed, block, decoding, self._logprobs_ask())
@@ -294,6 +316,8 @@ class Turn:
             self.stop_token_id = tokens[-1]
         self._committed += tokens
         self._generated += len(tokens)
+        if self._index is not None:
+            self._index.extend(tokens)
         self.workers.advance(start, self._committed, proposal, verdict.cache_len)
         target, draft = self.workers.locations()
         text = self._reply.take(final=finish is not None)
@@ -358,6 +382,7 @@ class Turn:
         """Stats, metrics, the cost model and the acceptance estimate after a round."""
         s, m = self.stats, self.deps.metrics
         k = len(proposal.block.token_ids) if proposal else 0
+        method = proposal.method if proposal else "none"
         overhead = round_ms - verdict.compute_ms - min(draft_ms, proposal.compute_ms if proposal else 0.0)
         s.rounds += 1
         s.completion_tokens += committed
@@ -365,18 +390,22 @@ class Turn:
         s.draft_ms += draft_ms
         s.verify_ms += verdict.compute_ms
         s.overhead_ms += overhead
-        m.record_round(k, verdict.num_accepted, draft_ms, verdict.compute_ms, overhead, committed)
+        m.record_round(k, verdict.num_accepted, draft_ms, verdict.compute_ms, overhead, committed, method)
         if verdict.computed_tokens == k + 1:  # steady state (no prefill in the pass): a clean cost sample
             self.deps.costs.observe_verify(k + 1, verdict.compute_ms)
-            self.deps.costs.observe_overhead(overhead)
+            self.deps.costs.observe_overhead(overhead, drafted=method == MODEL)
         if proposal is None:
             s.target_only_rounds += 1
             return
         s.proposed += k
         s.accepted += verdict.num_accepted
         s.pipelined_rounds += proposal.pipelined
-        self.controller.observe(k, verdict.num_accepted)
-        if proposal.computed <= k + 1:  # no prefill in the draft's work either
+        self.controller.observe(k, verdict.num_accepted, method)
+        if method == NGRAM:
+            s.lookup_rounds += 1
+            s.lookup_proposed += k
+            s.lookup_accepted += verdict.num_accepted
+        elif proposal.computed <= k + 1:  # no prefill in the draft's work either
             self.deps.costs.observe_draft(proposal.computed, proposal.compute_ms)
 
     async def _commit(self, commit: Commit) -> CommitResult:

@@ -41,6 +41,7 @@ FEATURES = (
     "speculation.num_speculative_tokens",
     "speculation.disable",
     "speculation.fixed",
+    "speculation.method",
     "require_existing_session",
 )
 
@@ -57,6 +58,8 @@ class Limits:
     max_k: int
     max_prompt_chars: int
     draft_context_len: int = 0  # the draft's context length (0 = no draft); it drafts no further
+    default_method: str = "ngram"  # model | ngram | hybrid
+    lookup_max_tokens: int = 8  # the most tokens one lookup draft proposes
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class TurnRequest:
     k: int
     fixed_k: bool
     require_existing: bool
+    method: str = "model"  # who drafts: model | ngram | hybrid (see coordinator.adaptive)
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content), instead of a prompt
     min_tokens: int = 0
     processing: Processing = NO_PROCESSING  # the turn sets reply_start; banned_until_min = stop_ids
@@ -228,6 +232,22 @@ def _k(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> int:
     return k or limits.default_k
 
 
+_METHODS = {
+    coordinator_pb2.DRAFT_METHOD_MODEL: "model",
+    coordinator_pb2.DRAFT_METHOD_NGRAM: "ngram",
+    coordinator_pb2.DRAFT_METHOD_HYBRID: "hybrid",
+}
+
+
+def _method(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> str:
+    if speculation.method == coordinator_pb2.DRAFT_METHOD_UNSPECIFIED:
+        return limits.default_method
+    if speculation.method not in _METHODS:
+        raise InvalidRequest(f"speculation.method {speculation.method} is not one of MODEL, NGRAM, HYBRID")
+    method = _METHODS[speculation.method]
+    return method if limits.draft_context_len else "ngram"  # no draft model: lookup is what there is
+
+
 def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:
     """Validates a request; raises InvalidRequest naming the offending field."""
     if request.session_id:
@@ -258,6 +278,7 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         k=_k(request.speculation, limits),
         fixed_k=request.speculation.fixed,
         require_existing=request.require_existing_session,
+        method=_method(request.speculation, limits),
         messages=messages,
         min_tokens=sampling.min_tokens,
         processing=_processing(sampling, limits, stop_ids),

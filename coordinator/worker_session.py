@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from coordinator.adaptive import MODEL, NGRAM
 from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.processing import NO_PROCESSING, Processing, processing_to_proto
@@ -42,7 +43,8 @@ class Decoding:
 @dataclass
 class Proposal:
     """A draft block: drafted after ``start`` committed tokens; the draft's cache length after it;
-    the draft's model time and the tokens it ran for the block; whether it was drafted ahead."""
+    the draft's model time and the tokens it ran for the block; whether it was drafted ahead; who
+    drafted it (``model``: the draft worker, ``ngram``: a lookup in the coordinator)."""
 
     block: common_pb2.DraftBlock
     cache_len: int
@@ -50,6 +52,13 @@ class Proposal:
     compute_ms: float
     computed: int
     pipelined: bool = False
+    method: str = MODEL
+
+
+def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
+    """A lookup draft: one-hot proposals (each token had probability 1 under the proposer)."""
+    block = common_pb2.DraftBlock(token_ids=token_ids, kind=common_pb2.PROPOSAL_KIND_ONE_HOT)
+    return Proposal(block, cache_len=0, start=start, compute_ms=0.0, computed=0, method=NGRAM)
 
 
 def _first(block: common_pb2.DraftBlock, k: int) -> common_pb2.DraftBlock:
@@ -337,9 +346,13 @@ class WorkerSession:
     def advance(self, start: int, committed: list[int], proposal: Proposal | None, target_cache_len: int) -> None:
         """Updates the cache views after a round committed ``committed[start:]``."""
         self.target_len = min(target_cache_len, len(committed))
-        if proposal is not None:
+        if proposal is not None and proposal.method == MODEL:
             drafted_in_cache = list(proposal.block.token_ids[: proposal.cache_len - start])
             self.draft_len = start + common_prefix_len(drafted_in_cache, committed[start:])
+
+    def skip_draft(self) -> None:
+        """This round does not use the draft model: a block it drafts ahead is of no use."""
+        self._last = None
 
     def close_stream(self) -> None:
         if self._stream is not None:

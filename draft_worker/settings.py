@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from specdec.runtime.modeling import LoadOptions
 from specdec.serving.settings import ModelWorkerSettings
 
 
@@ -15,3 +16,14 @@ class DraftSettings(ModelWorkerSettings):
     proposal_top_n: int = Field(
         64, ge=0, description="sampled drafts propose from the renormalised top-n tokens (0 = full distribution)"
     )
+    draft_layers: int = Field(
+        0,
+        ge=0,
+        description="early-exit draft: load --model (the target's checkpoint) and keep only its first N decoder "
+        "layers, its final norm and LM head (0 = the whole model)",
+    )
+
+    def load_options(self) -> LoadOptions:
+        return LoadOptions(
+            self.device, self.dtype, self.quantize, self.cpu_kernel, self.trust_remote_code, self.draft_layers
+        )

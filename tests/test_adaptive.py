@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import KController, StepCosts, expected_tokens
+from coordinator.adaptive import KController, Plan, StepCosts, expected_tokens
 
 
 def costs(draft: float, verify: dict[int, float], overhead: float = 0.0) -> StepCosts:
@@ -96,3 +96,49 @@ def test_pipelining_makes_longer_blocks_worth_it() -> None:
         for _ in range(10):
             ctl.observe(4, 4)
     assert pipelined.choose(100) >= sequential.choose(100)
+
+
+def test_a_lookup_that_keeps_matching_is_preferred_to_the_model() -> None:
+    controller = KController(k_max=4, costs=costs(60, {1: 400, 5: 500, 9: 600}))
+    for _ in range(10):
+        controller.observe(8, 8, "ngram")
+    plan = controller.plan(model=4, lookup=8)
+    assert plan.method == "ngram" and plan.k >= 6
+    assert controller.plan(model=4, lookup=0).method == "model"  # no match this round: the model drafts
+
+
+def test_a_failing_lookup_is_tried_only_at_probes() -> None:
+    controller = KController(k_max=4, costs=costs(60, {1: 400, 5: 700, 9: 1000}), probe_every=8)
+    for _ in range(30):
+        controller.observe(4, 0, "ngram")
+        controller.observe(4, 3, "model")
+    plans = [controller.plan(model=4, lookup=8) for _ in range(20)]
+    lookups = [i for i, plan in enumerate(plans) if plan.method == "ngram"]
+    assert lookups == [3, 11, 19]  # after 4 rounds, then every 8 (the cap)
+    assert all(plans[i].k == 2 for i in lookups)  # short probes
+    assert {plan.method for i, plan in enumerate(plans) if i not in lookups} == {"model"}
+
+
+def test_without_a_model_a_useful_lookup_still_speculates() -> None:
+    c = costs(0, {1: 400, 3: 430})
+    c.draft_per_token = None  # no draft worker: its cost is never measured
+    controller = KController(k_max=4, costs=c)
+    for _ in range(5):
+        controller.observe(2, 2, "ngram")
+    assert controller.plan(model=0, lookup=2) == Plan("ngram", 2)
+    assert controller.plan(model=0, lookup=0) == Plan("none", 0)
+
+
+def test_lookup_acceptance_is_kept_apart_from_the_model_s() -> None:
+    c = StepCosts()
+    c.observe_acceptance(4, 4, "ngram")
+    c.observe_acceptance(4, 0, "model")
+    assert c.acceptance["ngram"].rate == 1.0 and c.alpha == 0.0
+
+
+def test_rounds_without_a_draft_call_have_their_own_overhead() -> None:
+    c = StepCosts()
+    c.observe_overhead(30.0, drafted=True)
+    assert c.overhead_ms(drafted=False) == 30.0  # unmeasured: the other kind stands in
+    c.observe_overhead(5.0, drafted=False)
+    assert (c.overhead_ms(drafted=True), c.overhead_ms(drafted=False)) == (30.0, 5.0)

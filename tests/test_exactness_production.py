@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import target_worker.engine as target_engine
-from coordinator.worker_session import prefix_sync
+from coordinator.worker_session import lookup_proposal, prefix_sync
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.logprobs import LogprobsAsk
+from specdec.runtime.lookup import NgramIndex
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.proposals import encode_block
@@ -67,27 +68,33 @@ class Speculation:
     pipelined: bool
     warp: Warp = WARP
     processing: Processing = NO_PROCESSING
+    prompt: tuple[int, ...] = PROMPT
+    lookup: bool = False  # draft by n-gram lookup in the committed tokens (one-hot), as the coordinator does
 
     def __post_init__(self) -> None:
         self.target_caches = SessionCaches(self.target, 4, 600)
         self.draft_caches = SessionCaches(self.draft, 4, 600)
         self.ahead_used = 0  # rounds that verified a block drafted ahead
+        self.lookup_rounds = self.lookup_accepted = 0
 
     def generate(self, seed: int, max_new: int, stop_after: int) -> list[int]:
         """``max_new`` sets K's budget as in a request; the loop stops once ``stop_after`` tokens
         are committed (later rounds cannot change them)."""
-        committed, generated = list(PROMPT), 0
+        committed, generated = list(self.prompt), 0
         target_len = draft_len = 0
         ahead: Block | None = None  # the block drafted ahead (pipelining), if any
         while generated < min(max_new, stop_after):
             k = min(self.k, max_new - generated - 1)  # as the coordinator caps K by the budget
-            block = self._block(committed, draft_len, k, seed, ahead) if k > 0 else None
-            ahead = None
-            if block is not None and self.pipelined:  # drafted while the target verifies `block`
-                ahead = run_job(lookahead_job(self.draft_caches, self.draft, "s", block, self._params(k, seed)),
-                                self.draft_caches)  # fmt: skip
-            wire = common_pb2.DraftBlock() if block is None else on_the_wire(block)
-            wire = _first(wire, k)
+            if self.lookup:
+                wire = self._lookup_block(committed, k)
+            else:
+                block = self._block(committed, draft_len, k, seed, ahead) if k > 0 else None
+                ahead = None
+                if block is not None and self.pipelined:  # drafted while the target verifies `block`
+                    ahead = run_job(lookahead_job(self.draft_caches, self.draft, "s", block, self._params(k, seed)),
+                                    self.draft_caches)  # fmt: skip
+                wire = common_pb2.DraftBlock() if block is None else on_the_wire(block)
+                wire = _first(wire, k)
             sync = prefix_sync(committed, target_len)
             result = run_job(
                 target_engine.verify_job(
@@ -96,6 +103,9 @@ class Speculation:
                 self.target_caches,
             )
             tokens = list(result.token_ids)[: max_new - generated]
+            if self.lookup and wire.token_ids:
+                self.lookup_rounds += 1
+                self.lookup_accepted += result.num_accepted
             committed += tokens
             generated += len(tokens)
             target_len = min(result.cache_len, len(committed))
@@ -103,7 +113,13 @@ class Speculation:
             draft_len = min(common_prefix_len(draft_tokens, committed), len(committed) - 1)
         self.target_caches.release("s")
         self.draft_caches.release("s")
-        return committed[len(PROMPT) :]
+        return committed[len(self.prompt) :]
+
+    def _lookup_block(self, committed: list[int], k: int) -> common_pb2.DraftBlock:
+        """The coordinator's lookup draft (n from 1, so the prompt's repeats match), on the wire."""
+        draft = NgramIndex(1, 3, committed).propose(k).token_ids if k > 0 else []
+        block = lookup_proposal(draft, len(committed)).block if draft else common_pb2.DraftBlock()
+        return common_pb2.DraftBlock.FromString(block.SerializeToString())
 
     def _params(self, k: int, seed: int) -> DraftParams:
         return DraftParams(k, self.warp, seed, self.top_n, self.target.vocab_size, self.processing)
@@ -127,7 +143,9 @@ def _first(block: common_pb2.DraftBlock, k: int) -> common_pb2.DraftBlock:
 
 
 def exact_distribution(
-    target: LoadedModel, reference: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor] | None = None
+    target: LoadedModel,
+    reference: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor] | None = None,
+    prompt: tuple[int, ...] = PROMPT,
 ) -> dict[tuple[int, ...], float]:
     """P(first LENGTH tokens) under the warped target, enumerated over its (top-k) support;
     ``reference(logits, sequence)`` processes each position's logits first (a plain forward pass
@@ -139,9 +157,9 @@ def exact_distribution(
             out[prefix] = prob
             return
         with torch.inference_mode():
-            logits = target.model(torch.tensor([[*PROMPT, *prefix]])).logits[0, -1]
+            logits = target.model(torch.tensor([[*prompt, *prefix]])).logits[0, -1]
         if reference is not None:
-            logits = reference(logits, (*PROMPT, *prefix))
+            logits = reference(logits, (*prompt, *prefix))
         p = warped_probs(logits, WARP if reference is None else PENALISED_WARP)
         for token in torch.nonzero(p).flatten().tolist():
             walk((*prefix, token), prob * float(p[token]))
@@ -153,7 +171,8 @@ def exact_distribution(
 @pytest.fixture(scope="module")
 def models(tiny_models: TinyModels) -> Iterator[dict[str, LoadedModel]]:
     options = LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch")
-    yield {name: load_model(str(getattr(tiny_models, name)), options) for name in ("target", "noisy", "other", "same")}
+    names = ("target", "noisy", "other", "same", "bigram")
+    yield {name: load_model(str(getattr(tiny_models, name)), options) for name in names}
 
 
 # A block drafted ahead decides tested tokens only when the first round commits fewer than
@@ -276,3 +295,41 @@ def test_the_penalty_test_catches_processing_on_the_wrong_history(
     # Sequences the exact processing can never produce (min-p / top-k cut them) are proof enough;
     # otherwise the chi-square test must reject.
     assert impossible > 0 or chi_square_pvalue(samples, exact, sum(samples.values())) < 1e-6
+
+
+def _lookup_prompt(target: LoadedModel) -> tuple[int, ...]:
+    """(3, a, b, c, 3) where a, b, c are the bigram target's favourite successors of 3, a and b: a
+    lookup after the prompt proposes a, b, c, each likely but far from certain (accepted some of
+    the time, rejected the rest: both branches of the one-hot rejection sampling decide tokens)."""
+    chain = [3]
+    with torch.inference_mode():
+        for _ in range(3):
+            chain.append(int(target.model(torch.tensor([[chain[-1]]])).logits[0, -1].argmax()))
+    return (*chain, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 4])
+def test_lookup_drafts_follow_the_target_distribution(models: dict[str, LoadedModel], k: int) -> None:
+    """One-hot lookup drafts (the coordinator's n-gram index and block encoding, the target's
+    verify_job): a draft token x is accepted with probability p(x), else the token comes from p
+    without x; the first three tokens follow the exact distribution."""
+    target = models["bigram"]
+    prompt = _lookup_prompt(target)
+    speculation = Speculation(target, models["noisy"], k, 0, False, prompt=prompt, lookup=True)
+    samples = sample_counts(speculation, 1500)
+    assert speculation.lookup_rounds > 1000 and 0.1 < speculation.lookup_accepted / speculation.lookup_rounds < 0.9
+    exact = exact_distribution(target, prompt=prompt)
+    assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_lookup_test_catches_a_planted_bug(models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power check: after a rejected lookup token, drawing from p (the rejected token included)
+    instead of p without it is rejected at p < 1e-6."""
+    monkeypatch.setattr(target_engine, "rejection_sample", _residual_from_p)
+    target = models["bigram"]
+    prompt = _lookup_prompt(target)
+    speculation = Speculation(target, models["noisy"], 1, 0, False, prompt=prompt, lookup=True)
+    samples = sample_counts(speculation, 1500)
+    assert chi_square_pvalue(samples, exact_distribution(target, prompt=prompt), sum(samples.values())) < 1e-6

@@ -80,6 +80,19 @@ def build_variant(target: Path, path: Path, noise: float) -> Path:
     return path
 
 
+def build_bigram(target: Path, path: Path) -> Path:
+    """The target with every attention output projection zeroed: each position sees only its own
+    token, so the next-token distribution depends on the last token alone. Its greedy output
+    soon cycles, which a lookup draft predicts (the copy-heavy text real lookup drafts are for)."""
+    model = LlamaForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
 @dataclass(frozen=True)
 class TinyModels:
     target: Path
@@ -87,6 +100,7 @@ class TinyModels:
     other: Path  # an unrelated, smaller random model with the same tokenizer
     adversarial: Path  # proposes the target's least likely token: every greedy draft is rejected
     noisy: Path  # the target with a perturbed output layer: right some of the time
+    bigram: Path  # the target without attention: the next token depends on the last one only
 
 
 def build_tiny_models(root: Path) -> TinyModels:
@@ -96,7 +110,8 @@ def build_tiny_models(root: Path) -> TinyModels:
     other = build_model(root / "other", seed=1, hidden=32, layers=1, vocab=vocab, init_range=0.2)
     adversarial = build_variant(target, root / "adversarial", noise=-1)
     noisy = build_variant(target, root / "noisy", noise=0.03)
-    return TinyModels(target=target, same=same, other=other, adversarial=adversarial, noisy=noisy)
+    bigram = build_bigram(target, root / "bigram")
+    return TinyModels(target=target, same=same, other=other, adversarial=adversarial, noisy=noisy, bigram=bigram)
 
 
 _CRASHY_CODE = '''

@@ -132,6 +132,7 @@ class LoadOptions:
     quantize: str = "none"  # none | int8
     cpu_kernel: str = "auto"  # auto (packed for fp32 CPU models) | packed | torch
     trust_remote_code: bool = False
+    layers: int = 0  # keep only the first N decoder layers (an early-exit draft); 0 = all
 
 
 def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel:
@@ -145,6 +146,9 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         raise ValueError("--quantize int8 has its own int8 kernels; use --cpu-kernel auto or torch with it")
     tokenizer = load_tokenizer(model_id, options.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=options.trust_remote_code)
+    if options.layers:
+        keep_first_layers(model, options.layers)
+        model_id = f"{model_id} (first {options.layers} layers)"
     model = model.to(device).eval()
     model.requires_grad_(False)
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -174,6 +178,28 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         max_context_len=loaded.max_context_len,
     )
     return loaded
+
+
+def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
+    """Cuts ``model`` to its first ``layers`` decoder layers, keeping the final norm and the LM
+    head: an early-exit draft made of the target's own weights (LayerSkip's self-speculation
+    without the extra training; how often it agrees with the full model is measured, not assumed).
+    """
+    stack = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(stack, torch.nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} has no model.layers stack to cut; --draft-layers needs a decoder-only model"
+        )
+    total = len(stack)
+    if not 0 < layers < total:
+        raise ValueError(
+            f"--draft-layers must be between 1 and {total - 1} for this model ({total} layers), got {layers}"
+        )
+    model.model.layers = stack[:layers]
+    config = model.config
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
 
 
 def sliding_window(config: Any) -> int | None:

@@ -59,6 +59,16 @@ class CoordinatorMetrics:
             "specdec_draft_tokens_accepted", "Draft tokens accepted, by position in the block", ["position"],
             registry=registry,
         )  # fmt: skip
+        self.proposer_rounds = Counter(
+            "specdec_proposer_rounds", "Rounds by who drafted: model, ngram (lookup) or none (target-only)",
+            ["proposer"], registry=registry,
+        )  # fmt: skip
+        self.proposer_tokens_proposed = Counter(
+            "specdec_proposer_tokens_proposed", "Draft tokens proposed, by proposer", ["proposer"], registry=registry
+        )
+        self.proposer_tokens_accepted = Counter(
+            "specdec_proposer_tokens_accepted", "Draft tokens accepted, by proposer", ["proposer"], registry=registry
+        )
         self.committed_per_round = Histogram(
             "specdec_committed_tokens_per_round", "Accepted drafts + the target's token, per round",
             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16), registry=registry,
@@ -85,10 +95,21 @@ class CoordinatorMetrics:
         )  # fmt: skip
 
     def record_round(
-        self, k: int, accepted: int, draft_ms: float, verify_ms: float, overhead_ms: float, committed: int
+        self,
+        k: int,
+        accepted: int,
+        draft_ms: float,
+        verify_ms: float,
+        overhead_ms: float,
+        committed: int,
+        proposer: str = "model",
     ) -> None:
-        """One round: its mode, tokens, per-position acceptance and latency split."""
+        """One round: its mode and proposer, tokens, per-position acceptance and latency split."""
         self.rounds.labels("speculative" if k else "target_only").inc()
+        self.proposer_rounds.labels(proposer if k else "none").inc()
+        if k:
+            self.proposer_tokens_proposed.labels(proposer).inc(k)
+            self.proposer_tokens_accepted.labels(proposer).inc(accepted)
         self.generated_tokens.inc(committed)
         self.generated_total += committed
         self.committed_per_round.observe(committed)

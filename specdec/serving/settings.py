@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from specdec.runtime.modeling import LoadOptions
 
 S = TypeVar("S", bound="ServiceSettings")
 
@@ -94,6 +97,12 @@ class ModelWorkerSettings(ServiceSettings):
     cpu_lock_file: str | None = Field(
         None, description="CPU workers on one host sharing this file run one forward pass at a time (no core fights)"
     )
+
+    def load_options(self) -> LoadOptions:
+        """How to load the model."""
+        from specdec.runtime.modeling import LoadOptions
+
+        return LoadOptions(self.device, self.dtype, self.quantize, self.cpu_kernel, self.trust_remote_code)
 
 
 def load_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:

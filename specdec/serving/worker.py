@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from specdec.runtime.kvcache import SessionCaches
-from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
 from specdec.serving.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable
 from specdec.serving.metrics import WorkerMetrics
@@ -51,8 +51,7 @@ class WorkerCore:
         s = self.settings
         if s.torch_threads:
             await self.scheduler.call(torch.set_num_threads, s.torch_threads)
-        options = LoadOptions(s.device, s.dtype, s.quantize, s.cpu_kernel, s.trust_remote_code)
-        self._loaded = await self.scheduler.call(load_model, s.model, options)
+        self._loaded = await self.scheduler.call(load_model, s.model, s.load_options())
         caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s)
         self.metrics.cached_sessions.set_function(lambda: len(caches))
         self.scheduler.attach(caches)

@@ -8,24 +8,37 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DraftMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_METHOD_UNSPECIFIED: _ClassVar[DraftMethod]
+    DRAFT_METHOD_MODEL: _ClassVar[DraftMethod]
+    DRAFT_METHOD_NGRAM: _ClassVar[DraftMethod]
+    DRAFT_METHOD_HYBRID: _ClassVar[DraftMethod]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+DRAFT_METHOD_UNSPECIFIED: DraftMethod
+DRAFT_METHOD_MODEL: DraftMethod
+DRAFT_METHOD_NGRAM: DraftMethod
+DRAFT_METHOD_HYBRID: DraftMethod
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_speculative_tokens", "disable", "fixed")
+    __slots__ = ("num_speculative_tokens", "disable", "fixed", "method")
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISABLE_FIELD_NUMBER: _ClassVar[int]
     FIXED_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
     num_speculative_tokens: int
     disable: bool
     fixed: bool
-    def __init__(self, num_speculative_tokens: _Optional[int] = ..., disable: _Optional[bool] = ..., fixed: _Optional[bool] = ...) -> None: ...
+    method: DraftMethod
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., disable: _Optional[bool] = ..., fixed: _Optional[bool] = ..., method: _Optional[_Union[DraftMethod, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt", "prompt_token_ids", "sampling", "speculation", "require_existing_session", "messages")
@@ -64,7 +77,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs", "pipelined_rounds", "draft_ms", "verify_ms", "overhead_ms", "mean_k")
+    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs", "pipelined_rounds", "draft_ms", "verify_ms", "overhead_ms", "mean_k", "lookup_rounds", "lookup_tokens_proposed", "lookup_tokens_accepted")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +91,9 @@ class SpeculationStats(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     MEAN_K_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens_proposed: int
     draft_tokens_accepted: int
@@ -91,7 +107,10 @@ class SpeculationStats(_message.Message):
     verify_ms: float
     overhead_ms: float
     mean_k: float
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., mean_k: _Optional[float] = ...) -> None: ...
+    lookup_rounds: int
+    lookup_tokens_proposed: int
+    lookup_tokens_accepted: int
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., mean_k: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., lookup_tokens_proposed: _Optional[int] = ..., lookup_tokens_accepted: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "token_ids", "text", "finish_reason", "usage", "stats", "seed", "stop_string", "stop_token_id", "logprobs", "prompt_logprobs")
@@ -162,7 +181,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs")
+    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs", "default_draft_method", "lookup_max_tokens")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +203,8 @@ class GetInfoResponse(_message.Message):
     GREEDY_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     target_model_id: str
     draft_model_id: str
@@ -205,4 +226,6 @@ class GetInfoResponse(_message.Message):
     greedy_temperature: float
     chat_template: bool
     max_top_logprobs: int
-    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ...) -> None: ...
+    default_draft_method: str
+    lookup_max_tokens: int
+    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ..., default_draft_method: _Optional[str] = ..., lookup_max_tokens: _Optional[int] = ...) -> None: ...

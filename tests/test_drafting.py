@@ -1,0 +1,148 @@
+"""Other ways to draft, end to end over real processes: n-gram lookup (with and without a draft
+model), the hybrid of lookup and model, and an early-exit draft cut from the target's checkpoint.
+Greedy output equals HF ``generate`` on the target alone for every method."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specdec.tools.launch import LocalCluster
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.clusters import metric
+from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
+from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
+from tests.tiny_models import TinyModels
+
+# The bigram target's greedy output cycles within a few dozen tokens (lookup drafts then match).
+PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
+MAX_NEW = 40
+METHODS = {
+    "model": coordinator_pb2.DRAFT_METHOD_MODEL,
+    "ngram": coordinator_pb2.DRAFT_METHOD_NGRAM,
+    "hybrid": coordinator_pb2.DRAFT_METHOD_HYBRID,
+}
+
+
+def _start(workdir: Path, target: Path, draft: Path | None, draft_args: list[str]) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(
+        str(target), str(draft) if draft else None, workdir, worker_args=CLUSTER_WORKER_ARGS,
+        draft_args=draft_args, coordinator_args=CLUSTER_COORDINATOR_ARGS, startup_timeout_s=120,
+    )  # fmt: skip
+    with cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def cluster_lookup(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """A target worker and a coordinator: no draft model at all."""
+    yield from _start(tmp_path_factory.mktemp("lookup"), tiny_models.bigram, None, [])
+
+
+@pytest.fixture(scope="module")
+def cluster_early_exit(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """The draft worker loads the target's own checkpoint and keeps its first layer."""
+    yield from _start(tmp_path_factory.mktemp("early-exit"), tiny_models.bigram, tiny_models.bigram,
+                      ["--draft-layers", "1"])  # fmt: skip
+
+
+def request(
+    prompt: list[int], method: str | None = None, k: int = 4, fixed: bool = True
+) -> coordinator_pb2.GenerateRequest:
+    req = make_request(prompt, k=k, max_new=MAX_NEW, fixed=fixed, ignore_eos=True)
+    if method is not None:
+        req.speculation.method = METHODS[method]
+    return req
+
+
+def generate(cluster: LocalCluster, req: coordinator_pb2.GenerateRequest) -> coordinator_pb2.GenerateResponse:
+    for client in coordinator_stub(cluster):
+        return client.Generate(req)
+    raise AssertionError("no stub")
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+def test_a_service_without_a_draft_model_speculates_by_lookup(
+    cluster_lookup: LocalCluster, tiny_models: TinyModels, prompt: list[int], fixed: bool
+) -> None:
+    reply = generate(cluster_lookup, request(prompt, fixed=fixed))
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.bigram), tuple(prompt), MAX_NEW, True)
+    s = reply.stats
+    assert s.lookup_rounds > 0 and s.lookup_tokens_accepted > 0
+    assert s.draft_tokens_proposed == s.lookup_tokens_proposed  # every draft came from the lookup
+    assert s.rounds < MAX_NEW  # lookups saved target passes
+    if fixed:
+        assert s.lookup_tokens_accepted / s.lookup_tokens_proposed > 0.5
+
+
+def test_info_and_metrics_name_the_lookup_drafts(cluster_lookup: LocalCluster) -> None:
+    with grpc.insecure_channel(cluster_lookup.address) as channel:
+        info = coordinator_pb2_grpc.GenerationStub(channel).GetInfo(coordinator_pb2.GetInfoRequest())
+    assert list(info.draft_methods) == ["ngram"] and info.default_draft_method == "ngram"
+    assert info.lookup_max_tokens == 8
+    before = metric(cluster_lookup, "coordinator", "specdec_proposer_rounds_total", 'proposer="ngram"')
+    reply = generate(cluster_lookup, request(PROMPTS[0], method="model"))  # no model here: lookup instead
+    after = metric(cluster_lookup, "coordinator", "specdec_proposer_rounds_total", 'proposer="ngram"')
+    assert after - before == reply.stats.lookup_rounds > 0
+
+
+@pytest.mark.parametrize("method", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+def test_early_exit_draft_and_every_method_give_the_target_s_tokens(
+    cluster_early_exit: LocalCluster, tiny_models: TinyModels, prompt: list[int], method: str
+) -> None:
+    reply = generate(cluster_early_exit, request(prompt, method))
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.bigram), tuple(prompt), MAX_NEW, True)
+    s = reply.stats
+    model_rounds = s.rounds - s.target_only_rounds - s.lookup_rounds
+    if method == "model":
+        assert s.lookup_rounds == 0 and model_rounds >= s.rounds - 1  # the last round may have no budget
+    elif method == "ngram":
+        assert model_rounds == 0 and s.lookup_rounds > 0
+    else:  # lookup where the suffix matches (fixed K: whenever it does), the model elsewhere
+        assert s.lookup_rounds > 0 and model_rounds > 0
+
+
+def test_early_exit_draft_reports_its_layers(cluster_early_exit: LocalCluster, tiny_models: TinyModels) -> None:
+    info = worker_info(cluster_early_exit.processes["draft"].address, "draft")
+    assert info.model_id == f"{tiny_models.bigram} (first 1 layers)"
+    with grpc.insecure_channel(cluster_early_exit.address) as channel:
+        served = coordinator_pb2_grpc.GenerationStub(channel).GetInfo(coordinator_pb2.GetInfoRequest())
+    assert list(served.draft_methods) == ["model", "ngram", "hybrid"] and served.default_draft_method == "hybrid"
+
+
+def test_adaptive_hybrid_is_exact_and_uses_the_lookup(
+    cluster_early_exit: LocalCluster, tiny_models: TinyModels
+) -> None:
+    reply = generate(cluster_early_exit, request(PROMPTS[1], "hybrid", fixed=False))
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.bigram), tuple(PROMPTS[1]), MAX_NEW, True)
+    assert reply.stats.lookup_tokens_accepted > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "hybrid"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_lookup_methods_with_pipelining_are_exact(
+    cluster_pipelined: LocalCluster, tiny_models: TinyModels, method: str, k: int
+) -> None:
+    """Lookup rounds between pipelined model rounds: a block drafted ahead is never used after
+    the session moved on without it."""
+    prompt = [9, 8, 7, 9, 8, 7, 9, 8]  # repeats: the lookup matches at once
+    reply = generate(cluster_pipelined, request(prompt, method, k=k))
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), MAX_NEW, True)
+    assert reply.stats.lookup_rounds > 0
+
+
+def test_a_bad_draft_layer_count_stops_start_up(tmp_path: Path, tiny_models: TinyModels) -> None:
+    from specdec.tools.launch import LaunchError, spawn
+
+    args = ["--model", str(tiny_models.bigram), "--draft-layers", "2", *CLUSTER_WORKER_ARGS]
+    process = spawn("draft", args, tmp_path)
+    try:
+        with pytest.raises(LaunchError, match="--draft-layers must be between 1 and 1"):
+            process.wait_ready(60)
+    finally:
+        process.stop()
