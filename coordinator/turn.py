@@ -57,6 +57,8 @@ class TurnStats:
     lookup_rounds: int = 0
     lookup_proposed: int = 0
     lookup_accepted: int = 0
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
     k_total: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
@@ -400,6 +402,13 @@ class Turn:
         s.proposed += k
         s.accepted += verdict.num_accepted
         s.pipelined_rounds += proposal.pipelined
+        if len(s.proposed_by_position) < k:
+            grow = k - len(s.proposed_by_position)
+            s.proposed_by_position += [0] * grow
+            s.accepted_by_position += [0] * grow
+        for position in range(k):
+            s.proposed_by_position[position] += 1
+            s.accepted_by_position[position] += position < verdict.num_accepted
         self.controller.observe(k, verdict.num_accepted, method)
         if method == NGRAM:
             s.lookup_rounds += 1

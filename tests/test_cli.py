@@ -65,23 +65,34 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     import json
 
     out = tmp_path / "bench.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\n---\nabcabcabcabcabc\n")  # the second repeats: lookups match
     result = run(
-        "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy),
-        "--max-new-tokens", "12", "--concurrency", "1,2", "--out", str(out), timeout=600,
+        "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy), "--prompts", str(prompts),
+        "--max-new-tokens", "12", "--repeats", "2", "--early-exit-layers", "1", "--concurrency", "1,2",
+        "--out", str(out), timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["methods"]) == {
-        "hf target-only", "hf assisted", "hf assisted, packed target", "service target-only", "service sequential K",
-        "service sequential adaptive", "service pipelined K", "service pipelined adaptive",
+    data = report["workloads"]["file"]
+    assert set(data["methods"]) == {
+        "hf target-only", "hf assisted K=4", "hf assisted default", "hf prompt lookup", "service target-only",
+        "service model K", "service model adaptive", "service ngram K", "service ngram adaptive", "service hybrid K",
+        "service default (hybrid, adaptive)", "service early-exit K", "service early-exit adaptive",
     }  # fmt: skip
-    assert report["methods"]["service pipelined K"]["pipelined_rounds"] > 0
+    assert all(row["repeats"] == 2 for row in data["methods"].values())
+    spread = data["methods"]["service model K"]["tokens_per_s"]
+    assert spread["min"] <= spread["median"] <= spread["max"]
+    assert data["greedy_tokens_identical"].pop("reference") == "hf target-only"
+    assert all(data["greedy_tokens_identical"].values())  # every method, every prompt and repeat
+    assert len(data["methods"]["service model K"]["acceptance_by_position"]) == 4
+    assert data["methods"]["service ngram K"]["lookup_round_share"] > 0
+    assert data["methods"]["service model K"]["lookup_round_share"] == 0
     assert set(report["concurrency"]) == {"1", "2"}
-    assert {"pipelined / sequential", "best service / hf assisted"} <= set(report["ratios"])
-    assert report["greedy_tokens_equal_hf"]["service sequential K"] is True
-    assert report["greedy_tokens_equal_hf"]["hf assisted, packed target"] is True
-    assert 0 < report["leviathan"]["alpha"] < 1
-    assert "Leviathan expectation" in result.stdout and "JSON report" in result.stdout
+    assert {"default / hf target-only", "worst prompt: default / service target-only"} <= set(data["ratios"])
+    for name in ("tokens_per_s.png", "acceptance_by_position.png", "concurrency.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "== file ==" in result.stdout and "JSON report" in result.stdout
 
 
 def test_cpu_split_profile_prints_every_pass_and_ratio(tiny_models: TinyModels) -> None:

@@ -387,7 +387,8 @@ def test_get_info_describes_the_server(same: coordinator_pb2_grpc.GenerationStub
     info = same.GetInfo(coordinator_pb2.GetInfoRequest())
     assert info.server_version == "0.1.0"
     assert info.target_model_id == str(tiny_models.target) and info.draft_model_id == str(tiny_models.same)
-    assert list(info.draft_methods) == ["model"]
+    assert list(info.draft_methods) == ["model", "ngram", "hybrid"] and info.default_draft_method == "hybrid"
+    assert info.lookup_max_tokens == 8
     assert info.max_context_len == info.draft_max_context_len == 256 and info.vocab_size == 259
     assert list(info.eos_token_ids) == [257]
     assert info.max_speculative_tokens == 8 and info.default_speculative_tokens == 4

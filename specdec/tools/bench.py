@@ -1,9 +1,17 @@
-"""`specdec bench`: one run, same prompts, same models, every way of decoding them.
+"""`specdec bench`: one run, the same prompts and models, every way of decoding them.
 
-Measures, greedy: HF ``generate`` target-only and HF assisted generation (``assistant_model``) in
-this process, then our service (three processes on free ports) target-only, sequential and
-pipelined (two coordinators over the same workers), each with fixed K and adaptive K, and a
-concurrency sweep. Prints a table and writes JSON.
+Workloads are reported separately: ``complete`` (continue a code or text prompt) and ``edit``
+(rewrite 20-40 lines of code given in the prompt with a small change; the output copies much of
+its input), or the prompts of ``--prompts FILE``. Baselines run in this process on the same
+device and dtype: HF ``generate`` target-only with the same packed CPU kernel as our target
+worker (so the kernel is not counted as speculation), HF assisted generation with K matched to
+ours (constant K, no confidence cut) and with its defaults, and HF prompt lookup. Then our
+service (three or more processes on free ports): target-only, the draft model, n-gram lookup,
+the hybrid (lookup where it matches, the model elsewhere) and an early-exit draft, each with
+fixed K and adaptive K; the headline row is the server's default (the hybrid, adaptive). Every
+method runs ``repeats`` times over each workload (interleaved: one repeat of every method, then
+the next); the report has the median and the spread, greedy token identity against HF
+target-only, per-position acceptance, a concurrency sweep, and PNG plots.
 """
 
 from __future__ import annotations
@@ -12,22 +20,116 @@ import gc
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROMPTS = (
+COMPLETE_PROMPTS = (
     "# Python function that returns the n-th Fibonacci number\ndef fibonacci(n):",
     "# A least-recently-used cache with O(1) get and put\nclass LRUCache:\n    def __init__(self, capacity):",
     'import numpy as np\n\n\ndef normalize(x):\n    """Scale each row of x to unit L2 norm."""',
-    "-- SQL: the ten customers with the highest total order value\nSELECT",
-    "The three most important ideas in distributed systems are",
 )
+
+_INVENTORY = """class Inventory:
+    def __init__(self):
+        self.items = {}
+        self.history = []
+
+    def add(self, name, count):
+        if count <= 0:
+            raise ValueError("count must be positive")
+        self.items[name] = self.items.get(name, 0) + count
+        self.history.append(("add", name, count))
+
+    def remove(self, name, count):
+        have = self.items.get(name, 0)
+        if count > have:
+            raise ValueError(f"only {have} of {name} left")
+        self.items[name] = have - count
+        if self.items[name] == 0:
+            del self.items[name]
+        self.history.append(("remove", name, count))
+
+    def total(self):
+        return sum(self.items.values())
+
+    def most_common(self, n):
+        ranked = sorted(self.items.items(), key=lambda kv: kv[1], reverse=True)
+        return ranked[:n]
+"""
+
+_PARSER = """def parse_config(path):
+    settings = {}
+    section = None
+    with open(path) as handle:
+        for number, line in enumerate(handle, start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("[") and line.endswith("]"):
+                section = line[1:-1].strip()
+                settings.setdefault(section, {})
+                continue
+            if "=" not in line:
+                raise ValueError(f"line {number}: expected key = value")
+            key, value = (part.strip() for part in line.split("=", 1))
+            if section is None:
+                raise ValueError(f"line {number}: {key} is outside any section")
+            settings[section][key] = value
+    return settings
+
+
+def get_int(settings, section, key, default=0):
+    value = settings.get(section, {}).get(key)
+    if value is None:
+        return default
+    return int(value)
+"""
+
+_STATS = """def mean(values):
+    total = 0
+    count = 0
+    for v in values:
+        total += v
+        count += 1
+    return total / count
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total += (v - m) ** 2
+    return total / (len(values) - 1)
+
+
+def summary(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        median = ordered[middle]
+    else:
+        median = (ordered[middle - 1] + ordered[middle]) / 2
+    return {"mean": mean(values), "median": median, "variance": variance(values)}
+"""
+
+EDIT_PROMPTS = (
+    f"Add type hints to every method of this class. Change nothing else.\n\n```python\n{_INVENTORY}```",
+    f"Rename the variable `settings` to `config` everywhere in this code. Change nothing else.\n\n"
+    f"```python\n{_PARSER}```",
+    f"Add a one-line docstring to each function. Change nothing else.\n\n```python\n{_STATS}```",
+)
+
+WORKLOADS: dict[str, tuple[str, ...]] = {"complete": COMPLETE_PROMPTS, "edit": EDIT_PROMPTS}
+CHAT_WORKLOADS = frozenset({"edit"})  # sent through the chat template (instructions to an instruct model)
+HEADLINE = "service default (hybrid, adaptive)"
+HF_TARGET = "hf target-only"
 
 
 @dataclass(frozen=True)
@@ -37,62 +139,116 @@ class BenchConfig:
     draft_quantize: str = "none"
     k: int = 4
     max_new_tokens: int = 64
-    prompts: tuple[str, ...] = PROMPTS
-    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    workloads: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(WORKLOADS))
+    repeats: int = 3
+    concurrency: tuple[int, ...] = (1, 2, 4)
     device: str = "cpu"
+    early_exit_layers: int = 0  # the early-exit rows keep this many of the target's layers; 0 = no such rows
+    prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens
     out: Path = Path("bench-results/bench.json")
     skip_hf: bool = False
+    plots: bool = True
+
+
+@dataclass(frozen=True)
+class Prompt:
+    workload: str
+    index: int
+    token_ids: tuple[int, ...]
 
 
 @dataclass
 class Run:
-    """One generation: method, prompt, tokens, wall seconds, the service's stats (if any)."""
+    """One generation: method, workload and prompt, repeat, tokens, wall seconds, the service's stats."""
 
     method: str
+    workload: str
     prompt: int
+    repeat: int
     token_ids: list[int]
     seconds: float
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def tokenize_prompts(cfg: BenchConfig) -> list[Prompt]:
+    """Every workload's prompts as token ids (the same ids go to HF and to the service); an
+    instruction workload goes through the target's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    prompts = []
+    for workload, texts in cfg.workloads.items():
+        for i, text in enumerate(texts):
+            if workload in CHAT_WORKLOADS and getattr(tokenizer, "chat_template", None):
+                rendered = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                )
+                ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+            else:
+                ids = tokenizer(text)["input_ids"]
+            prompts.append(Prompt(workload, i, tuple(int(t) for t in ids)))
+    return prompts
 
 
 # --- in-process Hugging Face baselines ---------------------------------------------------------
 
 
-def hf_runs(cfg: BenchConfig, tick: Callable[[str], None]) -> list[Run]:
-    """HF generate, target alone and with the draft as assistant_model (what users get without us),
-    then assisted generation again with the target's Linear layers packed as our target worker
-    packs them on a CPU: the like-for-like comparison of the two ways of speculating."""
+def hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
+    """HF rows: method -> generate() options (``assistant`` = the assistant's generation config)."""
+    return {
+        HF_TARGET: {},
+        f"hf assisted K={cfg.k}": {
+            "assistant": {
+                "num_assistant_tokens": cfg.k,
+                "num_assistant_tokens_schedule": "constant",
+                "assistant_confidence_threshold": 0.0,
+            }
+        },
+        "hf assisted default": {"assistant": {}},
+        "hf prompt lookup": {"prompt_lookup_num_tokens": cfg.prompt_lookup_tokens},
+    }
+
+
+def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], None]) -> list[Run]:
+    """HF generate on this device: the target's Linear layers packed as our target worker packs
+    them on a CPU (same kernel on both sides), the draft quantized as our draft worker's."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from specdec.runtime.modeling import quantize_int8, use_packed_linear
+    from specdec.runtime.modeling import quantize_int8, resolve_device, resolve_dtype, use_packed_linear
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=torch.float32).eval()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype("auto", device)
+    target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=dtype).to(device).eval()
     if cfg.draft_quantize == "int8":
         draft = quantize_int8(draft)
+    if device.type == "cpu":
+        use_packed_linear(target)
+    defaults = draft.generation_config
+    methods = hf_methods(cfg)
     runs: list[Run] = []
-
-    def generate(model: Any, method: str, i: int, **extra: Any) -> None:
-        tick(method)
-        inputs = tokenizer(cfg.prompts[i], return_tensors="pt")
-        started = time.perf_counter()
-        out = model.generate(**inputs, max_new_tokens=cfg.max_new_tokens, do_sample=False, **extra)
-        seconds = time.perf_counter() - started
-        runs.append(Run(method, i, out[0, inputs["input_ids"].shape[1] :].tolist(), seconds))
-
     with torch.inference_mode():
-        warm = tokenizer(cfg.prompts[0], return_tensors="pt")
-        target.generate(**warm, max_new_tokens=4, do_sample=False)
-        for i in range(len(cfg.prompts)):
-            generate(target, "hf target-only", i)
-            generate(target, "hf assisted", i, assistant_model=draft)
-        if cfg.device == "cpu":
-            use_packed_linear(target)
-            target.generate(**warm, max_new_tokens=4, do_sample=False)
-            for i in range(len(cfg.prompts)):
-                generate(target, "hf assisted, packed target", i, assistant_model=draft)
+        target.generate(torch.tensor([prompts[0].token_ids], device=device), max_new_tokens=4, do_sample=False)
+        for repeat in range(cfg.repeats):
+            for prompt in prompts:
+                ids = torch.tensor([prompt.token_ids], device=device)
+                for method, options in methods.items():
+                    tick(method)
+                    extra = {k: v for k, v in options.items() if k != "assistant"}
+                    if "assistant" in options:
+                        config = defaults.__class__.from_dict(defaults.to_dict())
+                        config.update(**options["assistant"])
+                        draft.generation_config = config
+                        extra["assistant_model"] = draft
+                    started = time.perf_counter()
+                    out = target.generate(
+                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
+                        do_sample=False, **extra,
+                    )  # fmt: skip
+                    seconds = time.perf_counter() - started
+                    tokens = out[0, ids.shape[1] :].tolist()
+                    runs.append(Run(method, prompt.workload, prompt.index, repeat, tokens, seconds))
     del target, draft
     gc.collect()
     return runs
@@ -100,91 +256,126 @@ def hf_runs(cfg: BenchConfig, tick: Callable[[str], None]) -> list[Run]:
 
 # --- our service ---------------------------------------------------------------------------------
 
+# method: (coordinator, draft method, disable speculation, fixed K)
+SERVICE_METHODS: dict[str, tuple[str, str, bool, bool]] = {
+    "service target-only": ("main", "default", True, True),
+    "service model K": ("main", "model", False, True),
+    "service model adaptive": ("main", "model", False, False),
+    "service ngram K": ("main", "ngram", False, True),
+    "service ngram adaptive": ("main", "ngram", False, False),
+    "service hybrid K": ("main", "hybrid", False, True),
+    HEADLINE: ("main", "default", False, False),
+    "service early-exit K": ("early-exit", "model", False, True),
+    "service early-exit adaptive": ("early-exit", "model", False, False),
+}
 
-def _stats(reply: Any) -> dict[str, float]:
+
+def service_methods(cfg: BenchConfig) -> dict[str, tuple[str, str, bool, bool]]:
+    return {m: spec for m, spec in SERVICE_METHODS.items() if spec[0] == "main" or cfg.early_exit_layers}
+
+
+@contextmanager
+def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
+    """Target + draft workers and the coordinator with default settings (K = cfg.k); with
+    early-exit rows also an early-exit draft worker and a coordinator over it and the same target.
+    Yields the coordinators' addresses."""
+    from specdec.tools.launch import LocalCluster, spawn
+
+    k = str(max(cfg.k, 1))
+    common = ["--max-speculative-tokens", "16", "--num-speculative-tokens", k, "--default-max-new-tokens", "1024"]
+    cluster = LocalCluster(
+        cfg.model, cfg.draft_model, workdir, worker_args=["--device", cfg.device],
+        draft_args=["--quantize", cfg.draft_quantize], coordinator_args=common, share_cpu=cfg.device == "cpu",
+    )  # fmt: skip
+    with cluster, ExitStack() as extra:
+        addresses = {"main": cluster.address}
+        if cfg.early_exit_layers:
+            lock = ["--cpu-lock-file", str(workdir / "cpu.lock")] if cfg.device == "cpu" else []
+            draft_args = [
+                "--model", cfg.model, "--draft-layers", str(cfg.early_exit_layers), "--device", cfg.device,
+                "--quantize", cfg.draft_quantize, *lock,
+            ]  # fmt: skip
+            early = spawn("draft", draft_args, workdir, name="draft-early-exit")
+            extra.callback(early.stop)
+            early.wait_ready(900)
+            args = list(cluster.processes["coordinator"].args)
+            args[args.index("--draft-address") + 1] = early.address
+            coordinator = spawn("coordinator", args, workdir, name="coordinator-early-exit")
+            extra.callback(coordinator.stop)
+            coordinator.wait_ready(900)
+            addresses["early-exit"] = coordinator.address
+        yield addresses
+
+
+_METHOD_ENUM = {"default": 0, "model": 1, "ngram": 2, "hybrid": 3}
+
+
+def _request(cfg: BenchConfig, prompt: Prompt, method: str, disable: bool, fixed: bool) -> Any:
+    from specdec.v1 import common_pb2, coordinator_pb2
+
+    return coordinator_pb2.GenerateRequest(
+        prompt_token_ids=common_pb2.TokenIds(ids=prompt.token_ids),
+        sampling=common_pb2.SamplingParams(max_new_tokens=cfg.max_new_tokens),
+        speculation=coordinator_pb2.SpeculationParams(
+            num_speculative_tokens=cfg.k, disable=disable, fixed=fixed, method=_METHOD_ENUM[method]
+        ),
+    )
+
+
+def _stats(reply: Any) -> dict[str, Any]:
     s = reply.stats
     return {
         "rounds": s.rounds,
         "proposed": s.draft_tokens_proposed,
         "accepted": s.draft_tokens_accepted,
         "target_only_rounds": s.target_only_rounds,
-        "pipelined_rounds": s.pipelined_rounds,
+        "lookup_rounds": s.lookup_rounds,
+        "lookup_proposed": s.lookup_tokens_proposed,
+        "lookup_accepted": s.lookup_tokens_accepted,
         "draft_ms": s.draft_ms,
         "verify_ms": s.verify_ms,
         "overhead_ms": s.overhead_ms,
         "mean_k": s.mean_k,
+        "proposed_by_position": list(s.proposed_by_position),
+        "accepted_by_position": list(s.accepted_by_position),
     }
 
 
-@contextmanager
-def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
-    """Target + draft workers and two coordinators (sequential, pipelined); yields their addresses."""
-    from specdec.tools.launch import LocalCluster, spawn
-
-    k = str(max(cfg.k, 1))
-    common = ["--max-speculative-tokens", k, "--num-speculative-tokens", k, "--default-max-new-tokens", "1024"]
-    cluster = LocalCluster(
-        cfg.model, cfg.draft_model, workdir, worker_args=["--device", cfg.device],
-        draft_args=["--quantize", cfg.draft_quantize], coordinator_args=[*common, "--speculation-mode", "sequential"],
-        share_cpu=cfg.device == "cpu",
-    )  # fmt: skip
-    with cluster:
-        args = list(cluster.processes["coordinator"].args)
-        args[args.index("--speculation-mode") + 1] = "pipelined"
-        pipelined = spawn("coordinator", args, workdir, name="coordinator-pipelined")
-        try:
-            pipelined.wait_ready(600)
-            yield {"sequential": cluster.address, "pipelined": pipelined.address}
-        finally:
-            pipelined.stop()
-
-
-def _request(cfg: BenchConfig, prompt: str, disable: bool = False, fixed: bool = True) -> Any:
-    from specdec.v1 import common_pb2, coordinator_pb2
-
-    return coordinator_pb2.GenerateRequest(
-        prompt=prompt,
-        sampling=common_pb2.SamplingParams(max_new_tokens=cfg.max_new_tokens, ignore_eos=False),
-        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=cfg.k, disable=disable, fixed=fixed),
-    )
-
-
-SERVICE_METHODS = {
-    # method: (coordinator, disable speculation, fixed K)
-    "service target-only": ("sequential", True, True),
-    "service sequential K": ("sequential", False, True),
-    "service sequential adaptive": ("sequential", False, False),
-    "service pipelined K": ("pipelined", False, True),
-    "service pipelined adaptive": ("pipelined", False, False),
-}
-
-
-def service_runs(cfg: BenchConfig, addresses: dict[str, str], tick: Callable[[str], None]) -> list[Run]:
+def service_runs(
+    cfg: BenchConfig, prompts: Sequence[Prompt], addresses: dict[str, str], tick: Callable[[str], None]
+) -> list[Run]:
     import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
 
+    methods = service_methods(cfg)
     runs: list[Run] = []
     channels = {name: grpc.insecure_channel(address) for name, address in addresses.items()}
     stubs = {name: coordinator_pb2_grpc.GenerationStub(channel) for name, channel in channels.items()}
     try:
-        for stub in stubs.values():  # warm-up: connections, kernels, the cost model
-            for disable in (True, False):
-                stub.Generate(_request(cfg, cfg.prompts[0], disable=disable, fixed=False), timeout=900)
-        for i, prompt in enumerate(cfg.prompts):
-            for method, (coordinator, disable, fixed) in SERVICE_METHODS.items():
-                tick(method)
-                started = time.perf_counter()
-                reply = stubs[coordinator].Generate(_request(cfg, prompt, disable, fixed), timeout=900)
-                runs.append(Run(method, i, list(reply.token_ids), time.perf_counter() - started, _stats(reply)))
+        for name, stub in stubs.items():  # warm-up: connections, kernels, the cost model
+            for coordinator, how, disable, fixed in methods.values():
+                if disable or (coordinator == name and not fixed):
+                    stub.Generate(_request(cfg, prompts[0], how, disable, fixed), timeout=1800)
+        for repeat in range(cfg.repeats):
+            for prompt in prompts:
+                for method, (coordinator, how, disable, fixed) in methods.items():
+                    tick(method)
+                    started = time.perf_counter()
+                    reply = stubs[coordinator].Generate(_request(cfg, prompt, how, disable, fixed), timeout=1800)
+                    seconds = time.perf_counter() - started
+                    tokens = list(reply.token_ids)
+                    runs.append(Run(method, prompt.workload, prompt.index, repeat, tokens, seconds, _stats(reply)))
     finally:
         for channel in channels.values():
             channel.close()
     return runs
 
 
-def concurrency_runs(cfg: BenchConfig, address: str, tick: Callable[[str], None]) -> dict[int, dict[str, float]]:
-    """Aggregate tokens/s with N sessions generating at once (adaptive K, default mode)."""
+def concurrency_runs(
+    cfg: BenchConfig, prompts: Sequence[Prompt], address: str, tick: Callable[[str], None]
+) -> dict[int, dict[str, float]]:
+    """Aggregate tokens/s with N one-shot requests at once (the server's default method)."""
     import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
@@ -194,10 +385,12 @@ def concurrency_runs(cfg: BenchConfig, address: str, tick: Callable[[str], None]
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         for n in cfg.concurrency:
             tick(f"{n} sessions")
-            prompts = [cfg.prompts[i % len(cfg.prompts)] for i in range(n)]
+            batch = [prompts[i % len(prompts)] for i in range(n)]
             started = time.perf_counter()
             with ThreadPoolExecutor(max_workers=n) as pool:
-                replies = list(pool.map(lambda p: stub.Generate(_request(cfg, p, fixed=False), timeout=1800), prompts))
+                replies = list(
+                    pool.map(lambda p: stub.Generate(_request(cfg, p, "default", False, False), timeout=3600), batch)
+                )
             seconds = time.perf_counter() - started
             tokens = sum(len(r.token_ids) for r in replies)
             sweep[n] = {"sessions": n, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -207,137 +400,210 @@ def concurrency_runs(cfg: BenchConfig, address: str, tick: Callable[[str], None]
 # --- summary -----------------------------------------------------------------------------------
 
 
-def _alpha_from_mean_length(mean_length: float, k: int) -> float:
-    """Per-token acceptance a with (1 - a^(k+1)) / (1 - a) = mean committed tokens per round."""
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        value = (1 - mid ** (k + 1)) / (1 - mid) if mid < 1 else k + 1
-        low, high = (mid, high) if value < mean_length else (low, mid)
-    return (low + high) / 2
+def _rate(runs: Sequence[Run]) -> float:
+    return sum(len(r.token_ids) for r in runs) / sum(r.seconds for r in runs)
+
+
+def _spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _method_row(mine: Sequence[Run]) -> dict[str, Any]:
+    """Tokens/s of each repeat (that repeat's tokens over its seconds, all prompts), median and
+    spread; the service's counters summed over all runs."""
+    repeats = sorted({r.repeat for r in mine})
+    row: dict[str, Any] = {"tokens_per_s": _spread([_rate([r for r in mine if r.repeat == i]) for i in repeats])}
+    row["repeats"] = len(repeats)
+    if not mine[0].stats:
+        return row
+    total = {key: sum(r.stats[key] for r in mine) for key in mine[0].stats if not key.endswith("by_position")}
+    rounds = max(total["rounds"], 1)
+    round_ms = total["draft_ms"] + total["verify_ms"] + total["overhead_ms"]
+    width = max(len(r.stats["proposed_by_position"]) for r in mine)
+    by_position = [
+        (
+            sum(r.stats["accepted_by_position"][i] for r in mine if i < len(r.stats["accepted_by_position"])),
+            sum(r.stats["proposed_by_position"][i] for r in mine if i < len(r.stats["proposed_by_position"])),
+        )
+        for i in range(width)
+    ]
+    row |= {
+        "acceptance_rate": total["accepted"] / total["proposed"] if total["proposed"] else 0.0,
+        "mean_accepted_length": sum(len(r.token_ids) for r in mine) / rounds,
+        "mean_k": sum(r.stats["mean_k"] * r.stats["rounds"] for r in mine) / rounds,
+        "draft_ms_per_round": total["draft_ms"] / rounds,
+        "verify_ms_per_round": total["verify_ms"] / rounds,
+        "overhead_ms_per_round": total["overhead_ms"] / rounds,
+        "overhead_fraction": total["overhead_ms"] / round_ms if round_ms else 0.0,
+        "target_only_round_share": total["target_only_rounds"] / rounds,
+        "lookup_round_share": total["lookup_rounds"] / rounds,
+        "lookup_acceptance": total["lookup_accepted"] / total["lookup_proposed"] if total["lookup_proposed"] else 0.0,
+        "acceptance_by_position": [a / p if p else 0.0 for a, p in by_position],
+    }
+    return row
 
 
 def summarize(cfg: BenchConfig, runs: list[Run], sweep: dict[int, dict[str, float]]) -> dict[str, Any]:
-    methods: dict[str, dict[str, float]] = {}
-    for method in dict.fromkeys(r.method for r in runs):
-        mine = [r for r in runs if r.method == method]
-        tokens, seconds = sum(len(r.token_ids) for r in mine), sum(r.seconds for r in mine)
-        row: dict[str, float] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-        totals = {key: sum(r.stats.get(key, 0.0) for r in mine) for key in mine[0].stats}
-        if totals:
-            round_ms = totals["draft_ms"] + totals["verify_ms"] + totals["overhead_ms"]
-            row |= {
-                "acceptance_rate": totals["accepted"] / totals["proposed"] if totals["proposed"] else 0.0,
-                "mean_accepted_length": tokens / totals["rounds"],
-                "overhead_fraction": totals["overhead_ms"] / round_ms if round_ms else 0.0,
-                "draft_ms_per_round": totals["draft_ms"] / totals["rounds"],
-                "pipelined_rounds": totals["pipelined_rounds"],
-                "target_only_rounds": totals["target_only_rounds"],
-                "mean_k": sum(r.stats["mean_k"] * r.stats["rounds"] for r in mine) / totals["rounds"],
-            }
-        methods[method] = row
-    return {"methods": methods, "concurrency": sweep, **_derived(cfg, runs, methods, sweep)}
+    workloads: dict[str, Any] = {}
+    for workload in dict.fromkeys(r.workload for r in runs):
+        here = [r for r in runs if r.workload == workload]
+        methods = {m: _method_row([r for r in here if r.method == m]) for m in dict.fromkeys(r.method for r in here)}
+        workloads[workload] = {"methods": methods, **_derived(here, methods)}
+    return {"workloads": workloads, "concurrency": sweep}
 
 
-def _rate(methods: dict[str, dict[str, float]], name: str) -> float:
-    return methods.get(name, {}).get("tokens_per_s", float("nan"))
+def _median(methods: dict[str, Any], name: str) -> float:
+    return methods[name]["tokens_per_s"]["median"] if name in methods else float("nan")
 
 
-def _derived(
-    cfg: BenchConfig, runs: list[Run], methods: dict[str, dict[str, float]], sweep: dict[int, dict[str, float]]
-) -> dict[str, Any]:
-    seq, pipe = "service sequential K", "service pipelined K"
-    best = max(
-        ("service sequential adaptive", "service pipelined adaptive", seq, pipe), key=lambda m: _rate(methods, m)
-    )
-    target_only = methods["service target-only"]
-    seconds_per_token = target_only["seconds"] / target_only["tokens"]
-    seq_row = methods[seq]
-    alpha = _alpha_from_mean_length(seq_row["mean_accepted_length"], cfg.k)
-    c = (seq_row["draft_ms_per_round"] / 1000 / cfg.k) / seconds_per_token
-    per_prompt = []
-    for i in range(len(cfg.prompts)):
-        by = {r.method: r for r in runs if r.prompt == i}
-        rate = {m: len(r.token_ids) / r.seconds for m, r in by.items()}
-        per_prompt.append(rate["service sequential adaptive"] / rate["service target-only"])
-    reference = {r.prompt: r.token_ids for r in runs if r.method == "hf target-only"}
-    same_tokens = (
-        {m: all(r.token_ids == reference[r.prompt] for r in runs if r.method == m) for m in methods}
-        if reference
-        else {}
-    )
+def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
+    """Ratios of the headline (the default) to the baselines, per prompt, and token identity."""
+    hf_spec = [m for m in methods if m.startswith("hf ") and m != HF_TARGET]
+    best_hf = max(hf_spec, key=lambda m: _median(methods, m)) if hf_spec else None
+    per_prompt = {}
+    for prompt in sorted({r.prompt for r in runs}):
+        mine = [r for r in runs if r.prompt == prompt]
+
+        def rate(method: str, mine: list[Run] = mine) -> float:
+            return statistics.median(len(r.token_ids) / r.seconds for r in mine if r.method == method)
+
+        per_prompt[prompt] = rate(HEADLINE) / rate("service target-only")
+    reference_method = HF_TARGET if HF_TARGET in methods else "service target-only"
+    reference = {r.prompt: r.token_ids for r in runs if r.method == reference_method and r.repeat == 0}
+    identical = {m: all(r.token_ids == reference[r.prompt] for r in runs if r.method == m) for m in methods}
+    head = _median(methods, HEADLINE)
     ratios = {
-        "pipelined / sequential": _rate(methods, pipe) / _rate(methods, seq),
-        "best service / hf assisted": _rate(methods, best) / _rate(methods, "hf assisted"),
-        "best service / hf assisted, packed target": _rate(methods, best)
-        / _rate(methods, "hf assisted, packed target"),
-        "best service / hf target-only": _rate(methods, best) / _rate(methods, "hf target-only"),
-        "service target-only / hf target-only": _rate(methods, "service target-only")
-        / _rate(methods, "hf target-only"),
-        "best service / service target-only": _rate(methods, best) / _rate(methods, "service target-only"),
-        "worst prompt: adaptive / target-only": min(per_prompt),
-        f"{max(sweep)} sessions / 1 session (aggregate)": sweep[max(sweep)]["tokens_per_s"]
-        / sweep[min(sweep)]["tokens_per_s"],
+        "default / hf target-only": head / _median(methods, HF_TARGET),
+        "default / service target-only": head / _median(methods, "service target-only"),
+        "service target-only / hf target-only": _median(methods, "service target-only") / _median(methods, HF_TARGET),
+        "worst prompt: default / service target-only": min(per_prompt.values()),
     }
-    leviathan = {
-        "alpha": alpha,
-        "c": c,
-        "k": cfg.k,
-        "expected_speedup": (1 - alpha ** (cfg.k + 1)) / ((1 - alpha) * (cfg.k * c + 1)),
-        "measured_speedup": _rate(methods, seq) / _rate(methods, "service target-only"),
-    }
+    if best_hf is not None:
+        ratios[f"default / best HF speculative ({best_hf})"] = head / _median(methods, best_hf)
     return {
-        "best_service_method": best,
         "ratios": ratios,
-        "leviathan": leviathan,
-        "per_prompt_adaptive_vs_target_only": per_prompt,
-        "greedy_tokens_equal_hf": same_tokens,
+        "best_hf_speculative": best_hf,
+        "per_prompt_default_vs_target_only": per_prompt,
+        "greedy_tokens_identical": {"reference": reference_method, **identical},
     }
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"{'method':30} {'tok/s':>7} {'accept':>7} {'len':>5} {'K':>4} {'overhead':>9}"]
-    for method, row in report["methods"].items():
-        accept = f"{row['acceptance_rate']:.2f}" if "acceptance_rate" in row else "-"
-        length = f"{row['mean_accepted_length']:.2f}" if "mean_accepted_length" in row else "-"
-        k = f"{row['mean_k']:.1f}" if "mean_k" in row else "-"
-        overhead = f"{row['overhead_fraction']:.1%}" if "overhead_fraction" in row else "-"
-        lines.append(f"{method:30} {row['tokens_per_s']:7.2f} {accept:>7} {length:>5} {k:>4} {overhead:>9}")
-    lines.append("")
+    lines: list[str] = []
+    for workload, data in report["workloads"].items():
+        lines.append(f"== {workload} ==")
+        lines.append(
+            f"{'method':36} {'tok/s':>7} {'min':>6} {'max':>6} {'accept':>7} {'len':>5} {'K':>4} "
+            f"{'lookup':>7} {'ms/round d+v+o':>16} {'same':>5}"
+        )
+        same = data["greedy_tokens_identical"]
+        for method, row in data["methods"].items():
+            rate = row["tokens_per_s"]
+            extra = "      -     -    -       -                -"
+            if "acceptance_rate" in row:
+                parts = (row["draft_ms_per_round"], row["verify_ms_per_round"], row["overhead_ms_per_round"])
+                split = "+".join(f"{ms:.0f}" for ms in parts)
+                extra = (
+                    f"{row['acceptance_rate']:7.2f} {row['mean_accepted_length']:5.2f} {row['mean_k']:4.1f} "
+                    f"{row['lookup_round_share']:7.0%} {split:>16}"
+                )
+            lines.append(
+                f"{method:36} {rate['median']:7.2f} {rate['min']:6.2f} {rate['max']:6.2f} {extra} "
+                f"{'yes' if same[method] else 'NO':>5}"
+            )
+        for name, value in data["ratios"].items():
+            lines.append(f"  {name:60} {value:.2f}x")
+        lines.append("")
     for n, row in report["concurrency"].items():
-        lines.append(f"{n} concurrent sessions: {row['tokens_per_s']:.2f} tok/s aggregate")
-    lines.append("")
-    for name, value in report["ratios"].items():
-        lines.append(f"{name:40} {value:.2f}x")
-    lev = report["leviathan"]
-    lines.append(
-        f"Leviathan expectation (a={lev['alpha']:.2f}, c={lev['c']:.3f}, K={lev['k']}): "
-        f"{lev['expected_speedup']:.2f}x; measured sequential / target-only: {lev['measured_speedup']:.2f}x"
-    )
+        lines.append(f"{n} concurrent requests (default method): {row['tokens_per_s']:.2f} tok/s aggregate")
     return "\n".join(lines)
+
+
+def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """tokens/s by method and workload (median, min-max bars), acceptance by draft position,
+    aggregate tokens/s by concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    workloads = list(report["workloads"])
+    methods = list(dict.fromkeys(m for w in workloads for m in report["workloads"][w]["methods"]))
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(methods) * len(workloads) + 1.5))
+    height = 0.8 / len(workloads)
+    for j, workload in enumerate(workloads):
+        rows = report["workloads"][workload]["methods"]
+        ys = [i + j * height for i, m in enumerate(methods) if m in rows]
+        rates = [rows[m]["tokens_per_s"] for m in methods if m in rows]
+        med = [r["median"] for r in rates]
+        err = [[r["median"] - r["min"] for r in rates], [r["max"] - r["median"] for r in rates]]
+        ax.barh(ys, med, height=height, xerr=err, capsize=2, label=workload)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(methods))], methods)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s (median of repeats; bars: min-max)")
+    ax.legend()
+    fig.tight_layout()
+    written.append(out_dir / "tokens_per_s.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        for method, row in report["workloads"][workload]["methods"].items():
+            acceptance = row.get("acceptance_by_position")
+            if acceptance and "target-only" not in method:
+                ax.plot(range(1, len(acceptance) + 1), acceptance, marker="o", label=method.removeprefix("service "))
+        ax.set_title(workload)
+        ax.set_xlabel("draft position in the block")
+        ax.set_ylabel("P(accepted | proposed)")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(out_dir / "acceptance_by_position.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    sweep = report["concurrency"]
+    if sweep:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ns = sorted(int(n) for n in sweep)
+        ax.plot(ns, [sweep[n if n in sweep else str(n)]["tokens_per_s"] for n in ns], marker="o")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("aggregate tokens/s")
+        ax.set_xticks(ns)
+        fig.tight_layout()
+        written.append(out_dir / "concurrency.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
 
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
-    hf_methods = 0 if cfg.skip_hf else 3 if cfg.device == "cpu" else 2
-    total = (hf_methods + len(SERVICE_METHODS)) * len(cfg.prompts) + len(cfg.concurrency)
-    with tqdm(total=total, unit="run", desc="bench") as bar:
+    prompts = tokenize_prompts(cfg)
+    per_repeat = len(prompts) * ((0 if cfg.skip_hf else len(hf_methods(cfg))) + len(service_methods(cfg)))
+    with tqdm(total=per_repeat * cfg.repeats + len(cfg.concurrency), unit="run", desc="bench") as bar:
 
         def tick(label: str) -> None:
             bar.set_postfix_str(label)
             bar.update(1)
 
-        runs = [] if cfg.skip_hf else hf_runs(cfg, tick)
+        runs = [] if cfg.skip_hf else hf_runs(cfg, prompts, tick)
         with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp, service(cfg, Path(tmp)) as addresses:
-            runs += service_runs(cfg, addresses, tick)
-            sweep = concurrency_runs(cfg, addresses["sequential"], tick)
+            runs += service_runs(cfg, prompts, addresses, tick)
+            sweep = concurrency_runs(cfg, prompts, addresses["main"], tick)
     report = summarize(cfg, runs, sweep)
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    report["prompt_tokens"] = {f"{p.workload}/{p.index}": len(p.token_ids) for p in prompts}
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     report["runs"] = [asdict(r) for r in runs]
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps(report, indent=2))
+    if cfg.plots:
+        report["plots"] = [str(p) for p in write_plots(report, cfg.out.parent)]
     return report
 
 
@@ -345,8 +611,9 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part)
 
 
-def prompts_from(path: Path | None) -> Sequence[str]:
-    """Prompts from a file (separated by lines holding only '---'), or the built-in set."""
+def workloads_from(path: Path | None) -> dict[str, tuple[str, ...]]:
+    """The built-in workloads, or one workload ``file`` of the prompts in a file (separated by
+    lines holding only '---')."""
     if path is None:
-        return PROMPTS
-    return [p.strip("\n") for p in path.read_text().split("\n---\n") if p.strip()]
+        return dict(WORKLOADS)
+    return {"file": tuple(p.strip("\n") for p in path.read_text().split("\n---\n") if p.strip())}

@@ -208,7 +208,9 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("bench", help="benchmark HF generate, HF assisted, and the service's modes in one run")
+    p = sub.add_parser(
+        "bench", help="benchmark HF generate (target-only, assisted, prompt lookup) and every way the service drafts"
+    )
     p.add_argument("--model", required=True, help="target model: local HF directory or hub id")
     p.add_argument("--draft-model", required=True, help="draft model (same tokenizer)")
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="none", help="int8: dynamic int8 CPU draft")
@@ -216,11 +218,20 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "--num-speculative-tokens", type=int, default=4, help="K (fixed-K runs; adaptive runs use it as max)"
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--prompts", type=Path, help="file of prompts separated by '---' lines (default: built-in set)")
-    p.add_argument("--concurrency", default="1,2,4,8", help="session counts for the concurrency sweep")
-    p.add_argument("--device", default="cpu", help="device of both workers")
+    p.add_argument(
+        "--prompts", type=Path, help="file of prompts separated by '---' lines: one workload 'file' instead of the "
+        "built-in 'complete' and 'edit'",
+    )  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="runs of every method over every prompt (median, spread)")
+    p.add_argument(
+        "--early-exit-layers", type=int, default=0,
+        help="add early-exit rows: a draft made of the target's first N layers (0 = leave them out)",
+    )  # fmt: skip
+    p.add_argument("--concurrency", default="1,2,4", help="request counts for the concurrency sweep")
+    p.add_argument("--device", default="cpu", help="device of the workers and of the HF baselines")
     p.add_argument("--out", type=Path, default=Path("bench-results/bench.json"), help="where to write the JSON report")
     p.add_argument("--skip-hf", action="store_true", help="leave out the in-process HF baselines")
+    p.add_argument("--no-plots", action="store_true", help="write no PNG plots (they need matplotlib)")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -232,14 +243,18 @@ def _bench(args: argparse.Namespace) -> int:
         draft_quantize=args.draft_quantize,
         k=args.num_speculative_tokens,
         max_new_tokens=args.max_new_tokens,
-        prompts=tuple(bench.prompts_from(args.prompts)),
+        workloads=bench.workloads_from(args.prompts),
+        repeats=args.repeats,
         concurrency=bench.parse_concurrency(args.concurrency),
         device=args.device,
+        early_exit_layers=args.early_exit_layers,
         out=args.out,
         skip_hf=args.skip_hf,
+        plots=not args.no_plots,
     )
     report = bench.run(cfg)
-    sys.stdout.write(bench.format_table(report) + f"\n\nJSON report: {cfg.out}\n")
+    plots = "".join(f"\nplot: {p}" for p in report.get("plots", []))
+    sys.stdout.write(bench.format_table(report) + f"\n\nJSON report: {cfg.out}{plots}\n")
     return 0
 
 
