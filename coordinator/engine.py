@@ -135,7 +135,7 @@ class Engine:
             max_prompt_chars=MAX_PROMPT_CHARS,
             draft_context_len=draft_info.max_context_len if draft_info is not None else 0,
             default_method=s.default_method(),
-            lookup_max_tokens=s.lookup_max_tokens,
+            lookup_max_tokens=min(s.lookup_max_tokens, s.max_speculative_tokens),
         )
         if draft_info is not None and draft_info.max_context_len < target_info.max_context_len:
             log.warning(

@@ -66,7 +66,10 @@ class CoordinatorSettings(ServiceSettings):
     ngram_min: int = Field(2, ge=1, description="shortest suffix (tokens) a lookup draft matches")
     ngram_max: int = Field(5, ge=1, description="longest suffix (tokens) a lookup draft matches (longest wins)")
     lookup_max_tokens: int = Field(
-        8, ge=1, description="the most tokens one lookup draft proposes (the model's blocks use K)"
+        8,
+        ge=1,
+        description="the most tokens one lookup draft proposes (the model's blocks use K); capped by "
+        "max_speculative_tokens",
     )
     adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")
     probe_every: int = Field(32, gt=0, description="with speculation off for a session, probe it every N rounds")
@@ -124,8 +127,6 @@ class CoordinatorSettings(ServiceSettings):
     def _ngram_range(self) -> CoordinatorSettings:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
-        if self.lookup_max_tokens > self.max_speculative_tokens:
-            raise ValueError("lookup_max_tokens must not exceed max_speculative_tokens")
         return self
 
     def default_method(self) -> str:

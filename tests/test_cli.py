@@ -122,7 +122,8 @@ def test_generate_info_prints_the_servers_description(tiny_models: TinyModels) -
     assert result.returncode == 0, result.stderr[-2000:]
     info = json.loads(result.stdout)
     assert info["targetModelId"] == str(tiny_models.target) and info["draftModelId"] == ""
-    assert info["draftMethods"] == [] and info["maxContextLen"] == 256 and "sampling.top_p" in info["features"]
+    assert info["draftMethods"] == ["ngram"] and info["defaultDraftMethod"] == "ngram"  # no draft model: lookup
+    assert info["maxContextLen"] == 256 and "sampling.top_p" in info["features"]
     assert run("generate", "--model", str(tiny_models.target)).returncode == 2  # neither --prompt nor --info
 
 

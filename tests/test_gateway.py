@@ -61,6 +61,9 @@ def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], lo
     raise AssertionError(f"the gateway never served a model:\n{log.read_text()[-3000:]}")
 
 
+NO_SPEC = ["--num-speculative-tokens", "0"]
+
+
 @contextlib.contextmanager
 def launch(
     root: Path, tokenizer: PreTrainedTokenizerBase, with_draft: bool, tokenizer_on_gateway_host: bool = True
@@ -75,7 +78,9 @@ def launch(
         str(draft) if with_draft else None,
         root / "run",
         worker_args=CLUSTER_WORKER_ARGS,
-        coordinator_args=["--served-model-name", "tiny-qwen", "--no-adaptive-k"],
+        # without a draft worker: no speculation at all (not even lookup drafts), so the target
+        # computes exactly the uncached prompt and one token per round
+        coordinator_args=["--served-model-name", "tiny-qwen", "--no-adaptive-k", *([] if with_draft else NO_SPEC)],
         startup_timeout_s=180,
     )
     with cluster:
@@ -338,7 +343,7 @@ def test_a_five_turn_chat_reuses_the_cached_conversation(tmp_path_factory: pytes
     """The gateway resends the whole conversation each turn; prefix reuse finds the previous
     turn's cache, so turns 2-5 report cached tokens (at least the previous prompt, in whole
     blocks of 16) and the target computes only the rest: the uncached prompt tail and one token per
-    later round (target-only service, so no drafts are computed). This gateway has no tokenizer
+    later round (a service without speculation, so no drafts are computed). This gateway has no tokenizer
     files: it fetched the tokenizer and chat template from the coordinator (GetTokenizer)."""
     root = tmp_path_factory.mktemp("gateway-target-only")
     tokenizer = _qwen_tokenizer(tmp_path_factory)

@@ -611,9 +611,11 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part)
 
 
-def workloads_from(path: Path | None) -> dict[str, tuple[str, ...]]:
+def workloads_from(path: Path | None, max_prompts: int = 0) -> dict[str, tuple[str, ...]]:
     """The built-in workloads, or one workload ``file`` of the prompts in a file (separated by
-    lines holding only '---')."""
+    lines holding only '---'); ``max_prompts`` > 0 keeps the first that many of each."""
     if path is None:
-        return dict(WORKLOADS)
-    return {"file": tuple(p.strip("\n") for p in path.read_text().split("\n---\n") if p.strip())}
+        workloads = dict(WORKLOADS)
+    else:
+        workloads = {"file": tuple(p.strip("\n") for p in path.read_text().split("\n---\n") if p.strip())}
+    return {name: prompts[: max_prompts or None] for name, prompts in workloads.items()}

@@ -222,6 +222,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "--prompts", type=Path, help="file of prompts separated by '---' lines: one workload 'file' instead of the "
         "built-in 'complete' and 'edit'",
     )  # fmt: skip
+    p.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts of each workload (0 = all)")
     p.add_argument("--repeats", type=int, default=3, help="runs of every method over every prompt (median, spread)")
     p.add_argument(
         "--early-exit-layers", type=int, default=0,
@@ -243,7 +244,7 @@ def _bench(args: argparse.Namespace) -> int:
         draft_quantize=args.draft_quantize,
         k=args.num_speculative_tokens,
         max_new_tokens=args.max_new_tokens,
-        workloads=bench.workloads_from(args.prompts),
+        workloads=bench.workloads_from(args.prompts, args.max_prompts),
         repeats=args.repeats,
         concurrency=bench.parse_concurrency(args.concurrency),
         device=args.device,
