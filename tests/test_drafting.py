@@ -75,6 +75,10 @@ def test_a_service_without_a_draft_model_speculates_by_lookup(
     assert s.lookup_rounds > 0 and s.lookup_tokens_accepted > 0
     assert s.draft_tokens_proposed == s.lookup_tokens_proposed  # every draft came from the lookup
     assert s.rounds < MAX_NEW  # lookups saved target passes
+    assert sum(s.proposed_by_position) == s.draft_tokens_proposed and len(s.proposed_by_position) <= 8
+    assert sum(s.accepted_by_position) == s.draft_tokens_accepted
+    accepted = list(s.accepted_by_position)
+    assert accepted == sorted(accepted, reverse=True)  # a draft is accepted only after the ones before it
     if fixed:
         assert s.lookup_tokens_accepted / s.lookup_tokens_proposed > 0.5
 
