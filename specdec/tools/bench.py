@@ -438,7 +438,7 @@ def _method_row(mine: Sequence[Run]) -> dict[str, Any]:
         "target_only_round_share": total["target_only_rounds"] / rounds,
         "lookup_round_share": total["lookup_rounds"] / rounds,
         "lookup_acceptance": total["lookup_accepted"] / total["lookup_proposed"] if total["lookup_proposed"] else 0.0,
-        "acceptance_by_position": [a / p if p else 0.0 for a, p in by_position],
+        "acceptance_by_position": [a / p if p else None for a, p in by_position],  # None: never proposed
     }
     return row
 
@@ -552,9 +552,9 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
     for ax, workload in zip(axes[0], workloads, strict=True):
         for method, row in report["workloads"][workload]["methods"].items():
-            acceptance = row.get("acceptance_by_position")
-            if acceptance and "target-only" not in method:
-                ax.plot(range(1, len(acceptance) + 1), acceptance, marker="o", label=method.removeprefix("service "))
+            points = [(i + 1, a) for i, a in enumerate(row.get("acceptance_by_position") or []) if a is not None]
+            if points and "target-only" not in method:
+                ax.plot(*zip(*points, strict=True), marker="o", label=method.removeprefix("service "))
         ax.set_title(workload)
         ax.set_xlabel("draft position in the block")
         ax.set_ylabel("P(accepted | proposed)")
