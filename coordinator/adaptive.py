@@ -59,6 +59,12 @@ class Plan:
 TARGET_ONLY = Plan(NONE, 0)
 
 
+def drafting_method(wanted: str, has_draft_model: bool) -> str:
+    """The method ``model``, ``ngram`` or ``hybrid`` that runs when ``wanted`` is asked for: without a
+    draft model only the lookup can draft."""
+    return wanted if has_draft_model else NGRAM
+
+
 @dataclass
 class StepCosts:
     """Measured costs of the deployed models (milliseconds), shared by all sessions."""
@@ -166,7 +172,7 @@ class KController:
         verify = self.costs.verify_ms(k + 1)
         if verify is None:
             return None
-        if method != MODEL:  # a lookup draft costs nothing to make
+        if method != MODEL:  # a lookup draft costs nothing to make (nor does none)
             return verify + self.costs.overhead_ms(drafted=False)
         if self.costs.draft_per_token is None:
             return None
@@ -207,7 +213,7 @@ class KController:
         return best
 
     def _rate(self, plan: Plan) -> float | None:
-        ms = self.expected_ms(plan.k, plan.method if plan.k else NGRAM)
+        ms = self.expected_ms(plan.k, plan.method)
         if not ms:
             return None
         alpha = self.alpha_of(plan.method) if plan.k else 0.0

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 
+from coordinator.adaptive import drafting_method
 from specdec.serving.security import read_secret_file
 from specdec.serving.settings import ServiceSettings
 
@@ -131,9 +132,8 @@ class CoordinatorSettings(ServiceSettings):
 
     def default_method(self) -> str:
         """The draft method of requests that do not choose one."""
-        if self.draft_method == "auto":
-            return "hybrid" if self.draft_address else "ngram"
-        return self.draft_method if self.draft_address else "ngram"
+        wanted = "hybrid" if self.draft_method == "auto" else self.draft_method
+        return drafting_method(wanted, self.draft_address is not None)
 
     @model_validator(mode="after")
     def _k_within_max(self) -> CoordinatorSettings:

@@ -7,6 +7,7 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from coordinator.adaptive import drafting_method
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.processing import NO_PROCESSING, Processing
 from specdec.runtime.sampling import Warp
@@ -78,7 +79,7 @@ class TurnRequest:
     k: int
     fixed_k: bool
     require_existing: bool
-    method: str = "model"  # who drafts: model | ngram | hybrid (see coordinator.adaptive)
+    method: str  # who drafts: model | ngram | hybrid (see coordinator.adaptive)
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content), instead of a prompt
     min_tokens: int = 0
     processing: Processing = NO_PROCESSING  # the turn sets reply_start; banned_until_min = stop_ids
@@ -244,8 +245,7 @@ def _method(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> s
         return limits.default_method
     if speculation.method not in _METHODS:
         raise InvalidRequest(f"speculation.method {speculation.method} is not one of MODEL, NGRAM, HYBRID")
-    method = _METHODS[speculation.method]
-    return method if limits.draft_context_len else "ngram"  # no draft model: lookup is what there is
+    return drafting_method(_METHODS[speculation.method], limits.draft_context_len > 0)
 
 
 def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pydantic import Field
 
 from specdec.runtime.modeling import LoadOptions
@@ -24,6 +26,4 @@ class DraftSettings(ModelWorkerSettings):
     )
 
     def load_options(self) -> LoadOptions:
-        return LoadOptions(
-            self.device, self.dtype, self.quantize, self.cpu_kernel, self.trust_remote_code, self.draft_layers
-        )
+        return dataclasses.replace(super().load_options(), layers=self.draft_layers)
