@@ -28,15 +28,32 @@ MAX_PROMPT_CHARS = 1_000_000
 
 
 def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> None:
-    """Raises when the draft cannot propose tokens for the target (different tokenizers). The
-    output layers may be padded to different sizes (Qwen2.5-0.5B has 151,936 rows, the 7B and
+    """Raises when the draft cannot propose tokens for the target: it must speak the target's ids,
+    either sharing its tokenizer or translating to it (a draft started with --target-tokenizer).
+    The output layers may be padded to different sizes (Qwen2.5-0.5B has 151,936 rows, the 7B and
     larger 152,064): the draft is told the target's size and proposes no id beyond it."""
-    if target.tokenizer_hash != draft.tokenizer_hash:
+    if target.tokenizer_hash == draft.tokenizer_hash:
+        return
+    if draft.vocab_translation in (common_pb2.VOCAB_TRANSLATION_TLI, common_pb2.VOCAB_TRANSLATION_SLEM):
         raise RuntimeError(
-            f"draft model {draft.model_id!r} (tokenizer {draft.tokenizer_hash}) does not share the tokenizer of "
-            f"target model {target.model_id!r} (tokenizer {target.tokenizer_hash}); pick a draft from the same "
-            "model family"
+            f"draft model {draft.model_id!r} translates to tokenizer {draft.tokenizer_hash}, but target model "
+            f"{target.model_id!r} has tokenizer {target.tokenizer_hash}; start the draft with --target-tokenizer "
+            "set to the target's model"
         )
+    raise RuntimeError(
+        f"draft model {draft.model_id!r} (tokenizer {draft.tokenizer_hash}) does not share the tokenizer of "
+        f"target model {target.model_id!r} (tokenizer {target.tokenizer_hash}); start the draft worker with "
+        "--target-tokenizer set to the target's model (and --vocab-method tli or slem) to translate its proposals"
+    )
+
+
+def vocab_method(draft: common_pb2.WorkerInfo | None) -> str:
+    """How the draft's proposals reach the target's vocabulary (GetInfo's draft_vocab_method)."""
+    if draft is None:
+        return ""
+    return {common_pb2.VOCAB_TRANSLATION_TLI: "tli", common_pb2.VOCAB_TRANSLATION_SLEM: "slem"}.get(
+        draft.vocab_translation, "shared"
+    )
 
 
 def choose_pipelined(mode: str, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo | None) -> bool:
@@ -87,6 +104,7 @@ def server_info(
         greedy_temperature=GREEDY_TEMPERATURE,
         chat_template=chat_template,
         max_top_logprobs=MAX_TOP_LOGPROBS,
+        draft_vocab_method=vocab_method(draft),
     )
 
 
@@ -156,6 +174,7 @@ class Engine:
             "coordinator_ready",
             target=target_info.model_id,
             draft=draft_info.model_id if draft_info else None,
+            draft_vocab_method=vocab_method(draft_info),
             mode="pipelined" if pipelined else "sequential",
             adaptive_k=s.adaptive_k,
             draft_method=s.default_method(),

@@ -237,8 +237,9 @@ class WorkerSession:
             assert self._draft is not None
             self._draft.observe_latency(time.monotonic() - sent)
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
-                if len(reply.draft.token_ids) != k:
-                    raise WorkerCallFailed(f"asked for {k} tokens, got {len(reply.draft.token_ids)}")
+                got = len(reply.draft.token_ids)
+                if got > k or (got < k and not self._draft.translates):  # a translating draft may send fewer
+                    raise WorkerCallFailed(f"asked for {k} tokens, got {got}")
                 self._lookahead_round = round_id if self._pipelined else None
                 computed = len(sync.tail_token_ids) + k - 1
                 return Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed)

@@ -231,6 +231,12 @@ class DraftClient:
     def usable(self) -> bool:
         return self._breaker.up
 
+    @property
+    def translates(self) -> bool:
+        """The draft's tokenizer differs from the target's: it drafts in its own vocabulary and
+        sends target ids, possibly fewer than asked for (specdec.runtime.vocab)."""
+        return self.info.vocab_translation in (common_pb2.VOCAB_TRANSLATION_TLI, common_pb2.VOCAB_TRANSLATION_SLEM)
+
     def observe_latency(self, seconds: float) -> None:
         """Records how long a proposal took to arrive (wall time, load included)."""
         self._latency_s = ewma(self._latency_s, seconds)

@@ -5,11 +5,16 @@ the block after one it already proposed, assuming that block is fully accepted a
 the draft's own guess of the target's next token. Each draft token is sampled with the generator
 of its absolute position (specdec.runtime.sampling.position_generator), so a lookahead block that is used
 is exactly the block a fresh request at that prefix would have produced.
+
+``translated_propose_job`` is the same for a draft whose tokenizer differs from the target's
+(specdec.runtime.vocab): it keeps the session's committed target ids and text beside the cache,
+drafts in its own vocabulary and proposes in the target's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+import dataclasses
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +24,9 @@ from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.sampling import DraftSample, Warp, position_generator, sample_draft_token
 from specdec.runtime.scheduler import ComputeMeter, Extend, Job
-from specdec.runtime.tokens import prefix_hash
+from specdec.runtime.tokens import common_prefix_len, prefix_hash
+from specdec.runtime.vocab import TextMirror, VocabBridge
+from specdec.serving.errors import InvalidRequest
 from specdec.v1 import common_pb2
 
 
@@ -63,12 +70,15 @@ def _draft_block(
     start: int,
     device: torch.device,
     meter: ComputeMeter,
+    shape: Callable[[SessionCache, torch.Tensor, DraftParams], torch.Tensor] | None = None,
 ) -> Generator[Extend, torch.Tensor, list[DraftSample]]:
-    """Samples ``params.k`` tokens starting from ``logits`` (the distribution after ``start`` tokens)."""
+    """Samples ``params.k`` tokens starting from ``logits`` (the distribution after ``start`` tokens);
+    ``shape`` turns a position's logits into those sampled from (default: the target's processing)."""
+    shape = shape or _processed
     samples: list[DraftSample] = []
     for i in range(params.k):
         generator = None if params.warp.greedy else position_generator(params.seed, start + i, "draft", device)
-        sample = sample_draft_token(_processed(entry, logits, params), params.warp, params.top_n, generator)
+        sample = sample_draft_token(shape(entry, logits, params), params.warp, params.top_n, generator)
         samples.append(sample)
         if i + 1 < params.k:
             logits = (yield Extend(entry, [sample.token_id], 1, meter))[-1]
@@ -139,3 +149,78 @@ def lookahead_job(
     start = previous.start + len(assumed)
     samples = yield from _draft_block(entry, logits, params, start, loaded.device, meter)
     return _finish(entry, samples, start, assumed, meter)
+
+
+def translated_propose_job(
+    caches: SessionCaches,
+    loaded: LoadedModel,
+    bridge: VocabBridge,
+    session_id: str,
+    sync: common_pb2.PrefixSync,
+    params: DraftParams,
+) -> Job[Block | None]:
+    """Up to K proposals in the target's ids after the committed prefix ``sync`` describes (in
+    target ids), from a draft of another vocabulary; None = resync required.
+
+    The session's mirror turns the committed ids into text and the text into the draft's own
+    tokens; the cache keeps what it shares with them (after a partly accepted block, the draft
+    tokens of the accepted text) and runs the rest. TLI samples only draft tokens that are
+    also target tokens and sends their distribution in target ids; SLEM drafts greedily in its
+    own vocabulary and sends the target's tokenization of the drafted text, one-hot. The target's
+    history-dependent processing (penalties, bias, min_tokens) is not applied here (it is defined
+    on target ids); it only costs acceptance, never exactness. A block may hold fewer than K
+    tokens (SLEM's text may tokenize shorter; none while the text ends inside a character).
+    """
+    meter = ComputeMeter()
+    start = sync.base_len + len(sync.tail_token_ids)
+    entry = caches.get(session_id)
+    if sync.base_len == 0:
+        entry = caches.sync(session_id, 0, 0)
+        entry.mirror = TextMirror(bridge)
+    elif entry is None or entry.mirror is None or not entry.mirror.holds(sync.base_len, sync.prefix_hash):
+        caches.release(session_id)
+        return None
+    mirror = entry.mirror
+    assert mirror is not None
+    mirror.update(sync.base_len, sync.tail_token_ids)
+    wanted = mirror.draft_ids
+    if not wanted or (bridge.method == "slem" and mirror.pending):
+        return Block((), start, (), start, 0, meter.ms)
+    if len(wanted) + params.k > loaded.max_context_len:
+        raise InvalidRequest(
+            f"the session's text is {len(wanted)} tokens for the draft model, whose context is "
+            f"{loaded.max_context_len}: it cannot draft {params.k} more"
+        )
+    keep = min(common_prefix_len(entry.tokens, wanted), len(wanted) - 1)
+    entry.truncate(keep)
+    logits = (yield Extend(entry, wanted[keep:], 1, meter))[-1]
+    if bridge.method == "slem":
+        greedy = dataclasses.replace(params, warp=Warp())
+        drafted = yield from _draft_block(entry, logits, greedy, start, loaded.device, meter, _unshaped)
+        proposed = mirror.slem_targets([s.token_id for s in drafted], params.k)
+        samples = tuple(DraftSample(token_id=t) for t in proposed)
+    else:
+        barred = ~bridge.proposable(params.vocab_limit).to(logits.device)
+
+        def intersect(_: SessionCache, row: torch.Tensor, __: DraftParams) -> torch.Tensor:
+            return row.masked_fill(barred, float("-inf"))
+
+        drafted = yield from _draft_block(entry, logits, params, start, loaded.device, meter, intersect)
+        samples = tuple(_in_target_ids(s, bridge.draft_to_target) for s in drafted)
+    return Block(samples, start, (), cache_len=start, cache_hash=0, compute_ms=meter.ms)
+
+
+def _unshaped(_: SessionCache, logits: torch.Tensor, __: DraftParams) -> torch.Tensor:
+    return logits
+
+
+def _in_target_ids(sample: DraftSample, draft_to_target: torch.Tensor) -> DraftSample:
+    """A TLI draft sample in target ids: the proposal keeps its probabilities (all on draft ids
+    that are target tokens); the ids with probability 0 are left out."""
+    token = int(draft_to_target[sample.token_id])
+    if sample.probs is None:
+        return DraftSample(token_id=token)
+    probs = sample.probs
+    ids = sample.ids if sample.ids is not None else torch.arange(probs.shape[0], device=probs.device)
+    nonzero = probs > 0
+    return DraftSample(token_id=token, ids=draft_to_target.to(ids.device)[ids[nonzero]], probs=probs[nonzero])

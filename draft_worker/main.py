@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 from prometheus_client import CollectorRegistry
 
-from draft_worker.servicer import DraftServicer
+from draft_worker.servicer import DraftServicer, Vocabulary
 from draft_worker.settings import DraftSettings
 from specdec.serving.logging import configure_logging
 from specdec.serving.server import ServerControl, ServiceSpec, serve
@@ -24,14 +24,19 @@ async def run(settings: DraftSettings) -> int:
     control = ServerControl()
     registry = CollectorRegistry()
     core = WorkerCore(settings, control, registry)
+    vocabulary = Vocabulary()
 
     def register(server: grpc.aio.Server) -> None:
-        draft_pb2_grpc.add_DraftWorkerServicer_to_server(DraftServicer(core, settings), server)
+        draft_pb2_grpc.add_DraftWorkerServicer_to_server(DraftServicer(core, settings, vocabulary), server)
+
+    async def start() -> None:
+        await core.load()
+        await core.scheduler.call(vocabulary.load, settings, core.loaded.vocab_size)
 
     async def stop() -> None:
         core.close()
 
-    return await serve(settings, ServiceSpec([SERVICE_NAME], register, core.load, stop, registry), control)
+    return await serve(settings, ServiceSpec([SERVICE_NAME], register, start, stop, registry), control)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -9,15 +9,61 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
+from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, translated_propose_job
 from draft_worker.settings import DraftSettings
+from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.processing import processing_from_proto
 from specdec.runtime.proposals import encode_block, warp_from_proto
+from specdec.runtime.vocab import VocabBridge
 from specdec.serving.errors import InvalidRequest
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
+log = structlog.get_logger(__name__)
+
 _END = object()
+
+
+class Vocabulary:
+    """The ids this draft speaks on the wire: its own, or the target's when its tokenizer
+    differs (``bridge`` set; see specdec.runtime.vocab)."""
+
+    def __init__(self) -> None:
+        self.bridge: VocabBridge | None = None
+        self.wire_tokenizer_hash = ""
+        self.model_tokenizer_hash = ""
+
+    def load(self, settings: DraftSettings, draft_logits: int) -> None:
+        """Runs at start-up (in the model thread); raises with what to fix."""
+        own = load_tokenizer(settings.model, settings.trust_remote_code)
+        self.model_tokenizer_hash = self.wire_tokenizer_hash = tokenizer_fingerprint(own)
+        if not settings.target_tokenizer:
+            return
+        target = load_tokenizer(settings.target_tokenizer, settings.trust_remote_code)
+        self.wire_tokenizer_hash = tokenizer_fingerprint(target)
+        if self.wire_tokenizer_hash == self.model_tokenizer_hash:
+            log.info("same_tokenizer_as_target", target_tokenizer=settings.target_tokenizer)
+            return
+        self.bridge = VocabBridge(own, target, draft_logits, settings.vocab_method)
+        log.info(
+            "vocab_translation",
+            method=settings.vocab_method,
+            shared_tokens=self.bridge.shared_tokens,
+            target_tokens=self.bridge.target_size,
+        )
+
+    def describe(self, info: common_pb2.WorkerInfo) -> common_pb2.WorkerInfo:
+        info.model_tokenizer_hash = self.model_tokenizer_hash
+        if self.bridge is None:
+            info.vocab_translation = common_pb2.VOCAB_TRANSLATION_SHARED
+            return info
+        info.tokenizer_hash = self.wire_tokenizer_hash
+        info.vocab_size = self.bridge.target_size
+        info.shared_vocab_tokens = self.bridge.shared_tokens
+        info.vocab_translation = (
+            common_pb2.VOCAB_TRANSLATION_TLI if self.bridge.method == "tli" else common_pb2.VOCAB_TRANSLATION_SLEM
+        )
+        return info
 
 
 def _response(block: Block, round_id: int, lookahead: bool) -> draft_pb2.ProposeResponse:
@@ -42,9 +88,12 @@ def _no_lookahead(round_id: int) -> draft_pb2.ProposeResponse:
 class _ProposeStream:
     """One Propose stream: requests answered in order; lookahead blocks pushed unasked."""
 
-    def __init__(self, core: WorkerCore, settings: DraftSettings, outbox: asyncio.Queue[object]) -> None:
+    def __init__(
+        self, core: WorkerCore, settings: DraftSettings, vocabulary: Vocabulary, outbox: asyncio.Queue[object]
+    ) -> None:
         self._core = core
         self._settings = settings
+        self._bridge = vocabulary.bridge
         self._outbox = outbox
         self._session = ""
         self._params: DraftParams | None = None
@@ -87,8 +136,11 @@ class _ProposeStream:
         k = request.num_tokens
         if not 0 < k <= self._settings.max_draft_tokens:
             raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
-        core = self._core
-        core.check_request(request.session_id, request.sync, k - 1)
+        core, bridge = self._core, self._bridge
+        if bridge is None:
+            core.check_request(request.session_id, request.sync, k - 1)
+        else:  # the ids are the target's; the draft's own context is checked in its own tokens
+            core.check_request(request.session_id, request.sync, 0, bridge.target_size, check_context=False)
         params = DraftParams(
             k,
             warp_from_proto(request.warp),
@@ -99,9 +151,15 @@ class _ProposeStream:
         )
         self._params = params
         sync = request.sync
-        block = await core.run(
-            self._session, lambda: propose_job(core.caches, core.loaded, self._session, sync, params)
-        )
+        if bridge is None:
+            block = await core.run(
+                self._session, lambda: propose_job(core.caches, core.loaded, self._session, sync, params)
+            )
+        else:
+            block = await core.run(
+                self._session,
+                lambda: translated_propose_job(core.caches, core.loaded, bridge, self._session, sync, params),
+            )
         self._count(block, len(sync.tail_token_ids) + k - 1)
         self._last = block
         return block
@@ -109,8 +167,10 @@ class _ProposeStream:
     def _start_lookahead(self, round_id: int) -> None:
         previous, params, core = self._last, self._params, self._core
         assert previous is not None and params is not None
-        if previous.cache_len + 2 + params.k - 1 > core.loaded.max_context_len:
-            self._outbox.put_nowait(_no_lookahead(round_id))  # no room for another block: say so
+        if self._bridge is not None or previous.cache_len + 2 + params.k - 1 > core.loaded.max_context_len:
+            # no room for another block, or a draft of another vocabulary (it drafts from the
+            # committed text only): say so
+            self._outbox.put_nowait(_no_lookahead(round_id))
             return
         self._lookahead = asyncio.create_task(self._run_lookahead(previous, params, round_id))
 
@@ -147,20 +207,21 @@ class _ProposeStream:
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, core: WorkerCore, settings: DraftSettings) -> None:
+    def __init__(self, core: WorkerCore, settings: DraftSettings, vocabulary: Vocabulary) -> None:
         self._core = core
         self._settings = settings
+        self._vocabulary = vocabulary
 
     async def Info(
         self, request: draft_pb2.DraftInfoRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.DraftInfoResponse:
-        return draft_pb2.DraftInfoResponse(info=self._core.info())
+        return draft_pb2.DraftInfoResponse(info=self._vocabulary.describe(self._core.info()))
 
     async def Propose(
         self, request_iterator: AsyncIterator[draft_pb2.ProposeRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[draft_pb2.ProposeResponse]:
         outbox: asyncio.Queue[object] = asyncio.Queue()
-        stream = _ProposeStream(self._core, self._settings, outbox)
+        stream = _ProposeStream(self._core, self._settings, self._vocabulary, outbox)
         reader = asyncio.create_task(stream.serve(request_iterator))
         try:
             while (item := await outbox.get()) is not _END:

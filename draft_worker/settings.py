@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from pydantic import Field
 
@@ -23,6 +24,17 @@ class DraftSettings(ModelWorkerSettings):
         ge=0,
         description="early-exit draft: load --model (the target's checkpoint) and keep only its first N decoder "
         "layers, its final norm and LM head (0 = the whole model)",
+    )
+
+    target_tokenizer: str | None = Field(
+        None,
+        description="the target model's directory or hub id, when this draft's tokenizer differs from the target's: "
+        "proposals are translated to the target's vocabulary by --vocab-method (unset = the same tokenizer)",
+    )
+    vocab_method: Literal["tli", "slem"] = Field(
+        "tli",
+        description="with --target-tokenizer: tli = sample only tokens both vocabularies have (exact, greedy and "
+        "sampled); slem = draft greedily and re-tokenize the text for the target (exact, proposed one-hot)",
     )
 
     def load_options(self) -> LoadOptions:

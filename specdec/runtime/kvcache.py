@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.tokens import prefix_hash
+from specdec.runtime.vocab import TextMirror
 
 
 class ResyncRequired(Exception):
@@ -24,11 +25,13 @@ class ResyncRequired(Exception):
 
 @dataclass
 class SessionCache:
-    """Token ids in the KV cache, and the cache itself (always the same length)."""
+    """Token ids in the KV cache, and the cache itself (always the same length); for a draft of
+    another vocabulary, also the session's committed target ids and their text (``mirror``)."""
 
     tokens: list[int]
     cache: DynamicCache
     last_used: float = field(default_factory=time.monotonic)
+    mirror: TextMirror | None = None
 
     def truncate(self, length: int) -> None:
         """Rolls back to the first ``length`` tokens."""
@@ -80,6 +83,15 @@ class SessionCaches:
             raise ResyncRequired(session_id)
         entry.last_used = time.monotonic()
         self._entries.move_to_end(session_id)
+        return entry
+
+    def get(self, session_id: str) -> SessionCache | None:
+        """The session's cache as it is (None when there is none), marked as used."""
+        self.evict_idle()
+        entry = self._entries.get(session_id)
+        if entry is not None:
+            entry.last_used = time.monotonic()
+            self._entries.move_to_end(session_id)
         return entry
 
     def extend(self, entry: SessionCache, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:

@@ -116,19 +116,27 @@ class WorkerCore:
             reused_tokens_total=self.caches.reused_tokens_total,
         )
 
-    def check_request(self, session_id: str, sync: common_pb2.PrefixSync, extra_positions: int) -> None:
-        """Rejects a sync request that no correct coordinator sends."""
+    def check_request(
+        self,
+        session_id: str,
+        sync: common_pb2.PrefixSync,
+        extra_positions: int,
+        vocab_size: int | None = None,
+        check_context: bool = True,
+    ) -> None:
+        """Rejects a sync request that no correct coordinator sends; ids are checked against
+        ``vocab_size`` (default: the model's output size)."""
         check_session_id(session_id, INTERNAL_SESSION_ID_MAX)
         if sync.source_session_id:
             check_session_id(sync.source_session_id, INTERNAL_SESSION_ID_MAX)
         base_len, tail = sync.base_len, sync.tail_token_ids
         if not tail:
             raise InvalidRequest("tail_token_ids must hold at least the last committed token")
-        vocab = self.loaded.vocab_size
+        vocab = vocab_size or self.loaded.vocab_size
         if max(tail) >= vocab:
             raise InvalidRequest(f"token id {max(tail)} is out of range: the vocabulary has {vocab} ids")
         end = base_len + len(tail) + extra_positions
-        if end > self.loaded.max_context_len:
+        if check_context and end > self.loaded.max_context_len:
             raise InvalidRequest(f"{end} positions exceed the model's context length {self.loaded.max_context_len}")
 
     async def release(self, session_id: str) -> bool:

@@ -19,6 +19,13 @@ class CacheStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CACHE_STATUS_UNSPECIFIED: _ClassVar[CacheStatus]
     CACHE_STATUS_OK: _ClassVar[CacheStatus]
     CACHE_STATUS_RESYNC_REQUIRED: _ClassVar[CacheStatus]
+
+class VocabTranslation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VOCAB_TRANSLATION_UNSPECIFIED: _ClassVar[VocabTranslation]
+    VOCAB_TRANSLATION_SHARED: _ClassVar[VocabTranslation]
+    VOCAB_TRANSLATION_TLI: _ClassVar[VocabTranslation]
+    VOCAB_TRANSLATION_SLEM: _ClassVar[VocabTranslation]
 PROPOSAL_KIND_UNSPECIFIED: ProposalKind
 PROPOSAL_KIND_ONE_HOT: ProposalKind
 PROPOSAL_KIND_SPARSE: ProposalKind
@@ -26,6 +33,10 @@ PROPOSAL_KIND_DENSE: ProposalKind
 CACHE_STATUS_UNSPECIFIED: CacheStatus
 CACHE_STATUS_OK: CacheStatus
 CACHE_STATUS_RESYNC_REQUIRED: CacheStatus
+VOCAB_TRANSLATION_UNSPECIFIED: VocabTranslation
+VOCAB_TRANSLATION_SHARED: VocabTranslation
+VOCAB_TRANSLATION_TLI: VocabTranslation
+VOCAB_TRANSLATION_SLEM: VocabTranslation
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -166,7 +177,7 @@ class PrefixSync(_message.Message):
     def __init__(self, base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., source_session_id: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests", "reused_tokens_total")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests", "reused_tokens_total", "vocab_translation", "model_tokenizer_hash", "shared_vocab_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +192,9 @@ class WorkerInfo(_message.Message):
     BATCHED_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_TRANSLATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    SHARED_VOCAB_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_hash: str
@@ -195,4 +209,7 @@ class WorkerInfo(_message.Message):
     batched_forwards: int
     batched_requests: int
     reused_tokens_total: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ..., reused_tokens_total: _Optional[int] = ...) -> None: ...
+    vocab_translation: VocabTranslation
+    model_tokenizer_hash: str
+    shared_vocab_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ..., reused_tokens_total: _Optional[int] = ..., vocab_translation: _Optional[_Union[VocabTranslation, str]] = ..., model_tokenizer_hash: _Optional[str] = ..., shared_vocab_tokens: _Optional[int] = ...) -> None: ...
