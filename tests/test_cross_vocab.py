@@ -1,0 +1,146 @@
+"""A draft with another tokenizer, end to end over real processes: a tiny model with SmolLM2's
+tokenizer drafts for a tiny model with Qwen2.5's (both know one text, tokenized differently: some
+words are one token for one and two for the other). TLI and SLEM; greedy output equals HF
+``generate`` on the target alone. The sampled distribution is tested in
+tests/test_exactness_production.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerBase
+
+from specdec.runtime.modeling import tokenizer_fingerprint
+from specdec.tools.launch import LaunchError, LocalCluster
+from specdec.v1 import common_pb2, coordinator_pb2
+from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
+from tests.helpers import RedisServer, real_tokenizer
+from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
+from tests.tiny_models import build_text_bigram
+
+# " warms" is one SmolLM2 token and two Qwen tokens; " fibonacci", " recursion" and " rollback"
+# the other way round. The rest are one token in both.
+TEXT = " the cat sat on a mat and warms fibonacci recursion with blue sky over green rollback hills"
+MAX_NEW = 40
+TRANSLATIONS = {"tli": common_pb2.VOCAB_TRANSLATION_TLI, "slem": common_pb2.VOCAB_TRANSLATION_SLEM}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase]:
+    """(target's, draft's): Qwen2.5's and SmolLM2's."""
+    return real_tokenizer("qwen2.5-coder-0.5b", tmp_path_factory), real_tokenizer("smollm2-135m", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tmp_path_factory: pytest.TempPathFactory, tokenizers: tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase]
+) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("cross-vocab-models")
+    qwen, smollm = tokenizers
+    target = build_text_bigram(root / "target", qwen, TEXT, seed=0, strength=8.0, noise=1.0)
+    draft = build_text_bigram(root / "draft", smollm, TEXT, seed=1, strength=8.0, noise=1.0)
+    return target, draft
+
+
+@pytest.fixture(scope="module", params=["tli", "slem"])
+def cluster(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    pair: tuple[Path, Path],
+    redis_server: RedisServer,
+) -> Iterator[tuple[LocalCluster, str]]:
+    """The TLI cluster pipelines (the draft answers every request to draft ahead with "none")."""
+    method = request.param
+    target, draft = pair
+    mode = ["--speculation-mode", "pipelined" if method == "tli" else "sequential"]
+    cluster = LocalCluster(
+        str(target), str(draft), tmp_path_factory.mktemp(f"cross-{method}"), worker_args=CLUSTER_WORKER_ARGS,
+        draft_args=["--target-tokenizer", str(target), "--vocab-method", method],
+        coordinator_args=[*CLUSTER_COORDINATOR_ARGS, "--state-url", redis_server.url, *mode], startup_timeout_s=180,
+    )  # fmt: skip
+    with cluster:
+        yield cluster, method
+
+
+def generate(cluster: LocalCluster, request: coordinator_pb2.GenerateRequest) -> coordinator_pb2.GenerateResponse:
+    for stub in coordinator_stub(cluster):
+        return stub.Generate(request, timeout=120)
+    raise AssertionError("no stub")
+
+
+PROMPTS = {
+    "in-text": " the cat sat",
+    "mid-word": " blue sky over green roll",  # the target's text continues inside a word
+    "foreign": "Ein Satz 世界 𓀀 and the",  # tokens the models never saw, a character split over tokens
+}
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("prompt", list(PROMPTS), ids=list(PROMPTS))
+def test_greedy_output_is_the_target_s(
+    cluster: tuple[LocalCluster, str],
+    pair: tuple[Path, Path],
+    tokenizers: tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase],
+    prompt: str,
+    fixed: bool,
+) -> None:
+    service, method = cluster
+    ids = tokenizers[0].encode(PROMPTS[prompt])
+    request = make_request(ids, k=4, max_new=MAX_NEW, fixed=fixed, ignore_eos=True)
+    request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+    reply = generate(service, request)
+    assert list(reply.token_ids) == reference_greedy(str(pair[0]), tuple(ids), MAX_NEW, True)
+    s = reply.stats
+    assert s.draft_tokens_accepted > 0 and s.rounds < MAX_NEW  # the draft's proposals saved target passes
+    if method == "slem" and fixed:  # the draft knows the text; SLEM proposes its words in the target's tokens
+        assert s.draft_tokens_accepted >= 0.7 * s.draft_tokens_proposed
+
+
+def test_a_session_goes_on_across_turns(
+    cluster: tuple[LocalCluster, str], pair: tuple[Path, Path], tokenizers: tuple[PreTrainedTokenizerBase, ...]
+) -> None:
+    """The draft's mirror of the session carries over to the next turn (a prefix it proves by hash)."""
+    service, method = cluster
+    qwen = tokenizers[0]
+    session = f"cross-turns-{method}"
+    first_prompt, second_prompt = qwen.encode(" the cat"), qwen.encode(" and the dog")
+    first = generate(service, make_request(first_prompt, max_new=12, session_id=session, ignore_eos=True))
+    second = generate(service, make_request(second_prompt, max_new=20, session_id=session, ignore_eos=True))
+    history = (*first_prompt, *first.token_ids, *second_prompt)
+    assert list(first.token_ids) == reference_greedy(str(pair[0]), tuple(first_prompt), 12, True)
+    assert list(second.token_ids) == reference_greedy(str(pair[0]), history, 20, True)
+    assert second.stats.draft_tokens_accepted > 0 and second.stats.cache_resyncs == 0
+
+
+def test_sampled_requests_repeat_with_their_seed(cluster: tuple[LocalCluster, str]) -> None:
+    service, _ = cluster
+    request = make_request([279, 8251], k=3, max_new=24, ignore_eos=True, temperature=0.9, seed=11)
+    first, again = generate(service, request), generate(service, request)
+    assert list(first.token_ids) == list(again.token_ids) and len(first.token_ids) == 24
+    assert first.stats.draft_tokens_proposed > 0
+
+
+def test_info_names_the_translation(
+    cluster: tuple[LocalCluster, str], tokenizers: tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase]
+) -> None:
+    service, method = cluster
+    for stub in coordinator_stub(service):
+        assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_vocab_method == method
+    info = worker_info(service.processes["draft"].address, "draft")
+    qwen, smollm = tokenizers
+    assert info.vocab_translation == TRANSLATIONS[method]
+    assert info.tokenizer_hash == tokenizer_fingerprint(qwen)  # the ids it speaks: the target's
+    assert info.model_tokenizer_hash == tokenizer_fingerprint(smollm)
+    assert info.vocab_size == len(qwen) and 30_000 < info.shared_vocab_tokens < len(smollm)
+
+
+def test_a_draft_of_another_tokenizer_needs_a_translation(tmp_path: Path, pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    cluster = LocalCluster(
+        str(target), str(draft), tmp_path, worker_args=CLUSTER_WORKER_ARGS, coordinator_args=CLUSTER_COORDINATOR_ARGS,
+        startup_timeout_s=120,
+    )  # fmt: skip
+    with pytest.raises(LaunchError, match="--target-tokenizer"), cluster:
+        pass
