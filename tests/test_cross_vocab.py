@@ -144,3 +144,38 @@ def test_a_draft_of_another_tokenizer_needs_a_translation(tmp_path: Path, pair: 
     )  # fmt: skip
     with pytest.raises(LaunchError, match="--target-tokenizer"), cluster:
         pass
+
+
+def test_bench_measures_drafts_of_another_tokenizer(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """`specdec bench --cross-draft-model`: TLI and SLEM rows, fixed K and the adaptive default,
+    with their ratios to target-only and to the same-family draft's default."""
+    import json
+    import subprocess
+    import sys
+
+    target, draft = pair
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" the cat sat\n---\n blue sky over green roll\n")
+    out = tmp_path / "bench.json"
+    rows = [
+        "hf target-only", "service target-only", "service default (hybrid, adaptive)", "service cross-tli model K",
+        "service cross-tli default", "service cross-slem model K", "service cross-slem default",
+    ]  # fmt: skip
+    args = [
+        "bench", "--model", str(target), "--draft-model", str(target), "--cross-draft-model", str(draft),
+        "--prompts", str(prompts), "--max-new-tokens", "24", "--repeats", "1", "--concurrency", "",
+        *(arg for row in rows for arg in ("--method", row)), "--no-plots", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())["workloads"]["file"]
+    assert list(data["methods"]) == rows
+    identical = data["greedy_tokens_identical"]
+    assert identical.pop("reference") == "hf target-only" and all(identical.values())
+    for row in rows[3:]:
+        assert data["methods"][row]["acceptance_rate"] > 0, row
+    for name in ("cross-tli default", "cross-slem default"):
+        assert {f"{name} / service target-only", f"worst prompt: {name} / service target-only",
+                f"{name} / default (same-family draft)"} <= set(data["ratios"])  # fmt: skip

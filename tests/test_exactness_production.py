@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import draft_worker.engine as draft_engine
 import target_worker.engine as target_engine
 from coordinator.worker_session import lookup_proposal, prefix_sync
-from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
+from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, translated_propose_job
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.lookup import NgramIndex
@@ -32,9 +33,11 @@ from specdec.runtime.proposals import encode_block
 from specdec.runtime.sampling import Verdict, Warp, warped_probs
 from specdec.runtime.scheduler import Job
 from specdec.runtime.tokens import common_prefix_len
+from specdec.runtime.vocab import VocabBridge
 from specdec.v1 import common_pb2
+from tests.helpers import real_tokenizer
 from tests.spec_oracle import chi_square_pvalue, reference_processing
-from tests.tiny_models import TinyModels
+from tests.tiny_models import TinyModels, build_text_bigram
 
 PROMPT = (5, 17, 99, 3)
 WARP = Warp(temperature=0.8, top_k=4, top_p=0.9)
@@ -70,12 +73,14 @@ class Speculation:
     processing: Processing = NO_PROCESSING
     prompt: tuple[int, ...] = PROMPT
     lookup: bool = False  # draft by n-gram lookup in the committed tokens (one-hot), as the coordinator does
+    bridge: VocabBridge | None = None  # the draft has another tokenizer: its worker translates (TLI / SLEM)
 
     def __post_init__(self) -> None:
         self.target_caches = SessionCaches(self.target, 4, 600)
         self.draft_caches = SessionCaches(self.draft, 4, 600)
         self.ahead_used = 0  # rounds that verified a block drafted ahead
         self.lookup_rounds = self.lookup_accepted = 0
+        self.proposed = self.accepted = 0  # first draft tokens of the rounds that had one, and those accepted
 
     def generate(self, seed: int, max_new: int, stop_after: int) -> list[int]:
         """``max_new`` sets K's budget as in a request; the loop stops once ``stop_after`` tokens
@@ -106,11 +111,17 @@ class Speculation:
             if self.lookup and wire.token_ids:
                 self.lookup_rounds += 1
                 self.lookup_accepted += result.num_accepted
+            if wire.token_ids:
+                self.proposed += 1
+                self.accepted += result.num_accepted > 0
+            start = len(committed)
             committed += tokens
             generated += len(tokens)
             target_len = min(result.cache_len, len(committed))
             draft_tokens = self.draft_caches._entries["s"].tokens if "s" in self.draft_caches._entries else []
             draft_len = min(common_prefix_len(draft_tokens, committed), len(committed) - 1)
+            if self.bridge is not None:  # its cache is in its own ids: it holds the prefix it drafted after
+                draft_len = start
         self.target_caches.release("s")
         self.draft_caches.release("s")
         return committed[len(self.prompt) :]
@@ -128,6 +139,12 @@ class Speculation:
         if ahead is not None and ahead.samples and list(ahead.assumed) == committed[ahead.start - len(ahead.assumed) :]:
             self.ahead_used += 1
             return ahead  # the previous block was fully taken and the guessed token was right
+        if self.bridge is not None:
+            sync = prefix_sync(committed, draft_len)
+            job = translated_propose_job(self.draft_caches, self.draft, self.bridge, "s", sync, self._params(k, seed))
+            translated = run_job(job, self.draft_caches)
+            assert translated is not None
+            return translated
         block = run_job(
             propose_job(self.draft_caches, self.draft, "s", prefix_sync(committed, draft_len), self._params(k, seed)),
             self.draft_caches,
@@ -333,3 +350,71 @@ def test_the_lookup_test_catches_a_planted_bug(models: dict[str, LoadedModel], m
     speculation = Speculation(target, models["noisy"], 1, 0, False, prompt=prompt, lookup=True)
     samples = sample_counts(speculation, 1500)
     assert chi_square_pvalue(samples, exact_distribution(target, prompt=prompt), sum(samples.values())) < 1e-6
+
+
+# Drafting across tokenizers: a draft with SmolLM2's tokenizer for a target with Qwen2.5's (tiny
+# models of one text, tokenized differently: some words are one token in one and two in the other).
+CROSS_TEXT = " the cat sat on a mat and warms fibonacci recursion with blue sky over green rollback hills"
+
+
+@pytest.fixture(scope="module")
+def cross_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    qwen = real_tokenizer("qwen2.5-coder-0.5b", tmp_path_factory)
+    smollm = real_tokenizer("smollm2-135m", tmp_path_factory)
+    root = tmp_path_factory.mktemp("cross-exactness")
+    options = LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch")
+    # weak preferences: each position's top-4 spread out, and the draft's differ from the target's
+    target = load_model(str(build_text_bigram(root / "target", qwen, CROSS_TEXT, 0, 1.5, 1.0)), options)
+    draft = load_model(str(build_text_bigram(root / "draft", smollm, CROSS_TEXT, 1, 1.5, 1.0)), options)
+    return {"target": target, "draft": draft, "qwen": qwen, "smollm": smollm, "prompt": tuple(qwen.encode(" the cat"))}
+
+
+def cross_speculation(models: dict[str, object], method: str, k: int) -> Speculation:
+    target, draft = models["target"], models["draft"]
+    assert isinstance(target, LoadedModel) and isinstance(draft, LoadedModel)
+    bridge = VocabBridge(models["smollm"], models["qwen"], draft.vocab_size, method)  # type: ignore[arg-type]
+    prompt = models["prompt"]
+    assert isinstance(prompt, tuple)
+    return Speculation(target, draft, k, 0, False, prompt=prompt, bridge=bridge)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("method", "k"), [("tli", 2), ("slem", 3)])
+def test_drafts_of_another_tokenizer_follow_the_target_distribution(
+    cross_models: dict[str, object], method: str, k: int
+) -> None:
+    """The draft worker's translated_propose_job (TLI: its distribution restricted to the shared
+    tokens, in target ids; SLEM: its greedy text re-tokenized, one-hot) and the target's
+    verify_job, 1000 requests (a 152k-token vocabulary makes each slow): the first three tokens
+    follow the exact target distribution."""
+    speculation = cross_speculation(cross_models, method, k)
+    samples = sample_counts(speculation, 1000)
+    assert 0.1 < speculation.accepted / speculation.proposed < 0.9  # acceptance and rejection both decide tokens
+    target = cross_models["target"]
+    assert isinstance(target, LoadedModel)
+    exact = exact_distribution(target, prompt=speculation.prompt)
+    assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
+
+
+def _misaligned(sample, draft_to_target):  # type: ignore[no-untyped-def]
+    """The planted bug: the proposal's probabilities land on the wrong target ids (rotated by one
+    among the proposed ids), so the target verifies against a q the token was not drawn from."""
+    mapped = _in_target_ids(sample, draft_to_target)
+    if mapped.probs is None:
+        return mapped
+    return type(mapped)(token_id=mapped.token_id, ids=mapped.ids, probs=mapped.probs.roll(1))
+
+
+_in_target_ids = draft_engine._in_target_ids
+
+
+@pytest.mark.slow
+def test_the_tli_test_catches_a_planted_bug(cross_models: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Power check: TLI with the proposal's ids and probabilities misaligned is rejected at p < 1e-6
+    (the same number of requests)."""
+    monkeypatch.setattr(draft_engine, "_in_target_ids", _misaligned)
+    speculation = cross_speculation(cross_models, "tli", 2)
+    samples = sample_counts(speculation, 1000)
+    target = cross_models["target"]
+    assert isinstance(target, LoadedModel)
+    assert chi_square_pvalue(samples, exact_distribution(target, prompt=speculation.prompt), 1000) < 1e-6

@@ -13,7 +13,7 @@ from tests.helpers import real_tokenizer
 from tests.tiny_models import build_tokenizer
 
 TEXT = (
-    "def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th number (naïve recursion).\"\"\"\n"
+    'def fibonacci(n: int) -> int:\n    """Return the n-th number (naïve recursion)."""\n'
     "    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)  # 世界 😀 𓀀 ᚠᛇᚻ warms\n"
 )
 

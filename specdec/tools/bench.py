@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 COMPLETE_PROMPTS = (
     "# Python function that returns the n-th Fibonacci number\ndef fibonacci(n):",
@@ -127,6 +127,7 @@ EDIT_PROMPTS = (
 )
 
 WORKLOADS: dict[str, tuple[str, ...]] = {"complete": COMPLETE_PROMPTS, "edit": EDIT_PROMPTS}
+T = TypeVar("T")
 CHAT_WORKLOADS = frozenset({"edit"})  # sent through the chat template (instructions to an instruct model)
 HEADLINE = "service default (hybrid, adaptive)"
 HF_TARGET = "hf target-only"
@@ -144,6 +145,8 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 2, 4)
     device: str = "cpu"
     early_exit_layers: int = 0  # the early-exit rows keep this many of the target's layers; 0 = no such rows
+    cross_draft_model: str = ""  # a draft with another tokenizer: TLI and SLEM rows ("" = no such rows)
+    methods: tuple[str, ...] = ()  # run only these rows (names as in the table); () = all
     prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens
     out: Path = Path("bench-results/bench.json")
     skip_hf: bool = False
@@ -193,8 +196,16 @@ def tokenize_prompts(cfg: BenchConfig) -> list[Prompt]:
 # --- in-process Hugging Face baselines ---------------------------------------------------------
 
 
+def _chosen(cfg: BenchConfig, methods: dict[str, T]) -> dict[str, T]:
+    return {m: spec for m, spec in methods.items() if not cfg.methods or m in cfg.methods}
+
+
 def hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     """HF rows: method -> generate() options (``assistant`` = the assistant's generation config)."""
+    return _chosen(cfg, _hf_methods(cfg))
+
+
+def _hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     return {
         HF_TARGET: {},
         f"hf assisted K={cfg.k}": {
@@ -267,18 +278,37 @@ SERVICE_METHODS: dict[str, tuple[str, str, bool, bool]] = {
     HEADLINE: ("main", "default", False, False),
     "service early-exit K": ("early-exit", "model", False, True),
     "service early-exit adaptive": ("early-exit", "model", False, False),
+    # a draft with another tokenizer (--cross-draft-model), translated by TLI or SLEM
+    "service cross-tli model K": ("cross-tli", "model", False, True),
+    "service cross-tli default": ("cross-tli", "default", False, False),
+    "service cross-slem model K": ("cross-slem", "model", False, True),
+    "service cross-slem default": ("cross-slem", "default", False, False),
 }
 
 
+def _extra_drafts(cfg: BenchConfig) -> dict[str, list[str]]:
+    """Coordinators besides ``main``, each over its own draft worker (args) and the same target."""
+    extra = {}
+    if cfg.early_exit_layers:
+        extra["early-exit"] = ["--model", cfg.model, "--draft-layers", str(cfg.early_exit_layers)]
+    if cfg.cross_draft_model:
+        for method in ("tli", "slem"):
+            extra[f"cross-{method}"] = [
+                "--model", cfg.cross_draft_model, "--target-tokenizer", cfg.model, "--vocab-method", method,
+            ]  # fmt: skip
+    return extra
+
+
 def service_methods(cfg: BenchConfig) -> dict[str, tuple[str, str, bool, bool]]:
-    return {m: spec for m, spec in SERVICE_METHODS.items() if spec[0] == "main" or cfg.early_exit_layers}
+    extra = _extra_drafts(cfg)
+    return _chosen(cfg, {m: spec for m, spec in SERVICE_METHODS.items() if spec[0] == "main" or spec[0] in extra})
 
 
 @contextmanager
 def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
-    """Target + draft workers and the coordinator with default settings (K = cfg.k); with
-    early-exit rows also an early-exit draft worker and a coordinator over it and the same target.
-    Yields the coordinators' addresses."""
+    """Target + draft workers and the coordinator with default settings (K = cfg.k); for the
+    early-exit and cross-tokenizer rows also their draft workers, each with a coordinator over it
+    and the same target (only those some chosen row uses). Yields the coordinators' addresses."""
     from specdec.tools.launch import LocalCluster, spawn
 
     k = str(max(cfg.k, 1))
@@ -287,23 +317,23 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
         cfg.model, cfg.draft_model, workdir, worker_args=["--device", cfg.device],
         draft_args=["--quantize", cfg.draft_quantize], coordinator_args=common, share_cpu=cfg.device == "cpu",
     )  # fmt: skip
+    used = {spec[0] for spec in service_methods(cfg).values()}
     with cluster, ExitStack() as extra:
         addresses = {"main": cluster.address}
-        if cfg.early_exit_layers:
-            lock = ["--cpu-lock-file", str(workdir / "cpu.lock")] if cfg.device == "cpu" else []
-            draft_args = [
-                "--model", cfg.model, "--draft-layers", str(cfg.early_exit_layers), "--device", cfg.device,
-                "--quantize", cfg.draft_quantize, *lock,
-            ]  # fmt: skip
-            early = spawn("draft", draft_args, workdir, name="draft-early-exit")
-            extra.callback(early.stop)
-            early.wait_ready(900)
+        lock = ["--cpu-lock-file", str(workdir / "cpu.lock")] if cfg.device == "cpu" else []
+        for name, model_args in _extra_drafts(cfg).items():
+            if name not in used:
+                continue
+            draft_args = [*model_args, "--device", cfg.device, "--quantize", cfg.draft_quantize, *lock]
+            draft = spawn("draft", draft_args, workdir, name=f"draft-{name}")
+            extra.callback(draft.stop)
+            draft.wait_ready(900)
             args = list(cluster.processes["coordinator"].args)
-            args[args.index("--draft-address") + 1] = early.address
-            coordinator = spawn("coordinator", args, workdir, name="coordinator-early-exit")
+            args[args.index("--draft-address") + 1] = draft.address
+            coordinator = spawn("coordinator", args, workdir, name=f"coordinator-{name}")
             extra.callback(coordinator.stop)
             coordinator.wait_ready(900)
-            addresses["early-exit"] = coordinator.address
+            addresses[name] = coordinator.address
         yield addresses
 
 
@@ -467,7 +497,8 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
         def rate(method: str, mine: list[Run] = mine) -> float:
             return statistics.median(len(r.token_ids) / r.seconds for r in mine if r.method == method)
 
-        per_prompt[prompt] = rate(HEADLINE) / rate("service target-only")
+        if HEADLINE in methods and "service target-only" in methods:
+            per_prompt[prompt] = rate(HEADLINE) / rate("service target-only")
     reference_method = HF_TARGET if HF_TARGET in methods else "service target-only"
     reference = {r.prompt: r.token_ids for r in runs if r.method == reference_method and r.repeat == 0}
     identical = {m: all(r.token_ids == reference[r.prompt] for r in runs if r.method == m) for m in methods}
@@ -476,8 +507,20 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
         "default / hf target-only": head / _median(methods, HF_TARGET),
         "default / service target-only": head / _median(methods, "service target-only"),
         "service target-only / hf target-only": _median(methods, "service target-only") / _median(methods, HF_TARGET),
-        "worst prompt: default / service target-only": min(per_prompt.values()),
+        "worst prompt: default / service target-only": min(per_prompt.values(), default=float("nan")),
     }
+    for method in methods:  # each adaptive draft's default against target-only, on its worst prompt too
+        if method.startswith("service cross-") and method.endswith(" default") and "service target-only" in methods:
+            name = method.removeprefix("service ")
+            ratios[f"{name} / service target-only"] = _median(methods, method) / _median(methods, "service target-only")
+            ratios[f"{name} / default (same-family draft)"] = _median(methods, method) / head
+            ratios[f"worst prompt: {name} / service target-only"] = min(
+                statistics.median(len(r.token_ids) / r.seconds for r in runs if r.method == method and r.prompt == p)
+                / statistics.median(
+                    len(r.token_ids) / r.seconds for r in runs if r.method == "service target-only" and r.prompt == p
+                )
+                for p in {r.prompt for r in runs}
+            )
     if best_hf is not None:
         ratios[f"default / best HF speculative ({best_hf})"] = head / _median(methods, best_hf)
     return {
@@ -591,7 +634,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             bar.set_postfix_str(label)
             bar.update(1)
 
-        runs = [] if cfg.skip_hf else hf_runs(cfg, prompts, tick)
+        runs = [] if cfg.skip_hf or not hf_methods(cfg) else hf_runs(cfg, prompts, tick)
         with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp, service(cfg, Path(tmp)) as addresses:
             runs += service_runs(cfg, prompts, addresses, tick)
             sweep = concurrency_runs(cfg, prompts, addresses["main"], tick)

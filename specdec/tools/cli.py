@@ -228,7 +228,15 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "--early-exit-layers", type=int, default=0,
         help="add early-exit rows: a draft made of the target's first N layers (0 = leave them out)",
     )  # fmt: skip
-    p.add_argument("--concurrency", default="1,2,4", help="request counts for the concurrency sweep")
+    p.add_argument(
+        "--cross-draft-model", default="",
+        help="add rows for a draft with another tokenizer (e.g. SmolLM2-135M for a Qwen target), translated by "
+        "TLI and by SLEM (quantized as --draft-quantize)",
+    )  # fmt: skip
+    p.add_argument(
+        "--method", action="append", default=[], help="run this row (a name as in the table; repeat it; default: all)"
+    )
+    p.add_argument("--concurrency", default="1,2,4", help="request counts for the concurrency sweep ('' = none)")
     p.add_argument("--device", default="cpu", help="device of the workers and of the HF baselines")
     p.add_argument("--out", type=Path, default=Path("bench-results/bench.json"), help="where to write the JSON report")
     p.add_argument("--skip-hf", action="store_true", help="leave out the in-process HF baselines")
@@ -249,6 +257,8 @@ def _bench(args: argparse.Namespace) -> int:
         concurrency=bench.parse_concurrency(args.concurrency),
         device=args.device,
         early_exit_layers=args.early_exit_layers,
+        cross_draft_model=args.cross_draft_model,
+        methods=tuple(args.method),
         out=args.out,
         skip_hf=args.skip_hf,
         plots=not args.no_plots,
