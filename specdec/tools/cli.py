@@ -30,7 +30,15 @@ def _serve(role: str, argv: Sequence[str]) -> int:
 def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("generate", help="start the three services locally, generate once, print text and stats")
     p.add_argument("--model", required=True, help="target model: local HF directory or hub id")
-    p.add_argument("--draft-model", help="draft model (same tokenizer); omit for target-only decoding")
+    p.add_argument(
+        "--draft-model",
+        help="draft model; omit for target-only decoding (a draft with another tokenizer is translated, see "
+        "--draft-vocab-method)",
+    )
+    p.add_argument(
+        "--draft-vocab-method", choices=["tli", "slem"], default="tli",
+        help="how a draft whose tokenizer differs from the target's proposes target tokens",
+    )  # fmt: skip
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, draft tokens per round")
     p.add_argument("--prompt", help="prompt text (required unless --info)")
     p.add_argument("--info", action="store_true", help="print the server's GetInfo (JSON) instead of generating")
@@ -139,7 +147,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     k = args.num_speculative_tokens
     worker_args = ["--device", args.device, "--dtype", args.dtype]
-    draft_args = ["--quantize", args.draft_quantize]
+    # the draft translates only if its tokenizer differs from the target's
+    draft_args = ["--quantize", args.draft_quantize, "--target-tokenizer", args.model]
+    draft_args += ["--vocab-method", args.draft_vocab_method]
     coordinator_args = ["--state-url", args.state_url, "--num-speculative-tokens", str(k)]
     coordinator_args += ["--max-speculative-tokens", str(max(k, 1))]
     with tempfile.TemporaryDirectory(prefix="specdec-") as tmp:
