@@ -55,6 +55,9 @@ class SessionCaches:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._entries
+
     def sync(self, session_id: str, base_len: int, base_hash: int, source: str = "") -> SessionCache:
         """The session's cache cut back to ``base_len`` committed tokens.
 

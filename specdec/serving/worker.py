@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
@@ -45,6 +46,7 @@ class WorkerCore:
         self._control = control
         self._loaded: LoadedModel | None = None
         self._caches: SessionCaches | None = None
+        self._background: set[asyncio.Future[bool]] = set()
 
     async def load(self) -> None:
         """Loads the model in the model thread (the server answers health checks meanwhile)."""
@@ -58,13 +60,36 @@ class WorkerCore:
         self._caches = caches
 
     async def run(self, session_id: str, start: Callable[[], Job[T]]) -> T:
-        """Runs a job in the model thread, applying the crash policy above."""
+        """Runs a job in the model thread, applying the crash policy above.
+
+        A job its caller abandons (client gone, deadline) that found no cache for its session and
+        made one leaves it to be freed: its request may have arrived after the coordinator's
+        ReleaseSession for the session (sent earlier, scheduled later), and nothing else would free
+        that cache before the idle timeout.
+        """
+        fresh = False
+
+        def tracked() -> Job[T]:  # runs in the model thread when the job starts
+            nonlocal fresh
+            fresh = session_id not in self.caches
+            return start()
+
         try:
-            return await self._guard(self.scheduler.run(session_id, start))
+            return await self._guard(self.scheduler.run(session_id, tracked))
         except SpecdecError:
             if self._caches is not None:  # the session's cache may hold a half-done step: drop it
                 await self.scheduler.call(self._caches.release, session_id)
             raise
+        except asyncio.CancelledError:
+            if fresh:
+                self._release_later(session_id)
+            raise
+
+    def _release_later(self, session_id: str) -> None:
+        """Frees a session's cache in the model thread without waiting for it."""
+        task = asyncio.ensure_future(self.scheduler.call(self.caches.release, session_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs a plain function in the model thread, applying the crash policy above."""
