@@ -200,13 +200,13 @@ def translated_propose_job(
         proposed = mirror.slem_targets([s.token_id for s in drafted], params.k)
         samples = tuple(DraftSample(token_id=t) for t in proposed)
     else:
-        barred = ~bridge.proposable(params.vocab_limit).to(logits.device)
+        barred = ~bridge.proposable(params.vocab_limit, logits.device)
 
         def intersect(_: SessionCache, row: torch.Tensor, __: DraftParams) -> torch.Tensor:
             return row.masked_fill(barred, float("-inf"))
 
         drafted = yield from _draft_block(entry, logits, params, start, loaded.device, meter, intersect)
-        samples = tuple(_in_target_ids(s, bridge.draft_to_target) for s in drafted)
+        samples = tuple(_in_target_ids(s, bridge.id_map(logits.device)) for s in drafted)
     return Block(samples, start, (), cache_len=start, cache_hash=0, compute_ms=meter.ms)
 
 
@@ -223,4 +223,4 @@ def _in_target_ids(sample: DraftSample, draft_to_target: torch.Tensor) -> DraftS
     probs = sample.probs
     ids = sample.ids if sample.ids is not None else torch.arange(probs.shape[0], device=probs.device)
     nonzero = probs > 0
-    return DraftSample(token_id=token, ids=draft_to_target.to(ids.device)[ids[nonzero]], probs=probs[nonzero])
+    return DraftSample(token_id=token, ids=draft_to_target[ids[nonzero]], probs=probs[nonzero])

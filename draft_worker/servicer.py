@@ -140,7 +140,8 @@ class _ProposeStream:
         if bridge is None:
             core.check_request(request.session_id, request.sync, k - 1)
         else:  # the ids are the target's; the draft's own context is checked in its own tokens
-            core.check_request(request.session_id, request.sync, 0, bridge.target_size, check_context=False)
+            vocab = max(bridge.target_size, request.vocab_limit)  # the target model may have padded ids
+            core.check_request(request.session_id, request.sync, 0, vocab, check_context=False)
         params = DraftParams(
             k,
             warp_from_proto(request.warp),

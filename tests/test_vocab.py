@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec.runtime.vocab import TextMirror, VocabBridge, token_keys
@@ -49,8 +50,9 @@ def test_tokens_meet_by_their_bytes_and_special_tokens_by_content(
         target_id = int(bridge.draft_to_target[draft_id])
         assert smollm.convert_ids_to_tokens(draft_id) == qwen.convert_ids_to_tokens(target_id)
     assert 30_000 < bridge.shared_tokens < len(smollm)
-    assert bool(bridge.proposable(0)[smollm.convert_tokens_to_ids("Ġthe")])
-    assert not bool(bridge.proposable(100)[smollm.convert_tokens_to_ids("Ġthe")])  # above the target's limit
+    cpu = torch.device("cpu")
+    assert bool(bridge.proposable(0, cpu)[smollm.convert_tokens_to_ids("Ġthe")])
+    assert not bool(bridge.proposable(100, cpu)[smollm.convert_tokens_to_ids("Ġthe")])  # above the target's limit
 
 
 def test_byte_level_keys_are_bytes() -> None:

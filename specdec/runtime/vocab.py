@@ -109,15 +109,27 @@ class VocabBridge:
             if key is not None and key in target_ids:
                 draft_to_target[did] = target_ids[key]
         self.draft_to_target = draft_to_target
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
+        self._maps: dict[str, torch.Tensor] = {}
         self.shared_tokens = int((draft_to_target >= 0).sum())
         if not self.shared_tokens:
             raise ValueError("the draft and target tokenizers share no token; no draft can be verified")
 
-    def proposable(self, vocab_limit: int) -> torch.Tensor:
-        """Draft ids (a bool mask over the draft's logits) that TLI may propose: those with a
-        target id below ``vocab_limit`` (0 = the whole target tokenizer)."""
+    def proposable(self, vocab_limit: int, device: torch.device) -> torch.Tensor:
+        """Draft ids (a bool mask over the draft's logits, on ``device``) that TLI may propose: those
+        with a target id below ``vocab_limit`` (0 = the whole target tokenizer)."""
         limit = vocab_limit or self.target_size
-        return (self.draft_to_target >= 0) & (self.draft_to_target < limit)
+        key = (limit, str(device))
+        if key not in self._masks:
+            self._masks[key] = ((self.draft_to_target >= 0) & (self.draft_to_target < limit)).to(device)
+        return self._masks[key]
+
+    def id_map(self, device: torch.device) -> torch.Tensor:
+        """``draft_to_target`` on ``device``."""
+        key = str(device)
+        if key not in self._maps:
+            self._maps[key] = self.draft_to_target.to(device)
+        return self._maps[key]
 
     def decode_target(self, ids: Sequence[int]) -> str:
         return self._target.decode(list(ids), skip_special_tokens=False)
