@@ -13,7 +13,7 @@ from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
-from coordinator.workers import DraftClient, TargetPool
+from coordinator.workers import DraftClient, TargetPool, translates
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
@@ -34,7 +34,7 @@ def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo
     larger 152,064): the draft is told the target's size and proposes no id beyond it."""
     if target.tokenizer_hash == draft.tokenizer_hash:
         return
-    if draft.vocab_translation in (common_pb2.VOCAB_TRANSLATION_TLI, common_pb2.VOCAB_TRANSLATION_SLEM):
+    if translates(draft):
         raise RuntimeError(
             f"draft model {draft.model_id!r} translates to tokenizer {draft.tokenizer_hash}, but target model "
             f"{target.model_id!r} has tokenizer {target.tokenizer_hash}; start the draft with --target-tokenizer "

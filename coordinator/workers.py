@@ -209,6 +209,12 @@ class DraftStream:
         self._call.cancel()
 
 
+def translates(info: common_pb2.WorkerInfo) -> bool:
+    """The draft's tokenizer differs from the target's: it drafts in its own vocabulary and sends
+    target ids, possibly fewer than asked for (specdec.runtime.vocab)."""
+    return info.vocab_translation in (common_pb2.VOCAB_TRANSLATION_TLI, common_pb2.VOCAB_TRANSLATION_SLEM)
+
+
 class DraftClient:
     """The draft worker; after a failure it is skipped for ``retry_s`` (target-only meanwhile)."""
 
@@ -233,9 +239,7 @@ class DraftClient:
 
     @property
     def translates(self) -> bool:
-        """The draft's tokenizer differs from the target's: it drafts in its own vocabulary and
-        sends target ids, possibly fewer than asked for (specdec.runtime.vocab)."""
-        return self.info.vocab_translation in (common_pb2.VOCAB_TRANSLATION_TLI, common_pb2.VOCAB_TRANSLATION_SLEM)
+        return translates(self.info)
 
     def observe_latency(self, seconds: float) -> None:
         """Records how long a proposal took to arrive (wall time, load included)."""

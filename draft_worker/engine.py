@@ -173,15 +173,15 @@ def translated_propose_job(
     """
     meter = ComputeMeter()
     start = sync.base_len + len(sync.tail_token_ids)
-    entry = caches.get(session_id)
     if sync.base_len == 0:
         entry = caches.sync(session_id, 0, 0)
-        entry.mirror = TextMirror(bridge)
-    elif entry is None or entry.mirror is None or not entry.mirror.holds(sync.base_len, sync.prefix_hash):
-        caches.release(session_id)
-        return None
-    mirror = entry.mirror
-    assert mirror is not None
+        mirror = entry.mirror = TextMirror(bridge)
+    else:
+        held = caches.get(session_id)
+        if held is None or held.mirror is None or not held.mirror.holds(sync.base_len, sync.prefix_hash):
+            caches.release(session_id)
+            return None
+        entry, mirror = held, held.mirror
     mirror.update(sync.base_len, sync.tail_token_ids)
     wanted = mirror.draft_ids
     if not wanted or (bridge.method == "slem" and mirror.pending):

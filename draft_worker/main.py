@@ -31,7 +31,7 @@ async def run(settings: DraftSettings) -> int:
 
     async def start() -> None:
         await core.load()
-        await core.scheduler.call(vocabulary.load, settings, core.loaded.vocab_size)
+        await core.scheduler.call(vocabulary.load, settings, core.loaded)
 
     async def stop() -> None:
         core.close()

@@ -11,9 +11,10 @@ import structlog
 
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, translated_propose_job
 from draft_worker.settings import DraftSettings
-from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.modeling import LoadedModel, load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.processing import processing_from_proto
 from specdec.runtime.proposals import encode_block, warp_from_proto
+from specdec.runtime.scheduler import Job
 from specdec.runtime.vocab import VocabBridge
 from specdec.serving.errors import InvalidRequest
 from specdec.serving.worker import WorkerCore
@@ -33,10 +34,9 @@ class Vocabulary:
         self.wire_tokenizer_hash = ""
         self.model_tokenizer_hash = ""
 
-    def load(self, settings: DraftSettings, draft_logits: int) -> None:
-        """Runs at start-up (in the model thread); raises with what to fix."""
-        own = load_tokenizer(settings.model, settings.trust_remote_code)
-        self.model_tokenizer_hash = self.wire_tokenizer_hash = tokenizer_fingerprint(own)
+    def load(self, settings: DraftSettings, loaded: LoadedModel) -> None:
+        """Runs at start-up (in the model thread, after the model); raises with what to fix."""
+        self.model_tokenizer_hash = self.wire_tokenizer_hash = loaded.tokenizer_hash
         if not settings.target_tokenizer:
             return
         target = load_tokenizer(settings.target_tokenizer, settings.trust_remote_code)
@@ -44,7 +44,8 @@ class Vocabulary:
         if self.wire_tokenizer_hash == self.model_tokenizer_hash:
             log.info("same_tokenizer_as_target", target_tokenizer=settings.target_tokenizer)
             return
-        self.bridge = VocabBridge(own, target, draft_logits, settings.vocab_method)
+        own = load_tokenizer(settings.model, settings.trust_remote_code)
+        self.bridge = VocabBridge(own, target, loaded.vocab_size, settings.vocab_method)
         log.info(
             "vocab_translation",
             method=settings.vocab_method,
@@ -152,15 +153,13 @@ class _ProposeStream:
         )
         self._params = params
         sync = request.sync
-        if bridge is None:
-            block = await core.run(
-                self._session, lambda: propose_job(core.caches, core.loaded, self._session, sync, params)
-            )
-        else:
-            block = await core.run(
-                self._session,
-                lambda: translated_propose_job(core.caches, core.loaded, bridge, self._session, sync, params),
-            )
+
+        def job() -> Job[Block | None]:
+            if bridge is None:
+                return propose_job(core.caches, core.loaded, self._session, sync, params)
+            return translated_propose_job(core.caches, core.loaded, bridge, self._session, sync, params)
+
+        block = await core.run(self._session, job)
         self._count(block, len(sync.tail_token_ids) + k - 1)
         self._last = block
         return block

@@ -118,10 +118,11 @@ class Speculation:
             committed += tokens
             generated += len(tokens)
             target_len = min(result.cache_len, len(committed))
-            draft_tokens = self.draft_caches._entries["s"].tokens if "s" in self.draft_caches._entries else []
-            draft_len = min(common_prefix_len(draft_tokens, committed), len(committed) - 1)
             if self.bridge is not None:  # its cache is in its own ids: it holds the prefix it drafted after
                 draft_len = start
+            else:
+                draft_tokens = self.draft_caches._entries["s"].tokens if "s" in self.draft_caches._entries else []
+                draft_len = min(common_prefix_len(draft_tokens, committed), len(committed) - 1)
         self.target_caches.release("s")
         self.draft_caches.release("s")
         return committed[len(self.prompt) :]
@@ -396,6 +397,9 @@ def test_drafts_of_another_tokenizer_follow_the_target_distribution(
     assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
 
 
+_in_target_ids = draft_engine._in_target_ids  # the production mapping, kept before the patch
+
+
 def _misaligned(sample, draft_to_target):  # type: ignore[no-untyped-def]
     """The planted bug: the proposal's probabilities land on the wrong target ids (rotated by one
     among the proposed ids), so the target verifies against a q the token was not drawn from."""
@@ -403,9 +407,6 @@ def _misaligned(sample, draft_to_target):  # type: ignore[no-untyped-def]
     if mapped.probs is None:
         return mapped
     return type(mapped)(token_id=mapped.token_id, ids=mapped.ids, probs=mapped.probs.roll(1))
-
-
-_in_target_ids = draft_engine._in_target_ids
 
 
 @pytest.mark.slow

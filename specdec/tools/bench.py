@@ -202,11 +202,7 @@ def _chosen(cfg: BenchConfig, methods: dict[str, T]) -> dict[str, T]:
 
 def hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     """HF rows: method -> generate() options (``assistant`` = the assistant's generation config)."""
-    return _chosen(cfg, _hf_methods(cfg))
-
-
-def _hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
-    return {
+    every: dict[str, dict[str, Any]] = {
         HF_TARGET: {},
         f"hf assisted K={cfg.k}": {
             "assistant": {
@@ -218,6 +214,7 @@ def _hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
         "hf assisted default": {"assistant": {}},
         "hf prompt lookup": {"prompt_lookup_num_tokens": cfg.prompt_lookup_tokens},
     }
+    return _chosen(cfg, every)
 
 
 def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], None]) -> list[Run]:
@@ -486,19 +483,21 @@ def _median(methods: dict[str, Any], name: str) -> float:
     return methods[name]["tokens_per_s"]["median"] if name in methods else float("nan")
 
 
+def _per_prompt(runs: list[Run], method: str, baseline: str) -> dict[int, float]:
+    """``method``'s tokens/s over ``baseline``'s on each prompt (medians over the repeats)."""
+
+    def rate(name: str, prompt: int) -> float:
+        return statistics.median(len(r.token_ids) / r.seconds for r in runs if r.method == name and r.prompt == prompt)
+
+    return {p: rate(method, p) / rate(baseline, p) for p in sorted({r.prompt for r in runs})}
+
+
 def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
     """Ratios of the headline (the default) to the baselines, per prompt, and token identity."""
     hf_spec = [m for m in methods if m.startswith("hf ") and m != HF_TARGET]
     best_hf = max(hf_spec, key=lambda m: _median(methods, m)) if hf_spec else None
-    per_prompt = {}
-    for prompt in sorted({r.prompt for r in runs}):
-        mine = [r for r in runs if r.prompt == prompt]
-
-        def rate(method: str, mine: list[Run] = mine) -> float:
-            return statistics.median(len(r.token_ids) / r.seconds for r in mine if r.method == method)
-
-        if HEADLINE in methods and "service target-only" in methods:
-            per_prompt[prompt] = rate(HEADLINE) / rate("service target-only")
+    baseline = "service target-only"
+    per_prompt = _per_prompt(runs, HEADLINE, baseline) if HEADLINE in methods and baseline in methods else {}
     reference_method = HF_TARGET if HF_TARGET in methods else "service target-only"
     reference = {r.prompt: r.token_ids for r in runs if r.method == reference_method and r.repeat == 0}
     identical = {m: all(r.token_ids == reference[r.prompt] for r in runs if r.method == m) for m in methods}
@@ -510,17 +509,11 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
         "worst prompt: default / service target-only": min(per_prompt.values(), default=float("nan")),
     }
     for method in methods:  # each adaptive draft's default against target-only, on its worst prompt too
-        if method.startswith("service cross-") and method.endswith(" default") and "service target-only" in methods:
+        if method.startswith("service cross-") and method.endswith(" default") and baseline in methods:
             name = method.removeprefix("service ")
-            ratios[f"{name} / service target-only"] = _median(methods, method) / _median(methods, "service target-only")
+            ratios[f"{name} / {baseline}"] = _median(methods, method) / _median(methods, baseline)
             ratios[f"{name} / default (same-family draft)"] = _median(methods, method) / head
-            ratios[f"worst prompt: {name} / service target-only"] = min(
-                statistics.median(len(r.token_ids) / r.seconds for r in runs if r.method == method and r.prompt == p)
-                / statistics.median(
-                    len(r.token_ids) / r.seconds for r in runs if r.method == "service target-only" and r.prompt == p
-                )
-                for p in {r.prompt for r in runs}
-            )
+            ratios[f"worst prompt: {name} / {baseline}"] = min(_per_prompt(runs, method, baseline).values())
     if best_hf is not None:
         ratios[f"default / best HF speculative ({best_hf})"] = head / _median(methods, best_hf)
     return {
