@@ -61,6 +61,16 @@ def test_generate_reports_bad_input_without_a_traceback(tiny_models: TinyModels)
     assert "Traceback" not in result.stderr
 
 
+def test_bench_method_choice_keeps_the_target_only_references() -> None:
+    """``--method`` without the target-only rows still runs them: every row's tokens are checked
+    against them (a run without them failed after all its rows)."""
+    from specdec.tools.bench import BenchConfig, hf_methods, service_methods
+
+    cfg = BenchConfig(model="m", draft_model="d", methods=("service model K",))
+    assert list(hf_methods(cfg)) == ["hf target-only"]
+    assert list(service_methods(cfg)) == ["service target-only", "service model K"]
+
+
 def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
@@ -78,8 +88,10 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     assert set(data["methods"]) == {
         "hf target-only", "hf assisted K=4", "hf assisted default", "hf prompt lookup", "service target-only",
         "service model K", "service model adaptive", "service ngram K", "service ngram adaptive", "service hybrid K",
-        "service default (hybrid, adaptive)", "service early-exit K", "service early-exit adaptive",
+        "service default (hybrid, adaptive)", "service default before the confidence stop (K=4)",
+        "service early-exit K", "service early-exit adaptive",
     }  # fmt: skip
+    assert "default / previous default (K=4, no confidence stop)" in data["ratios"]
     assert all(row["repeats"] == 2 for row in data["methods"].values())
     spread = data["methods"]["service model K"]["tokens_per_s"]
     assert spread["min"] <= spread["median"] <= spread["max"]

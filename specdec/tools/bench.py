@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 COMPLETE_PROMPTS = (
     "# Python function that returns the n-th Fibonacci number\ndef fibonacci(n):",
@@ -131,6 +131,7 @@ T = TypeVar("T")
 CHAT_WORKLOADS = frozenset({"edit"})  # sent through the chat template (instructions to an instruct model)
 HEADLINE = "service default (hybrid, adaptive)"
 HF_TARGET = "hf target-only"
+_REFERENCES = (HF_TARGET, "service target-only")
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,9 @@ def tokenize_prompts(cfg: BenchConfig) -> list[Prompt]:
 
 
 def _chosen(cfg: BenchConfig, methods: dict[str, T]) -> dict[str, T]:
-    return {m: spec for m, spec in methods.items() if not cfg.methods or m in cfg.methods}
+    """The rows ``--method`` names (all without it), always with the target-only rows: every row's
+    tokens are checked against them and the ratios divide by them."""
+    return {m: spec for m, spec in methods.items() if not cfg.methods or m in cfg.methods or m in _REFERENCES}
 
 
 def hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
@@ -264,22 +267,37 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
 
 # --- our service ---------------------------------------------------------------------------------
 
-# method: (coordinator, draft method, disable speculation, fixed K)
-SERVICE_METHODS: dict[str, tuple[str, str, bool, bool]] = {
-    "service target-only": ("main", "default", True, True),
-    "service model K": ("main", "model", False, True),
-    "service model adaptive": ("main", "model", False, False),
-    "service ngram K": ("main", "ngram", False, True),
-    "service ngram adaptive": ("main", "ngram", False, False),
-    "service hybrid K": ("main", "hybrid", False, True),
-    HEADLINE: ("main", "default", False, False),
-    "service early-exit K": ("early-exit", "model", False, True),
-    "service early-exit adaptive": ("early-exit", "model", False, False),
+
+class ServiceRow(NamedTuple):
+    """How a service row asks: which coordinator, draft method, whether speculation is off, fixed
+    K; ``k`` and ``confidence`` override the run's K and the server's draft confidence stop."""
+
+    coordinator: str
+    method: str
+    disable: bool
+    fixed: bool
+    k: int | None = None
+    confidence: float | None = None
+
+
+PREVIOUS_DEFAULT = "service default before the confidence stop (K=4)"
+SERVICE_METHODS: dict[str, ServiceRow] = {
+    "service target-only": ServiceRow("main", "default", True, True),
+    "service model K": ServiceRow("main", "model", False, True),
+    "service model adaptive": ServiceRow("main", "model", False, False),
+    "service ngram K": ServiceRow("main", "ngram", False, True),
+    "service ngram adaptive": ServiceRow("main", "ngram", False, False),
+    "service hybrid K": ServiceRow("main", "hybrid", False, True),
+    HEADLINE: ServiceRow("main", "default", False, False),
+    # the default of the release before the draft's confidence stop: K = 4, every block drafted whole
+    PREVIOUS_DEFAULT: ServiceRow("main", "default", False, False, k=4, confidence=0.0),
+    "service early-exit K": ServiceRow("early-exit", "model", False, True),
+    "service early-exit adaptive": ServiceRow("early-exit", "model", False, False),
     # a draft with another tokenizer (--cross-draft-model), translated by TLI or SLEM
-    "service cross-tli model K": ("cross-tli", "model", False, True),
-    "service cross-tli default": ("cross-tli", "default", False, False),
-    "service cross-slem model K": ("cross-slem", "model", False, True),
-    "service cross-slem default": ("cross-slem", "default", False, False),
+    "service cross-tli model K": ServiceRow("cross-tli", "model", False, True),
+    "service cross-tli default": ServiceRow("cross-tli", "default", False, False),
+    "service cross-slem model K": ServiceRow("cross-slem", "model", False, True),
+    "service cross-slem default": ServiceRow("cross-slem", "default", False, False),
 }
 
 
@@ -296,9 +314,9 @@ def _extra_drafts(cfg: BenchConfig) -> dict[str, list[str]]:
     return extra
 
 
-def service_methods(cfg: BenchConfig) -> dict[str, tuple[str, str, bool, bool]]:
+def service_methods(cfg: BenchConfig) -> dict[str, ServiceRow]:
     extra = _extra_drafts(cfg)
-    return _chosen(cfg, {m: spec for m, spec in SERVICE_METHODS.items() if spec[0] == "main" or spec[0] in extra})
+    return _chosen(cfg, {m: spec for m, spec in SERVICE_METHODS.items() if spec.coordinator in ("main", *extra)})
 
 
 @contextmanager
@@ -314,7 +332,7 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
         cfg.model, cfg.draft_model, workdir, worker_args=["--device", cfg.device],
         draft_args=["--quantize", cfg.draft_quantize], coordinator_args=common, share_cpu=cfg.device == "cpu",
     )  # fmt: skip
-    used = {spec[0] for spec in service_methods(cfg).values()}
+    used = {spec.coordinator for spec in service_methods(cfg).values()}
     with cluster, ExitStack() as extra:
         addresses = {"main": cluster.address}
         lock = ["--cpu-lock-file", str(workdir / "cpu.lock")] if cfg.device == "cpu" else []
@@ -337,15 +355,21 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
 _METHOD_ENUM = {"default": 0, "model": 1, "ngram": 2, "hybrid": 3}
 
 
-def _request(cfg: BenchConfig, prompt: Prompt, method: str, disable: bool, fixed: bool) -> Any:
+def _request(cfg: BenchConfig, prompt: Prompt, row: ServiceRow) -> Any:
     from specdec.v1 import common_pb2, coordinator_pb2
 
+    speculation = coordinator_pb2.SpeculationParams(
+        num_speculative_tokens=cfg.k if row.k is None else row.k,
+        disable=row.disable,
+        fixed=row.fixed,
+        method=_METHOD_ENUM[row.method],
+    )
+    if row.confidence is not None:
+        speculation.draft_confidence = row.confidence
     return coordinator_pb2.GenerateRequest(
         prompt_token_ids=common_pb2.TokenIds(ids=prompt.token_ids),
         sampling=common_pb2.SamplingParams(max_new_tokens=cfg.max_new_tokens),
-        speculation=coordinator_pb2.SpeculationParams(
-            num_speculative_tokens=cfg.k, disable=disable, fixed=fixed, method=_METHOD_ENUM[method]
-        ),
+        speculation=speculation,
     )
 
 
@@ -381,15 +405,15 @@ def service_runs(
     stubs = {name: coordinator_pb2_grpc.GenerationStub(channel) for name, channel in channels.items()}
     try:
         for name, stub in stubs.items():  # warm-up: connections, kernels, the cost model
-            for coordinator, how, disable, fixed in methods.values():
-                if disable or (coordinator == name and not fixed):
-                    stub.Generate(_request(cfg, prompts[0], how, disable, fixed), timeout=1800)
+            for row in methods.values():
+                if row.disable or (row.coordinator == name and not row.fixed):
+                    stub.Generate(_request(cfg, prompts[0], row), timeout=1800)
         for repeat in range(cfg.repeats):
             for prompt in prompts:
-                for method, (coordinator, how, disable, fixed) in methods.items():
+                for method, row in methods.items():
                     tick(method)
                     started = time.perf_counter()
-                    reply = stubs[coordinator].Generate(_request(cfg, prompt, how, disable, fixed), timeout=1800)
+                    reply = stubs[row.coordinator].Generate(_request(cfg, prompt, row), timeout=1800)
                     seconds = time.perf_counter() - started
                     tokens = list(reply.token_ids)
                     runs.append(Run(method, prompt.workload, prompt.index, repeat, tokens, seconds, _stats(reply)))
@@ -416,7 +440,7 @@ def concurrency_runs(
             started = time.perf_counter()
             with ThreadPoolExecutor(max_workers=n) as pool:
                 replies = list(
-                    pool.map(lambda p: stub.Generate(_request(cfg, p, "default", False, False), timeout=3600), batch)
+                    pool.map(lambda p: stub.Generate(_request(cfg, p, SERVICE_METHODS[HEADLINE]), timeout=3600), batch)
                 )
             seconds = time.perf_counter() - started
             tokens = sum(len(r.token_ids) for r in replies)
@@ -514,6 +538,8 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
             ratios[f"{name} / {baseline}"] = _median(methods, method) / _median(methods, baseline)
             ratios[f"{name} / default (same-family draft)"] = _median(methods, method) / head
             ratios[f"worst prompt: {name} / {baseline}"] = min(_per_prompt(runs, method, baseline).values())
+    if PREVIOUS_DEFAULT in methods:
+        ratios["default / previous default (K=4, no confidence stop)"] = head / _median(methods, PREVIOUS_DEFAULT)
     if best_hf is not None:
         ratios[f"default / best HF speculative ({best_hf})"] = head / _median(methods, best_hf)
     return {
