@@ -5,11 +5,14 @@ time per token, verification time by the number of tokens in the pass, and the p
 overhead (with and without a call to the draft worker). ``KController`` (one per turn) learns the
 session's acceptance rate of each proposer and picks, each round, the proposer and K with the best
 expected tokens per second (Leviathan et al.: a round with per-token acceptance a yields
-(1 - a^(K+1)) / (1 - a) tokens). The proposers: ``model`` (the draft worker; costs draft time per
-token) and ``ngram`` (lookup in the session's own tokens; free to draft, only where the suffix
-matches). K = 0 is target-only decoding; it is chosen whenever speculation would be slower; then
-cheap probes (first after 4 target-only rounds, the gap doubling up to ``probe_every``) keep the
-acceptance estimate fresh. A lookup that keeps failing is likewise tried only at probe rounds.
+(1 - a^(K+1)) / (1 - a) tokens; with the draft's confidence stop, which ends a block early, K is a
+cap and the rate c at which the draft goes on after a token enters too: the block holds on average
+1 + c + ... + c^(K-1) tokens and the round commits 1 + a + a^2 c + ... + a^K c^(K-1)). The
+proposers: ``model`` (the draft worker; costs draft time per token) and ``ngram`` (lookup in the
+session's own tokens; free to draft, only where the suffix matches). K = 0 is target-only
+decoding; it is chosen whenever speculation would be slower; then cheap probes (first after 4
+target-only rounds, the gap doubling up to ``probe_every``) keep the acceptance estimate fresh. A
+lookup that keeps failing is likewise tried only at probe rounds.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class StepCosts:
     acceptance: dict[str, Acceptance] = field(
         default_factory=lambda: {MODEL: Acceptance(_POOL_DECAY), NGRAM: Acceptance(_POOL_DECAY)}
     )
+    # How often the draft model, asked for more, went on after a proposed token (its confidence
+    # stop ends a block early otherwise), over all sessions.
+    continuation: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
 
     @property
     def alpha(self) -> float | None:
@@ -105,6 +111,15 @@ class StepCosts:
         own = self.overhead if drafted else self.local_overhead
         return own if own is not None else (self.overhead or self.local_overhead or 0.0)
 
+    def verify_at(self, tokens: float) -> float | None:
+        """``verify_ms`` at a fractional number of tokens (an expected block length), interpolated."""
+        low = int(tokens)
+        below = self.verify_ms(low)
+        if low == tokens or below is None:
+            return below
+        above = self.verify_ms(low + 1)
+        return None if above is None else below + (above - below) * (tokens - low)
+
     def verify_ms(self, tokens: int) -> float | None:
         """Measured, else linearly interpolated/extrapolated from the nearest measurements."""
         if tokens in self.verify:
@@ -121,13 +136,21 @@ class StepCosts:
         return max(self.verify[a] + slope * (tokens - a), 0.0)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round commits on average: accepted drafts + the target's own token."""
-    if k == 0:
-        return 1.0
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(alpha: float, k: int, going_on: float = 1.0) -> float:
+    """Tokens a round commits on average: accepted drafts + the target's own token. ``going_on``:
+    the chance that the draft proposes the next token after one (below 1 with its confidence stop)."""
+    if going_on >= 1.0:
+        if k == 0:
+            return 1.0
+        if alpha >= 1.0:
+            return float(k + 1)
+        return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return 1.0 + sum(alpha**i * going_on ** (i - 1) for i in range(1, k + 1))
+
+
+def expected_length(k: int, going_on: float) -> float:
+    """Tokens a block asked for ``k`` holds on average (the first always, each next one if the draft goes on)."""
+    return float(sum(going_on**i for i in range(k)))
 
 
 @dataclass
@@ -142,11 +165,13 @@ class KController:
     prior_weight: float = 4.0
     decay: float = 0.9
     _seen: dict[str, Acceptance] = field(init=False)
+    _going_on: Acceptance = field(init=False)
     _since_probe: dict[str, int] = field(default_factory=lambda: {MODEL: 0, NGRAM: 0})
     _probe_gap: dict[str, int] = field(default_factory=lambda: {MODEL: _FIRST_PROBE, NGRAM: _FIRST_PROBE})
 
     def __post_init__(self) -> None:
         self._seen = {MODEL: Acceptance(self.decay), NGRAM: Acceptance(self.decay)}
+        self._going_on = Acceptance(self.decay)
 
     @property
     def alpha(self) -> float:
@@ -161,22 +186,35 @@ class KController:
         seen = self._seen[method]
         return (seen.accepted + prior * self.prior_weight) / (seen.trials + self.prior_weight)
 
-    def observe(self, k: int, accepted: int, method: str = MODEL) -> None:
-        """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends it)."""
+    @property
+    def going_on(self) -> float:
+        """The chance that the draft model proposes another token after one, when asked for more:
+        1 without its confidence stop; this turn's counts on top of the rate over all sessions."""
+        pooled = self.costs.continuation.rate
+        prior = pooled if pooled is not None else 1.0
+        seen = self._going_on
+        return (seen.accepted + prior * self.prior_weight) / (seen.trials + self.prior_weight)
+
+    def observe(self, k: int, accepted: int, method: str = MODEL, asked: int | None = None) -> None:
+        """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends
+        it); ``asked``: the block length asked of the draft model (more than ``k`` if it stopped early)."""
         if k == 0:
             return
         self.costs.observe_acceptance(k, accepted, method)
         self._seen[method].observe(k, accepted)
+        if method == MODEL and asked is not None and asked > 1:
+            self.costs.continuation.observe(asked - 1, k - 1)
+            self._going_on.observe(asked - 1, k - 1)
 
     def expected_ms(self, k: int, method: str = MODEL) -> float | None:
-        verify = self.costs.verify_ms(k + 1)
-        if verify is None:
-            return None
         if method != MODEL:  # a lookup draft costs nothing to make (nor does none)
-            return verify + self.costs.overhead_ms(drafted=False)
-        if self.costs.draft_per_token is None:
+            verify = self.costs.verify_ms(k + 1)
+            return None if verify is None else verify + self.costs.overhead_ms(drafted=False)
+        length = expected_length(k, self.going_on)  # the draft may end the block before k
+        verify = self.costs.verify_at(length + 1)
+        if verify is None or self.costs.draft_per_token is None:
             return None
-        draft = self.costs.draft_per_token * k
+        draft = self.costs.draft_per_token * length
         if self.pipelined:  # a block drafted ahead costs nothing when the previous one was fully taken
             draft *= 1.0 - self.alpha ** (k + 1)
         return verify + draft + self.costs.overhead_ms(drafted=True)
@@ -217,7 +255,7 @@ class KController:
         if not ms:
             return None
         alpha = self.alpha_of(plan.method) if plan.k else 0.0
-        return expected_tokens(alpha, plan.k) / ms
+        return expected_tokens(alpha, plan.k, self.going_on if plan.method == MODEL else 1.0) / ms
 
     def _reset(self, method: str) -> None:
         if method in self._since_probe:

@@ -105,6 +105,7 @@ def server_info(
         chat_template=chat_template,
         max_top_logprobs=MAX_TOP_LOGPROBS,
         draft_vocab_method=vocab_method(draft),
+        draft_confidence=limits.draft_confidence,
     )
 
 
@@ -154,6 +155,7 @@ class Engine:
             draft_context_len=draft_info.max_context_len if draft_info is not None else 0,
             default_method=s.default_method(),
             lookup_max_tokens=min(s.lookup_max_tokens, s.max_speculative_tokens),
+            draft_confidence=s.draft_confidence,
         )
         if draft_info is not None and draft_info.max_context_len < target_info.max_context_len:
             log.warning(

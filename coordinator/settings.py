@@ -51,7 +51,10 @@ class CoordinatorSettings(ServiceSettings):
     )
     state_timeout_s: float = Field(2.0, gt=0, description="socket timeout of state store calls")
     num_speculative_tokens: int = Field(
-        4, ge=0, description="default K (the most draft tokens per round; adaptive K may use fewer); 0 = none"
+        8,
+        ge=0,
+        description="default K (the most draft tokens per round; adaptive K and the draft's confidence stop may "
+        "use fewer); 0 = none",
     )
     speculation_mode: Literal["auto", "sequential", "pipelined"] = Field(
         "auto",
@@ -71,6 +74,13 @@ class CoordinatorSettings(ServiceSettings):
         ge=1,
         description="the most tokens one lookup draft proposes (the model's blocks use K); capped by "
         "max_speculative_tokens",
+    )
+    draft_confidence: float = Field(
+        0.6,
+        ge=0,
+        lt=1,
+        description="the draft model ends a block after a token it proposed with a lower probability (a request "
+        "may set its own); 0 = always the full K",
     )
     adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")
     probe_every: int = Field(32, gt=0, description="with speculation off for a session, probe it every N rounds")

@@ -197,7 +197,7 @@ class Turn:
         if req.k and req.method != MODEL:
             self._index = NgramIndex(*self.deps.ngram, self._committed)
         processing = dataclasses.replace(req.processing, reply_start=len(self._committed))
-        self._decoding = Decoding(req.warp, req.seed, processing)
+        self._decoding = Decoding(req.warp, req.seed, processing, req.draft_confidence)
         self.stats.prompt_tokens = len(prompt)
 
     def _prefix_keys(self, tokens: list[int]) -> list[str]:
@@ -328,7 +328,7 @@ class Turn:
             chat = json.dumps([*self._chat, {"role": "assistant", "content": self._reply.text}])
         step = f"{self.owner}:{self._round}"
         await self._commit(Commit(self._version, step, tokens, target=target, draft=draft, chat=chat))
-        self._account(proposal, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000)
+        self._account(proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000)
         if finish is not None:
             self.deps.metrics.finished_requests.labels(self._finish_reason(finish, tokens)).inc()
         return RoundOutput(
@@ -376,12 +376,14 @@ class Turn:
     def _account(
         self,
         proposal: Proposal | None,
+        asked: int,
         verdict: target_pb2.VerifyResponse,
         committed: int,
         draft_ms: float,
         round_ms: float,
     ) -> None:
-        """Stats, metrics, the cost model and the acceptance estimate after a round."""
+        """Stats, metrics, the cost model and the acceptance estimate after a round (``asked``: the
+        block length the round's plan asked for)."""
         s, m = self.stats, self.deps.metrics
         k = len(proposal.block.token_ids) if proposal else 0
         method = proposal.method if proposal else "none"
@@ -409,7 +411,7 @@ class Turn:
         for position in range(k):
             s.proposed_by_position[position] += 1
             s.accepted_by_position[position] += position < verdict.num_accepted
-        self.controller.observe(k, verdict.num_accepted, method)
+        self.controller.observe(k, verdict.num_accepted, method, asked)
         if method == NGRAM:
             s.lookup_rounds += 1
             s.lookup_proposed += k

@@ -43,6 +43,7 @@ FEATURES = (
     "speculation.disable",
     "speculation.fixed",
     "speculation.method",
+    "speculation.draft_confidence",
     "require_existing_session",
 )
 
@@ -61,6 +62,7 @@ class Limits:
     draft_context_len: int = 0  # the draft's context length (0 = no draft); it drafts no further
     default_method: str = "ngram"  # model | ngram | hybrid
     lookup_max_tokens: int = 8  # the most tokens one lookup draft proposes
+    draft_confidence: float = 0.0  # the draft's confidence stop when a request sets none
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class TurnRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # alternatives per prompt token; None = no prompt logprobs
+    draft_confidence: float = 0.0  # the draft model ends a block after a token it is less sure of
 
 
 def _check_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
@@ -248,6 +251,15 @@ def _method(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> s
     return drafting_method(_METHODS[speculation.method], limits.draft_context_len > 0)
 
 
+def _draft_confidence(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> float:
+    if not speculation.HasField("draft_confidence"):
+        return 0.0 if speculation.fixed else limits.draft_confidence
+    value = speculation.draft_confidence
+    if not 0.0 <= value < 1.0:  # NaN fails too
+        raise InvalidRequest(f"speculation.draft_confidence must be in [0, 1), got {value}")
+    return value
+
+
 def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:
     """Validates a request; raises InvalidRequest naming the offending field."""
     if request.session_id:
@@ -285,4 +297,5 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         logprobs=sampling.logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
+        draft_confidence=_draft_confidence(request.speculation, limits),
     )

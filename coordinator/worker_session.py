@@ -33,11 +33,13 @@ _VERIFY_RETRY_PAUSE_S = 0.1
 
 @dataclass(frozen=True)
 class Decoding:
-    """How a turn samples; both workers get it with every call."""
+    """How a turn samples (both workers get it with every call), and the draft's confidence stop:
+    a model block ends after a token the draft proposed with a lower probability (speed only)."""
 
     warp: Warp
     seed: int
     processing: Processing = NO_PROCESSING
+    min_confidence: float = 0.0
 
 
 @dataclass
@@ -230,6 +232,7 @@ class WorkerSession:
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
                 warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
                 vocab_limit=self._draft.vocab_limit, processing=processing_to_proto(decoding.processing),
+                min_confidence=decoding.min_confidence,
             )  # fmt: skip
             sent = time.monotonic()
             await self._send(request)
@@ -238,10 +241,12 @@ class WorkerSession:
             self._draft.observe_latency(time.monotonic() - sent)
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 got = len(reply.draft.token_ids)
-                if got > k or (got < k and not self._draft.translates):  # a translating draft may send fewer
+                # a translating draft may send fewer (none, even); with a confidence stop, 1 to k
+                fewer = self._draft.translates or (got > 0 and decoding.min_confidence > 0)
+                if got > k or (got < k and not fewer):
                     raise WorkerCallFailed(f"asked for {k} tokens, got {got}")
                 self._lookahead_round = round_id if self._pipelined else None
-                computed = len(sync.tail_token_ids) + k - 1
+                computed = len(sync.tail_token_ids) + max(got, 1) - 1
                 return Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed)
             self._resynced("draft")
             cached, source = 0, ""

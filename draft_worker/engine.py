@@ -22,7 +22,7 @@ import torch
 from specdec.runtime.kvcache import ResyncRequired, SessionCache, SessionCaches
 from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
-from specdec.runtime.sampling import DraftSample, Warp, position_generator, sample_draft_token
+from specdec.runtime.sampling import DraftSample, Warp, position_generator, proposal_probability, sample_draft_token
 from specdec.runtime.scheduler import ComputeMeter, Extend, Job
 from specdec.runtime.tokens import common_prefix_len, prefix_hash
 from specdec.runtime.vocab import TextMirror, VocabBridge
@@ -40,6 +40,7 @@ class DraftParams:
     top_n: int
     vocab_limit: int = 0  # propose only ids below this (the target's vocabulary size); 0 = all
     processing: Processing = NO_PROCESSING  # the target's penalties / bias / min_tokens
+    min_confidence: float = 0.0  # end the block after a token proposed with a lower probability
 
 
 @dataclass(frozen=True)
@@ -72,17 +73,26 @@ def _draft_block(
     meter: ComputeMeter,
     shape: Callable[[SessionCache, torch.Tensor, DraftParams], torch.Tensor] | None = None,
 ) -> Generator[Extend, torch.Tensor, list[DraftSample]]:
-    """Samples ``params.k`` tokens starting from ``logits`` (the distribution after ``start`` tokens);
-    ``shape`` turns a position's logits into those sampled from (default: the target's processing)."""
+    """Samples up to ``params.k`` tokens starting from ``logits`` (the distribution after ``start``
+    tokens); ``shape`` turns a position's logits into those sampled from (default: the target's
+    processing). With ``params.min_confidence`` the block ends after the first token proposed with
+    a lower probability: the block's length then depends on the draft alone (never on the target),
+    so every proposed token is verified as usual and the output distribution is unchanged."""
     shape = shape or _processed
     samples: list[DraftSample] = []
     for i in range(params.k):
         generator = None if params.warp.greedy else position_generator(params.seed, start + i, "draft", device)
-        sample = sample_draft_token(shape(entry, logits, params), params.warp, params.top_n, generator)
+        shaped = shape(entry, logits, params)
+        sample = sample_draft_token(shaped, params.warp, params.top_n, generator)
         samples.append(sample)
-        if i + 1 < params.k:
-            logits = (yield Extend(entry, [sample.token_id], 1, meter))[-1]
+        if i + 1 == params.k or _unsure(sample, shaped, params.min_confidence):
+            break
+        logits = (yield Extend(entry, [sample.token_id], 1, meter))[-1]
     return samples
+
+
+def _unsure(sample: DraftSample, logits: torch.Tensor, min_confidence: float) -> bool:
+    return min_confidence > 0 and proposal_probability(sample, logits) < min_confidence
 
 
 def _processed(entry: SessionCache, logits: torch.Tensor, params: DraftParams) -> torch.Tensor:

@@ -137,6 +137,8 @@ class _ProposeStream:
         k = request.num_tokens
         if not 0 < k <= self._settings.max_draft_tokens:
             raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
+        if not 0.0 <= request.min_confidence < 1.0:  # NaN fails too
+            raise InvalidRequest(f"min_confidence must be in [0, 1), got {request.min_confidence}")
         core, bridge = self._core, self._bridge
         if bridge is None:
             core.check_request(request.session_id, request.sync, k - 1)
@@ -150,6 +152,7 @@ class _ProposeStream:
             self._settings.proposal_top_n,
             request.vocab_limit,
             processing_from_proto(request.processing),
+            request.min_confidence,
         )
         self._params = params
         sync = request.sync
@@ -160,7 +163,7 @@ class _ProposeStream:
             return translated_propose_job(core.caches, core.loaded, bridge, self._session, sync, params)
 
         block = await core.run(self._session, job)
-        self._count(block, len(sync.tail_token_ids) + k - 1)
+        self._count(block, len(sync.tail_token_ids) + (len(block.samples) if block else k) - 1)
         self._last = block
         return block
 
@@ -183,7 +186,7 @@ class _ProposeStream:
         except Exception as exc:  # the stream fails with it
             self._outbox.put_nowait(exc)
             return
-        self._count(block, params.k + 1)
+        self._count(block, (len(block.samples) if block else params.k) + 1)
         if block is None:  # the cache moved on (evicted, released): an explicit "no lookahead"
             self._outbox.put_nowait(_no_lookahead(round_id))
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import KController, Plan, StepCosts, expected_tokens
+from coordinator.adaptive import KController, Plan, StepCosts, expected_length, expected_tokens
 
 
 def costs(draft: float, verify: dict[int, float], overhead: float = 0.0) -> StepCosts:
@@ -21,12 +21,37 @@ def test_expected_tokens_matches_the_closed_form() -> None:
     assert expected_tokens(0.8, 0) == 1.0
 
 
+def test_with_a_confidence_stop_blocks_and_rounds_are_shorter() -> None:
+    """c = the chance that the draft goes on after a token; c = 1 is the closed form above."""
+    assert expected_tokens(0.5, 2, 1.0) == expected_tokens(0.5, 2)
+    assert expected_tokens(0.5, 2, 0.5) == pytest.approx(1 + 0.5 + 0.25 * 0.5)
+    assert expected_tokens(1.0, 3, 0.5) == pytest.approx(1 + 1 + 0.5 + 0.25)
+    assert expected_length(4, 1.0) == 4.0 and expected_length(3, 0.5) == pytest.approx(1.75)
+
+
+def test_a_draft_that_stops_itself_is_asked_for_longer_blocks() -> None:
+    """Blocks asked for 8 that the draft ends itself after 3 tokens on average, each fully
+    accepted: asking for 8 costs only what the draft runs, so the cap stays at 8. The same three
+    accepted tokens per round from a draft that runs all 8 (and is rejected at the 4th) make long
+    blocks expensive and unlikely: a shorter cap."""
+    stopping = KController(k_max=8, costs=costs(40, {1: 100, 9: 260}))
+    for length in [3, 2, 4] * 10:
+        stopping.observe(length, length, asked=8)
+    assert 0.5 < stopping.going_on < 0.8
+    running = KController(k_max=8, costs=costs(40, {1: 100, 9: 260}))
+    for _ in range(30):
+        running.observe(8, 3)  # the same three accepted tokens per round; the whole block drafted
+    assert running.going_on == 1.0
+    assert stopping.choose(100) == 8 > running.choose(100)
+
+
 def test_verify_cost_interpolates_between_measurements() -> None:
     c = costs(10, {1: 100.0, 5: 180.0})
     assert c.verify_ms(3) == pytest.approx(140.0)
     assert c.verify_ms(9) == pytest.approx(260.0)  # extrapolated
     assert c.verify_ms(5) == 180.0
     assert StepCosts().verify_ms(2) is None
+    assert c.verify_at(2.5) == pytest.approx(130.0) and c.verify_at(5.0) == 180.0
 
 
 def test_unmeasured_costs_are_learned_target_only_first_then_at_the_maximum() -> None:

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from coordinator.settings import CoordinatorSettings
 from specdec.tools.launch import LaunchError, LocalCluster, spawn
 from specdec.v1 import (
     common_pb2,
@@ -75,6 +76,29 @@ def test_greedy_speculative_equals_target_greedy(
     else:
         assert stats.draft_tokens_accepted == 0
         assert stats.rounds == len(expected)
+
+
+@pytest.fixture
+def pipelined(cluster_pipelined: LocalCluster) -> Iterator[coordinator_pb2_grpc.GenerationStub]:
+    yield from stub(cluster_pipelined)
+
+
+@pytest.mark.parametrize("draft", ["same", "other", "pipelined"])
+def test_blocks_ended_by_the_draft_s_confidence_keep_the_target_s_greedy_tokens(
+    draft: str, tiny_models: TinyModels, request: pytest.FixtureRequest
+) -> None:
+    """K = 8 with the draft's confidence stop at 0.6 (fixed K, so the stop alone shortens a
+    block; ``pipelined``: a sometimes-right draft drafting ahead): the target's greedy tokens;
+    the unrelated draft's blocks end early."""
+    client: coordinator_pb2_grpc.GenerationStub = request.getfixturevalue(draft)
+    for prompt in PROMPTS:
+        req = globals()["request"](prompt, k=8)
+        req.speculation.draft_confidence = 0.6
+        reply = client.Generate(req)
+        assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), MAX_NEW)
+        assert 0 < reply.stats.mean_k <= 8
+        if draft == "other":
+            assert reply.stats.mean_k < 4, reply.stats
 
 
 def test_target_only_mode_is_identical(same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
@@ -389,9 +413,10 @@ def test_get_info_describes_the_server(same: coordinator_pb2_grpc.GenerationStub
     assert info.target_model_id == str(tiny_models.target) and info.draft_model_id == str(tiny_models.same)
     assert list(info.draft_methods) == ["model", "ngram", "hybrid"] and info.default_draft_method == "hybrid"
     assert info.lookup_max_tokens == 8
+    assert info.draft_confidence == pytest.approx(CoordinatorSettings.model_fields["draft_confidence"].default)
     assert info.max_context_len == info.draft_max_context_len == 256 and info.vocab_size == 259
     assert list(info.eos_token_ids) == [257]
-    assert info.max_speculative_tokens == 8 and info.default_speculative_tokens == 4
+    assert info.max_speculative_tokens == 8 and info.default_speculative_tokens == 8
     assert info.max_new_tokens == 255 and info.default_max_new_tokens == 255  # 256 capped by the context
     assert info.max_message_bytes == 8 << 20 and info.max_concurrent_requests == 64
     assert info.max_prompt_chars == 1_000_000 and info.speculation_mode == "sequential" and info.adaptive_k

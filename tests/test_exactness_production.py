@@ -14,6 +14,7 @@ catches a planted bug in the production sampler.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -74,6 +75,7 @@ class Speculation:
     prompt: tuple[int, ...] = PROMPT
     lookup: bool = False  # draft by n-gram lookup in the committed tokens (one-hot), as the coordinator does
     bridge: VocabBridge | None = None  # the draft has another tokenizer: its worker translates (TLI / SLEM)
+    min_confidence: float = 0.0  # the draft's confidence stop (blocks of 1 to K tokens)
 
     def __post_init__(self) -> None:
         self.target_caches = SessionCaches(self.target, 4, 600)
@@ -81,6 +83,7 @@ class Speculation:
         self.ahead_used = 0  # rounds that verified a block drafted ahead
         self.lookup_rounds = self.lookup_accepted = 0
         self.proposed = self.accepted = 0  # first draft tokens of the rounds that had one, and those accepted
+        self.block_lengths: collections.Counter[int] = collections.Counter()  # model blocks asked for K by length
 
     def generate(self, seed: int, max_new: int, stop_after: int) -> list[int]:
         """``max_new`` sets K's budget as in a request; the loop stops once ``stop_after`` tokens
@@ -100,6 +103,8 @@ class Speculation:
                                     self.draft_caches)  # fmt: skip
                 wire = common_pb2.DraftBlock() if block is None else on_the_wire(block)
                 wire = _first(wire, k)
+                if k == self.k:
+                    self.block_lengths[len(wire.token_ids)] += 1
             sync = prefix_sync(committed, target_len)
             result = run_job(
                 target_engine.verify_job(
@@ -134,7 +139,7 @@ class Speculation:
         return common_pb2.DraftBlock.FromString(block.SerializeToString())
 
     def _params(self, k: int, seed: int) -> DraftParams:
-        return DraftParams(k, self.warp, seed, self.top_n, self.target.vocab_size, self.processing)
+        return DraftParams(k, self.warp, seed, self.top_n, self.target.vocab_size, self.processing, self.min_confidence)
 
     def _block(self, committed: list[int], draft_len: int, k: int, seed: int, ahead: Block | None) -> Block:
         if ahead is not None and ahead.samples and list(ahead.assumed) == committed[ahead.start - len(ahead.assumed) :]:
@@ -246,6 +251,49 @@ def test_the_production_path_test_catches_a_planted_bug(
     monkeypatch.setattr(target_engine, "rejection_sample", _residual_from_p)
     speculation = Speculation(models["target"], models["other"], 1, 0, False)
     samples = sample_counts(speculation, 3000)
+    assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6
+
+
+def confident_speculation(models: dict[str, LoadedModel]) -> Speculation:
+    """K = 4 with the draft's confidence stop at 0.3, pipelined: blocks of every length from 1 to 4."""
+    return Speculation(models["target"], models["noisy"], 4, 0, True, min_confidence=0.3)
+
+
+@pytest.mark.slow
+def test_blocks_ended_by_the_draft_s_confidence_follow_the_target_distribution(models: dict[str, LoadedModel]) -> None:
+    """The draft ends a block after a token it drew with probability < 0.3 (the block's length
+    depends on the draft's draws only): rejection sampling at each position and the bonus token
+    after a short block keep the target's distribution; blocks drafted ahead stop the same way."""
+    speculation = confident_speculation(models)
+    samples = sample_counts(speculation, 1500)
+    lengths = speculation.block_lengths
+    assert set(lengths) == {1, 2, 3, 4} and lengths[4] < sum(lengths.values()) / 2, lengths
+    assert speculation.ahead_used > 50
+    assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) > 1e-3
+
+
+_draft_block = draft_engine._draft_block  # the production loop, kept before the patch
+
+
+def _unsure_made_greedy(entry, logits, params, start, device, meter, shape=None):  # type: ignore[no-untyped-def]
+    """The planted bug: the token a block ends on (the draft was unsure of it) is swapped for the
+    draft's most likely one, while the block still reports the distribution it drew from."""
+    samples = yield from _draft_block(entry, logits, params, start, device, meter, shape)
+    last = samples[-1]
+    if len(samples) < params.k and last.probs is not None:
+        ids = last.ids if last.ids is not None else torch.arange(last.probs.shape[0])
+        samples[-1] = dataclasses.replace(last, token_id=int(ids[int(last.probs.argmax())]))
+    return samples
+
+
+@pytest.mark.slow
+def test_the_confidence_stop_test_catches_a_planted_bug(
+    models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same setting and number of requests: the planted bug is rejected at p < 1e-6."""
+    monkeypatch.setattr(draft_engine, "_draft_block", _unsure_made_greedy)
+    speculation = confident_speculation(models)
+    samples = sample_counts(speculation, 1500)
     assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6
 
 

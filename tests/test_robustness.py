@@ -29,6 +29,12 @@ def _sampled(**sampling: object) -> coordinator_pb2.GenerateRequest:
     return make_request(PROMPT, k=4, max_new=8, **sampling)
 
 
+def _confident(value: float, **sampling: object) -> coordinator_pb2.GenerateRequest:
+    request = make_request(PROMPT, k=8, max_new=8, fixed=False, **sampling)
+    request.speculation.draft_confidence = value
+    return request
+
+
 EXTREME = [
     ("temperature 1e-40", _sampled(temperature=1e-40, seed=1)),
     ("temperature 1e-30, top_k 1", _sampled(temperature=1e-30, top_k=1, seed=1)),
@@ -49,6 +55,11 @@ EXTREME = [
     ("stop id 2^32-1", _sampled(stop_token_ids=[U32_MAX])),
     ("session id with a newline", make_request(PROMPT, session_id="chat\n")),
     ("session id of 129 characters", make_request(PROMPT, session_id="a" * 129)),
+    ("draft confidence NaN", _confident(float("nan"))),
+    ("draft confidence 1", _confident(1.0)),
+    ("draft confidence float32 max", _confident(FLOAT32_MAX)),
+    ("draft confidence just below 1, sampled", _confident(0.99999994, temperature=1.0, seed=6)),
+    ("draft confidence smallest float", _confident(FLOAT32_TINY, temperature=1.0, seed=6)),
 ]
 
 
@@ -90,6 +101,8 @@ def test_extreme_sampling_values_never_end_a_worker(robust_cluster: LocalCluster
     assert first == after == reference_greedy(str(tiny_models.target), tuple(PROMPT), 16, ignore_eos=True)
     assert outcomes["temperature 1e-40"] == "OK" and outcomes["seed 2^64-1"] == "OK"
     assert outcomes["session id with a newline"] == "INVALID_ARGUMENT"
+    assert outcomes["draft confidence NaN"] == outcomes["draft confidence 1"] == "INVALID_ARGUMENT"
+    assert outcomes["draft confidence just below 1, sampled"] == "OK"
 
 
 def test_tiny_temperatures_decode_greedily(robust_cluster: LocalCluster, tiny_models: TinyModels) -> None:

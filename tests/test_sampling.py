@@ -15,6 +15,7 @@ from specdec.runtime.sampling import (
     Warp,
     position_generator,
     proposal_matrix,
+    proposal_probability,
     rejection_sample,
     sample_draft_token,
     warped_probs,
@@ -142,6 +143,22 @@ def test_sparse_draft_samples_from_reported_distribution() -> None:
     expected = [float(q[t]) for t in sample.ids.tolist()]
     observed = [counts[t] for t in sample.ids.tolist()]
     assert chi_square(observed, expected) > 1e-4
+
+
+def test_proposal_probability_is_the_drawn_token_s_probability_in_every_kind() -> None:
+    """The draft's confidence stop reads it: the probability the token had in the distribution
+    it was drawn from (the softmax of the logits for a greedy, one-hot sample)."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    softmax = torch.softmax(logits, -1)
+    greedy = sample_draft_token(logits, Warp(), 0, None)
+    assert greedy.probs is None and proposal_probability(greedy, logits) == pytest.approx(float(softmax[0]))
+    gen = torch.Generator().manual_seed(0)
+    dense = sample_draft_token(logits, Warp(0.5), 0, gen)
+    q = warped_probs(logits, Warp(0.5))
+    assert proposal_probability(dense, logits) == pytest.approx(float(q[dense.token_id]))
+    sparse = sample_draft_token(logits, Warp(1.0), 2, gen)
+    top2 = softmax[:2] / softmax[:2].sum()
+    assert proposal_probability(sparse, logits) == pytest.approx(float(top2[sparse.token_id]))
 
 
 def test_position_generator_is_deterministic_and_role_separated() -> None:

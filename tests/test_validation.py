@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -50,6 +51,24 @@ def test_ignore_eos_and_stop_ids() -> None:
 def test_speculation_params() -> None:
     assert parse_request(req(speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=8)), LIMITS).k == 8
     assert parse_request(req(speculation=coordinator_pb2.SpeculationParams(disable=True)), LIMITS).k == 0
+
+
+def test_draft_confidence_defaults_to_the_server_s_unless_k_is_fixed() -> None:
+    limits = dataclasses.replace(LIMITS, draft_confidence=0.6)
+    spec = coordinator_pb2.SpeculationParams
+    assert parse_request(req(), limits).draft_confidence == pytest.approx(0.6)
+    assert parse_request(req(speculation=spec(fixed=True)), limits).draft_confidence == 0.0  # exactly K
+    assert parse_request(req(speculation=spec(fixed=True, draft_confidence=0.3)), limits).draft_confidence == (
+        pytest.approx(0.3)
+    )
+    assert parse_request(req(speculation=spec(draft_confidence=0.0)), limits).draft_confidence == 0.0
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, 2.0, math.nan])
+def test_draft_confidence_outside_0_1_is_invalid(value: float) -> None:
+    speculation = coordinator_pb2.SpeculationParams(draft_confidence=value)
+    with pytest.raises(InvalidRequest, match=r"speculation.draft_confidence must be in \[0, 1\)"):
+        parse_request(req(speculation=speculation), LIMITS)
 
 
 def test_seed_is_kept() -> None:

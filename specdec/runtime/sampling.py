@@ -136,6 +136,16 @@ def sample_draft_token(logits: Tensor, warp: Warp, top_n: int, generator: torch.
     return DraftSample(token_id=int(choice), probs=q)
 
 
+def proposal_probability(sample: DraftSample, logits: Tensor) -> float:
+    """The probability of ``sample``'s token in the distribution it was drawn from; for a greedy
+    (one-hot) sample, in the draft's own softmax of ``logits`` [V] (its belief in the token)."""
+    if sample.probs is None:
+        return float(torch.softmax(logits.float(), dim=-1)[sample.token_id])
+    if sample.ids is None:
+        return float(sample.probs[sample.token_id])
+    return float(sample.probs[sample.ids == sample.token_id].sum())
+
+
 def proposal_matrix(samples: list[DraftSample], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
     """Dense q [k, V] (float32) for a block of draft samples."""
     q = torch.zeros(len(samples), vocab_size, dtype=torch.float32, device=device)
