@@ -24,6 +24,10 @@ _POOL_DECAY = 0.98  # per round: the global acceptance remembers roughly the las
 _FIRST_PROBE = 4  # rounds a proposer stays unused before the first probe; the gap doubles up to probe_every
 _MAX_TOKENS = 64
 MODEL, NGRAM, NONE = "model", "ngram", "none"
+# The confidence stop is judged after this many blocks it ended; it stays while the tokens it ends
+# blocks on are taken less than this share of the draft's per-token acceptance.
+_UNSURE_EVIDENCE = 2.5  # about three blocks (the counts decay)
+_UNSURE_MARGIN = 0.9
 
 
 def ewma(old: float | None, new: float) -> float:
@@ -164,8 +168,10 @@ class KController:
     prior_alpha: float = 0.7
     prior_weight: float = 4.0
     decay: float = 0.9
+    confidence_stop: bool = False  # the turn's requests ask the draft model to stop where it is unsure
     _seen: dict[str, Acceptance] = field(init=False)
     _going_on: Acceptance = field(init=False)
+    _unsure: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed [accepted, proposed]
     _since_probe: dict[str, int] = field(default_factory=lambda: {MODEL: 0, NGRAM: 0})
     _probe_gap: dict[str, int] = field(default_factory=lambda: {MODEL: _FIRST_PROBE, NGRAM: _FIRST_PROBE})
 
@@ -190,14 +196,19 @@ class KController:
     def going_on(self) -> float:
         """The chance that the draft model proposes another token after one, when asked for more:
         1 without its confidence stop; this turn's counts on top of the rate over all sessions."""
+        if not self.stopping:
+            return 1.0
         pooled = self.costs.continuation.rate
         prior = pooled if pooled is not None else 1.0
         seen = self._going_on
         return (seen.accepted + prior * self.prior_weight) / (seen.trials + self.prior_weight)
 
-    def observe(self, k: int, accepted: int, method: str = MODEL, asked: int | None = None) -> None:
+    def observe(
+        self, k: int, accepted: int, method: str = MODEL, asked: int | None = None, ends_unsure: bool = False
+    ) -> None:
         """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends
-        it); ``asked``: the block length asked of the draft model (more than ``k`` if it stopped early)."""
+        it); ``asked``: the block length asked of the draft model (more than ``k`` if it stopped
+        early); ``ends_unsure``: the draft proposed the last token below its confidence stop."""
         if k == 0:
             return
         self.costs.observe_acceptance(k, accepted, method)
@@ -205,6 +216,25 @@ class KController:
         if method == MODEL and asked is not None and asked > 1:
             self.costs.continuation.observe(asked - 1, k - 1)
             self._going_on.observe(asked - 1, k - 1)
+        if method == MODEL and ends_unsure:  # the block ended on a token the draft was unsure of: taken?
+            taken, seen = self._unsure
+            self._unsure = [taken * self.decay + (accepted == k), seen * self.decay + 1]
+
+    @property
+    def stopping(self) -> bool:
+        """Whether this round's model block is asked to end where the draft is unsure."""
+        return self.confidence_stop and self.confidence_stop_pays
+
+    @property
+    def confidence_stop_pays(self) -> bool:
+        """Whether the draft's confidence stop is kept for this turn: while the tokens it ends
+        blocks on are taken clearly less often than the draft's tokens overall. A draft that is
+        right where it is unsure (a badly calibrated one) would otherwise lose every token after
+        them; without the stop its blocks run to K (and c returns to 1)."""
+        taken, seen = self._unsure
+        if seen < _UNSURE_EVIDENCE:
+            return True
+        return taken / seen < _UNSURE_MARGIN * self.alpha_of(MODEL)
 
     def expected_ms(self, k: int, method: str = MODEL) -> float | None:
         if method != MODEL:  # a lookup draft costs nothing to make (nor does none)

@@ -144,7 +144,15 @@ class Turn:
         self.workers = WorkerSession(
             self.session_id, d.targets, d.draft, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined
         )
-        self.controller = KController(self.request.k, d.costs, d.pipelined, d.probe_every)
+        self.controller = KController(
+            self.request.k, d.costs, d.pipelined, d.probe_every, confidence_stop=self.request.draft_confidence > 0
+        )
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the controller picks each round's proposer and K (and keeps or drops the
+        draft's confidence stop)."""
+        return self.deps.adaptive_k and not self.request.fixed_k
 
     @property
     def one_shot(self) -> bool:
@@ -286,7 +294,7 @@ class Turn:
         if req.method != NGRAM and self.workers.draft_usable:
             # The draft runs the committed tokens + K - 1 drafts: it cannot draft past its own context.
             model = max(min(req.k, budget, limits.draft_context_len - len(self._committed) + 1), 0)
-        if self.deps.adaptive_k and not req.fixed_k:
+        if self.adaptive:
             return self.controller.plan(model, len(lookup)), lookup
         if lookup:  # fixed K: the lookup draft whenever it matches (it costs nothing to make)
             return Plan(NGRAM, len(lookup)), lookup
@@ -302,6 +310,8 @@ class Turn:
             proposal = lookup_proposal(lookup[: plan.k], len(self._committed))
             self.workers.skip_draft()
         elif plan.k > 0:
+            if self.adaptive and not self.controller.stopping:
+                decoding = dataclasses.replace(decoding, min_confidence=0.0)
             proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round)
         drafted = loop.time()
         block = proposal.block if proposal else common_pb2.DraftBlock()
@@ -411,7 +421,7 @@ class Turn:
         for position in range(k):
             s.proposed_by_position[position] += 1
             s.accepted_by_position[position] += position < verdict.num_accepted
-        self.controller.observe(k, verdict.num_accepted, method, asked)
+        self.controller.observe(k, verdict.num_accepted, method, asked, proposal.ends_unsure)
         if method == NGRAM:
             s.lookup_rounds += 1
             s.lookup_proposed += k

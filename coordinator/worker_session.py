@@ -55,6 +55,7 @@ class Proposal:
     computed: int
     pipelined: bool = False
     method: str = MODEL
+    ends_unsure: bool = False  # the draft proposed the block's last token below its confidence stop
 
 
 def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
@@ -219,7 +220,9 @@ class WorkerSession:
         await self._send(draft_pb2.ProposeRequest(session_id=self.session_id, round_id=round_id, adopt_lookahead=True))
         self._lookahead_round = round_id
         computed = len(reply.draft.token_ids) + 1  # the previous block's last draft, the guess, the rest
-        return Proposal(_first(reply.draft, k), reply.cache_len, len(committed), reply.compute_ms, computed, True)
+        block = _first(reply.draft, k)
+        unsure = reply.ends_unsure and len(block.token_ids) == len(reply.draft.token_ids)
+        return Proposal(block, reply.cache_len, len(committed), reply.compute_ms, computed, True, ends_unsure=unsure)
 
     async def _request_block(self, committed: list[int], k: int, decoding: Decoding, round_id: int) -> Proposal | None:
         assert self._stream is not None and self._draft is not None
@@ -247,7 +250,9 @@ class WorkerSession:
                     raise WorkerCallFailed(f"asked for {k} tokens, got {got}")
                 self._lookahead_round = round_id if self._pipelined else None
                 computed = len(sync.tail_token_ids) + max(got, 1) - 1
-                return Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed)
+                proposal = Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed)
+                proposal.ends_unsure = reply.ends_unsure
+                return proposal
             self._resynced("draft")
             cached, source = 0, ""
         raise WorkerCallFailed("cache resync did not take")

@@ -58,6 +58,7 @@ class Block:
     cache_len: int
     cache_hash: int
     compute_ms: float
+    ends_unsure: bool = False  # the last token was proposed below the request's min_confidence
 
     @property
     def token_ids(self) -> list[int]:
@@ -72,23 +73,26 @@ def _draft_block(
     device: torch.device,
     meter: ComputeMeter,
     shape: Callable[[SessionCache, torch.Tensor, DraftParams], torch.Tensor] | None = None,
-) -> Generator[Extend, torch.Tensor, list[DraftSample]]:
+) -> Generator[Extend, torch.Tensor, tuple[list[DraftSample], bool]]:
     """Samples up to ``params.k`` tokens starting from ``logits`` (the distribution after ``start``
     tokens); ``shape`` turns a position's logits into those sampled from (default: the target's
     processing). With ``params.min_confidence`` the block ends after the first token proposed with
     a lower probability: the block's length then depends on the draft alone (never on the target),
-    so every proposed token is verified as usual and the output distribution is unchanged."""
+    so every proposed token is verified as usual and the output distribution is unchanged.
+    Returns the samples and whether the last one was proposed below ``params.min_confidence``."""
     shape = shape or _processed
     samples: list[DraftSample] = []
+    unsure = False
     for i in range(params.k):
         generator = None if params.warp.greedy else position_generator(params.seed, start + i, "draft", device)
         shaped = shape(entry, logits, params)
         sample = sample_draft_token(shaped, params.warp, params.top_n, generator)
         samples.append(sample)
-        if i + 1 == params.k or _unsure(sample, shaped, params.min_confidence):
+        unsure = _unsure(sample, shaped, params.min_confidence)
+        if i + 1 == params.k or unsure:
             break
         logits = (yield Extend(entry, [sample.token_id], 1, meter))[-1]
-    return samples
+    return samples, unsure
 
 
 def _unsure(sample: DraftSample, logits: torch.Tensor, min_confidence: float) -> bool:
@@ -111,8 +115,13 @@ def _proposable(logits: torch.Tensor, params: DraftParams) -> torch.Tensor:
 
 
 def _finish(
-    entry: SessionCache, samples: list[DraftSample], start: int, assumed: Sequence[int], meter: ComputeMeter
+    entry: SessionCache,
+    drafted: tuple[list[DraftSample], bool],
+    start: int,
+    assumed: Sequence[int],
+    meter: ComputeMeter,
 ) -> Block:
+    samples, unsure = drafted
     return Block(
         samples=tuple(samples),
         start=start,
@@ -120,6 +129,7 @@ def _finish(
         cache_len=len(entry.tokens),
         cache_hash=prefix_hash(entry.tokens),
         compute_ms=meter.ms,
+        ends_unsure=unsure,
     )
 
 
@@ -138,8 +148,8 @@ def propose_job(
         return None
     logits = (yield Extend(entry, list(sync.tail_token_ids), 1, meter))[-1]
     start = sync.base_len + len(sync.tail_token_ids)
-    samples = yield from _draft_block(entry, logits, params, start, loaded.device, meter)
-    return _finish(entry, samples, start, (), meter)
+    drafted = yield from _draft_block(entry, logits, params, start, loaded.device, meter)
+    return _finish(entry, drafted, start, (), meter)
 
 
 def lookahead_job(
@@ -157,8 +167,8 @@ def lookahead_job(
     logits = (yield Extend(entry, [guess], 1, meter))[-1]
     assumed = (*previous.token_ids, guess)
     start = previous.start + len(assumed)
-    samples = yield from _draft_block(entry, logits, params, start, loaded.device, meter)
-    return _finish(entry, samples, start, assumed, meter)
+    drafted = yield from _draft_block(entry, logits, params, start, loaded.device, meter)
+    return _finish(entry, drafted, start, assumed, meter)
 
 
 def translated_propose_job(
@@ -206,7 +216,7 @@ def translated_propose_job(
     logits = (yield Extend(entry, wanted[keep:], 1, meter))[-1]
     if bridge.method == "slem":
         greedy = dataclasses.replace(params, warp=Warp())
-        drafted = yield from _draft_block(entry, logits, greedy, start, loaded.device, meter, _unshaped)
+        drafted, unsure = yield from _draft_block(entry, logits, greedy, start, loaded.device, meter, _unshaped)
         proposed = mirror.slem_targets([s.token_id for s in drafted], params.k)
         samples = tuple(DraftSample(token_id=t) for t in proposed)
     else:
@@ -215,9 +225,9 @@ def translated_propose_job(
         def intersect(_: SessionCache, row: torch.Tensor, __: DraftParams) -> torch.Tensor:
             return row.masked_fill(barred, float("-inf"))
 
-        drafted = yield from _draft_block(entry, logits, params, start, loaded.device, meter, intersect)
+        drafted, unsure = yield from _draft_block(entry, logits, params, start, loaded.device, meter, intersect)
         samples = tuple(_in_target_ids(s, bridge.id_map(logits.device)) for s in drafted)
-    return Block(samples, start, (), cache_len=start, cache_hash=0, compute_ms=meter.ms)
+    return Block(samples, start, (), cache_len=start, cache_hash=0, compute_ms=meter.ms, ends_unsure=unsure)
 
 
 def _unshaped(_: SessionCache, logits: torch.Tensor, __: DraftParams) -> torch.Tensor:

@@ -77,6 +77,7 @@ def _response(block: Block, round_id: int, lookahead: bool) -> draft_pb2.Propose
         lookahead=lookahead,
         base_len=block.start - len(block.assumed),
         assumed_token_ids=list(block.assumed),
+        ends_unsure=block.ends_unsure,
     )
 
 

@@ -34,7 +34,7 @@ def test_a_draft_that_stops_itself_is_asked_for_longer_blocks() -> None:
     accepted: asking for 8 costs only what the draft runs, so the cap stays at 8. The same three
     accepted tokens per round from a draft that runs all 8 (and is rejected at the 4th) make long
     blocks expensive and unlikely: a shorter cap."""
-    stopping = KController(k_max=8, costs=costs(40, {1: 100, 9: 260}))
+    stopping = KController(k_max=8, costs=costs(40, {1: 100, 9: 260}), confidence_stop=True)
     for length in [3, 2, 4] * 10:
         stopping.observe(length, length, asked=8)
     assert 0.5 < stopping.going_on < 0.8
@@ -167,3 +167,23 @@ def test_rounds_without_a_draft_call_have_their_own_overhead() -> None:
     assert c.overhead_ms(drafted=False) == 30.0  # unmeasured: the other kind stands in
     c.observe_overhead(5.0, drafted=False)
     assert (c.overhead_ms(drafted=True), c.overhead_ms(drafted=False)) == (30.0, 5.0)
+
+
+def test_the_confidence_stop_is_dropped_when_the_draft_is_right_where_it_is_unsure() -> None:
+    """Blocks the draft ended on an unsure token that the target took anyway, round after round
+    (a badly calibrated draft): the stop only loses tokens and is dropped for the turn. Where the
+    unsure tokens are mostly rejected it stays."""
+    calibrated, miscalibrated = (
+        KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True) for _ in range(2)
+    )
+    assert calibrated.confidence_stop_pays and miscalibrated.confidence_stop_pays  # no evidence yet
+    for _ in range(2):
+        miscalibrated.observe(1, 1, asked=8, ends_unsure=True)
+    assert miscalibrated.confidence_stop_pays  # too little evidence
+    miscalibrated.observe(1, 1, asked=1, ends_unsure=True)  # K = 1 asked: the draft still says it was unsure
+    assert not miscalibrated.confidence_stop_pays and not miscalibrated.stopping
+    assert miscalibrated.going_on == 1.0  # without the stop the draft runs every block to K
+    for _ in range(10):
+        calibrated.observe(4, 3, asked=8, ends_unsure=True)  # stopped after 4; the unsure 4th token rejected
+        calibrated.observe(8, 8, asked=8)  # confident all the way: taken
+    assert calibrated.confidence_stop_pays and calibrated.stopping

@@ -278,12 +278,12 @@ _draft_block = draft_engine._draft_block  # the production loop, kept before the
 def _unsure_made_greedy(entry, logits, params, start, device, meter, shape=None):  # type: ignore[no-untyped-def]
     """The planted bug: the token a block ends on (the draft was unsure of it) is swapped for the
     draft's most likely one, while the block still reports the distribution it drew from."""
-    samples = yield from _draft_block(entry, logits, params, start, device, meter, shape)
+    samples, unsure = yield from _draft_block(entry, logits, params, start, device, meter, shape)
     last = samples[-1]
     if len(samples) < params.k and last.probs is not None:
         ids = last.ids if last.ids is not None else torch.arange(last.probs.shape[0])
         samples[-1] = dataclasses.replace(last, token_id=int(ids[int(last.probs.argmax())]))
-    return samples
+    return samples, unsure
 
 
 @pytest.mark.slow
