@@ -51,7 +51,7 @@ class CoordinatorSettings(ServiceSettings):
     )
     state_timeout_s: float = Field(2.0, gt=0, description="socket timeout of state store calls")
     num_speculative_tokens: int = Field(
-        8,
+        4,
         ge=0,
         description="default K (the most draft tokens per round; adaptive K and the draft's confidence stop may "
         "use fewer); 0 = none",
@@ -76,7 +76,7 @@ class CoordinatorSettings(ServiceSettings):
         "max_speculative_tokens",
     )
     draft_confidence: float = Field(
-        0.6,
+        0.0,
         ge=0,
         lt=1,
         description="the draft model ends a block after a token it proposed with a lower probability (a request "

@@ -88,10 +88,10 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     assert set(data["methods"]) == {
         "hf target-only", "hf assisted K=4", "hf assisted default", "hf prompt lookup", "service target-only",
         "service model K", "service model adaptive", "service ngram K", "service ngram adaptive", "service hybrid K",
-        "service default (hybrid, adaptive)", "service default before the confidence stop (K=4)",
+        "service default (hybrid, adaptive)", "service default + confidence stop 0.6",
         "service early-exit K", "service early-exit adaptive",
     }  # fmt: skip
-    assert "default / previous default (K=4, no confidence stop)" in data["ratios"]
+    assert "confidence stop 0.6 / default" in data["ratios"]
     assert all(row["repeats"] == 2 for row in data["methods"].values())
     spread = data["methods"]["service model K"]["tokens_per_s"]
     assert spread["min"] <= spread["median"] <= spread["max"]

@@ -416,7 +416,7 @@ def test_get_info_describes_the_server(same: coordinator_pb2_grpc.GenerationStub
     assert info.draft_confidence == pytest.approx(CoordinatorSettings.model_fields["draft_confidence"].default)
     assert info.max_context_len == info.draft_max_context_len == 256 and info.vocab_size == 259
     assert list(info.eos_token_ids) == [257]
-    assert info.max_speculative_tokens == 8 and info.default_speculative_tokens == 8
+    assert info.max_speculative_tokens == 8 and info.default_speculative_tokens == 4
     assert info.max_new_tokens == 255 and info.default_max_new_tokens == 255  # 256 capped by the context
     assert info.max_message_bytes == 8 << 20 and info.max_concurrent_requests == 64
     assert info.max_prompt_chars == 1_000_000 and info.speculation_mode == "sequential" and info.adaptive_k
