@@ -171,13 +171,14 @@ class KController:
     confidence_stop: bool = False  # the turn's requests ask the draft model to stop where it is unsure
     _seen: dict[str, Acceptance] = field(init=False)
     _going_on: Acceptance = field(init=False)
-    _unsure: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed [accepted, proposed]
+    _unsure: Acceptance = field(init=False)  # the tokens the draft ended a block on, unsure: taken?
     _since_probe: dict[str, int] = field(default_factory=lambda: {MODEL: 0, NGRAM: 0})
     _probe_gap: dict[str, int] = field(default_factory=lambda: {MODEL: _FIRST_PROBE, NGRAM: _FIRST_PROBE})
 
     def __post_init__(self) -> None:
         self._seen = {MODEL: Acceptance(self.decay), NGRAM: Acceptance(self.decay)}
         self._going_on = Acceptance(self.decay)
+        self._unsure = Acceptance(self.decay)
 
     @property
     def alpha(self) -> float:
@@ -216,9 +217,8 @@ class KController:
         if method == MODEL and asked is not None and asked > 1:
             self.costs.continuation.observe(asked - 1, k - 1)
             self._going_on.observe(asked - 1, k - 1)
-        if method == MODEL and ends_unsure:  # the block ended on a token the draft was unsure of: taken?
-            taken, seen = self._unsure
-            self._unsure = [taken * self.decay + (accepted == k), seen * self.decay + 1]
+        if method == MODEL and ends_unsure:  # one trial: the block's last token, taken or not
+            self._unsure.observe(1, int(accepted == k))
 
     @property
     def stopping(self) -> bool:
@@ -231,10 +231,10 @@ class KController:
         blocks on are taken clearly less often than the draft's tokens overall. A draft that is
         right where it is unsure (a badly calibrated one) would otherwise lose every token after
         them; without the stop its blocks run to K (and c returns to 1)."""
-        taken, seen = self._unsure
-        if seen < _UNSURE_EVIDENCE:
+        unsure = self._unsure
+        if unsure.trials < _UNSURE_EVIDENCE:
             return True
-        return taken / seen < _UNSURE_MARGIN * self.alpha_of(MODEL)
+        return unsure.accepted / unsure.trials < _UNSURE_MARGIN * self.alpha_of(MODEL)
 
     def expected_ms(self, k: int, method: str = MODEL) -> float | None:
         if method != MODEL:  # a lookup draft costs nothing to make (nor does none)

@@ -310,7 +310,7 @@ class Turn:
             proposal = lookup_proposal(lookup[: plan.k], len(self._committed))
             self.workers.skip_draft()
         elif plan.k > 0:
-            if self.adaptive and not self.controller.stopping:
+            if decoding.min_confidence and self.adaptive and not self.controller.stopping:
                 decoding = dataclasses.replace(decoding, min_confidence=0.0)
             proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round)
         drafted = loop.time()

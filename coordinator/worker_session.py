@@ -250,9 +250,10 @@ class WorkerSession:
                     raise WorkerCallFailed(f"asked for {k} tokens, got {got}")
                 self._lookahead_round = round_id if self._pipelined else None
                 computed = len(sync.tail_token_ids) + max(got, 1) - 1
-                proposal = Proposal(reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed)
-                proposal.ends_unsure = reply.ends_unsure
-                return proposal
+                return Proposal(
+                    reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed,
+                    ends_unsure=reply.ends_unsure,
+                )  # fmt: skip
             self._resynced("draft")
             cached, source = 0, ""
         raise WorkerCallFailed("cache resync did not take")

@@ -270,13 +270,12 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
 
 class ServiceRow(NamedTuple):
     """How a service row asks: which coordinator, draft method, whether speculation is off, fixed
-    K; ``k`` and ``confidence`` override the run's K and the server's draft confidence stop."""
+    K; ``confidence`` overrides the server's draft confidence stop."""
 
     coordinator: str
     method: str
     disable: bool
     fixed: bool
-    k: int | None = None
     confidence: float | None = None
 
 
@@ -359,7 +358,7 @@ def _request(cfg: BenchConfig, prompt: Prompt, row: ServiceRow) -> Any:
     from specdec.v1 import common_pb2, coordinator_pb2
 
     speculation = coordinator_pb2.SpeculationParams(
-        num_speculative_tokens=cfg.k if row.k is None else row.k,
+        num_speculative_tokens=cfg.k,
         disable=row.disable,
         fixed=row.fixed,
         method=_METHOD_ENUM[row.method],
