@@ -172,6 +172,7 @@ class KController:
     _seen: dict[str, Acceptance] = field(init=False)
     _going_on: Acceptance = field(init=False)
     _unsure: Acceptance = field(init=False)  # the tokens the draft ended a block on, unsure: taken?
+    _stop_dropped: bool = False  # only whole blocks paid: the turn drafts without the stop
     _since_probe: dict[str, int] = field(default_factory=lambda: {MODEL: 0, NGRAM: 0})
     _probe_gap: dict[str, int] = field(default_factory=lambda: {MODEL: _FIRST_PROBE, NGRAM: _FIRST_PROBE})
 
@@ -223,7 +224,7 @@ class KController:
     @property
     def stopping(self) -> bool:
         """Whether this round's model block is asked to end where the draft is unsure."""
-        return self.confidence_stop and self.confidence_stop_pays
+        return self.confidence_stop and not self._stop_dropped and self.confidence_stop_pays
 
     @property
     def confidence_stop_pays(self) -> bool:
@@ -270,6 +271,8 @@ class KController:
         if unmeasured:  # speculative costs not measured yet: speculate at the most to learn them
             return Plan(unmeasured[0], limits[unmeasured[0]])
         best = max(known, key=lambda plan: known[plan])
+        if best.method == NONE and limits[MODEL] and self.stopping:
+            best = self._without_stop(limits[MODEL], known[TARGET_ONLY]) or best
         self._reset(best.method)
         # A lookup that keeps failing is tried only at probes. With speculation off, the model is
         # probed with a short block, soon at first (acceptance often changes within a response),
@@ -279,6 +282,16 @@ class KController:
         if best.method == NONE and limits[MODEL] and (probe := self._probe(MODEL, limits[MODEL])):
             return probe
         return best
+
+    def _without_stop(self, model: int, target_only: float) -> Plan | None:
+        """Where blocks the stop cuts short do not pay, speculation would go off before the unsure
+        tokens' record could show whether the stop is worth it: if whole blocks beat target-only
+        decoding, the turn drops the stop instead (None: they do not either; the stop stays)."""
+        self._stop_dropped = True
+        rates = {plan: self._rate(plan) for plan in (Plan(MODEL, k) for k in range(1, model + 1))}
+        known = {plan: rate for plan, rate in rates.items() if rate is not None and rate > target_only}
+        self._stop_dropped = bool(known)
+        return max(known, key=lambda plan: known[plan]) if known else None
 
     def _rate(self, plan: Plan) -> float | None:
         ms = self.expected_ms(plan.k, plan.method)

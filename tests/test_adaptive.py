@@ -187,3 +187,20 @@ def test_the_confidence_stop_is_dropped_when_the_draft_is_right_where_it_is_unsu
         calibrated.observe(4, 3, asked=8, ends_unsure=True)  # stopped after 4; the unsure 4th token rejected
         calibrated.observe(8, 8, asked=8)  # confident all the way: taken
     assert calibrated.confidence_stop_pays and calibrated.stopping
+
+
+def test_the_confidence_stop_is_dropped_when_only_whole_blocks_pay() -> None:
+    """Where a round's fixed cost is high (here the draft call's overhead), blocks the stop ends
+    after one token do not pay and the controller would turn speculation off before the unsure
+    tokens' record could show the stop is not worth it. If whole blocks would pay, it drops the
+    stop instead; a draft that is wrong stays off, with its stop."""
+    right, wrong = (
+        KController(k_max=4, costs=costs(10, {1: 100, 5: 140}, overhead=100), confidence_stop=True) for _ in range(2)
+    )
+    for controller, accepted in ((right, 1), (wrong, 0)):
+        controller.costs.local_overhead = 0.0
+        for _ in range(2):
+            controller.observe(1, accepted, asked=4, ends_unsure=True)
+        assert controller.stopping  # too little evidence for the unsure-token rule
+    assert right.plan(4) == Plan("model", 4) and not right.stopping and right.going_on == 1.0
+    assert wrong.plan(4) == Plan("none", 0) and wrong.stopping

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from specdec.tools.launch import LocalCluster
-from specdec.v1 import coordinator_pb2_grpc
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric
 from tests.reference import make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels
@@ -75,11 +75,20 @@ def test_adaptive_k_turns_a_useless_draft_off(tmp_path: Path, tiny_models: TinyM
         assert metric(cluster, "coordinator", "specdec_rounds_total") >= stats.rounds
 
 
-def test_adaptive_k_keeps_speculating_with_a_good_draft(tmp_path: Path, tiny_models: TinyModels) -> None:
+@pytest.mark.parametrize("confidence", [0.0, 0.6], ids=["no-stop", "confidence-stop"])
+def test_adaptive_k_keeps_speculating_with_a_good_draft(
+    tmp_path: Path, tiny_models: TinyModels, confidence: float
+) -> None:
     """A draft that is always right keeps speculating under adaptive K: every round's fixed
-    overhead (RPCs, state commit) is shared by more tokens."""
+    overhead (RPCs, state commit) is shared by more tokens. The model draft only (the hybrid's
+    n-gram lookup would propose tokens of its own, some wrong). With the draft's confidence stop
+    this draft (the tiny target: a flat distribution, so it is unsure nearly everywhere) would end
+    every block after one token; its unsure tokens are all taken, so the controller drops the stop."""
     with fault_cluster(tmp_path, tiny_models.target, tiny_models.same, worker_args=[]) as cluster:
-        reply = generate(cluster, make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True))
+        request = make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True)
+        request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+        request.speculation.draft_confidence = confidence
+        reply = generate(cluster, request)
     assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), 60, ignore_eos=True)
     stats = reply.stats
     # Every draft is right: after the one target-only round that measures the target's cost,
