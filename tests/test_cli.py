@@ -180,3 +180,67 @@ def test_generate_chat_without_a_template_says_so(tiny_models: TinyModels) -> No
     result = run("generate", "--model", str(tiny_models.target), "--prompt", "hi", "--chat", "--device", "cpu")
     assert result.returncode == 1
     assert "INVALID_ARGUMENT: the target model's tokenizer has no chat template" in result.stderr
+
+
+def _ceiling_report(tiny_models: TinyModels, path: Path) -> Path:
+    """A bench report by hand: one prompt, the target's greedy reply, and service stats whose
+    costs are round numbers (verify 100 ms + 5 per drafted token, draft 20 per token, overhead 8
+    per drafting round and 2 per target-only round)."""
+    import json
+
+    from specdec.tools.bench import BenchConfig, tokenize_prompts
+    from tests.reference import reference_greedy
+
+    text = "the cat sat on"
+    config = {"model": str(tiny_models.target), "draft_model": str(tiny_models.same), "draft_quantize": "none", "k": 4}
+    config["workloads"] = {"complete": [text]}
+    cfg = BenchConfig(model=config["model"], draft_model=config["draft_model"], workloads={"complete": (text,)})
+    (prompt,) = tokenize_prompts(cfg)
+    reply = reference_greedy(str(tiny_models.target), prompt.token_ids, 12, ignore_eos=True)
+    counts = {"proposed": 0, "lookup_proposed": 0, "draft_ms": 0.0}
+    plain = counts | {"rounds": 10, "verify_ms": 1000.0, "overhead_ms": 20.0}
+    drafted = counts | {"rounds": 4, "proposed": 12, "verify_ms": 460.0, "draft_ms": 240.0, "overhead_ms": 32.0}
+    run = {"workload": "complete", "prompt": 0, "repeat": 0}
+    runs = [
+        run | {"method": "hf target-only", "token_ids": reply, "stats": {}},
+        run | {"method": "service target-only", "stats": plain},
+        run | {"method": "service model K", "stats": drafted},
+    ]
+    methods = {
+        "service target-only": {"tokens_per_s": {"median": 5.0}},
+        "service model K": {"tokens_per_s": {"median": 9.0}},
+        "hf assisted default": {"tokens_per_s": {"median": 8.0}},
+    }
+    path.write_text(json.dumps({"config": config, "runs": runs, "workloads": {"complete": {"methods": methods}}}))
+    return path
+
+
+@pytest.mark.parametrize("draft", ["same", "adversarial"])
+def test_draft_ceiling_prices_an_oracle_from_a_bench_report(
+    tiny_models: TinyModels, tmp_path: Path, draft: str
+) -> None:
+    """A draft equal to the target guesses every token: the oracle drafts the whole reply in one
+    round; a draft that is always wrong leaves the oracle at target-only speed."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
+    report = _ceiling_report(tiny_models, tmp_path / "report.json")
+    args = [str(report), "--draft-model", str(getattr(tiny_models, draft))]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "costs: verify 100.0 ms + 5.0 ms per drafted token, draft 20.0 ms per token, overhead 8.0 ms" in out
+    # rows: the name in 56 columns, then predicted (and measured) tokens/s
+    rate = {line[:56].strip(): [float(t) for t in re.findall(r"\d+\.\d\d", line[56:])] for line in out.splitlines()}
+    plain = 12 * 102  # ms: 12 target-only rounds
+    assert rate["service target-only"] == [5.0, 5.0]
+    if draft == "same":
+        assert "the draft guesses 12 of the target's 12 tokens" in out
+        fixed = 2 * (100 + 25 * 4 + 8) + (100 + 25 + 8)  # blocks of 4, 4, then the 1 the budget leaves
+        oracle = 100 + 25 * 11 + 8  # one round: 11 drafts accepted + the target's token
+    else:
+        assert "the draft guesses 0 of the target's 12 tokens" in out
+        fixed = 8 * (100 + 25 * 4 + 8) + sum(100 + 25 * b + 8 for b in (3, 2, 1)) + 102
+        oracle = plain
+    assert rate["model, fixed K = 4"] == pytest.approx([5.0 * plain / fixed, 9.0], abs=0.006)
+    oracle_rate = rate["oracle (drafts exactly the runs the draft gets right)"]
+    assert oracle_rate == pytest.approx([5.0 * plain / oracle], abs=0.006)
+    assert f"oracle / best HF speculative: {5.0 * plain / oracle / 8.0:.2f}x" in out

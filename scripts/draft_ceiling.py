@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""How fast could any proposer built on this draft model be, at the costs a benchmark measured?
+
+Reads a ``specdec bench`` report and, for each of its prompts, takes the target's greedy reply
+(the report's ``hf target-only`` tokens) and asks the draft model for its own greedy guess of
+every reply token given the true prefix (teacher-forced, one token per pass on its KV cache, with
+the draft workers' loader and quantization). The round costs come from the service's own stats in
+the same report: a target-only verify pass, the extra verify time per drafted token, draft time
+per drafted token, and the per-round overhead with and without a draft.
+
+From those it prices, per workload, decoding with the draft at a fixed K (a check of the cost
+model against the report's ``service model K`` row) and an oracle: a proposer that drafts
+exactly the run of tokens the draft gets right, so that no drafted token is wasted and no run is
+cut short. No schedule of the draft's greedy proposals (any K, any confidence stop) beats the
+oracle at these costs: it is the ceiling of the draft on this machine (short of proposing other
+tokens than its first choice, or drafting beside the verify pass on other hardware). Predicted decoding rates are scaled
+to the report by its measured ``service target-only`` tokens/s (prefill and timer noise cancel in
+the ratio), then compared with the report's best HF speculative row.
+
+    .venv/bin/python scripts/draft_ceiling.py docs/bench/qwen-2core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.runtime.modeling import LoadOptions, load_model
+from specdec.serving.logging import configure_logging
+from specdec.tools.bench import HF_TARGET, SERVICE_METHODS, BenchConfig, tokenize_prompts
+
+TARGET_ONLY = "service target-only"
+MODEL_K = "service model K"
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Milliseconds, measured by the service: a round verifies ``1 + drafted`` tokens."""
+
+    verify: float  # a target-only pass (one token)
+    verify_per_draft: float  # what each drafted token adds to the verify pass
+    draft_per_token: float
+    overhead: float  # per round that drafted
+    local_overhead: float  # per target-only round
+
+    def round_ms(self, drafted: int) -> float:
+        if drafted == 0:
+            return self.verify + self.local_overhead
+        return self.verify + (self.verify_per_draft + self.draft_per_token) * drafted + self.overhead
+
+
+def measured_costs(runs: Sequence[dict[str, Any]]) -> Costs:
+    """The costs from one workload's service runs (their stats) over the report's draft model (not
+    the early-exit or other-tokenizer rows): sums over runs, not means of ratios. The draft's time
+    per token counts model-drafted tokens only (lookup drafts cost none)."""
+    own = {name for name, row in SERVICE_METHODS.items() if row.coordinator == "main"}
+    plain = [r["stats"] for r in runs if r["method"] == TARGET_ONLY]
+    drafted = [r["stats"] for r in runs if r["method"] in own and r["stats"]["proposed"] > 0]
+    if not plain or not drafted:
+        raise SystemExit("the report needs the 'service target-only' row and a row that drafted")
+    verify = sum(s["verify_ms"] for s in plain) / sum(s["rounds"] for s in plain)
+    extra = sum(s["verify_ms"] for s in drafted) - verify * sum(s["rounds"] for s in drafted)
+    model_tokens = sum(s["proposed"] - s["lookup_proposed"] for s in drafted)
+    return Costs(
+        verify=verify,
+        verify_per_draft=max(extra, 0.0) / sum(s["proposed"] for s in drafted),
+        draft_per_token=sum(s["draft_ms"] for s in drafted) / max(model_tokens, 1),
+        overhead=sum(s["overhead_ms"] for s in drafted) / sum(s["rounds"] for s in drafted),
+        local_overhead=sum(s["overhead_ms"] for s in plain) / sum(s["rounds"] for s in plain),
+    )
+
+
+def fixed_k_ms(agree: Sequence[bool], k: int, costs: Costs) -> float:
+    """Decoding the reply with blocks of ``k`` model drafts (fewer only where the reply ends)."""
+    ms, i = 0.0, 0
+    while i < len(agree):
+        block = min(k, len(agree) - i - 1)
+        run = 0
+        while run < block and agree[i + run]:
+            run += 1
+        ms += costs.round_ms(block)
+        i += run + 1
+    return ms
+
+
+def oracle_ms(agree: Sequence[bool], costs: Costs) -> float:
+    """Decoding the reply drafting exactly each run the draft gets right (none before a miss)."""
+    ms, i = 0.0, 0
+    while i < len(agree):
+        run = 0
+        while i + run + 1 < len(agree) and agree[i + run]:
+            run += 1
+        ms += costs.round_ms(run)
+        i += run + 1
+    return ms
+
+
+def draft_agreement(draft: Any, prompt: Sequence[int], reply: Sequence[int]) -> list[bool]:
+    """Whether the draft's greedy guess of each reply token, given the true prefix, is that token.
+    The prompt in one pass, then one token per pass on the KV cache, as the draft worker steps (a
+    dynamically quantized draft scales activations per pass, so the pass shape matters)."""
+    guesses: list[int] = []
+    with torch.inference_mode():
+        out = draft.model(torch.tensor([list(prompt)], device=draft.device), use_cache=True)
+        for token in reply:
+            guesses.append(int(out.logits[0, -1].argmax()))
+            step = torch.tensor([[token]], device=draft.device)
+            out = draft.model(step, past_key_values=out.past_key_values, use_cache=True)
+    return [guess == token for guess, token in zip(guesses, reply, strict=True)]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("report", type=Path, help="a `specdec bench` JSON report with hf target-only and service rows")
+    parser.add_argument("--draft-model", default="", help="default: the report's draft model")
+    parser.add_argument("--draft-quantize", default="", help="none | int8; default: the report's")
+    args = parser.parse_args(argv)
+    configure_logging("warning", "console")
+    report = json.loads(args.report.read_text())
+    config = report["config"]
+    cfg = BenchConfig(
+        model=config["model"],
+        draft_model=args.draft_model or config["draft_model"],
+        workloads={name: tuple(texts) for name, texts in config["workloads"].items()},
+    )
+    quantize = args.draft_quantize or config["draft_quantize"]
+    draft = load_model(cfg.draft_model, LoadOptions(device="cpu", dtype="float32", quantize=quantize))
+    k = int(config["k"])
+    out = sys.stdout.write
+    for workload, summary in report["workloads"].items():
+        runs = [r for r in report["runs"] if r["workload"] == workload]
+        costs = measured_costs(runs)
+        replies = {r["prompt"]: r["token_ids"] for r in runs if r["method"] == HF_TARGET and r["repeat"] == 0}
+        prompts = [p for p in tokenize_prompts(cfg) if p.workload == workload and p.index in replies]
+        agree = {p.index: draft_agreement(draft, p.token_ids, replies[p.index]) for p in prompts}
+        tokens = sum(len(a) for a in agree.values())
+        plain = sum(len(a) * costs.round_ms(0) for a in agree.values())
+        # predicted tokens/s scaled to the report: its measured target-only rate x (target-only ms / ms)
+        reference = summary["methods"][TARGET_ONLY]["tokens_per_s"]["median"]
+        oracle = "oracle (drafts exactly the runs the draft gets right)"
+        rows = {
+            TARGET_ONLY: (plain, TARGET_ONLY),
+            f"model, fixed K = {k}": (sum(fixed_k_ms(a, k, costs) for a in agree.values()), MODEL_K),
+            oracle: (sum(oracle_ms(a, costs) for a in agree.values()), ""),
+        }
+        out(f"== {workload} ==\n")
+        guessed = sum(map(sum, agree.values()))
+        out(f"the draft guesses {guessed} of the target's {tokens} tokens (teacher-forced)\n")
+        out(
+            f"costs: verify {costs.verify:.1f} ms + {costs.verify_per_draft:.1f} ms per drafted token, draft "
+            f"{costs.draft_per_token:.1f} ms per token, overhead {costs.overhead:.1f} ms per round "
+            f"({costs.local_overhead:.1f} without a draft)\n"
+        )
+        out(f"{'tok/s':56} {'predicted':>9} {'measured':>9}\n")
+        for name, (ms, row) in rows.items():
+            seen = summary["methods"].get(row, {}).get("tokens_per_s", {}).get("median")
+            out(f"{name:56} {reference * plain / ms:9.2f} {'' if seen is None else f'{seen:9.2f}'}\n")
+        hf = [m for m in summary["methods"] if m.startswith("hf ") and m != HF_TARGET]
+        if hf:
+            best = max(hf, key=lambda m: summary["methods"][m]["tokens_per_s"]["median"])
+            rate = summary["methods"][best]["tokens_per_s"]["median"]
+            out(f"{'best HF speculative: ' + best:56} {'':9} {rate:9.2f}\n")
+            out(f"oracle / best HF speculative: {reference * plain / rows[oracle][0] / rate:.2f}x\n")
+
+
+if __name__ == "__main__":
+    main()
