@@ -172,7 +172,7 @@ class KController:
     _seen: dict[str, Acceptance] = field(init=False)
     _going_on: Acceptance = field(init=False)
     _unsure: Acceptance = field(init=False)  # the tokens the draft ended a block on, unsure: taken?
-    _stop_dropped: bool = False  # only whole blocks paid: the turn drafts without the stop
+    _stop_dropped: bool = field(default=False, init=False)  # only whole blocks paid: the turn drafts without it
     _since_probe: dict[str, int] = field(default_factory=lambda: {MODEL: 0, NGRAM: 0})
     _probe_gap: dict[str, int] = field(default_factory=lambda: {MODEL: _FIRST_PROBE, NGRAM: _FIRST_PROBE})
 
