@@ -71,6 +71,18 @@ def test_bench_method_choice_keeps_the_target_only_references() -> None:
     assert list(service_methods(cfg)) == ["service target-only", "service model K"]
 
 
+def test_bench_rows_ask_for_their_own_k_and_confidence() -> None:
+    """The confidence-stop row asks as HF's assisted generation does by default (stop 0.4, long
+    blocks: K up to 16); the other rows ask for the run's K and leave the server's stop."""
+    from specdec.tools.bench import CONFIDENCE_STOP, HEADLINE, SERVICE_METHODS, BenchConfig, Prompt, _request
+
+    cfg, prompt = BenchConfig(model="m", draft_model="d", k=4), Prompt("complete", 0, (1, 2, 3))
+    stop = _request(cfg, prompt, SERVICE_METHODS[CONFIDENCE_STOP]).speculation
+    assert (stop.num_speculative_tokens, stop.draft_confidence, stop.fixed) == (16, pytest.approx(0.4), False)
+    default = _request(cfg, prompt, SERVICE_METHODS[HEADLINE]).speculation
+    assert default.num_speculative_tokens == 4 and not default.HasField("draft_confidence")
+
+
 def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
 
@@ -88,10 +100,10 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     assert set(data["methods"]) == {
         "hf target-only", "hf assisted K=4", "hf assisted default", "hf prompt lookup", "service target-only",
         "service model K", "service model adaptive", "service ngram K", "service ngram adaptive", "service hybrid K",
-        "service default (hybrid, adaptive)", "service default + confidence stop 0.6",
+        "service default (hybrid, adaptive)", "service default + confidence stop 0.4, K <= 16",
         "service early-exit K", "service early-exit adaptive",
     }  # fmt: skip
-    assert "confidence stop 0.6 / default" in data["ratios"]
+    assert "confidence stop / default" in data["ratios"]
     assert all(row["repeats"] == 2 for row in data["methods"].values())
     spread = data["methods"]["service model K"]["tokens_per_s"]
     assert spread["min"] <= spread["median"] <= spread["max"]
