@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from specdec.runtime.modeling import LoadOptions, load_model
+from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.serving.logging import configure_logging
 from specdec.tools.bench import HF_TARGET, SERVICE_METHODS, BenchConfig, tokenize_prompts
 
@@ -102,7 +102,7 @@ def oracle_ms(agree: Sequence[bool], costs: Costs) -> float:
     return ms
 
 
-def draft_agreement(draft: Any, prompt: Sequence[int], reply: Sequence[int]) -> list[bool]:
+def draft_agreement(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int]) -> list[bool]:
     """Whether the draft's greedy guess of each reply token, given the true prefix, is that token.
     The prompt in one pass, then one token per pass on the KV cache, as the draft worker steps (a
     dynamically quantized draft scales activations per pass, so the pass shape matters)."""
@@ -111,8 +111,9 @@ def draft_agreement(draft: Any, prompt: Sequence[int], reply: Sequence[int]) -> 
         out = draft.model(torch.tensor([list(prompt)], device=draft.device), use_cache=True)
         for token in reply:
             guesses.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[token]], device=draft.device)
-            out = draft.model(step, past_key_values=out.past_key_values, use_cache=True)
+            if len(guesses) < len(reply):
+                step = torch.tensor([[token]], device=draft.device)
+                out = draft.model(step, past_key_values=out.past_key_values, use_cache=True)
     return [guess == token for guess, token in zip(guesses, reply, strict=True)]
 
 
