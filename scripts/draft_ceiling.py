@@ -3,19 +3,20 @@
 
 Reads a ``specdec bench`` report and, for each of its prompts, takes the target's greedy reply
 (the report's ``hf target-only`` tokens) and asks the draft model for its own greedy guess of
-every reply token given the true prefix (teacher-forced, one token per pass on its KV cache, with
-the draft workers' loader and quantization). The round costs come from the service's own stats in
-the same report: a target-only verify pass, the extra verify time per drafted token, draft time
-per drafted token, and the per-round overhead with and without a draft.
+every reply token given the true prefix (teacher-forced, one token per pass, with the draft
+workers' loader, quantization and cache path). The round costs come from the service's own stats
+in the same report: a target-only verify pass, the extra verify time per drafted token, draft
+time per drafted token, and the per-round overhead with and without a draft.
 
 From those it prices, per workload, decoding with the draft at a fixed K (a check of the cost
 model against the report's ``service model K`` row) and an oracle: a proposer that drafts
 exactly the run of tokens the draft gets right, so that no drafted token is wasted and no run is
 cut short. No schedule of the draft's greedy proposals (any K, any confidence stop) beats the
 oracle at these costs: it is the ceiling of the draft on this machine (short of proposing other
-tokens than its first choice, or drafting beside the verify pass on other hardware). Predicted decoding rates are scaled
-to the report by its measured ``service target-only`` tokens/s (prefill and timer noise cancel in
-the ratio), then compared with the report's best HF speculative row.
+tokens than its first choice, or drafting beside the verify pass on other hardware). Predicted
+decoding rates are scaled to the report by its measured ``service target-only`` tokens/s
+(prefill and timer noise cancel in the ratio), then compared with the report's best HF
+speculative row.
 
     .venv/bin/python scripts/draft_ceiling.py docs/bench/qwen-2core.json
 """
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.serving.logging import configure_logging
 from specdec.tools.bench import HF_TARGET, SERVICE_METHODS, BenchConfig, tokenize_prompts
@@ -104,16 +106,17 @@ def oracle_ms(agree: Sequence[bool], costs: Costs) -> float:
 
 def draft_agreement(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int]) -> list[bool]:
     """Whether the draft's greedy guess of each reply token, given the true prefix, is that token.
-    The prompt in one pass, then one token per pass on the KV cache, as the draft worker steps (a
+    Through the draft workers' own cache path: the prompt in one pass, then one token per pass (a
     dynamically quantized draft scales activations per pass, so the pass shape matters)."""
+    caches = SessionCaches(draft, max_sessions=1, idle_s=float("inf"))
+    entry = caches.sync("ceiling", 0, 0)
     guesses: list[int] = []
     with torch.inference_mode():
-        out = draft.model(torch.tensor([list(prompt)], device=draft.device), use_cache=True)
+        logits = caches.extend(entry, list(prompt), 1)[-1]
         for token in reply:
-            guesses.append(int(out.logits[0, -1].argmax()))
+            guesses.append(int(logits.argmax()))
             if len(guesses) < len(reply):
-                step = torch.tensor([[token]], device=draft.device)
-                out = draft.model(step, past_key_values=out.past_key_values, use_cache=True)
+                logits = caches.extend(entry, [token], 1)[-1]
     return [guess == token for guess, token in zip(guesses, reply, strict=True)]
 
 
@@ -135,14 +138,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     draft = load_model(cfg.draft_model, LoadOptions(device="cpu", dtype="float32", quantize=quantize))
     k = int(config["k"])
     out = sys.stdout.write
+    prompts = tokenize_prompts(cfg)
     for workload, summary in report["workloads"].items():
         runs = [r for r in report["runs"] if r["workload"] == workload]
         costs = measured_costs(runs)
         replies = {r["prompt"]: r["token_ids"] for r in runs if r["method"] == HF_TARGET and r["repeat"] == 0}
-        prompts = [p for p in tokenize_prompts(cfg) if p.workload == workload and p.index in replies]
-        agree = {p.index: draft_agreement(draft, p.token_ids, replies[p.index]) for p in prompts}
+        here = [p for p in prompts if p.workload == workload and p.index in replies]
+        agree = {p.index: draft_agreement(draft, p.token_ids, replies[p.index]) for p in here}
         tokens = sum(len(a) for a in agree.values())
-        plain = sum(len(a) * costs.round_ms(0) for a in agree.values())
+        plain = tokens * costs.round_ms(0)
         # predicted tokens/s scaled to the report: its measured target-only rate x (target-only ms / ms)
         reference = summary["methods"][TARGET_ONLY]["tokens_per_s"]["median"]
         oracle = "oracle (drafts exactly the runs the draft gets right)"
