@@ -163,12 +163,16 @@ class Turn:
 
         Whatever ends it (the last round, an error, a cancellation at any await, the lease
         request included), ``_end`` runs: an unfinished turn is rolled back and the lease released.
+        A cancellation that a library call swallowed (grpc.aio returns a call's reply when the
+        cancel arrives just as the reply does; Python 3.11's ``wait_for`` likewise) is still
+        counted by the task: the next round does not start.
         """
         finished = False
         with structlog.contextvars.bound_contextvars(session_id=self.session_id):
             try:
                 await self._begin()
                 while not finished:
+                    _stop_if_cancelled()
                     out = await self._run_round()
                     finished = out.finish is not None
                     yield out
@@ -486,6 +490,13 @@ class Turn:
             None, f"{self.owner}:rollback", self._replaced, self._kept, target, draft, chat=self._chat_before
         )
         return await self.deps.store.commit(self.session_id, self.owner, commit)
+
+
+def _stop_if_cancelled() -> None:
+    """Raises CancelledError where the running task was asked to stop and the request was lost."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _upto(location: CacheLocation | None, length: int) -> CacheLocation | None:

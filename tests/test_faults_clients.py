@@ -326,3 +326,63 @@ def _drain_during(process, stream, refuse: bool = False, stub=None) -> list[int]
             stub.Generate(make_request(PROMPT, max_new=2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
     return [t for m in stream for t in m.token_ids]
+
+
+def test_a_cancellation_swallowed_by_a_library_call_still_ends_the_turn(cluster_same: LocalCluster) -> None:
+    """A task's cancellation can be lost inside a library call: grpc.aio returns a call's reply
+    when the cancel arrives just as the reply does (Python 3.11's wait_for likewise), and the
+    gateway's Abort then did nothing: the request ran to its end (seen about 1 in 20 disconnects
+    through the gateway). The turn checks at every round whether its task was asked to stop.
+    Here a round that swallows the cancellation stands for that call: the in-process coordinator
+    runs over the real workers; the consumer cancels its own task after the first round."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.engine import Engine
+    from coordinator.settings import CoordinatorSettings
+    from coordinator.validation import parse_request
+    from specdec.serving.metrics import CoordinatorMetrics
+
+    settings = CoordinatorSettings(
+        target_addresses=[cluster_same.processes["target-0"].address],
+        draft_address=cluster_same.processes["draft"].address,
+    )
+    request = make_request(PROMPT, k=2, max_new=200, ignore_eos=True)
+
+    async def scenario() -> tuple[int, bool]:
+        engine = Engine(settings, CoordinatorMetrics(CollectorRegistry()))
+        await engine.start()
+        try:
+            turn = engine.new_turn(parse_request(request, engine.limits), None)
+            run_round = turn._run_round
+
+            async def round_that_swallows_a_cancel() -> object:
+                call = asyncio.ensure_future(run_round())
+                try:
+                    return await asyncio.shield(call)
+                except asyncio.CancelledError:
+                    return await call  # the reply arrived with the cancellation: returned, the cancel lost
+
+            turn._run_round = round_that_swallows_a_cancel  # type: ignore[method-assign]
+            rounds = 0
+
+            async def consume() -> None:
+                nonlocal rounds
+                async for _ in turn.rounds():
+                    rounds += 1
+                    if rounds == 1:
+                        asyncio.current_task().cancel()  # type: ignore[union-attr]
+
+            task = asyncio.create_task(consume())
+            try:
+                await task
+            except asyncio.CancelledError:
+                return rounds, True
+            return rounds, False
+        finally:
+            await engine.stop()
+
+    rounds, cancelled = asyncio.run(scenario())
+    assert cancelled, f"the turn ran to its end ({rounds} rounds) after its task was cancelled"
+    assert rounds <= 2  # the round in flight when the cancel came may still finish
