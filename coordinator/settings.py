@@ -53,8 +53,8 @@ class CoordinatorSettings(ServiceSettings):
     num_speculative_tokens: int = Field(
         4,
         ge=0,
-        description="default K (the most draft tokens per round; adaptive K and the draft's confidence stop may "
-        "use fewer); 0 = none",
+        description="default K (the draft tokens per round; adaptive K may use fewer) of requests that draft without "
+        "the confidence stop or with fixed K; with the stop, blocks run up to max_speculative_tokens; 0 = none",
     )
     speculation_mode: Literal["auto", "sequential", "pipelined"] = Field(
         "auto",
@@ -76,11 +76,12 @@ class CoordinatorSettings(ServiceSettings):
         "max_speculative_tokens",
     )
     draft_confidence: float = Field(
-        0.0,
+        0.4,
         ge=0,
         lt=1,
         description="the draft model ends a block after a token it proposed with a lower probability (a request "
-        "may set its own); 0 = always the full K",
+        "may set its own; fixed-K requests default to 0); an adaptive request that sets no K then drafts up to "
+        "max_speculative_tokens; 0 = off: blocks of K (num_speculative_tokens)",
     )
     adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")
     probe_every: int = Field(32, gt=0, description="with speculation off for a session, probe it every N rounds")

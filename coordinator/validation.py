@@ -227,13 +227,20 @@ def _max_new_tokens(sampling: common_pb2.SamplingParams, limits: Limits) -> int:
     return n
 
 
-def _k(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> int:
+def _k(speculation: coordinator_pb2.SpeculationParams, limits: Limits, draft_confidence: float) -> int:
+    """The request's K. Unset, it is the server's default K, except where the draft's confidence
+    stop ends the blocks of an adaptive request: K then only caps them, at ``max_k`` (as HF's
+    assisted generation drafts up to 20 tokens until its confidence threshold ends the block). A
+    server whose default K is 0 does not speculate unless the request asks for a K."""
     if speculation.disable:
         return 0
     k = speculation.num_speculative_tokens
     if k > limits.max_k:
         raise InvalidRequest(f"speculation.num_speculative_tokens must be <= {limits.max_k}, got {k}")
-    return k or limits.default_k
+    if k:
+        return k
+    capped_by_the_stop = draft_confidence > 0 and not speculation.fixed and limits.default_k > 0
+    return limits.max_k if capped_by_the_stop else limits.default_k
 
 
 _METHODS = {
@@ -277,6 +284,7 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
             f"sampling.min_tokens ({sampling.min_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
         )
     top_logprobs, prompt_logprobs = _logprobs(sampling)
+    draft_confidence = _draft_confidence(request.speculation, limits)
     return TurnRequest(
         session_id=request.session_id,
         prompt_text=prompt_text,
@@ -287,7 +295,7 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         stop_ids=stop_ids,
         stop_strings=_stop_strings(sampling),
         include_stop_str=sampling.include_stop_str_in_output,
-        k=_k(request.speculation, limits),
+        k=_k(request.speculation, limits, draft_confidence),
         fixed_k=request.speculation.fixed,
         require_existing=request.require_existing_session,
         method=_method(request.speculation, limits),
@@ -297,5 +305,5 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         logprobs=sampling.logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
-        draft_confidence=_draft_confidence(request.speculation, limits),
+        draft_confidence=draft_confidence,
     )

@@ -26,11 +26,12 @@ def test_generate_starts_three_services_and_prints_text_and_summary(tiny_models:
     summary = result.stdout.strip().splitlines()[-1]
     match = re.fullmatch(
         r"-- (\d+) tokens in [\d.]+s = [\d.]+ tok/s \| acceptance rate ([\d.]+) \| "
-        r"mean accepted length ([\d.]+) \| rounds \d+ \| K 3",
+        r"mean accepted length ([\d.]+) \| rounds \d+ \| mean K ([\d.]+)",
         summary,
     )
     assert match, summary
     assert 1 <= int(match[1]) <= 12
+    assert 0 < float(match[4]) <= 3  # the K asked for caps every block
     assert float(match[2]) > 0.9  # the draft is a copy of the target
 
 
@@ -71,16 +72,20 @@ def test_bench_method_choice_keeps_the_target_only_references() -> None:
     assert list(service_methods(cfg)) == ["service target-only", "service model K"]
 
 
-def test_bench_rows_ask_for_their_own_k_and_confidence() -> None:
-    """The confidence-stop row asks as HF's assisted generation does by default (stop 0.4, long
-    blocks: K up to 16); the other rows ask for the run's K and leave the server's stop."""
-    from specdec.tools.bench import CONFIDENCE_STOP, HEADLINE, SERVICE_METHODS, BenchConfig, Prompt, _request
+def test_bench_rows_ask_as_a_user_would() -> None:
+    """The headline row asks for nothing (the server's default K and confidence stop); fixed-K
+    rows ask for the run's K; the row without the stop asks for stop 0 and no K (so the server's
+    default K)."""
+    from specdec.tools.bench import HEADLINE, NO_STOP, SERVICE_METHODS, BenchConfig, Prompt, _request
 
     cfg, prompt = BenchConfig(model="m", draft_model="d", k=4), Prompt("complete", 0, (1, 2, 3))
-    stop = _request(cfg, prompt, SERVICE_METHODS[CONFIDENCE_STOP]).speculation
-    assert (stop.num_speculative_tokens, stop.draft_confidence, stop.fixed) == (16, pytest.approx(0.4), False)
     default = _request(cfg, prompt, SERVICE_METHODS[HEADLINE]).speculation
-    assert default.num_speculative_tokens == 4 and not default.HasField("draft_confidence")
+    assert default.num_speculative_tokens == 0 and not default.HasField("draft_confidence")
+    no_stop = _request(cfg, prompt, SERVICE_METHODS[NO_STOP]).speculation
+    assert (no_stop.num_speculative_tokens, no_stop.draft_confidence, no_stop.fixed) == (0, 0.0, False)
+    assert no_stop.HasField("draft_confidence")
+    fixed = _request(cfg, prompt, SERVICE_METHODS["service model K"]).speculation
+    assert (fixed.num_speculative_tokens, fixed.fixed) == (4, True)
 
 
 def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -100,10 +105,10 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     assert set(data["methods"]) == {
         "hf target-only", "hf assisted K=4", "hf assisted default", "hf prompt lookup", "service target-only",
         "service model K", "service model adaptive", "service ngram K", "service ngram adaptive", "service hybrid K",
-        "service default (hybrid, adaptive)", "service default + confidence stop 0.4, K <= 16",
+        "service default (hybrid, adaptive)", "service default without the confidence stop",
         "service early-exit K", "service early-exit adaptive",
     }  # fmt: skip
-    assert "confidence stop / default" in data["ratios"]
+    assert "default / without the confidence stop" in data["ratios"]
     assert all(row["repeats"] == 2 for row in data["methods"].values())
     spread = data["methods"]["service model K"]["tokens_per_s"]
     assert spread["min"] <= spread["median"] <= spread["max"]

@@ -64,6 +64,25 @@ def test_draft_confidence_defaults_to_the_server_s_unless_k_is_fixed() -> None:
     assert parse_request(req(speculation=spec(draft_confidence=0.0)), limits).draft_confidence == 0.0
 
 
+def test_with_the_confidence_stop_an_adaptive_request_without_k_drafts_up_to_the_largest_k() -> None:
+    """The stop ends the blocks; K only caps them (HF's assisted generation: up to 20 tokens
+    until its 0.4 threshold). A K the request sets, fixed K and a request without the stop keep
+    the server's default K."""
+    limits = dataclasses.replace(LIMITS, draft_confidence=0.4)
+    spec = coordinator_pb2.SpeculationParams
+    assert parse_request(req(), limits).k == 8  # max_k
+    assert parse_request(req(speculation=spec(num_speculative_tokens=3)), limits).k == 3
+    assert parse_request(req(speculation=spec(fixed=True)), limits).k == 4  # default_k, no stop
+    assert parse_request(req(speculation=spec(fixed=True, draft_confidence=0.5)), limits).k == 4
+    assert parse_request(req(speculation=spec(draft_confidence=0.0)), limits).k == 4
+    assert parse_request(req(speculation=spec(draft_confidence=0.7)), LIMITS).k == 8
+    assert parse_request(req(), LIMITS).k == 4  # a server without the stop
+    assert parse_request(req(speculation=spec(disable=True)), limits).k == 0
+    no_speculation = dataclasses.replace(limits, default_k=0)  # --num-speculative-tokens 0
+    assert parse_request(req(), no_speculation).k == 0
+    assert parse_request(req(speculation=spec(num_speculative_tokens=2)), no_speculation).k == 2
+
+
 @pytest.mark.parametrize("value", [-0.1, 1.0, 2.0, math.nan])
 def test_draft_confidence_outside_0_1_is_invalid(value: float) -> None:
     speculation = coordinator_pb2.SpeculationParams(draft_confidence=value)

@@ -39,7 +39,11 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--draft-vocab-method", choices=["tli", "slem"], default="tli",
         help="how a draft whose tokenizer differs from the target's proposes target tokens",
     )  # fmt: skip
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K, draft tokens per round")
+    p.add_argument(
+        "--num-speculative-tokens", type=int, metavar="K",
+        help="draft tokens per round (with the draft's confidence stop, the most); default: the server's (4, or up "
+        "to 16 with the stop)",
+    )  # fmt: skip
     p.add_argument("--prompt", help="prompt text (required unless --info)")
     p.add_argument("--info", action="store_true", help="print the server's GetInfo (JSON) instead of generating")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -88,7 +92,7 @@ def _generate_request(args: argparse.Namespace) -> Any:
         sampling.logprobs, sampling.top_logprobs = True, args.logprobs
     request = coordinator_pb2.GenerateRequest(
         sampling=sampling,
-        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=args.num_speculative_tokens),
+        speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=args.num_speculative_tokens or 0),
     )
     if not args.chat:
         request.prompt = args.prompt
@@ -145,13 +149,13 @@ def _generate(args: argparse.Namespace) -> int:
     from specdec.runtime.modeling import resolve_device
     from specdec.tools.launch import LaunchError, LocalCluster
 
-    k = args.num_speculative_tokens
     worker_args = ["--device", args.device, "--dtype", args.dtype]
     # the draft translates only if its tokenizer differs from the target's
     draft_args = ["--quantize", args.draft_quantize, "--target-tokenizer", args.model]
     draft_args += ["--vocab-method", args.draft_vocab_method]
-    coordinator_args = ["--state-url", args.state_url, "--num-speculative-tokens", str(k)]
-    coordinator_args += ["--max-speculative-tokens", str(max(k, 1))]
+    coordinator_args = ["--state-url", args.state_url]
+    if args.num_speculative_tokens is not None:  # asked for by the request; the server must allow it
+        coordinator_args += ["--max-speculative-tokens", str(max(args.num_speculative_tokens, 16))]
     with tempfile.TemporaryDirectory(prefix="specdec-") as tmp:
         sys.stderr.write("starting target, draft and coordinator (loading models)...\n")
         cluster = LocalCluster(
@@ -179,7 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write(
         f"\n-- {usage.completion_tokens} tokens in {elapsed:.2f}s = {usage.completion_tokens / elapsed:.2f} tok/s | "
         f"acceptance rate {stats.acceptance_rate:.2f} | mean accepted length {stats.mean_accepted_length:.2f} | "
-        f"rounds {stats.rounds} | K {k if args.draft_model else 0}\n"
+        f"rounds {stats.rounds} | mean K {stats.mean_k:.1f}\n"
     )
     if logprobs:
         sys.stdout.write(f"-- token logprobs (id, logprob, alternatives)\n{_logprob_lines(logprobs)}\n")
@@ -225,7 +229,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--draft-model", required=True, help="draft model (same tokenizer)")
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="none", help="int8: dynamic int8 CPU draft")
     p.add_argument(
-        "--num-speculative-tokens", type=int, default=4, help="K (fixed-K runs; adaptive runs use it as max)"
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="K of the fixed-K rows and HF assisted K=K; the server's default K (adaptive rows without the "
+        "confidence stop; with it, the default row drafts up to 16)",
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument(
