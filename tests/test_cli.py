@@ -72,6 +72,26 @@ def test_bench_method_choice_keeps_the_target_only_references() -> None:
     assert list(service_methods(cfg)) == ["service target-only", "service model K"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--method", "service default + confidence stop 0.4, K <= 16"], "no row named 'service default + confidence"),
+        (["--method", "service early-exit K"], "needs --early-exit-layers"),
+        (["--method", "service cross-slem default"], "needs --cross-draft-model"),
+        (["--skip-hf", "--method", "hf assisted default"], "drop --skip-hf"),
+    ],
+)
+def test_bench_refuses_a_row_it_would_not_run(flags: list[str], expected: str) -> None:
+    """A --method that names no row of the run is an error before anything loads (it ran the
+    target-only references alone and reported that as the benchmark)."""
+    result = run("bench", "--model", "no-such-model", "--draft-model", "no-such-draft", *flags, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert expected in result.stderr
+    if "no row named" in expected:  # the rows it could have meant
+        assert "'service default (hybrid, adaptive)'" in result.stderr and "'hf assisted K=4'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_bench_rows_ask_as_a_user_would() -> None:
     """The headline row asks for nothing (the server's default K and confidence stop); fixed-K
     rows ask for the run's K; the row without the stop asks for stop 0 and no K (so the server's

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -318,6 +318,24 @@ def _extra_drafts(cfg: BenchConfig) -> dict[str, list[str]]:
 def service_methods(cfg: BenchConfig) -> dict[str, ServiceRow]:
     extra = _extra_drafts(cfg)
     return _chosen(cfg, {m: spec for m, spec in SERVICE_METHODS.items() if spec.coordinator in ("main", *extra)})
+
+
+def check_methods(cfg: BenchConfig) -> None:
+    """Every ``--method`` names a row this run has; raises ValueError saying what to change."""
+    hf = {} if cfg.skip_hf else hf_methods(replace(cfg, methods=()))
+    rows = [*hf, *service_methods(replace(cfg, methods=()))]
+    for name in cfg.methods:
+        if name in rows:
+            continue
+        spec = SERVICE_METHODS.get(name)
+        if spec is not None and spec.coordinator == "early-exit":
+            raise ValueError(f"row '{name}' needs --early-exit-layers N (the target's layers the draft keeps)")
+        if spec is not None:
+            raise ValueError(f"row '{name}' needs --cross-draft-model (a draft with another tokenizer)")
+        if cfg.skip_hf and name in hf_methods(replace(cfg, methods=())):
+            raise ValueError(f"row '{name}' is an HF baseline: drop --skip-hf to run it")
+        known = "; ".join(f"'{row}'" for row in rows)
+        raise ValueError(f"no row named '{name}' in this run; --method takes one of: {known}")
 
 
 @contextmanager
@@ -646,6 +664,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
 def run(cfg: BenchConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
+    check_methods(cfg)
     prompts = tokenize_prompts(cfg)
     per_repeat = len(prompts) * ((0 if cfg.skip_hf else len(hf_methods(cfg))) + len(service_methods(cfg)))
     with tqdm(total=per_repeat * cfg.repeats + len(cfg.concurrency), unit="run", desc="bench") as bar:

@@ -8,7 +8,10 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specdec.tools.bench import BenchConfig
 
 SERVE_HELP = "run one service: coordinator | draft | target (flags: specdec serve ROLE --help)"
 
@@ -261,10 +264,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots (they need matplotlib)")
 
 
-def _bench(args: argparse.Namespace) -> int:
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """The benchmark's configuration from ``specdec bench`` flags."""
     from specdec.tools import bench
 
-    cfg = bench.BenchConfig(
+    return bench.BenchConfig(
         model=args.model,
         draft_model=args.draft_model,
         draft_quantize=args.draft_quantize,
@@ -281,22 +285,39 @@ def _bench(args: argparse.Namespace) -> int:
         skip_hf=args.skip_hf,
         plots=not args.no_plots,
     )
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specdec.tools import bench
+
+    cfg = bench_config(args)
+    try:
+        bench.check_methods(cfg)
+    except ValueError as e:
+        sys.stderr.write(f"specdec bench: error: {e}\n")
+        return 2
     report = bench.run(cfg)
     plots = "".join(f"\nplot: {p}" for p in report.get("plots", []))
     sys.stdout.write(bench.format_table(report) + f"\n\nJSON report: {cfg.out}{plots}\n")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) >= 2 and argv[0] == "serve":
-        return _serve(argv[1], argv[2:])
+def build_parser() -> argparse.ArgumentParser:
+    """``specdec``'s arguments (``serve`` takes its role's settings itself)."""
     parser = argparse.ArgumentParser(prog="specdec", description="Exact, distributed speculative decoding over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help=SERVE_HELP)
     _generate_parser(sub)
     _models_parser(sub)
     _bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "serve":
+        return _serve(argv[1], argv[2:])
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         parser.error("serve needs a role: specdec serve coordinator|draft|target [flags]")
