@@ -219,6 +219,32 @@ def test_generate_chat_without_a_template_says_so(tiny_models: TinyModels) -> No
     assert "INVALID_ARGUMENT: the target model's tokenizer has no chat template" in result.stderr
 
 
+def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
+    """With --skip-hf the ratios over HF rows are left out, not NaN (the table printed "nanx" and
+    the JSON report held NaN, which is no JSON)."""
+    import json
+
+    from specdec.tools.bench import HEADLINE, NO_STOP, BenchConfig, Run, format_table, summarize
+
+    runs = [
+        Run(method, "complete", prompt, repeat, [1, 2, 3, 4], seconds)
+        for method, seconds in (("service target-only", 1.0), (HEADLINE, 0.5), (NO_STOP, 0.6))
+        for prompt in (0, 1)
+        for repeat in (0, 1)
+    ]
+    report = summarize(BenchConfig(model="m", draft_model="d", skip_hf=True), runs, {})
+    ratios = report["workloads"]["complete"]["ratios"]
+    assert ratios == pytest.approx(
+        {
+            "default / service target-only": 2.0,
+            "worst prompt: default / service target-only": 2.0,
+            "default / without the confidence stop": 1.2,
+        }
+    )
+    json.dumps(report, allow_nan=False)
+    assert "nan" not in format_table(report)
+
+
 def _ceiling_report(tiny_models: TinyModels, path: Path) -> Path:
     """A bench report by hand: one prompt, the target's greedy reply, and service stats whose
     costs are round numbers (verify 100 ms + 5 per drafted token, draft 20 per token, overhead 8

@@ -523,7 +523,7 @@ def summarize(cfg: BenchConfig, runs: list[Run], sweep: dict[int, dict[str, floa
 
 
 def _median(methods: dict[str, Any], name: str) -> float:
-    return methods[name]["tokens_per_s"]["median"] if name in methods else float("nan")
+    return methods[name]["tokens_per_s"]["median"]
 
 
 def _per_prompt(runs: list[Run], method: str, baseline: str) -> dict[int, float]:
@@ -544,23 +544,26 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
     reference_method = HF_TARGET if HF_TARGET in methods else "service target-only"
     reference = {r.prompt: r.token_ids for r in runs if r.method == reference_method and r.repeat == 0}
     identical = {m: all(r.token_ids == reference[r.prompt] for r in runs if r.method == m) for m in methods}
-    head = _median(methods, HEADLINE)
-    ratios = {
-        "default / hf target-only": head / _median(methods, HF_TARGET),
-        "default / service target-only": head / _median(methods, "service target-only"),
-        "service target-only / hf target-only": _median(methods, "service target-only") / _median(methods, HF_TARGET),
-        "worst prompt: default / service target-only": min(per_prompt.values(), default=float("nan")),
-    }
+    ratios: dict[str, float] = {}
+
+    def ratio(name: str, method: str, over: str) -> None:  # only between rows this run has
+        if method in methods and over in methods:
+            ratios[name] = _median(methods, method) / _median(methods, over)
+
+    ratio("default / hf target-only", HEADLINE, HF_TARGET)
+    ratio("default / service target-only", HEADLINE, baseline)
+    ratio("service target-only / hf target-only", baseline, HF_TARGET)
+    if per_prompt:
+        ratios["worst prompt: default / service target-only"] = min(per_prompt.values())
     for method in methods:  # each adaptive draft's default against target-only, on its worst prompt too
         if method.startswith("service cross-") and method.endswith(" default") and baseline in methods:
             name = method.removeprefix("service ")
-            ratios[f"{name} / {baseline}"] = _median(methods, method) / _median(methods, baseline)
-            ratios[f"{name} / default (same-family draft)"] = _median(methods, method) / head
+            ratio(f"{name} / {baseline}", method, baseline)
+            ratio(f"{name} / default (same-family draft)", method, HEADLINE)
             ratios[f"worst prompt: {name} / {baseline}"] = min(_per_prompt(runs, method, baseline).values())
-    if NO_STOP in methods:
-        ratios["default / without the confidence stop"] = head / _median(methods, NO_STOP)
+    ratio("default / without the confidence stop", HEADLINE, NO_STOP)
     if best_hf is not None:
-        ratios[f"default / best HF speculative ({best_hf})"] = head / _median(methods, best_hf)
+        ratio(f"default / best HF speculative ({best_hf})", HEADLINE, best_hf)
     return {
         "ratios": ratios,
         "best_hf_speculative": best_hf,
