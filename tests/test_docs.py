@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -25,3 +27,21 @@ def test_generated_stubs_match_the_protos() -> None:
     from specdec.tools.protogen import stale_files
 
     assert stale_files() == []
+
+
+def _bench_commands() -> list[list[str]]:
+    """Every ``specdec bench`` command in the README's code blocks, as argv (continuations joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [shlex.split(line, comments=True)[2:] for line in lines if line.startswith("specdec bench ")]
+
+
+def test_readme_bench_commands_name_rows_the_bench_has() -> None:
+    """A README bench command that names a renamed row ran only the target-only rows."""
+    from specdec.tools.bench import check_methods
+    from specdec.tools.cli import bench_config, build_parser
+
+    commands = _bench_commands()
+    assert len(commands) >= 3, "the README's benchmark commands were not found"
+    for argv in commands:
+        check_methods(bench_config(build_parser().parse_args(["bench", *argv])))
