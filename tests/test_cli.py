@@ -219,6 +219,21 @@ def test_generate_chat_without_a_template_says_so(tiny_models: TinyModels) -> No
     assert "INVALID_ARGUMENT: the target model's tokenizer has no chat template" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [(None, "cannot read --prompts"), ("", "holds no prompts"), ("\n---\n  \n---\n", "holds no prompts")],
+)
+def test_bench_says_what_is_wrong_with_a_prompts_file(tmp_path: Path, content: str | None, expected: str) -> None:
+    """A missing or empty --prompts file is an error before anything loads, not a traceback."""
+    prompts = tmp_path / "prompts.txt"
+    if content is not None:
+        prompts.write_text(content)
+    result = run("bench", "--model", "no-such-model", "--draft-model", "no-such-draft", "--prompts", str(prompts))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert expected in result.stderr and str(prompts) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
     """With --skip-hf the ratios over HF rows are left out, not NaN (the table printed "nanx" and
     the JSON report held NaN, which is no JSON)."""

@@ -698,9 +698,16 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
 
 def workloads_from(path: Path | None, max_prompts: int = 0) -> dict[str, tuple[str, ...]]:
     """The built-in workloads, or one workload ``file`` of the prompts in a file (separated by
-    lines holding only '---'); ``max_prompts`` > 0 keeps the first that many of each."""
+    lines holding only '---'); ``max_prompts`` > 0 keeps the first that many of each. Raises
+    ValueError for a file that cannot be read or holds no prompt."""
     if path is None:
         workloads = dict(WORKLOADS)
     else:
-        workloads = {"file": tuple(p.strip("\n") for p in path.read_text().split("\n---\n") if p.strip())}
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --prompts {path}: {e}") from None
+        workloads = {"file": tuple(p.strip("\n") for p in text.split("\n---\n") if p.strip())}
+        if not workloads["file"]:
+            raise ValueError(f"--prompts {path} holds no prompts (separate prompts with lines holding only '---')")
     return {name: prompts[: max_prompts or None] for name, prompts in workloads.items()}

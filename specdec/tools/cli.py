@@ -290,8 +290,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 def _bench(args: argparse.Namespace) -> int:
     from specdec.tools import bench
 
-    cfg = bench_config(args)
     try:
+        cfg = bench_config(args)
         bench.check_methods(cfg)
     except ValueError as e:
         sys.stderr.write(f"specdec bench: error: {e}\n")
