@@ -322,8 +322,9 @@ def service_methods(cfg: BenchConfig) -> dict[str, ServiceRow]:
 
 def check_methods(cfg: BenchConfig) -> None:
     """Every ``--method`` names a row this run has; raises ValueError saying what to change."""
-    hf = {} if cfg.skip_hf else hf_methods(replace(cfg, methods=()))
-    rows = [*hf, *service_methods(replace(cfg, methods=()))]
+    every = replace(cfg, methods=())
+    hf = hf_methods(every)
+    rows = [*({} if cfg.skip_hf else hf), *service_methods(every)]
     for name in cfg.methods:
         if name in rows:
             continue
@@ -332,7 +333,7 @@ def check_methods(cfg: BenchConfig) -> None:
             raise ValueError(f"row '{name}' needs --early-exit-layers N (the target's layers the draft keeps)")
         if spec is not None:
             raise ValueError(f"row '{name}' needs --cross-draft-model (a draft with another tokenizer)")
-        if cfg.skip_hf and name in hf_methods(replace(cfg, methods=())):
+        if name in hf:
             raise ValueError(f"row '{name}' is an HF baseline: drop --skip-hf to run it")
         known = "; ".join(f"'{row}'" for row in rows)
         raise ValueError(f"no row named '{name}' in this run; --method takes one of: {known}")
