@@ -185,13 +185,13 @@ class DraftStream:
     async def send(self, request: draft_pb2.ProposeRequest, timeout_s: float, caller_limited: bool = False) -> None:
         try:
             await asyncio.wait_for(self._call.write(request), timeout_s)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise self._failed(exc, caller_limited) from exc
 
     async def receive(self, timeout_s: float, caller_limited: bool = False) -> draft_pb2.ProposeResponse:
         try:
             reply = await asyncio.wait_for(self._call.read(), timeout_s)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise self._failed(exc, caller_limited) from exc
         if reply is grpc.aio.EOF:
             raise WorkerCallFailed("draft closed the stream")

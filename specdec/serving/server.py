@@ -66,7 +66,7 @@ class ServerControl:
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
 
