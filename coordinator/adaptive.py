@@ -7,7 +7,10 @@ session's acceptance rate of each proposer and picks, each round, the proposer a
 expected tokens per second (Leviathan et al.: a round with per-token acceptance a yields
 (1 - a^(K+1)) / (1 - a) tokens; with the draft's confidence stop, which ends a block early, K is a
 cap and the rate c at which the draft goes on after a token enters too: the block holds on average
-1 + c + ... + c^(K-1) tokens and the round commits 1 + a + a^2 c + ... + a^K c^(K-1)). The
+1 + c + ... + c^(K-1) tokens. Under a stop the tokens the draft went on after (it was sure of them)
+and the token a stop ended the block on are taken at different rates, a_s and a_u, so position i
+adds (c a_s)^(i-1) (c a_s + (1 - c) a_u): a long run of sure tokens is worth what it is, where one
+pooled rate would price every position after the first at the unsure tokens' odds too). The
 proposers: ``model`` (the draft worker; costs draft time per token) and ``ngram`` (lookup in the
 session's own tokens; free to draft, only where the suffix matches). K = 0 is target-only
 decoding; it is chosen whenever speculation would be slower; then cheap probes (first after 4
@@ -56,6 +59,24 @@ class Acceptance:
 
 
 @dataclass(frozen=True)
+class ConfidenceStop:
+    """Where the draft model ends a block early (each 0 = off): after a token it proposed with a
+    probability below ``token`` (HF's assistant confidence threshold), or after the token that takes
+    the product of the block's probabilities, its estimate of the chance that the target keeps the
+    whole block, below ``block``. Speed only: the target verifies whatever was proposed."""
+
+    token: float = 0.0
+    block: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.token > 0 or self.block > 0
+
+
+NO_STOP = ConfidenceStop()
+
+
+@dataclass(frozen=True)
 class Plan:
     """A round's proposer (``model``, ``ngram`` or ``none``) and its K (0 with ``none``)."""
 
@@ -87,6 +108,10 @@ class StepCosts:
     # How often the draft model, asked for more, went on after a proposed token (its confidence
     # stop ends a block early otherwise), over all sessions.
     continuation: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
+    # The model draft's acceptance split by the stop: the tokens it went on after (sure), and the
+    # token a confidence stop ended a block on (unsure; counted where the target got to it).
+    sure: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
+    unsure: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
 
     @property
     def alpha(self) -> float | None:
@@ -140,16 +165,20 @@ class StepCosts:
         return max(self.verify[a] + slope * (tokens - a), 0.0)
 
 
-def expected_tokens(alpha: float, k: int, going_on: float = 1.0) -> float:
+def expected_tokens(alpha: float, k: int, going_on: float = 1.0, unsure: float | None = None) -> float:
     """Tokens a round commits on average: accepted drafts + the target's own token. ``going_on``:
-    the chance that the draft proposes the next token after one (below 1 with its confidence stop)."""
+    the chance that the draft proposes the next token after one (below 1 with its confidence stop);
+    ``alpha``: the acceptance of the tokens it goes on after, ``unsure`` that of the token a stop
+    ends the block on (default: the same)."""
     if going_on >= 1.0:
         if k == 0:
             return 1.0
         if alpha >= 1.0:
             return float(k + 1)
         return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return 1.0 + sum(alpha**i * going_on ** (i - 1) for i in range(1, k + 1))
+    unsure = alpha if unsure is None else unsure
+    chain, last = going_on * alpha, going_on * alpha + (1.0 - going_on) * unsure
+    return 1.0 + sum(chain ** (i - 1) * last for i in range(1, k + 1))
 
 
 def expected_length(k: int, going_on: float) -> float:
@@ -169,9 +198,13 @@ class KController:
     prior_weight: float = 4.0
     decay: float = 0.9
     confidence_stop: bool = False  # the turn's requests ask the draft model to stop where it is unsure
+    block_stop: float = 0.0  # the block stop's threshold (0 = none): it bounds a block's length itself
     _seen: dict[str, Acceptance] = field(init=False)
     _going_on: Acceptance = field(init=False)
     _unsure: Acceptance = field(init=False)  # the tokens the draft ended a block on, unsure: taken?
+    _sure_seen: Acceptance = field(init=False)  # acceptance of the tokens the draft went on after
+    _sure_runs: Acceptance = field(init=False)  # block-stop blocks: the draft's sure run taken whole?
+    _unsure_seen: Acceptance = field(init=False)  # of the token a stop ended a block on, where reached
     _stop_dropped: bool = field(default=False, init=False)  # only whole blocks paid: the turn drafts without it
     _since_probe: dict[str, int] = field(default_factory=lambda: {MODEL: 0, NGRAM: 0})
     _probe_gap: dict[str, int] = field(default_factory=lambda: {MODEL: _FIRST_PROBE, NGRAM: _FIRST_PROBE})
@@ -180,6 +213,9 @@ class KController:
         self._seen = {MODEL: Acceptance(self.decay), NGRAM: Acceptance(self.decay)}
         self._going_on = Acceptance(self.decay)
         self._unsure = Acceptance(self.decay)
+        self._sure_seen = Acceptance(self.decay)
+        self._sure_runs = Acceptance(self.decay)
+        self._unsure_seen = Acceptance(self.decay)
 
     @property
     def alpha(self) -> float:
@@ -220,6 +256,30 @@ class KController:
             self._going_on.observe(asked - 1, k - 1)
         if method == MODEL and ends_unsure:  # one trial: the block's last token, taken or not
             self._unsure.observe(1, int(accepted == k))
+        if method == MODEL:
+            self._observe_split(k, accepted, ends_unsure)
+            if self.block_stop > 0 and (run := k - 1 if ends_unsure else k):
+                self._sure_runs.observe(1, int(accepted >= run))
+
+    def _observe_split(self, k: int, accepted: int, ends_unsure: bool) -> None:
+        """The round's sure tokens (all but the last where a stop ended the block) and its unsure
+        one, counted where the target got to it (every token before it taken)."""
+        pairs = ((self.costs.sure, self._sure_seen), (self.costs.unsure, self._unsure_seen))
+        if not ends_unsure:
+            for counts in pairs[0]:
+                counts.observe(k, accepted)
+            return
+        if k > 1:
+            for counts in pairs[0]:
+                counts.observe(k - 1, min(accepted, k - 1))
+        if accepted >= k - 1:
+            for counts in pairs[1]:
+                counts.observe(1, int(accepted == k))
+
+    def _split_rate(self, pooled: Acceptance, seen: Acceptance, prior: float) -> float:
+        rate = pooled.rate
+        prior = rate if rate is not None else prior
+        return (seen.accepted + prior * self.prior_weight) / (seen.trials + self.prior_weight)
 
     @property
     def stopping(self) -> bool:
@@ -273,6 +333,8 @@ class KController:
         best = max(known, key=lambda plan: known[plan])
         if best.method == NONE and limits[MODEL] and self.stopping:
             best = self._without_stop(limits[MODEL], known[TARGET_ONLY]) or best
+        if best.method == MODEL and self.block_stop_bounds_blocks:
+            best = Plan(MODEL, limits[MODEL])
         self._reset(best.method)
         # A lookup that keeps failing is tried only at probes. With speculation off, the model is
         # probed with a short block, soon at first (acceptance often changes within a response),
@@ -282,6 +344,21 @@ class KController:
         if best.method == NONE and limits[MODEL] and (probe := self._probe(MODEL, limits[MODEL])):
             return probe
         return best
+
+    @property
+    def block_stop_bounds_blocks(self) -> bool:
+        """Whether the block stop, not K, decides how long a model block runs: the draft ends it
+        once its own odds that the target keeps the whole block fall below the threshold, so a
+        long block is one the draft is sure of throughout, which one acceptance rate per
+        position cannot tell apart (replaying the benchmark's draft, the longest cap measured best
+        with the block stop; K chosen by the rates, capped at 3-6, lost up to a fifth of that).
+        Kept while the draft's odds hold: the sure runs the stop leaves (all of a block but the
+        token it ended on) are taken whole at least half as often as the threshold says; an
+        overconfident draft falls back to the K the rates choose."""
+        if not (self.stopping and self.block_stop > 0):
+            return False
+        runs = self._sure_runs
+        return runs.trials < _UNSURE_EVIDENCE or runs.accepted / runs.trials >= self.block_stop / 2
 
     def _without_stop(self, model: int, target_only: float) -> Plan | None:
         """Where blocks the stop cuts short do not pay, speculation would go off before the unsure
@@ -297,6 +374,10 @@ class KController:
         ms = self.expected_ms(plan.k, plan.method)
         if not ms:
             return None
+        if plan.method == MODEL and self.stopping:
+            sure = self._split_rate(self.costs.sure, self._sure_seen, self.alpha_of(MODEL))
+            unsure = self._split_rate(self.costs.unsure, self._unsure_seen, self.alpha_of(MODEL))
+            return expected_tokens(sure, plan.k, self.going_on, unsure) / ms
         alpha = self.alpha_of(plan.method) if plan.k else 0.0
         return expected_tokens(alpha, plan.k, self.going_on if plan.method == MODEL else 1.0) / ms
 

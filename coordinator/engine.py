@@ -106,6 +106,7 @@ def server_info(
         max_top_logprobs=MAX_TOP_LOGPROBS,
         draft_vocab_method=vocab_method(draft),
         draft_confidence=limits.draft_confidence,
+        draft_block_confidence=limits.draft_block_confidence,
     )
 
 
@@ -156,6 +157,7 @@ class Engine:
             default_method=s.default_method(),
             lookup_max_tokens=min(s.lookup_max_tokens, s.max_speculative_tokens),
             draft_confidence=s.draft_confidence,
+            draft_block_confidence=s.draft_block_confidence,
         )
         if draft_info is not None and draft_info.max_context_len < target_info.max_context_len:
             log.warning(

@@ -76,12 +76,20 @@ class CoordinatorSettings(ServiceSettings):
         "max_speculative_tokens",
     )
     draft_confidence: float = Field(
-        0.4,
+        0.0,
         ge=0,
         lt=1,
-        description="the draft model ends a block after a token it proposed with a lower probability (a request "
-        "may set its own; fixed-K requests default to 0); an adaptive request that sets no K then drafts up to "
-        "max_speculative_tokens; 0 = off: blocks of K (num_speculative_tokens)",
+        description="the draft model ends a block after a token it proposed with a lower probability (HF's "
+        "assistant confidence threshold; a request may set its own; fixed-K requests default to 0); 0 = off",
+    )
+    draft_block_confidence: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="the draft model ends a block once the product of the probabilities of the tokens it proposed "
+        "in it (its estimate that the target keeps them all) is lower (a request may set its own; fixed-K requests "
+        "default to 0). With either stop an adaptive request that sets no K drafts up to max_speculative_tokens; "
+        "with neither, blocks of K (num_speculative_tokens); 0 = off",
     )
     adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")
     probe_every: int = Field(32, gt=0, description="with speculation off for a session, probe it every N rounds")

@@ -19,7 +19,7 @@ from typing import TypeVar
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import MODEL, NGRAM, TARGET_ONLY, KController, Plan, StepCosts
+from coordinator.adaptive import MODEL, NGRAM, NO_STOP, TARGET_ONLY, KController, Plan, StepCosts
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Decoding, Proposal, WorkerSession, lookup_proposal
@@ -145,7 +145,12 @@ class Turn:
             self.session_id, d.targets, d.draft, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined
         )
         self.controller = KController(
-            self.request.k, d.costs, d.pipelined, d.probe_every, confidence_stop=self.request.draft_confidence > 0
+            self.request.k,
+            d.costs,
+            d.pipelined,
+            d.probe_every,
+            confidence_stop=self.request.draft_stop.on,
+            block_stop=self.request.draft_stop.block,
         )
 
     @property
@@ -209,7 +214,7 @@ class Turn:
         if req.k and req.method != MODEL:
             self._index = NgramIndex(*self.deps.ngram, self._committed)
         processing = dataclasses.replace(req.processing, reply_start=len(self._committed))
-        self._decoding = Decoding(req.warp, req.seed, processing, req.draft_confidence)
+        self._decoding = Decoding(req.warp, req.seed, processing, req.draft_stop)
         self.stats.prompt_tokens = len(prompt)
 
     def _prefix_keys(self, tokens: list[int]) -> list[str]:
@@ -314,8 +319,8 @@ class Turn:
             proposal = lookup_proposal(lookup[: plan.k], len(self._committed))
             self.workers.skip_draft()
         elif plan.k > 0:
-            if decoding.min_confidence and self.adaptive and not self.controller.stopping:
-                decoding = dataclasses.replace(decoding, min_confidence=0.0)
+            if decoding.stop.on and self.adaptive and not self.controller.stopping:
+                decoding = dataclasses.replace(decoding, stop=NO_STOP)
             proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round)
         drafted = loop.time()
         block = proposal.block if proposal else common_pb2.DraftBlock()

@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from coordinator.adaptive import drafting_method
+from coordinator.adaptive import NO_STOP, ConfidenceStop, drafting_method
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.processing import NO_PROCESSING, Processing
 from specdec.runtime.sampling import Warp
@@ -44,6 +44,7 @@ FEATURES = (
     "speculation.fixed",
     "speculation.method",
     "speculation.draft_confidence",
+    "speculation.draft_block_confidence",
     "require_existing_session",
 )
 
@@ -62,7 +63,8 @@ class Limits:
     draft_context_len: int = 0  # the draft's context length (0 = no draft); it drafts no further
     default_method: str = "ngram"  # model | ngram | hybrid
     lookup_max_tokens: int = 8  # the most tokens one lookup draft proposes
-    draft_confidence: float = 0.0  # the draft's confidence stop when a request sets none
+    draft_confidence: float = 0.0  # the draft's confidence stops when a request sets none
+    draft_block_confidence: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class TurnRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # alternatives per prompt token; None = no prompt logprobs
-    draft_confidence: float = 0.0  # the draft model ends a block after a token it is less sure of
+    draft_stop: ConfidenceStop = NO_STOP  # where the draft model ends a block early
 
 
 def _check_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
@@ -227,9 +229,9 @@ def _max_new_tokens(sampling: common_pb2.SamplingParams, limits: Limits) -> int:
     return n
 
 
-def _k(speculation: coordinator_pb2.SpeculationParams, limits: Limits, draft_confidence: float) -> int:
-    """The request's K. Unset, it is the server's default K, except where the draft's confidence
-    stop ends the blocks of an adaptive request: K then only caps them, at ``max_k`` (as HF's
+def _k(speculation: coordinator_pb2.SpeculationParams, limits: Limits, stop: ConfidenceStop) -> int:
+    """The request's K. Unset, it is the server's default K, except where a confidence stop of the
+    draft ends the blocks of an adaptive request: K then only caps them, at ``max_k`` (as HF's
     assisted generation drafts up to 20 tokens until its confidence threshold ends the block). A
     server whose default K is 0 does not speculate unless the request asks for a K."""
     if speculation.disable:
@@ -239,7 +241,7 @@ def _k(speculation: coordinator_pb2.SpeculationParams, limits: Limits, draft_con
         raise InvalidRequest(f"speculation.num_speculative_tokens must be <= {limits.max_k}, got {k}")
     if k:
         return k
-    capped_by_the_stop = draft_confidence > 0 and not speculation.fixed and limits.default_k > 0
+    capped_by_the_stop = stop.on and not speculation.fixed and limits.default_k > 0
     return limits.max_k if capped_by_the_stop else limits.default_k
 
 
@@ -258,13 +260,20 @@ def _method(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> s
     return drafting_method(_METHODS[speculation.method], limits.draft_context_len > 0)
 
 
-def _draft_confidence(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> float:
-    if not speculation.HasField("draft_confidence"):
-        return 0.0 if speculation.fixed else limits.draft_confidence
-    value = speculation.draft_confidence
-    if not 0.0 <= value < 1.0:  # NaN fails too
-        raise InvalidRequest(f"speculation.draft_confidence must be in [0, 1), got {value}")
-    return value
+def _draft_stop(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> ConfidenceStop:
+    """The request's confidence stops: each as the request sets it, else the server's (none with
+    ``fixed``, which asks for exactly K)."""
+    values = []
+    defaults = {"draft_confidence": limits.draft_confidence, "draft_block_confidence": limits.draft_block_confidence}
+    for name, default in defaults.items():
+        if not speculation.HasField(name):
+            values.append(0.0 if speculation.fixed else default)
+            continue
+        value = getattr(speculation, name)
+        if not 0.0 <= value < 1.0:  # NaN fails too
+            raise InvalidRequest(f"speculation.{name} must be in [0, 1), got {value}")
+        values.append(value)
+    return ConfidenceStop(*values)
 
 
 def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:
@@ -284,7 +293,7 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
             f"sampling.min_tokens ({sampling.min_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
         )
     top_logprobs, prompt_logprobs = _logprobs(sampling)
-    draft_confidence = _draft_confidence(request.speculation, limits)
+    draft_stop = _draft_stop(request.speculation, limits)
     return TurnRequest(
         session_id=request.session_id,
         prompt_text=prompt_text,
@@ -295,7 +304,7 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         stop_ids=stop_ids,
         stop_strings=_stop_strings(sampling),
         include_stop_str=sampling.include_stop_str_in_output,
-        k=_k(request.speculation, limits, draft_confidence),
+        k=_k(request.speculation, limits, draft_stop),
         fixed_k=request.speculation.fixed,
         require_existing=request.require_existing_session,
         method=_method(request.speculation, limits),
@@ -305,5 +314,5 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         logprobs=sampling.logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
-        draft_confidence=draft_confidence,
+        draft_stop=draft_stop,
     )

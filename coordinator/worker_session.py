@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from coordinator.adaptive import MODEL, NGRAM
+from coordinator.adaptive import MODEL, NGRAM, NO_STOP, ConfidenceStop
 from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.processing import NO_PROCESSING, Processing, processing_to_proto
@@ -33,13 +33,13 @@ _VERIFY_RETRY_PAUSE_S = 0.1
 
 @dataclass(frozen=True)
 class Decoding:
-    """How a turn samples (both workers get it with every call), and the draft's confidence stop:
-    a model block ends after a token the draft proposed with a lower probability (speed only)."""
+    """How a turn samples (both workers get it with every call), and where the draft model ends a
+    block early (speed only)."""
 
     warp: Warp
     seed: int
     processing: Processing = NO_PROCESSING
-    min_confidence: float = 0.0
+    stop: ConfidenceStop = NO_STOP
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Proposal:
     computed: int
     pipelined: bool = False
     method: str = MODEL
-    ends_unsure: bool = False  # the draft proposed the block's last token below its confidence stop
+    ends_unsure: bool = False  # the draft reached a confidence stop at the block's last token
 
 
 def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
@@ -235,7 +235,7 @@ class WorkerSession:
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
                 warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
                 vocab_limit=self._draft.vocab_limit, processing=processing_to_proto(decoding.processing),
-                min_confidence=decoding.min_confidence,
+                min_confidence=decoding.stop.token, min_block_confidence=decoding.stop.block,
             )  # fmt: skip
             sent = time.monotonic()
             await self._send(request)
@@ -245,7 +245,7 @@ class WorkerSession:
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 got = len(reply.draft.token_ids)
                 # a translating draft may send fewer (none, even); with a confidence stop, 1 to k
-                fewer = self._draft.translates or (got > 0 and decoding.min_confidence > 0)
+                fewer = self._draft.translates or (got > 0 and decoding.stop.on)
                 if got > k or (got < k and not fewer):
                     raise WorkerCallFailed(f"asked for {k} tokens, got {got}")
                 self._lookahead_round = round_id if self._pipelined else None

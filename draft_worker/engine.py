@@ -41,6 +41,7 @@ class DraftParams:
     vocab_limit: int = 0  # propose only ids below this (the target's vocabulary size); 0 = all
     processing: Processing = NO_PROCESSING  # the target's penalties / bias / min_tokens
     min_confidence: float = 0.0  # end the block after a token proposed with a lower probability
+    min_block_confidence: float = 0.0  # end it once the product of its tokens' probabilities is lower
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Block:
     cache_len: int
     cache_hash: int
     compute_ms: float
-    ends_unsure: bool = False  # the last token was proposed below the request's min_confidence
+    ends_unsure: bool = False  # a confidence stop was reached at the last token
 
     @property
     def token_ids(self) -> list[int]:
@@ -77,26 +78,27 @@ def _draft_block(
     """Samples up to ``params.k`` tokens starting from ``logits`` (the distribution after ``start``
     tokens); ``shape`` turns a position's logits into those sampled from (default: the target's
     processing). With ``params.min_confidence`` the block ends after the first token proposed with
-    a lower probability: the block's length then depends on the draft alone (never on the target),
-    so every proposed token is verified as usual and the output distribution is unchanged.
-    Returns the samples and whether the last one was proposed below ``params.min_confidence``."""
+    a lower probability; with ``params.min_block_confidence``, after the token that takes the
+    product of the block's proposal probabilities (the draft's estimate of the chance that the
+    target keeps the whole block) below it. The block's length then depends on the draft alone
+    (never on the target), so every proposed token is verified as usual and the output
+    distribution is unchanged. Returns the samples and whether a stop was reached at the last one."""
     shape = shape or _processed
     samples: list[DraftSample] = []
-    unsure = False
+    unsure, block_probability = False, 1.0
     for i in range(params.k):
         generator = None if params.warp.greedy else position_generator(params.seed, start + i, "draft", device)
         shaped = shape(entry, logits, params)
         sample = sample_draft_token(shaped, params.warp, params.top_n, generator)
         samples.append(sample)
-        unsure = _unsure(sample, shaped, params.min_confidence)
+        if params.min_confidence > 0 or params.min_block_confidence > 0:
+            probability = proposal_probability(sample, shaped)
+            block_probability *= probability
+            unsure = probability < params.min_confidence or block_probability < params.min_block_confidence
         if i + 1 == params.k or unsure:
             break
         logits = (yield Extend(entry, [sample.token_id], 1, meter))[-1]
     return samples, unsure
-
-
-def _unsure(sample: DraftSample, logits: torch.Tensor, min_confidence: float) -> bool:
-    return min_confidence > 0 and proposal_probability(sample, logits) < min_confidence
 
 
 def _processed(entry: SessionCache, logits: torch.Tensor, params: DraftParams) -> torch.Tensor:

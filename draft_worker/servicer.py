@@ -140,6 +140,8 @@ class _ProposeStream:
             raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
         if not 0.0 <= request.min_confidence < 1.0:  # NaN fails too
             raise InvalidRequest(f"min_confidence must be in [0, 1), got {request.min_confidence}")
+        if not 0.0 <= request.min_block_confidence < 1.0:
+            raise InvalidRequest(f"min_block_confidence must be in [0, 1), got {request.min_block_confidence}")
         core, bridge = self._core, self._bridge
         if bridge is None:
             core.check_request(request.session_id, request.sync, k - 1)
@@ -154,6 +156,7 @@ class _ProposeStream:
             request.vocab_limit,
             processing_from_proto(request.processing),
             request.min_confidence,
+            request.min_block_confidence,
         )
         self._params = params
         sync = request.sync

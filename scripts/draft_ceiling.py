@@ -9,11 +9,16 @@ in the same report: a target-only verify pass, the extra verify time per drafted
 time per drafted token, and the per-round overhead with and without a draft.
 
 From those it prices, per workload, decoding with the draft at a fixed K (a check of the cost
-model against the report's ``service model K`` row) and an oracle: a proposer that drafts
-exactly the run of tokens the draft gets right, so that no drafted token is wasted and no run is
-cut short. No schedule of the draft's greedy proposals (any K, any confidence stop) beats the
-oracle at these costs: it is the ceiling of the draft on this machine (short of proposing other
-tokens than its first choice, or drafting beside the verify pass on other hardware). Predicted
+model against the report's ``service model K`` row), with each of the draft's confidence stops
+(blocks of up to ``--max-k`` that end after a token the draft gave a probability below
+``--token-stop``, or once the product of the block's probabilities is below ``--block-stop``;
+the probabilities are the teacher-forced ones, also after a wrong guess, where the service's
+draft would go on from its own token: only the cost of such a block is approximate), and an
+oracle: a proposer that drafts exactly the run of tokens the draft gets right, so that no drafted
+token is wasted and no run is cut short. No schedule of the draft's greedy proposals (any K, any
+confidence stop) beats the oracle at these costs: it is the ceiling of the draft on this machine
+(short of proposing other tokens than its first choice, or drafting beside the verify pass on
+other hardware). Predicted
 decoding rates are scaled to the report by its measured ``service target-only`` tokens/s
 (prefill and timer noise cancel in the ratio), then compared with the report's best HF
 speculative row.
@@ -29,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,6 +97,25 @@ def fixed_k_ms(agree: Sequence[bool], k: int, costs: Costs) -> float:
     return ms
 
 
+def stop_ms(guesses: Sequence[Guess], max_k: int, token: float, block: float, costs: Costs) -> float:
+    """Decoding the reply with blocks of up to ``max_k`` model drafts, each ended by the draft's
+    confidence stops (``token``: after a guess below it; ``block``: once the product is below it)."""
+    ms, i = 0.0, 0
+    while i < len(guesses):
+        length, product = 0, 1.0
+        while length < min(max_k, len(guesses) - i - 1):
+            probability = guesses[i + length].probability
+            length, product = length + 1, product * probability
+            if probability < token or product < block:
+                break
+        run = 0
+        while run < length and guesses[i + run].right:
+            run += 1
+        ms += costs.round_ms(length)
+        i += run + 1
+    return ms
+
+
 def oracle_ms(agree: Sequence[bool], costs: Costs) -> float:
     """Decoding the reply drafting exactly each run the draft gets right (none before a miss)."""
     ms, i = 0.0, 0
@@ -104,20 +128,29 @@ def oracle_ms(agree: Sequence[bool], costs: Costs) -> float:
     return ms
 
 
-def draft_agreement(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int]) -> list[bool]:
-    """Whether the draft's greedy guess of each reply token, given the true prefix, is that token.
-    Through the draft workers' own cache path: the prompt in one pass, then one token per pass (a
-    dynamically quantized draft scales activations per pass, so the pass shape matters)."""
+class Guess(NamedTuple):
+    """The draft's greedy guess of one reply token: whether it is the token, and its probability."""
+
+    right: bool
+    probability: float
+
+
+def draft_guesses(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int]) -> list[Guess]:
+    """The draft's greedy guess of each reply token given the true prefix. Through the draft
+    workers' own cache path: the prompt in one pass, then one token per pass (a dynamically
+    quantized draft scales activations per pass, so the pass shape matters)."""
     caches = SessionCaches(draft, max_sessions=1, idle_s=float("inf"))
     entry = caches.sync("ceiling", 0, 0)
-    guesses: list[int] = []
+    guesses: list[Guess] = []
     with torch.inference_mode():
         logits = caches.extend(entry, list(prompt), 1)[-1]
         for token in reply:
-            guesses.append(int(logits.argmax()))
+            probs = torch.softmax(logits.float(), dim=-1)
+            guess = int(probs.argmax())
+            guesses.append(Guess(guess == token, float(probs[guess])))
             if len(guesses) < len(reply):
                 logits = caches.extend(entry, [token], 1)[-1]
-    return [guess == token for guess, token in zip(guesses, reply, strict=True)]
+    return guesses
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -125,6 +158,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("report", type=Path, help="a `specdec bench` JSON report with hf target-only and service rows")
     parser.add_argument("--draft-model", default="", help="default: the report's draft model")
     parser.add_argument("--draft-quantize", default="", help="none | int8; default: the report's")
+    parser.add_argument("--max-k", type=int, default=16, help="longest block with a stop (the server's max K)")
+    parser.add_argument("--token-stop", type=float, default=0.4, help="the token stop priced (HF's default 0.4)")
+    parser.add_argument("--block-stop", type=float, default=0.5, help="the block stop priced (the server's default)")
     args = parser.parse_args(argv)
     configure_logging("warning", "console")
     report = json.loads(args.report.read_text())
@@ -144,19 +180,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         costs = measured_costs(runs)
         replies = {r["prompt"]: r["token_ids"] for r in runs if r["method"] == HF_TARGET and r["repeat"] == 0}
         here = [p for p in prompts if p.workload == workload and p.index in replies]
-        agree = {p.index: draft_agreement(draft, p.token_ids, replies[p.index]) for p in here}
-        tokens = sum(len(a) for a in agree.values())
+        guesses = [draft_guesses(draft, p.token_ids, replies[p.index]) for p in here]
+        agree = [[g.right for g in reply] for reply in guesses]
+        tokens = sum(len(a) for a in agree)
         plain = tokens * costs.round_ms(0)
         # predicted tokens/s scaled to the report: its measured target-only rate x (target-only ms / ms)
         reference = summary["methods"][TARGET_ONLY]["tokens_per_s"]["median"]
         oracle = "oracle (drafts exactly the runs the draft gets right)"
         rows = {
             TARGET_ONLY: (plain, TARGET_ONLY),
-            f"model, fixed K = {k}": (sum(fixed_k_ms(a, k, costs) for a in agree.values()), MODEL_K),
-            oracle: (sum(oracle_ms(a, costs) for a in agree.values()), ""),
+            f"model, fixed K = {k}": (sum(fixed_k_ms(a, k, costs) for a in agree), MODEL_K),
+            f"model, token stop {args.token_stop}, up to {args.max_k}": (
+                sum(stop_ms(g, args.max_k, args.token_stop, 0.0, costs) for g in guesses),
+                "",
+            ),
+            f"model, block stop {args.block_stop}, up to {args.max_k}": (
+                sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs) for g in guesses),
+                "",
+            ),
+            oracle: (sum(oracle_ms(a, costs) for a in agree), ""),
         }
         out(f"== {workload} ==\n")
-        guessed = sum(map(sum, agree.values()))
+        guessed = sum(map(sum, agree))
         out(f"the draft guesses {guessed} of the target's {tokens} tokens (teacher-forced)\n")
         out(
             f"costs: verify {costs.verify:.1f} ms + {costs.verify_per_draft:.1f} ms per drafted token, draft "

@@ -29,6 +29,50 @@ def test_with_a_confidence_stop_blocks_and_rounds_are_shorter() -> None:
     assert expected_length(4, 1.0) == 4.0 and expected_length(3, 0.5) == pytest.approx(1.75)
 
 
+def test_sure_and_unsure_tokens_are_priced_apart() -> None:
+    """Position i adds (c a_s)^(i-1) (c a_s + (1 - c) a_u); with a_u = a_s it is the pooled form."""
+    assert expected_tokens(0.9, 2, 0.5, 0.3) == pytest.approx(1 + 0.6 + 0.45 * 0.6)
+    assert expected_tokens(0.8, 5, 0.6, None) == pytest.approx(expected_tokens(0.8, 5, 0.6))
+    assert expected_tokens(0.8, 5, 0.6, 0.8) == pytest.approx(expected_tokens(0.8, 5, 0.6))
+
+
+def test_a_stopped_block_counts_its_sure_tokens_and_the_unsure_one_apart() -> None:
+    """The token a stop ended the block on counts for the unsure rate, and only where the target
+    got to it; the tokens before it, and every token of a block the stop did not end, are sure."""
+    controller = KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True)
+    controller.observe(4, 3, asked=8, ends_unsure=True)  # 3 sure taken, the unsure 4th rejected
+    sure, unsure = controller.costs.sure, controller.costs.unsure
+    assert (sure.accepted, sure.trials, unsure.accepted, unsure.trials) == (3, 3, 0, 1)
+    controller.observe(4, 1, asked=8, ends_unsure=True)  # rejected at the 2nd: the unsure one never reached
+    assert (sure.accepted, sure.trials, unsure.trials) == pytest.approx((3 * 0.98 + 1, 3 * 0.98 + 2, 1))
+    controller.observe(8, 8, asked=8)  # ran to the cap: all sure
+    assert sure.accepted == pytest.approx((3 * 0.98 + 1) * 0.98 + 8)
+
+
+def _block_stopping(evidence: list[tuple[int, int]]) -> KController:
+    controller = KController(k_max=16, costs=costs(20, {1: 100, 17: 260}), confidence_stop=True, block_stop=0.5)
+    for k, accepted in evidence:
+        controller.observe(k, accepted, asked=16, ends_unsure=True)
+    return controller
+
+
+def test_with_the_block_stop_the_stop_bounds_a_model_block() -> None:
+    """Rates that pool the sure tokens price a long block at their average odds and pick a short
+    cap; with the block stop the draft's own odds end the block, so it is asked for the most."""
+    calibrated = _block_stopping([(6, 5), (3, 3), (9, 8), (5, 2)] * 2)  # sure runs mostly taken whole
+    assert calibrated.block_stop_bounds_blocks
+    assert calibrated.plan(16) == Plan("model", 16)
+    pooled = KController(k_max=16, costs=calibrated.costs, confidence_stop=True)  # the token stop: rates pick K
+    assert 1 <= pooled.plan(16).k < 16
+
+
+def test_an_overconfident_draft_gets_the_k_the_rates_choose() -> None:
+    """Sure runs the target rarely takes whole (the draft's odds are wrong): K from the rates."""
+    overconfident = _block_stopping([(9, 1), (8, 2), (10, 0), (9, 3)])
+    assert not overconfident.block_stop_bounds_blocks
+    assert overconfident.plan(16).k < 16
+
+
 def test_a_draft_that_stops_itself_is_asked_for_longer_blocks() -> None:
     """Blocks asked for 8 that the draft ends itself after 3 tokens on average, each fully
     accepted: asking for 8 costs only what the draft runs, so the cap stays at 8. The same three

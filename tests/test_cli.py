@@ -93,17 +93,22 @@ def test_bench_refuses_a_row_it_would_not_run(flags: list[str], expected: str) -
 
 
 def test_bench_rows_ask_as_a_user_would() -> None:
-    """The headline row asks for nothing (the server's default K and confidence stop); fixed-K
-    rows ask for the run's K; the row without the stop asks for stop 0 and no K (so the server's
-    default K)."""
-    from specdec.tools.bench import HEADLINE, NO_STOP, SERVICE_METHODS, BenchConfig, Prompt, _request
+    """The headline row asks for nothing (the server's default K and confidence stops); fixed-K
+    rows ask for the run's K; the row without the stops asks for both at 0 and no K (so the
+    server's default K); the token-stop row for HF's threshold 0.4 and no block stop."""
+    from specdec.tools.bench import HEADLINE, NO_STOP, SERVICE_METHODS, TOKEN_STOP, BenchConfig, Prompt, _request
 
     cfg, prompt = BenchConfig(model="m", draft_model="d", k=4), Prompt("complete", 0, (1, 2, 3))
     default = _request(cfg, prompt, SERVICE_METHODS[HEADLINE]).speculation
-    assert default.num_speculative_tokens == 0 and not default.HasField("draft_confidence")
+    assert default.num_speculative_tokens == 0
+    assert not default.HasField("draft_confidence") and not default.HasField("draft_block_confidence")
     no_stop = _request(cfg, prompt, SERVICE_METHODS[NO_STOP]).speculation
-    assert (no_stop.num_speculative_tokens, no_stop.draft_confidence, no_stop.fixed) == (0, 0.0, False)
-    assert no_stop.HasField("draft_confidence")
+    assert (no_stop.num_speculative_tokens, no_stop.fixed) == (0, False)
+    assert no_stop.HasField("draft_confidence") and no_stop.HasField("draft_block_confidence")
+    assert (no_stop.draft_confidence, no_stop.draft_block_confidence) == (0.0, 0.0)
+    token_stop = _request(cfg, prompt, SERVICE_METHODS[TOKEN_STOP]).speculation
+    assert token_stop.HasField("draft_block_confidence") and token_stop.draft_block_confidence == 0.0
+    assert token_stop.draft_confidence == pytest.approx(0.4)
     fixed = _request(cfg, prompt, SERVICE_METHODS["service model K"]).speculation
     assert (fixed.num_speculative_tokens, fixed.fixed) == (4, True)
 
@@ -126,9 +131,15 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
         "hf target-only", "hf assisted K=4", "hf assisted default", "hf prompt lookup", "service target-only",
         "service model K", "service model adaptive", "service ngram K", "service ngram adaptive", "service hybrid K",
         "service default (hybrid, adaptive)", "service default without the confidence stop",
-        "service early-exit K", "service early-exit adaptive",
+        "service default with the token stop", "service early-exit K", "service early-exit adaptive",
     }  # fmt: skip
     assert "default / without the confidence stop" in data["ratios"]
+    assert "default / with the token stop" in data["ratios"]
+    # one repeat of the HF rows, then one of the service's, then the next (the runs in the order they ran)
+    order = [("hf" if r["method"].startswith("hf ") else "service", r["repeat"]) for r in report["runs"]]
+    assert [key for i, key in enumerate(order) if i == 0 or order[i - 1] != key] == [
+        ("hf", 0), ("service", 0), ("hf", 1), ("service", 1),
+    ]  # fmt: skip
     assert all(row["repeats"] == 2 for row in data["methods"].values())
     spread = data["methods"]["service model K"]["tokens_per_s"]
     assert spread["min"] <= spread["median"] <= spread["max"]
@@ -322,3 +333,26 @@ def test_draft_ceiling_prices_an_oracle_from_a_bench_report(
     oracle_rate = rate["oracle (drafts exactly the runs the draft gets right)"]
     assert oracle_rate == pytest.approx([5.0 * plain / oracle], abs=0.006)
     assert f"oracle / best HF speculative: {5.0 * plain / oracle / 8.0:.2f}x" in out
+    for name in ("model, token stop 0.4, up to 16", "model, block stop 0.5, up to 16"):
+        assert rate[name][0] <= oracle_rate[0] + 0.006  # no stop beats the oracle
+
+
+def test_draft_ceiling_prices_the_confidence_stops(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """Stops at 0 leave blocks of --max-k (fixed K's price); a block stop just below 1 ends every
+    block after its first draft (the tiny draft is never that sure): 6 rounds of one draft
+    accepted + the target's token."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
+    report = _ceiling_report(tiny_models, tmp_path / "report.json")
+    rates = []
+    for stops in (["0", "0"], ["0", "0.999999"]):
+        args = [str(report), "--draft-model", str(tiny_models.same), "--max-k", "4", "--token-stop", stops[0]]
+        done = subprocess.run(
+            [sys.executable, str(script), *args, "--block-stop", stops[1]], capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        rates.append({line[:56].strip(): float(line[56:66]) for line in lines if line.startswith("model, ")})
+    no_stops, block_stop = rates
+    fixed = no_stops["model, fixed K = 4"]
+    assert no_stops["model, token stop 0.0, up to 4"] == no_stops["model, block stop 0.0, up to 4"] == fixed
+    assert block_stop["model, block stop 0.999999, up to 4"] == pytest.approx(5.0 * 12 * 102 / (6 * 133), abs=0.006)

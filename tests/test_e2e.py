@@ -83,17 +83,18 @@ def pipelined(cluster_pipelined: LocalCluster) -> Iterator[coordinator_pb2_grpc.
     yield from stub(cluster_pipelined)
 
 
+@pytest.mark.parametrize("stop", ["draft_confidence", "draft_block_confidence"])
 @pytest.mark.parametrize("draft", ["same", "other", "pipelined"])
 def test_blocks_ended_by_the_draft_s_confidence_keep_the_target_s_greedy_tokens(
-    draft: str, tiny_models: TinyModels, request: pytest.FixtureRequest
+    draft: str, stop: str, tiny_models: TinyModels, request: pytest.FixtureRequest
 ) -> None:
-    """K = 8 with the draft's confidence stop at 0.6 (fixed K, so the stop alone shortens a
-    block; ``pipelined``: a sometimes-right draft drafting ahead): the target's greedy tokens;
+    """K = 8 with one of the draft's confidence stops at 0.6 (fixed K, so the stop alone shortens
+    a block; ``pipelined``: a sometimes-right draft drafting ahead): the target's greedy tokens;
     the unrelated draft's blocks end early."""
     client: coordinator_pb2_grpc.GenerationStub = request.getfixturevalue(draft)
     for prompt in PROMPTS:
         req = globals()["request"](prompt, k=8)
-        req.speculation.draft_confidence = 0.6
+        setattr(req.speculation, stop, 0.6)
         reply = client.Generate(req)
         assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), MAX_NEW)
         assert 0 < reply.stats.mean_k <= 8
@@ -414,6 +415,8 @@ def test_get_info_describes_the_server(same: coordinator_pb2_grpc.GenerationStub
     assert list(info.draft_methods) == ["model", "ngram", "hybrid"] and info.default_draft_method == "hybrid"
     assert info.lookup_max_tokens == 8
     assert info.draft_confidence == pytest.approx(CoordinatorSettings.model_fields["draft_confidence"].default)
+    block_default = CoordinatorSettings.model_fields["draft_block_confidence"].default
+    assert info.draft_block_confidence == pytest.approx(block_default)
     assert info.max_context_len == info.draft_max_context_len == 256 and info.vocab_size == 259
     assert list(info.eos_token_ids) == [257]
     assert info.max_speculative_tokens == 8 and info.default_speculative_tokens == 4

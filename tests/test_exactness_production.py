@@ -75,7 +75,8 @@ class Speculation:
     prompt: tuple[int, ...] = PROMPT
     lookup: bool = False  # draft by n-gram lookup in the committed tokens (one-hot), as the coordinator does
     bridge: VocabBridge | None = None  # the draft has another tokenizer: its worker translates (TLI / SLEM)
-    min_confidence: float = 0.0  # the draft's confidence stop (blocks of 1 to K tokens)
+    min_confidence: float = 0.0  # the draft's confidence stops (blocks of 1 to K tokens)
+    min_block_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         self.target_caches = SessionCaches(self.target, 4, 600)
@@ -139,7 +140,10 @@ class Speculation:
         return common_pb2.DraftBlock.FromString(block.SerializeToString())
 
     def _params(self, k: int, seed: int) -> DraftParams:
-        return DraftParams(k, self.warp, seed, self.top_n, self.target.vocab_size, self.processing, self.min_confidence)
+        return DraftParams(
+            k, self.warp, seed, self.top_n, self.target.vocab_size, self.processing, self.min_confidence,
+            self.min_block_confidence,
+        )  # fmt: skip
 
     def _block(self, committed: list[int], draft_len: int, k: int, seed: int, ahead: Block | None) -> Block:
         if ahead is not None and ahead.samples and list(ahead.assumed) == committed[ahead.start - len(ahead.assumed) :]:
@@ -254,17 +258,25 @@ def test_the_production_path_test_catches_a_planted_bug(
     assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6
 
 
-def confident_speculation(models: dict[str, LoadedModel]) -> Speculation:
-    """K = 4 with the draft's confidence stop at 0.3, pipelined: blocks of every length from 1 to 4."""
-    return Speculation(models["target"], models["noisy"], 4, 0, True, min_confidence=0.3)
+STOPS = {"token": {"min_confidence": 0.3}, "block": {"min_block_confidence": 0.15}}
+
+
+def confident_speculation(models: dict[str, LoadedModel], stop: str) -> Speculation:
+    """K = 4, pipelined, with one of the draft's confidence stops (after a token drawn with
+    probability < 0.3, or once the block's product of probabilities is < 0.15): blocks of every
+    length from 1 to 4."""
+    return Speculation(models["target"], models["noisy"], 4, 0, True, **STOPS[stop])
 
 
 @pytest.mark.slow
-def test_blocks_ended_by_the_draft_s_confidence_follow_the_target_distribution(models: dict[str, LoadedModel]) -> None:
-    """The draft ends a block after a token it drew with probability < 0.3 (the block's length
-    depends on the draft's draws only): rejection sampling at each position and the bonus token
-    after a short block keep the target's distribution; blocks drafted ahead stop the same way."""
-    speculation = confident_speculation(models)
+@pytest.mark.parametrize("stop", list(STOPS))
+def test_blocks_ended_by_the_draft_s_confidence_follow_the_target_distribution(
+    models: dict[str, LoadedModel], stop: str
+) -> None:
+    """The draft ends a block where it is unsure (the block's length depends on the draft's draws
+    only): rejection sampling at each position and the bonus token after a short block keep the
+    target's distribution; blocks drafted ahead stop the same way."""
+    speculation = confident_speculation(models, stop)
     samples = sample_counts(speculation, 1500)
     lengths = speculation.block_lengths
     assert set(lengths) == {1, 2, 3, 4} and lengths[4] < sum(lengths.values()) / 2, lengths
@@ -287,12 +299,13 @@ def _unsure_made_greedy(entry, logits, params, start, device, meter, shape=None)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stop", list(STOPS))
 def test_the_confidence_stop_test_catches_a_planted_bug(
-    models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+    models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch, stop: str
 ) -> None:
-    """The same setting and number of requests: the planted bug is rejected at p < 1e-6."""
+    """The same settings and number of requests: the planted bug is rejected at p < 1e-6."""
     monkeypatch.setattr(draft_engine, "_draft_block", _unsure_made_greedy)
-    speculation = confident_speculation(models)
+    speculation = confident_speculation(models, stop)
     samples = sample_counts(speculation, 1500)
     assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6
 

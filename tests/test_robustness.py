@@ -29,9 +29,9 @@ def _sampled(**sampling: object) -> coordinator_pb2.GenerateRequest:
     return make_request(PROMPT, k=4, max_new=8, **sampling)
 
 
-def _confident(value: float, **sampling: object) -> coordinator_pb2.GenerateRequest:
+def _confident(value: float, field: str = "draft_confidence", **sampling: object) -> coordinator_pb2.GenerateRequest:
     request = make_request(PROMPT, k=8, max_new=8, fixed=False, **sampling)
-    request.speculation.draft_confidence = value
+    setattr(request.speculation, field, value)
     return request
 
 
@@ -60,6 +60,16 @@ EXTREME = [
     ("draft confidence float32 max", _confident(FLOAT32_MAX)),
     ("draft confidence just below 1, sampled", _confident(0.99999994, temperature=1.0, seed=6)),
     ("draft confidence smallest float", _confident(FLOAT32_TINY, temperature=1.0, seed=6)),
+    ("draft block confidence NaN", _confident(float("nan"), "draft_block_confidence")),
+    ("draft block confidence 1", _confident(1.0, "draft_block_confidence")),
+    (
+        "draft block confidence just below 1, sampled",
+        _confident(0.99999994, "draft_block_confidence", temperature=1.0, seed=6),
+    ),
+    (
+        "draft block confidence smallest float",
+        _confident(FLOAT32_TINY, "draft_block_confidence", temperature=1.0, seed=6),
+    ),
 ]
 
 
@@ -103,6 +113,8 @@ def test_extreme_sampling_values_never_end_a_worker(robust_cluster: LocalCluster
     assert outcomes["session id with a newline"] == "INVALID_ARGUMENT"
     assert outcomes["draft confidence NaN"] == outcomes["draft confidence 1"] == "INVALID_ARGUMENT"
     assert outcomes["draft confidence just below 1, sampled"] == "OK"
+    assert outcomes["draft block confidence NaN"] == outcomes["draft block confidence 1"] == "INVALID_ARGUMENT"
+    assert outcomes["draft block confidence just below 1, sampled"] == "OK"
 
 
 def test_tiny_temperatures_decode_greedily(robust_cluster: LocalCluster, tiny_models: TinyModels) -> None:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from coordinator.adaptive import NO_STOP, ConfidenceStop
 from coordinator.validation import Limits, parse_request
 from specdec.serving.errors import InvalidRequest, RequestTooLarge
 from specdec.v1 import common_pb2, coordinator_pb2
@@ -53,40 +54,50 @@ def test_speculation_params() -> None:
     assert parse_request(req(speculation=coordinator_pb2.SpeculationParams(disable=True)), LIMITS).k == 0
 
 
-def test_draft_confidence_defaults_to_the_server_s_unless_k_is_fixed() -> None:
-    limits = dataclasses.replace(LIMITS, draft_confidence=0.6)
+def test_confidence_stops_default_to_the_server_s_unless_k_is_fixed() -> None:
+    limits = dataclasses.replace(LIMITS, draft_confidence=0.6, draft_block_confidence=0.5)
     spec = coordinator_pb2.SpeculationParams
-    assert parse_request(req(), limits).draft_confidence == pytest.approx(0.6)
-    assert parse_request(req(speculation=spec(fixed=True)), limits).draft_confidence == 0.0  # exactly K
-    assert parse_request(req(speculation=spec(fixed=True, draft_confidence=0.3)), limits).draft_confidence == (
-        pytest.approx(0.3)
-    )
-    assert parse_request(req(speculation=spec(draft_confidence=0.0)), limits).draft_confidence == 0.0
+    assert parse_request(req(), limits).draft_stop == ConfidenceStop(pytest.approx(0.6), 0.5)
+    assert parse_request(req(speculation=spec(fixed=True)), limits).draft_stop == NO_STOP  # exactly K
+    fixed_with_stop = parse_request(req(speculation=spec(fixed=True, draft_confidence=0.3)), limits).draft_stop
+    assert fixed_with_stop == ConfidenceStop(pytest.approx(0.3), 0.0)
+    fixed_with_block_stop = spec(fixed=True, draft_block_confidence=0.25)
+    assert parse_request(req(speculation=fixed_with_block_stop), limits).draft_stop == ConfidenceStop(0.0, 0.25)
+    each_its_own = parse_request(req(speculation=spec(draft_confidence=0.0)), limits).draft_stop
+    assert each_its_own == ConfidenceStop(0.0, 0.5)  # the one the request leaves unset stays the server's
+    both_off = spec(draft_confidence=0.0, draft_block_confidence=0.0)
+    assert parse_request(req(speculation=both_off), limits).draft_stop == NO_STOP
 
 
-def test_with_the_confidence_stop_an_adaptive_request_without_k_drafts_up_to_the_largest_k() -> None:
-    """The stop ends the blocks; K only caps them (HF's assisted generation: up to 20 tokens
-    until its 0.4 threshold). A K the request sets, fixed K and a request without the stop keep
+def test_with_a_confidence_stop_an_adaptive_request_without_k_drafts_up_to_the_largest_k() -> None:
+    """A stop ends the blocks; K only caps them (HF's assisted generation: up to 20 tokens
+    until its 0.4 threshold). A K the request sets, fixed K and a request without a stop keep
     the server's default K."""
-    limits = dataclasses.replace(LIMITS, draft_confidence=0.4)
     spec = coordinator_pb2.SpeculationParams
-    assert parse_request(req(), limits).k == 8  # max_k
-    assert parse_request(req(speculation=spec(num_speculative_tokens=3)), limits).k == 3
-    assert parse_request(req(speculation=spec(fixed=True)), limits).k == 4  # default_k, no stop
-    assert parse_request(req(speculation=spec(fixed=True, draft_confidence=0.5)), limits).k == 4
-    assert parse_request(req(speculation=spec(draft_confidence=0.0)), limits).k == 4
+    for limits in (
+        dataclasses.replace(LIMITS, draft_confidence=0.4),
+        dataclasses.replace(LIMITS, draft_block_confidence=0.5),
+    ):
+        assert parse_request(req(), limits).k == 8  # max_k
+        assert parse_request(req(speculation=spec(num_speculative_tokens=3)), limits).k == 3
+        assert parse_request(req(speculation=spec(fixed=True)), limits).k == 4  # default_k, no stop
+        assert parse_request(req(speculation=spec(fixed=True, draft_confidence=0.5)), limits).k == 4
+        stops_off = spec(draft_confidence=0.0, draft_block_confidence=0.0)
+        assert parse_request(req(speculation=stops_off), limits).k == 4
+        assert parse_request(req(speculation=spec(disable=True)), limits).k == 0
+        no_speculation = dataclasses.replace(limits, default_k=0)  # --num-speculative-tokens 0
+        assert parse_request(req(), no_speculation).k == 0
+        assert parse_request(req(speculation=spec(num_speculative_tokens=2)), no_speculation).k == 2
     assert parse_request(req(speculation=spec(draft_confidence=0.7)), LIMITS).k == 8
-    assert parse_request(req(), LIMITS).k == 4  # a server without the stop
-    assert parse_request(req(speculation=spec(disable=True)), limits).k == 0
-    no_speculation = dataclasses.replace(limits, default_k=0)  # --num-speculative-tokens 0
-    assert parse_request(req(), no_speculation).k == 0
-    assert parse_request(req(speculation=spec(num_speculative_tokens=2)), no_speculation).k == 2
+    assert parse_request(req(speculation=spec(draft_block_confidence=0.7)), LIMITS).k == 8
+    assert parse_request(req(), LIMITS).k == 4  # a server without a stop
 
 
+@pytest.mark.parametrize("field", ["draft_confidence", "draft_block_confidence"])
 @pytest.mark.parametrize("value", [-0.1, 1.0, 2.0, math.nan])
-def test_draft_confidence_outside_0_1_is_invalid(value: float) -> None:
-    speculation = coordinator_pb2.SpeculationParams(draft_confidence=value)
-    with pytest.raises(InvalidRequest, match=r"speculation.draft_confidence must be in \[0, 1\)"):
+def test_confidence_stop_outside_0_1_is_invalid(field: str, value: float) -> None:
+    speculation = coordinator_pb2.SpeculationParams(**{field: value})
+    with pytest.raises(InvalidRequest, match=rf"speculation.{field} must be in \[0, 1\)"):
         parse_request(req(speculation=speculation), LIMITS)
 
 

@@ -9,9 +9,10 @@ ours (constant K, no confidence cut) and with its defaults, and HF prompt lookup
 service (three or more processes on free ports): target-only, the draft model, n-gram lookup,
 the hybrid (lookup where it matches, the model elsewhere) and an early-exit draft, each with
 fixed K and adaptive K; the headline row is the server's default (the hybrid, adaptive). Every
-method runs ``repeats`` times over each workload (interleaved: one repeat of every method, then
-the next); the report has the median and the spread, greedy token identity against HF
-target-only, per-position acceptance, a concurrency sweep, and PNG plots.
+method runs ``repeats`` times over each workload (interleaved: one repeat of every HF method, one
+of every service row, then the next; a host whose speed drifts moves both sides alike); the
+report has the median and the spread, greedy token identity against HF target-only,
+per-position acceptance, a concurrency sweep, and PNG plots.
 """
 
 from __future__ import annotations
@@ -220,9 +221,10 @@ def hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     return _chosen(cfg, every)
 
 
-def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], None]) -> list[Run]:
-    """HF generate on this device: the target's Linear layers packed as our target worker packs
-    them on a CPU (same kernel on both sides), the draft quantized as our draft worker's."""
+def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], None]) -> Iterator[list[Run]]:
+    """HF generate on this device, one repeat of every method over the prompts per item: the
+    target's Linear layers packed as our target worker packs them on a CPU (same kernel on both
+    sides), the draft quantized as our draft worker's."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -238,10 +240,11 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
         use_packed_linear(target)
     defaults = draft.generation_config
     methods = hf_methods(cfg)
-    runs: list[Run] = []
     with torch.inference_mode():
         target.generate(torch.tensor([prompts[0].token_ids], device=device), max_new_tokens=4, do_sample=False)
-        for repeat in range(cfg.repeats):
+    for repeat in range(cfg.repeats):
+        runs: list[Run] = []
+        with torch.inference_mode():
             for prompt in prompts:
                 ids = torch.tensor([prompt.token_ids], device=device)
                 for method, options in methods.items():
@@ -260,9 +263,9 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
                     seconds = time.perf_counter() - started
                     tokens = out[0, ids.shape[1] :].tolist()
                     runs.append(Run(method, prompt.workload, prompt.index, repeat, tokens, seconds))
+        yield runs
     del target, draft
     gc.collect()
-    return runs
 
 
 # --- our service ---------------------------------------------------------------------------------
@@ -270,18 +273,20 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
 
 class ServiceRow(NamedTuple):
     """How a service row asks: which coordinator, draft method, whether speculation is off, fixed
-    K; ``confidence`` overrides the server's draft confidence stop. A fixed-K row asks for the
-    run's K; an adaptive row for none, so the server's default applies, as for a user who sets
-    none."""
+    K; ``confidence`` and ``block_confidence`` override the server's confidence stops of the draft.
+    A fixed-K row asks for the run's K; an adaptive row for none, so the server's default applies,
+    as for a user who sets none."""
 
     coordinator: str
     method: str
     disable: bool
     fixed: bool
     confidence: float | None = None
+    block_confidence: float | None = None
 
 
 NO_STOP = "service default without the confidence stop"
+TOKEN_STOP = "service default with the token stop"
 SERVICE_METHODS: dict[str, ServiceRow] = {
     "service target-only": ServiceRow("main", "default", True, True),
     "service model K": ServiceRow("main", "model", False, True),
@@ -290,8 +295,10 @@ SERVICE_METHODS: dict[str, ServiceRow] = {
     "service ngram adaptive": ServiceRow("main", "ngram", False, False),
     "service hybrid K": ServiceRow("main", "hybrid", False, True),
     HEADLINE: ServiceRow("main", "default", False, False),
-    # the default before the draft's confidence stop was: blocks of up to the run's K, no stop
-    NO_STOP: ServiceRow("main", "default", False, False, confidence=0.0),
+    # the default before the draft's confidence stops was: blocks of up to the run's K, no stop
+    NO_STOP: ServiceRow("main", "default", False, False, confidence=0.0, block_confidence=0.0),
+    # the default before the block stop: HF's per-token confidence threshold, 0.4
+    TOKEN_STOP: ServiceRow("main", "default", False, False, confidence=0.4, block_confidence=0.0),
     "service early-exit K": ServiceRow("early-exit", "model", False, True),
     "service early-exit adaptive": ServiceRow("early-exit", "model", False, False),
     # a draft with another tokenizer (--cross-draft-model), translated by TLI or SLEM
@@ -386,6 +393,8 @@ def _request(cfg: BenchConfig, prompt: Prompt, row: ServiceRow) -> Any:
     )
     if row.confidence is not None:
         speculation.draft_confidence = row.confidence
+    if row.block_confidence is not None:
+        speculation.draft_block_confidence = row.block_confidence
     return coordinator_pb2.GenerateRequest(
         prompt_token_ids=common_pb2.TokenIds(ids=prompt.token_ids),
         sampling=common_pb2.SamplingParams(max_new_tokens=cfg.max_new_tokens),
@@ -414,13 +423,13 @@ def _stats(reply: Any) -> dict[str, Any]:
 
 def service_runs(
     cfg: BenchConfig, prompts: Sequence[Prompt], addresses: dict[str, str], tick: Callable[[str], None]
-) -> list[Run]:
+) -> Iterator[list[Run]]:
+    """The service's rows through their coordinators, one repeat of every row over the prompts per item."""
     import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
 
     methods = service_methods(cfg)
-    runs: list[Run] = []
     channels = {name: grpc.insecure_channel(address) for name, address in addresses.items()}
     stubs = {name: coordinator_pb2_grpc.GenerationStub(channel) for name, channel in channels.items()}
     try:
@@ -429,6 +438,7 @@ def service_runs(
                 if row.disable or (row.coordinator == name and not row.fixed):
                     stub.Generate(_request(cfg, prompts[0], row), timeout=1800)
         for repeat in range(cfg.repeats):
+            runs: list[Run] = []
             for prompt in prompts:
                 for method, row in methods.items():
                     tick(method)
@@ -437,10 +447,10 @@ def service_runs(
                     seconds = time.perf_counter() - started
                     tokens = list(reply.token_ids)
                     runs.append(Run(method, prompt.workload, prompt.index, repeat, tokens, seconds, _stats(reply)))
+            yield runs
     finally:
         for channel in channels.values():
             channel.close()
-    return runs
 
 
 def concurrency_runs(
@@ -563,6 +573,7 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
             ratio(f"{name} / default (same-family draft)", method, HEADLINE)
             ratios[f"worst prompt: {name} / {baseline}"] = min(_per_prompt(runs, method, baseline).values())
     ratio("default / without the confidence stop", HEADLINE, NO_STOP)
+    ratio("default / with the token stop", HEADLINE, TOKEN_STOP)
     if best_hf is not None:
         ratio(f"default / best HF speculative ({best_hf})", HEADLINE, best_hf)
     return {
@@ -665,6 +676,17 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return written
 
 
+def interleave(*sources: Iterator[T]) -> Iterator[T]:
+    """One item of each source in turn, until all are exhausted (a source that ends drops out)."""
+    live = list(sources)
+    while live:
+        for source in list(live):
+            try:
+                yield next(source)
+            except StopIteration:
+                live.remove(source)
+
+
 def run(cfg: BenchConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -677,9 +699,13 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             bar.set_postfix_str(label)
             bar.update(1)
 
-        runs = [] if cfg.skip_hf or not hf_methods(cfg) else hf_runs(cfg, prompts, tick)
+        runs: list[Run] = []
         with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp, service(cfg, Path(tmp)) as addresses:
-            runs += service_runs(cfg, prompts, addresses, tick)
+            # one repeat of the HF rows, then one of the service's, and so on: a machine whose speed
+            # drifts during the run (a shared host) moves both sides alike
+            hf = iter(()) if cfg.skip_hf or not hf_methods(cfg) else hf_runs(cfg, prompts, tick)
+            for batch in interleave(hf, service_runs(cfg, prompts, addresses, tick)):
+                runs += batch
             sweep = concurrency_runs(cfg, prompts, addresses["main"], tick)
     report = summarize(cfg, runs, sweep)
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}

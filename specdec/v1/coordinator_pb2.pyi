@@ -29,18 +29,20 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("num_speculative_tokens", "disable", "fixed", "method", "draft_confidence")
+    __slots__ = ("num_speculative_tokens", "disable", "fixed", "method", "draft_confidence", "draft_block_confidence")
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISABLE_FIELD_NUMBER: _ClassVar[int]
     FIXED_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BLOCK_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     num_speculative_tokens: int
     disable: bool
     fixed: bool
     method: DraftMethod
     draft_confidence: float
-    def __init__(self, num_speculative_tokens: _Optional[int] = ..., disable: _Optional[bool] = ..., fixed: _Optional[bool] = ..., method: _Optional[_Union[DraftMethod, str]] = ..., draft_confidence: _Optional[float] = ...) -> None: ...
+    draft_block_confidence: float
+    def __init__(self, num_speculative_tokens: _Optional[int] = ..., disable: _Optional[bool] = ..., fixed: _Optional[bool] = ..., method: _Optional[_Union[DraftMethod, str]] = ..., draft_confidence: _Optional[float] = ..., draft_block_confidence: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "prompt", "prompt_token_ids", "sampling", "speculation", "require_existing_session", "messages")
@@ -187,7 +189,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs", "default_draft_method", "lookup_max_tokens", "draft_vocab_method", "draft_confidence")
+    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs", "default_draft_method", "lookup_max_tokens", "draft_vocab_method", "draft_confidence", "draft_block_confidence")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +215,7 @@ class GetInfoResponse(_message.Message):
     LOOKUP_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_VOCAB_METHOD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BLOCK_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     target_model_id: str
     draft_model_id: str
@@ -238,4 +241,5 @@ class GetInfoResponse(_message.Message):
     lookup_max_tokens: int
     draft_vocab_method: str
     draft_confidence: float
-    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ..., default_draft_method: _Optional[str] = ..., lookup_max_tokens: _Optional[int] = ..., draft_vocab_method: _Optional[str] = ..., draft_confidence: _Optional[float] = ...) -> None: ...
+    draft_block_confidence: float
+    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ..., default_draft_method: _Optional[str] = ..., lookup_max_tokens: _Optional[int] = ..., draft_vocab_method: _Optional[str] = ..., draft_confidence: _Optional[float] = ..., draft_block_confidence: _Optional[float] = ...) -> None: ...
