@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -356,3 +358,28 @@ def test_draft_ceiling_prices_the_confidence_stops(tiny_models: TinyModels, tmp_
     fixed = no_stops["model, fixed K = 4"]
     assert no_stops["model, token stop 0.0, up to 4"] == no_stops["model, block stop 0.0, up to 4"] == fixed
     assert block_stop["model, block stop 0.999999, up to 4"] == pytest.approx(5.0 * 12 * 102 / (6 * 133), abs=0.006)
+
+
+def _children() -> dict[int, str]:
+    """This process's child processes: pid -> command line."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid():
+                children[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+    return children
+
+
+def test_bench_refuses_to_report_when_a_service_process_died(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """A worker killed mid-run (the out-of-memory killer did this to an early-exit draft worker)
+    leaves its rows decoding target-only: the bench ends with an error instead of a report."""
+    from specdec.tools.bench import BenchConfig, service
+
+    cfg = BenchConfig(model=str(tiny_models.target), draft_model=str(tiny_models.same), methods=("service model K",))
+    with pytest.raises(RuntimeError, match=r"exited during the benchmark: \{'draft': -9\}"), service(cfg, tmp_path):
+        (draft,) = [pid for pid, cmdline in _children().items() if " serve draft " in f" {cmdline} "]
+        os.kill(draft, signal.SIGKILL)
+        time.sleep(1)

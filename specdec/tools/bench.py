@@ -362,6 +362,7 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
     used = {spec.coordinator for spec in service_methods(cfg).values()}
     with cluster, ExitStack() as extra:
         addresses = {"main": cluster.address}
+        processes = dict(cluster.processes)
         lock = ["--cpu-lock-file", str(workdir / "cpu.lock")] if cfg.device == "cpu" else []
         for name, model_args in _extra_drafts(cfg).items():
             if name not in used:
@@ -376,7 +377,16 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
             extra.callback(coordinator.stop)
             coordinator.wait_ready(900)
             addresses[name] = coordinator.address
+            processes.update({f"draft-{name}": draft, f"coordinator-{name}": coordinator})
         yield addresses
+        # A worker that died mid-run (out of memory, say) leaves its rows decoding target-only or
+        # failing over: numbers, but not of the method the row names.
+        dead = {name: p.proc.returncode for name, p in processes.items() if p.proc.poll() is not None}
+        if dead:
+            raise RuntimeError(
+                f"service processes exited during the benchmark: {dead} (exit code -9 is usually the "
+                "out-of-memory killer: free memory or run fewer rows); the report was not written"
+            )
 
 
 _METHOD_ENUM = {"default": 0, "model": 1, "ngram": 2, "hybrid": 3}
