@@ -228,7 +228,13 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdec.runtime.modeling import quantize_int8, resolve_device, resolve_dtype, use_packed_linear
+    from specdec.runtime.modeling import (
+        quantize_int8,
+        release_freed_memory,
+        resolve_device,
+        resolve_dtype,
+        use_packed_linear,
+    )
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype("auto", device)
@@ -238,6 +244,7 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
         draft = quantize_int8(draft)
     if device.type == "cpu":
         use_packed_linear(target)
+    release_freed_memory()  # the fp32 draft the quantized copy replaced: the service's workers need the room
     defaults = draft.generation_config
     methods = hf_methods(cfg)
     with torch.inference_mode():
