@@ -225,10 +225,7 @@ class KController:
     def alpha_of(self, method: str) -> float:
         """Per-token acceptance estimate of a proposer: decaying counts of this turn on top of a
         prior (the acceptance measured over all sessions, else ``prior_alpha``)."""
-        pooled = self.costs.acceptance[method].rate
-        prior = pooled if pooled is not None else self.prior_alpha
-        seen = self._seen[method]
-        return (seen.accepted + prior * self.prior_weight) / (seen.trials + self.prior_weight)
+        return self._estimate(self.costs.acceptance[method], self._seen[method], self.prior_alpha)
 
     @property
     def going_on(self) -> float:
@@ -236,10 +233,7 @@ class KController:
         1 without its confidence stop; this turn's counts on top of the rate over all sessions."""
         if not self.stopping:
             return 1.0
-        pooled = self.costs.continuation.rate
-        prior = pooled if pooled is not None else 1.0
-        seen = self._going_on
-        return (seen.accepted + prior * self.prior_weight) / (seen.trials + self.prior_weight)
+        return self._estimate(self.costs.continuation, self._going_on, 1.0)
 
     def observe(
         self, k: int, accepted: int, method: str = MODEL, asked: int | None = None, ends_unsure: bool = False
@@ -264,21 +258,22 @@ class KController:
     def _observe_split(self, k: int, accepted: int, ends_unsure: bool) -> None:
         """The round's sure tokens (all but the last where a stop ended the block) and its unsure
         one, counted where the target got to it (every token before it taken)."""
-        pairs = ((self.costs.sure, self._sure_seen), (self.costs.unsure, self._unsure_seen))
+        sure, unsure = (self.costs.sure, self._sure_seen), (self.costs.unsure, self._unsure_seen)
         if not ends_unsure:
-            for counts in pairs[0]:
+            for counts in sure:
                 counts.observe(k, accepted)
             return
         if k > 1:
-            for counts in pairs[0]:
+            for counts in sure:
                 counts.observe(k - 1, min(accepted, k - 1))
         if accepted >= k - 1:
-            for counts in pairs[1]:
+            for counts in unsure:
                 counts.observe(1, int(accepted == k))
 
-    def _split_rate(self, pooled: Acceptance, seen: Acceptance, prior: float) -> float:
+    def _estimate(self, pooled: Acceptance, seen: Acceptance, fallback: float) -> float:
+        """This turn's decaying counts on top of a prior: the rate over all sessions, else ``fallback``."""
         rate = pooled.rate
-        prior = rate if rate is not None else prior
+        prior = rate if rate is not None else fallback
         return (seen.accepted + prior * self.prior_weight) / (seen.trials + self.prior_weight)
 
     @property
@@ -351,7 +346,7 @@ class KController:
         once its own odds that the target keeps the whole block fall below the threshold, so a
         long block is one the draft is sure of throughout, which one acceptance rate per
         position cannot tell apart (replaying the benchmark's draft, the longest cap measured best
-        with the block stop; K chosen by the rates, capped at 3-6, lost up to a fifth of that).
+        with the block stop; caps of 4-6, what the rates chose, lost 6-13% of that).
         Kept while the draft's odds hold: the sure runs the stop leaves (all of a block but the
         token it ended on) are taken whole at least half as often as the threshold says; an
         overconfident draft falls back to the K the rates choose."""
@@ -375,8 +370,8 @@ class KController:
         if not ms:
             return None
         if plan.method == MODEL and self.stopping:
-            sure = self._split_rate(self.costs.sure, self._sure_seen, self.alpha_of(MODEL))
-            unsure = self._split_rate(self.costs.unsure, self._unsure_seen, self.alpha_of(MODEL))
+            sure = self._estimate(self.costs.sure, self._sure_seen, self.alpha_of(MODEL))
+            unsure = self._estimate(self.costs.unsure, self._unsure_seen, self.alpha_of(MODEL))
             return expected_tokens(sure, plan.k, self.going_on, unsure) / ms
         alpha = self.alpha_of(plan.method) if plan.k else 0.0
         return expected_tokens(alpha, plan.k, self.going_on if plan.method == MODEL else 1.0) / ms

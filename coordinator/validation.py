@@ -263,17 +263,19 @@ def _method(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> s
 def _draft_stop(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> ConfidenceStop:
     """The request's confidence stops: each as the request sets it, else the server's (none with
     ``fixed``, which asks for exactly K)."""
-    values = []
-    defaults = {"draft_confidence": limits.draft_confidence, "draft_block_confidence": limits.draft_block_confidence}
-    for name, default in defaults.items():
+
+    def threshold(name: str, default: float) -> float:
         if not speculation.HasField(name):
-            values.append(0.0 if speculation.fixed else default)
-            continue
+            return 0.0 if speculation.fixed else default
         value = getattr(speculation, name)
         if not 0.0 <= value < 1.0:  # NaN fails too
             raise InvalidRequest(f"speculation.{name} must be in [0, 1), got {value}")
-        values.append(value)
-    return ConfidenceStop(*values)
+        return float(value)
+
+    return ConfidenceStop(
+        token=threshold("draft_confidence", limits.draft_confidence),
+        block=threshold("draft_block_confidence", limits.draft_block_confidence),
+    )
 
 
 def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:

@@ -84,22 +84,10 @@ def measured_costs(runs: Sequence[dict[str, Any]]) -> Costs:
     )
 
 
-def fixed_k_ms(agree: Sequence[bool], k: int, costs: Costs) -> float:
-    """Decoding the reply with blocks of ``k`` model drafts (fewer only where the reply ends)."""
-    ms, i = 0.0, 0
-    while i < len(agree):
-        block = min(k, len(agree) - i - 1)
-        run = 0
-        while run < block and agree[i + run]:
-            run += 1
-        ms += costs.round_ms(block)
-        i += run + 1
-    return ms
-
-
 def stop_ms(guesses: Sequence[Guess], max_k: int, token: float, block: float, costs: Costs) -> float:
-    """Decoding the reply with blocks of up to ``max_k`` model drafts, each ended by the draft's
-    confidence stops (``token``: after a guess below it; ``block``: once the product is below it)."""
+    """Decoding the reply with blocks of up to ``max_k`` model drafts (fewer only where the reply
+    ends), each ended by the draft's confidence stops (``token``: after a guess below it;
+    ``block``: once the product is below it; 0 = off, so both 0 is fixed K = ``max_k``)."""
     ms, i = 0.0, 0
     while i < len(guesses):
         length, product = 0, 1.0
@@ -189,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         oracle = "oracle (drafts exactly the runs the draft gets right)"
         rows = {
             TARGET_ONLY: (plain, TARGET_ONLY),
-            f"model, fixed K = {k}": (sum(fixed_k_ms(a, k, costs) for a in agree), MODEL_K),
+            f"model, fixed K = {k}": (sum(stop_ms(g, k, 0.0, 0.0, costs) for g in guesses), MODEL_K),
             f"model, token stop {args.token_stop}, up to {args.max_k}": (
                 sum(stop_ms(g, args.max_k, args.token_stop, 0.0, costs) for g in guesses),
                 "",
