@@ -15,11 +15,14 @@ proposers: ``model`` (the draft worker; costs draft time per token) and ``ngram`
 session's own tokens; free to draft, only where the suffix matches). K = 0 is target-only
 decoding; it is chosen whenever speculation would be slower; then cheap probes (first after 4
 target-only rounds, the gap doubling up to ``probe_every``) keep the acceptance estimate fresh. A
-lookup that keeps failing is likewise tried only at probe rounds.
+lookup draft needs no probes: it costs nothing to make, so a round that did not use it still
+scores it against the tokens the target committed (``lookup_score``), and a lookup that keeps
+failing is not tried at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _EWMA = 0.2
@@ -165,6 +168,17 @@ class StepCosts:
         return max(self.verify[a] + slope * (tokens - a), 0.0)
 
 
+def lookup_score(lookup: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:
+    """How a lookup draft that a round did not use would have fared: (tokens of it the round's
+    committed tokens can judge, tokens of it the target would have taken), for ``observe``. A
+    one-hot draft token x is taken with probability p(x), the chance that the target's own token
+    at that position is x (greedy: exactly when it is), so the committed tokens score it without a
+    verify pass; positions past the round's tokens stay unknown."""
+    judged = min(len(lookup), len(committed))
+    taken = next((i for i in range(judged) if lookup[i] != committed[i]), judged)
+    return judged, taken
+
+
 def expected_tokens(alpha: float, k: int, going_on: float = 1.0, unsure: float | None = None) -> float:
     """Tokens a round commits on average: accepted drafts + the target's own token. ``going_on``:
     the chance that the draft proposes the next token after one (below 1 with its confidence stop);
@@ -206,8 +220,8 @@ class KController:
     _sure_runs: Acceptance = field(init=False)  # block-stop blocks: the draft's sure run taken whole?
     _unsure_seen: Acceptance = field(init=False)  # of the token a stop ended a block on, where reached
     _stop_dropped: bool = field(default=False, init=False)  # only whole blocks paid: the turn drafts without it
-    _since_probe: dict[str, int] = field(default_factory=lambda: {MODEL: 0, NGRAM: 0})
-    _probe_gap: dict[str, int] = field(default_factory=lambda: {MODEL: _FIRST_PROBE, NGRAM: _FIRST_PROBE})
+    _since_probe: int = field(default=0, init=False)  # rounds since the model was last used or probed
+    _probe_gap: int = field(default=_FIRST_PROBE, init=False)
 
     def __post_init__(self) -> None:
         self._seen = {MODEL: Acceptance(self.decay), NGRAM: Acceptance(self.decay)}
@@ -331,12 +345,9 @@ class KController:
         if best.method == MODEL and self.block_stop_bounds_blocks:
             best = Plan(MODEL, limits[MODEL])
         self._reset(best.method)
-        # A lookup that keeps failing is tried only at probes. With speculation off, the model is
-        # probed with a short block, soon at first (acceptance often changes within a response),
-        # then backing off (a useless draft costs ever less).
-        if best.method != NGRAM and limits[NGRAM] and (probe := self._probe(NGRAM, limits[NGRAM])):
-            return probe
-        if best.method == NONE and limits[MODEL] and (probe := self._probe(MODEL, limits[MODEL])):
+        # With speculation off, the model is probed with a short block, soon at first (acceptance
+        # often changes within a response), then backing off (a useless draft costs ever less).
+        if best.method == NONE and limits[MODEL] and (probe := self._probe(limits[MODEL])):
             return probe
         return best
 
@@ -377,13 +388,13 @@ class KController:
         return expected_tokens(alpha, plan.k, self.going_on if plan.method == MODEL else 1.0) / ms
 
     def _reset(self, method: str) -> None:
-        if method in self._since_probe:
-            self._since_probe[method], self._probe_gap[method] = 0, min(_FIRST_PROBE, self.probe_every)
+        if method == MODEL:
+            self._since_probe, self._probe_gap = 0, min(_FIRST_PROBE, self.probe_every)
 
-    def _probe(self, method: str, upper: int) -> Plan | None:
-        self._since_probe[method] += 1
-        if self._since_probe[method] >= min(self._probe_gap[method], self.probe_every):
-            self._since_probe[method] = 0
-            self._probe_gap[method] = min(self._probe_gap[method] * 2, self.probe_every)
-            return Plan(method, min(2, upper))
+    def _probe(self, upper: int) -> Plan | None:
+        self._since_probe += 1
+        if self._since_probe >= min(self._probe_gap, self.probe_every):
+            self._since_probe = 0
+            self._probe_gap = min(self._probe_gap * 2, self.probe_every)
+            return Plan(MODEL, min(2, upper))
         return None

@@ -19,7 +19,7 @@ from typing import TypeVar
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import MODEL, NGRAM, NO_STOP, TARGET_ONLY, KController, Plan, StepCosts
+from coordinator.adaptive import MODEL, NGRAM, NO_STOP, TARGET_ONLY, KController, Plan, StepCosts, lookup_score
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Decoding, Proposal, WorkerSession, lookup_proposal
@@ -348,6 +348,8 @@ class Turn:
         step = f"{self.owner}:{self._round}"
         await self._commit(Commit(self._version, step, tokens, target=target, draft=draft, chat=chat))
         self._account(proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000)
+        if lookup and plan.method != NGRAM and self.adaptive:  # what the unused lookup would have got
+            self.controller.observe(*lookup_score(lookup, tokens), NGRAM)
         if finish is not None:
             self.deps.metrics.finished_requests.labels(self._finish_reason(finish, tokens)).inc()
         return RoundOutput(

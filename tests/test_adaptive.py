@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import KController, Plan, StepCosts, expected_length, expected_tokens
+from coordinator.adaptive import KController, Plan, StepCosts, expected_length, expected_tokens, lookup_score
 
 
 def costs(draft: float, verify: dict[int, float], overhead: float = 0.0) -> StepCosts:
@@ -176,16 +176,41 @@ def test_a_lookup_that_keeps_matching_is_preferred_to_the_model() -> None:
     assert controller.plan(model=4, lookup=0).method == "model"  # no match this round: the model drafts
 
 
-def test_a_failing_lookup_is_tried_only_at_probes() -> None:
+def test_a_failing_lookup_is_never_tried() -> None:
+    """Rounds that did not use the lookup still score it (against the tokens the target committed),
+    so a lookup that keeps failing needs no probe rounds: each would cost a verify."""
     controller = KController(k_max=4, costs=costs(60, {1: 400, 5: 700, 9: 1000}), probe_every=8)
     for _ in range(30):
         controller.observe(4, 0, "ngram")
         controller.observe(4, 3, "model")
     plans = [controller.plan(model=4, lookup=8) for _ in range(20)]
-    lookups = [i for i, plan in enumerate(plans) if plan.method == "ngram"]
-    assert lookups == [3, 11, 19]  # after 4 rounds, then every 8 (the cap)
-    assert all(plans[i].k == 2 for i in lookups)  # short probes
-    assert {plan.method for i, plan in enumerate(plans) if i not in lookups} == {"model"}
+    assert {plan.method for plan in plans} == {"model"}
+
+
+def test_a_lookup_scored_in_other_rounds_takes_over_when_it_starts_matching() -> None:
+    controller = KController(k_max=4, costs=costs(60, {1: 400, 5: 700, 9: 1000}))
+    for _ in range(10):
+        controller.observe(4, 0, "ngram")
+        controller.observe(4, 3, "model")
+    assert controller.plan(model=4, lookup=8).method == "model"
+    for _ in range(5):  # model rounds whose committed tokens the lookup had proposed
+        controller.observe(5, 5, "ngram")
+    assert controller.plan(model=4, lookup=8).method == "ngram"
+
+
+@pytest.mark.parametrize(
+    ("lookup", "committed", "scored"),
+    [
+        ([1, 2, 3], [1, 2, 9, 4], (3, 2)),  # the third token differs: 2 taken, then the rejection
+        ([1, 2, 3], [1, 2], (2, 2)),  # the round committed 2: the third is not known yet
+        ([7, 2], [1, 2, 3], (2, 0)),  # wrong at once (the later match does not count)
+        ([], [1], (0, 0)),
+    ],
+)
+def test_a_lookup_is_scored_against_the_committed_tokens(
+    lookup: list[int], committed: list[int], scored: tuple[int, int]
+) -> None:
+    assert lookup_score(lookup, committed) == scored
 
 
 def test_without_a_model_a_useful_lookup_still_speculates() -> None:
