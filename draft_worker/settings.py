@@ -25,6 +25,11 @@ class DraftSettings(ModelWorkerSettings):
         description="early-exit draft: load --model (the target's checkpoint) and keep only its first N decoder "
         "layers, its final norm and LM head (0 = the whole model)",
     )
+    draft_vocab: str | None = Field(
+        None,
+        description="a `specdec draft-vocab` file: the draft's output layer scores only the tokens it lists (each "
+        "step cheaper; the draft proposes only those; exact either way) (unset = the whole vocabulary)",
+    )
 
     target_tokenizer: str | None = Field(
         None,
@@ -38,4 +43,5 @@ class DraftSettings(ModelWorkerSettings):
     )
 
     def load_options(self) -> LoadOptions:
-        return dataclasses.replace(super().load_options(), layers=self.draft_layers)
+        options = super().load_options()
+        return dataclasses.replace(options, layers=self.draft_layers, output_vocab=self.draft_vocab or "")

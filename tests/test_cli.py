@@ -80,6 +80,7 @@ def test_bench_method_choice_keeps_the_target_only_references() -> None:
         (["--method", "service default + confidence stop 0.4, K <= 16"], "no row named 'service default + confidence"),
         (["--method", "service early-exit K"], "needs --early-exit-layers"),
         (["--method", "service cross-slem default"], "needs --cross-draft-model"),
+        (["--method", "service default, draft vocabulary"], "needs --draft-vocab"),
         (["--skip-hf", "--method", "hf assisted default"], "drop --skip-hf"),
     ],
 )
@@ -121,10 +122,13 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     out = tmp_path / "bench.json"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\n---\nabcabcabcabcabc\n")  # the second repeats: lookups match
+    vocab = tmp_path / "vocab.json"  # half the draft's vocabulary, counted from the prompts
+    made = run("draft-vocab", str(prompts), "--model", str(tiny_models.noisy), "--size", "128", "--out", str(vocab))
+    assert made.returncode == 0, made.stderr[-2000:]
     result = run(
         "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy), "--prompts", str(prompts),
         "--max-new-tokens", "12", "--repeats", "2", "--early-exit-layers", "1", "--concurrency", "1,2",
-        "--out", str(out), timeout=600,
+        "--draft-vocab", str(vocab), "--out", str(out), timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -134,7 +138,9 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
         "service model K", "service model adaptive", "service ngram K", "service ngram adaptive", "service hybrid K",
         "service default (hybrid, adaptive)", "service default without the confidence stop",
         "service default with the token stop", "service early-exit K", "service early-exit adaptive",
+        "service model K, draft vocabulary", "service default, draft vocabulary",
     }  # fmt: skip
+    assert "default with the draft vocabulary / default" in data["ratios"]
     assert "default / without the confidence stop" in data["ratios"]
     assert "default / with the token stop" in data["ratios"]
     # one repeat of the HF rows, then one of the service's, then the next (the runs in the order they ran)

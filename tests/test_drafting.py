@@ -10,6 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.output_vocab import write_output_vocab
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
@@ -47,6 +49,17 @@ def cluster_early_exit(tmp_path_factory: pytest.TempPathFactory, tiny_models: Ti
     """The draft worker loads the target's own checkpoint and keeps its first layer."""
     yield from _start(tmp_path_factory.mktemp("early-exit"), tiny_models.bigram, tiny_models.bigram,
                       ["--draft-layers", "1"])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster_draft_vocab(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """A draft worker whose model scores only the even token ids (``--draft-vocab``)."""
+    workdir = tmp_path_factory.mktemp("draft-vocab")
+    tokenizer = load_tokenizer(str(tiny_models.noisy))
+    vocab = workdir / "even.json"
+    evens = list(range(0, len(tokenizer), 2))
+    write_output_vocab(vocab, evens, tokenizer_fingerprint(tokenizer), len(tokenizer), "even ids")
+    yield from _start(workdir, tiny_models.target, tiny_models.noisy, ["--draft-vocab", str(vocab)])
 
 
 def request(
@@ -138,6 +151,32 @@ def test_lookup_methods_with_pipelining_are_exact(
     reply = generate(cluster_pipelined, request(prompt, method, k=k))
     assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), MAX_NEW, True)
     assert reply.stats.lookup_rounds > 0
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
+def test_a_draft_with_a_draft_vocabulary_gives_the_target_s_tokens(
+    cluster_draft_vocab: LocalCluster, tiny_models: TinyModels, prompt: list[int], fixed: bool
+) -> None:
+    reply = generate(cluster_draft_vocab, request(prompt, "model", fixed=fixed))
+    expected = reference_greedy(str(tiny_models.target), tuple(prompt), MAX_NEW, True)
+    assert list(reply.token_ids) == expected
+    assert any(token % 2 for token in expected)  # tokens the draft cannot propose: the target's own
+    assert reply.stats.draft_tokens_accepted > 0
+
+
+def test_a_draft_vocabulary_of_another_tokenizer_stops_start_up(tmp_path: Path, tiny_models: TinyModels) -> None:
+    from specdec.tools.launch import LaunchError, spawn
+
+    vocab = tmp_path / "v.json"
+    write_output_vocab(vocab, [1, 2], "another tokenizer", 259, "test")
+    process = spawn("draft", ["--model", str(tiny_models.noisy), "--draft-vocab", str(vocab), *CLUSTER_WORKER_ARGS],
+                    tmp_path)  # fmt: skip
+    try:
+        with pytest.raises(LaunchError, match="made for another tokenizer"):
+            process.wait_ready(60)
+    finally:
+        process.stop()
 
 
 def test_a_bad_draft_layer_count_stops_start_up(tmp_path: Path, tiny_models: TinyModels) -> None:

@@ -17,6 +17,7 @@ import collections
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, 
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.lookup import NgramIndex
-from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.output_vocab import write_output_vocab
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.proposals import encode_block
 from specdec.runtime.sampling import Verdict, Warp, warped_probs
@@ -417,6 +419,58 @@ def test_the_lookup_test_catches_a_planted_bug(models: dict[str, LoadedModel], m
 # Drafting across tokenizers: a draft with SmolLM2's tokenizer for a target with Qwen2.5's (tiny
 # models of one text, tokenized differently: some words are one token in one and two in the other).
 CROSS_TEXT = " the cat sat on a mat and warms fibonacci recursion with blue sky over green rollback hills"
+
+
+@pytest.mark.slow
+def test_a_draft_that_scores_only_some_tokens_follows_the_target_distribution(
+    models: dict[str, LoadedModel], tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    """The draft worker's model loaded with a draft vocabulary of the even ids (``--draft-vocab``):
+    it proposes only those (the others' logits are -inf, probability 0 in the distribution the
+    target verifies against), so the target's odd tokens come only from rejections' residuals
+    and bonus tokens. K = 4, dense proposals, 1500 requests."""
+    speculation = Speculation(models["target"], _even_ids_draft(tiny_models, tmp_path), 4, 0, False)
+    samples = sample_counts(speculation, 1500)
+    exact = exact_distribution(models["target"])
+    assert any(token % 2 for tokens in exact for token in tokens)  # the target has tokens the draft cannot propose
+    assert speculation.accepted > 300  # and the draft is still right often
+    assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
+
+
+def _even_ids_draft(tiny_models: TinyModels, tmp_path: Path) -> LoadedModel:
+    tokenizer = load_tokenizer(str(tiny_models.noisy))
+    path = tmp_path / "even.json"
+    evens = list(range(0, len(tokenizer), 2))
+    write_output_vocab(path, evens, tokenizer_fingerprint(tokenizer), len(tokenizer), "even ids")
+    options = LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch", output_vocab=str(path))
+    return load_model(str(tiny_models.noisy), options)
+
+
+_sample_draft_token = draft_engine.sample_draft_token
+
+
+def _other_tokens_keep_their_share(logits, warp, top_n, generator):  # type: ignore[no-untyped-def]
+    """The planted bug: the draft samples among the tokens it scores but reports a distribution
+    in which the others keep a share (0.4, spread over the odd ids): a valid distribution, not the
+    one the token came from. (Reporting the kept tokens' probabilities unnormalised is refused by
+    the target's check that a proposal sums to 1.)"""
+    sample = _sample_draft_token(logits, warp, top_n, generator)
+    if sample.probs is None or sample.ids is not None:
+        return sample
+    odd = torch.zeros_like(sample.probs)
+    odd[1::2] = 1.0
+    return dataclasses.replace(sample, probs=sample.probs * 0.6 + odd / odd.sum() * 0.4)
+
+
+@pytest.mark.slow
+def test_the_draft_vocabulary_test_catches_a_planted_bug(
+    models: dict[str, LoadedModel], tiny_models: TinyModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same settings and number of requests: the planted bug is rejected at p < 1e-6."""
+    monkeypatch.setattr(draft_engine, "sample_draft_token", _other_tokens_keep_their_share)
+    speculation = Speculation(models["target"], _even_ids_draft(tiny_models, tmp_path), 4, 0, False)
+    samples = sample_counts(speculation, 1500)
+    assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import structlog
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.runtime.output_vocab import read_output_vocab, restrict_output
+
 log = structlog.get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -148,6 +150,7 @@ class LoadOptions:
     cpu_kernel: str = "auto"  # auto (packed for fp32 CPU models) | packed | torch
     trust_remote_code: bool = False
     layers: int = 0  # keep only the first N decoder layers (an early-exit draft); 0 = all
+    output_vocab: str = ""  # a `specdec draft-vocab` file: score only its tokens (a draft); "" = all
 
 
 def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel:
@@ -167,6 +170,11 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
     model = model.to(device).eval()
     model.requires_grad_(False)
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
+    eos_token_ids = _eos_ids(model, tokenizer)
+    if options.output_vocab:
+        ids = read_output_vocab(options.output_vocab, tokenizer_fingerprint(tokenizer))
+        kept = restrict_output(model, [*ids, *(i for i in eos_token_ids if i < vocab_size)])
+        log.info("draft_vocab", path=options.output_vocab, kept=kept, vocab_size=vocab_size)
     if options.quantize == "int8":
         model = quantize_int8(model)
     elif _wants_packed(options.cpu_kernel, device, dtype):
@@ -180,7 +188,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         dtype=dtype,
         vocab_size=vocab_size,
         max_context_len=_context_len(model_id, config, tokenizer),
-        eos_token_ids=_eos_ids(model, tokenizer),
+        eos_token_ids=eos_token_ids,
         tokenizer_hash=tokenizer_fingerprint(tokenizer),
     )
     log.info(

@@ -148,6 +148,7 @@ class BenchConfig:
     device: str = "cpu"
     early_exit_layers: int = 0  # the early-exit rows keep this many of the target's layers; 0 = no such rows
     cross_draft_model: str = ""  # a draft with another tokenizer: TLI and SLEM rows ("" = no such rows)
+    draft_vocab: str = ""  # a `specdec draft-vocab` file: rows whose draft scores only its tokens ("" = none)
     methods: tuple[str, ...] = ()  # run only these rows (names as in the table); () = all
     prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens
     out: Path = Path("bench-results/bench.json")
@@ -294,6 +295,8 @@ class ServiceRow(NamedTuple):
 
 NO_STOP = "service default without the confidence stop"
 TOKEN_STOP = "service default with the token stop"
+VOCAB_MODEL_K = "service model K, draft vocabulary"
+VOCAB_DEFAULT = "service default, draft vocabulary"
 SERVICE_METHODS: dict[str, ServiceRow] = {
     "service target-only": ServiceRow("main", "default", True, True),
     "service model K": ServiceRow("main", "model", False, True),
@@ -306,6 +309,9 @@ SERVICE_METHODS: dict[str, ServiceRow] = {
     NO_STOP: ServiceRow("main", "default", False, False, confidence=0.0, block_confidence=0.0),
     # the default before the block stop: HF's per-token confidence threshold, 0.4
     TOKEN_STOP: ServiceRow("main", "default", False, False, confidence=0.4, block_confidence=0.0),
+    # the same draft model scoring only the tokens of a --draft-vocab file
+    VOCAB_MODEL_K: ServiceRow("draft-vocab", "model", False, True),
+    VOCAB_DEFAULT: ServiceRow("draft-vocab", "default", False, False),
     "service early-exit K": ServiceRow("early-exit", "model", False, True),
     "service early-exit adaptive": ServiceRow("early-exit", "model", False, False),
     # a draft with another tokenizer (--cross-draft-model), translated by TLI or SLEM
@@ -321,6 +327,8 @@ def _extra_drafts(cfg: BenchConfig) -> dict[str, list[str]]:
     extra = {}
     if cfg.early_exit_layers:
         extra["early-exit"] = ["--model", cfg.model, "--draft-layers", str(cfg.early_exit_layers)]
+    if cfg.draft_vocab:
+        extra["draft-vocab"] = ["--model", cfg.draft_model, "--draft-vocab", cfg.draft_vocab]
     if cfg.cross_draft_model:
         for method in ("tli", "slem"):
             extra[f"cross-{method}"] = [
@@ -345,6 +353,8 @@ def check_methods(cfg: BenchConfig) -> None:
         spec = SERVICE_METHODS.get(name)
         if spec is not None and spec.coordinator == "early-exit":
             raise ValueError(f"row '{name}' needs --early-exit-layers N (the target's layers the draft keeps)")
+        if spec is not None and spec.coordinator == "draft-vocab":
+            raise ValueError(f"row '{name}' needs --draft-vocab FILE (make one with `specdec draft-vocab`)")
         if spec is not None:
             raise ValueError(f"row '{name}' needs --cross-draft-model (a draft with another tokenizer)")
         if name in hf:
@@ -591,8 +601,11 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
             ratios[f"worst prompt: {name} / {baseline}"] = min(_per_prompt(runs, method, baseline).values())
     ratio("default / without the confidence stop", HEADLINE, NO_STOP)
     ratio("default / with the token stop", HEADLINE, TOKEN_STOP)
+    ratio("default with the draft vocabulary / default", VOCAB_DEFAULT, HEADLINE)
+    ratio("model K with the draft vocabulary / model K", VOCAB_MODEL_K, "service model K")
     if best_hf is not None:
         ratio(f"default / best HF speculative ({best_hf})", HEADLINE, best_hf)
+        ratio(f"default with the draft vocabulary / best HF speculative ({best_hf})", VOCAB_DEFAULT, best_hf)
     return {
         "ratios": ratios,
         "best_hf_speculative": best_hf,

@@ -224,6 +224,36 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft_vocab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "draft-vocab",
+        help="count a corpus's tokens and write the file `serve draft --draft-vocab` loads (the draft scores "
+        "only those tokens: cheaper steps, still exact)",
+    )
+    p.add_argument("corpus", nargs="+", type=Path, help="text files, or directories (their files matching --glob)")
+    p.add_argument("--model", required=True, help="the draft model (its tokenizer): local directory or hub id")
+    p.add_argument("--size", type=int, default=32768, help="tokens to keep (special tokens always among them)")
+    p.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    p.add_argument(
+        "--glob", action="append", default=[], help="files of a corpus directory to read (repeatable; default **/*)"
+    )
+    p.add_argument("--max-bytes", type=int, default=200_000_000, help="read at most this much text")
+
+
+def _draft_vocab(args: argparse.Namespace) -> int:
+    from specdec.serving.logging import configure_logging
+    from specdec.tools.draft_vocab import make_draft_vocab
+
+    configure_logging("info", "console")
+    try:
+        make_draft_vocab(args.model, args.corpus, args.size, args.out, args.glob or ["**/*"], args.max_bytes)
+    except (ValueError, OSError) as e:
+        sys.stderr.write(f"specdec draft-vocab: error: {e}\n")
+        return 2
+    sys.stdout.write(f"{args.out}\n")
+    return 0
+
+
 def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "bench", help="benchmark HF generate (target-only, assisted, prompt lookup) and every way the service drafts"
@@ -255,6 +285,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "TLI and by SLEM (quantized as --draft-quantize)",
     )  # fmt: skip
     p.add_argument(
+        "--draft-vocab", default="",
+        help="add rows whose draft (--draft-model) scores only the tokens of this `specdec draft-vocab` file",
+    )  # fmt: skip
+    p.add_argument(
         "--method", action="append", default=[], help="run this row (a name as in the table; repeat it; default: all)"
     )
     p.add_argument("--concurrency", default="1,2,4", help="request counts for the concurrency sweep ('' = none)")
@@ -280,6 +314,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         device=args.device,
         early_exit_layers=args.early_exit_layers,
         cross_draft_model=args.cross_draft_model,
+        draft_vocab=args.draft_vocab,
         methods=tuple(args.method),
         out=args.out,
         skip_hf=args.skip_hf,
@@ -309,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help=SERVE_HELP)
     _generate_parser(sub)
     _models_parser(sub)
+    _draft_vocab_parser(sub)
     _bench_parser(sub)
     return parser
 
@@ -323,5 +359,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("serve needs a role: specdec serve coordinator|draft|target [flags]")
     if args.command == "generate" and not (args.prompt or args.info):
         parser.error("generate needs --prompt (or --info)")
-    commands = {"models": _models, "bench": _bench, "generate": _generate}
+    commands = {"models": _models, "bench": _bench, "generate": _generate, "draft-vocab": _draft_vocab}
     return commands[args.command](args)
