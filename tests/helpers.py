@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.output_vocab import write_output_vocab
 from specdec.tools.model_fetch import fetch_tokenizer
 
 
@@ -90,3 +92,11 @@ def real_tokenizer(name: str, tmp_path_factory: pytest.TempPathFactory) -> PreTr
     checkpoint, no weights), cached beside the test run's temporary folders."""
     cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
     return AutoTokenizer.from_pretrained(fetch_tokenizer(name, cache_dir))
+
+
+def draft_vocab_file(path: Path, model: Path, ids: Sequence[int] | None = None) -> Path:
+    """A ``specdec draft-vocab`` file for ``model``'s tokenizer keeping ``ids`` (default: the even ids)."""
+    tokenizer = load_tokenizer(str(model))
+    kept = list(range(0, len(tokenizer), 2)) if ids is None else list(ids)
+    write_output_vocab(path, kept, tokenizer_fingerprint(tokenizer), len(tokenizer), "test")
+    return path

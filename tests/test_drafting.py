@@ -10,12 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.output_vocab import write_output_vocab
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
+from tests.helpers import draft_vocab_file
 from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels
 
@@ -55,10 +55,7 @@ def cluster_early_exit(tmp_path_factory: pytest.TempPathFactory, tiny_models: Ti
 def cluster_draft_vocab(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
     """A draft worker whose model scores only the even token ids (``--draft-vocab``)."""
     workdir = tmp_path_factory.mktemp("draft-vocab")
-    tokenizer = load_tokenizer(str(tiny_models.noisy))
-    vocab = workdir / "even.json"
-    evens = list(range(0, len(tokenizer), 2))
-    write_output_vocab(vocab, evens, tokenizer_fingerprint(tokenizer), len(tokenizer), "even ids")
+    vocab = draft_vocab_file(workdir / "even.json", tiny_models.noisy)
     yield from _start(workdir, tiny_models.target, tiny_models.noisy, ["--draft-vocab", str(vocab)])
 
 

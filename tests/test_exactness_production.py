@@ -29,8 +29,7 @@ from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, 
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.lookup import NgramIndex
-from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model, load_tokenizer, tokenizer_fingerprint
-from specdec.runtime.output_vocab import write_output_vocab
+from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.proposals import encode_block
 from specdec.runtime.sampling import Verdict, Warp, warped_probs
@@ -38,7 +37,7 @@ from specdec.runtime.scheduler import Job
 from specdec.runtime.tokens import common_prefix_len
 from specdec.runtime.vocab import VocabBridge
 from specdec.v1 import common_pb2
-from tests.helpers import real_tokenizer
+from tests.helpers import draft_vocab_file, real_tokenizer
 from tests.spec_oracle import chi_square_pvalue, reference_processing
 from tests.tiny_models import TinyModels, build_text_bigram
 
@@ -416,11 +415,6 @@ def test_the_lookup_test_catches_a_planted_bug(models: dict[str, LoadedModel], m
     assert chi_square_pvalue(samples, exact_distribution(target, prompt=prompt), sum(samples.values())) < 1e-6
 
 
-# Drafting across tokenizers: a draft with SmolLM2's tokenizer for a target with Qwen2.5's (tiny
-# models of one text, tokenized differently: some words are one token in one and two in the other).
-CROSS_TEXT = " the cat sat on a mat and warms fibonacci recursion with blue sky over green rollback hills"
-
-
 @pytest.mark.slow
 def test_a_draft_that_scores_only_some_tokens_follows_the_target_distribution(
     models: dict[str, LoadedModel], tiny_models: TinyModels, tmp_path: Path
@@ -438,10 +432,7 @@ def test_a_draft_that_scores_only_some_tokens_follows_the_target_distribution(
 
 
 def _even_ids_draft(tiny_models: TinyModels, tmp_path: Path) -> LoadedModel:
-    tokenizer = load_tokenizer(str(tiny_models.noisy))
-    path = tmp_path / "even.json"
-    evens = list(range(0, len(tokenizer), 2))
-    write_output_vocab(path, evens, tokenizer_fingerprint(tokenizer), len(tokenizer), "even ids")
+    path = draft_vocab_file(tmp_path / "even.json", tiny_models.noisy)
     options = LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch", output_vocab=str(path))
     return load_model(str(tiny_models.noisy), options)
 
@@ -471,6 +462,11 @@ def test_the_draft_vocabulary_test_catches_a_planted_bug(
     speculation = Speculation(models["target"], _even_ids_draft(tiny_models, tmp_path), 4, 0, False)
     samples = sample_counts(speculation, 1500)
     assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6
+
+
+# Drafting across tokenizers: a draft with SmolLM2's tokenizer for a target with Qwen2.5's (tiny
+# models of one text, tokenized differently: some words are one token in one and two in the other).
+CROSS_TEXT = " the cat sat on a mat and warms fibonacci recursion with blue sky over green rollback hills"
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ from specdec.runtime.output_vocab import (
     build_output_vocab,
     read_output_vocab,
     restrict_output,
-    write_output_vocab,
 )
 from specdec.tools.cli import main
 from specdec.tools.draft_vocab import corpus_texts
+from tests.helpers import draft_vocab_file
 from tests.tiny_models import TinyModels, build_tokenizer
 
 
@@ -37,12 +37,6 @@ def test_the_restricted_head_computes_the_kept_rows_and_rules_out_the_rest(bias:
     assert torch.softmax(logits, -1)[..., others].sum() == 0  # the draft never proposes them
 
 
-def _vocab_file(path: Path, model: Path, ids: list[int]) -> Path:
-    tokenizer = load_tokenizer(str(model))
-    write_output_vocab(path, ids, tokenizer_fingerprint(tokenizer), len(tokenizer), "test")
-    return path
-
-
 @pytest.mark.parametrize(("quantize", "kernel"), [("none", "torch"), ("none", "packed"), ("int8", "auto")])
 def test_a_draft_loaded_with_a_vocabulary_scores_only_its_tokens_and_the_end_of_sequence(
     tiny_models: TinyModels, tmp_path: Path, quantize: str, kernel: str
@@ -52,7 +46,7 @@ def test_a_draft_loaded_with_a_vocabulary_scores_only_its_tokens_and_the_end_of_
     kept = list(range(70, 200))
     options = LoadOptions(device="cpu", dtype="float32", quantize=quantize, cpu_kernel=kernel)
     full = load_model(str(tiny_models.target), options)
-    path = _vocab_file(tmp_path / "vocab.json", tiny_models.target, kept)
+    path = draft_vocab_file(tmp_path / "vocab.json", tiny_models.target, kept)
     restricted = load_model(str(tiny_models.target), LoadOptions(**{**options.__dict__, "output_vocab": str(path)}))
     assert restricted.vocab_size == full.vocab_size and restricted.eos_token_ids == full.eos_token_ids
     prompt = torch.tensor([[5, 17, 99, 3, 120]])
@@ -87,7 +81,7 @@ def test_building_keeps_special_tokens_then_the_most_frequent() -> None:
 
 def test_a_vocabulary_file_is_checked_against_the_tokenizer(tiny_models: TinyModels, tmp_path: Path) -> None:
     tokenizer = load_tokenizer(str(tiny_models.target))
-    path = _vocab_file(tmp_path / "v.json", tiny_models.target, [1, 2, 3])
+    path = draft_vocab_file(tmp_path / "v.json", tiny_models.target, [1, 2, 3])
     assert read_output_vocab(str(path), tokenizer_fingerprint(tokenizer)) == [1, 2, 3]
     with pytest.raises(ValueError, match="another tokenizer"):
         read_output_vocab(str(path), "a different fingerprint")

@@ -170,9 +170,9 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
     model = model.to(device).eval()
     model.requires_grad_(False)
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
-    eos_token_ids = _eos_ids(model, tokenizer)
+    eos_token_ids, fingerprint = _eos_ids(model, tokenizer), tokenizer_fingerprint(tokenizer)
     if options.output_vocab:
-        ids = read_output_vocab(options.output_vocab, tokenizer_fingerprint(tokenizer))
+        ids = read_output_vocab(options.output_vocab, fingerprint)
         kept = restrict_output(model, [*ids, *(i for i in eos_token_ids if i < vocab_size)])
         log.info("draft_vocab", path=options.output_vocab, kept=kept, vocab_size=vocab_size)
     if options.quantize == "int8":
@@ -189,7 +189,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         vocab_size=vocab_size,
         max_context_len=_context_len(model_id, config, tokenizer),
         eos_token_ids=eos_token_ids,
-        tokenizer_hash=tokenizer_fingerprint(tokenizer),
+        tokenizer_hash=fingerprint,
     )
     log.info(
         "model_loaded",

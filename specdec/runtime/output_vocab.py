@@ -36,9 +36,10 @@ class RestrictedHead(torch.nn.Module):
         super().__init__()
         self.vocab_size = head.out_features
         self.inner = torch.nn.Linear(head.in_features, len(ids), bias=head.bias is not None, device="meta")
-        self.inner.weight = torch.nn.Parameter(head.weight.detach()[ids].clone(), requires_grad=False)
+        # indexing by ``ids`` copies the rows (the original matrix stays with a tied embedding)
+        self.inner.weight = torch.nn.Parameter(head.weight.detach()[ids], requires_grad=False)
         if head.bias is not None:
-            self.inner.bias = torch.nn.Parameter(head.bias.detach()[ids].clone(), requires_grad=False)
+            self.inner.bias = torch.nn.Parameter(head.bias.detach()[ids], requires_grad=False)
         self.register_buffer("ids", ids, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,10 +65,9 @@ def restrict_output(model: Any, ids: Sequence[int]) -> int:
 
 def build_output_vocab(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str], size: int) -> list[int]:
     """The ``size`` tokens to keep: every special token (end of sequence, chat and fill-in-the-middle
-    markup), then the
-    most frequent tokens of ``texts`` (ties: the lower id), then, if the texts use fewer, the
-    lowest ids not yet kept (byte-level BPE numbers merges in the order they were learned, most
-    frequent first). Most frequent first."""
+    markup), then the most frequent tokens of ``texts`` (ties: the lower id), then, if the texts
+    use fewer, the lowest ids not yet kept (byte-level BPE numbers merges in the order they were
+    learned, most frequent first). Most frequent first."""
     vocab = len(tokenizer)
     if not 0 < size <= vocab:
         raise ValueError(f"the draft vocabulary size must be between 1 and {vocab} (this tokenizer), got {size}")

@@ -322,6 +322,13 @@ SERVICE_METHODS: dict[str, ServiceRow] = {
 }
 
 
+# What starts an extra coordinator's draft worker (the cross-tokenizer ones: --cross-draft-model).
+_EXTRA_DRAFT_FLAGS = {
+    "early-exit": "--early-exit-layers N (the target's layers the draft keeps)",
+    "draft-vocab": "--draft-vocab FILE (make one with `specdec draft-vocab`)",
+}
+
+
 def _extra_drafts(cfg: BenchConfig) -> dict[str, list[str]]:
     """Coordinators besides ``main``, each over its own draft worker (args) and the same target."""
     extra = {}
@@ -351,12 +358,9 @@ def check_methods(cfg: BenchConfig) -> None:
         if name in rows:
             continue
         spec = SERVICE_METHODS.get(name)
-        if spec is not None and spec.coordinator == "early-exit":
-            raise ValueError(f"row '{name}' needs --early-exit-layers N (the target's layers the draft keeps)")
-        if spec is not None and spec.coordinator == "draft-vocab":
-            raise ValueError(f"row '{name}' needs --draft-vocab FILE (make one with `specdec draft-vocab`)")
-        if spec is not None:
-            raise ValueError(f"row '{name}' needs --cross-draft-model (a draft with another tokenizer)")
+        if spec is not None:  # a row of a coordinator this run's flags do not start
+            needs = _EXTRA_DRAFT_FLAGS.get(spec.coordinator, "--cross-draft-model (a draft with another tokenizer)")
+            raise ValueError(f"row '{name}' needs {needs}")
         if name in hf:
             raise ValueError(f"row '{name}' is an HF baseline: drop --skip-hf to run it")
         known = "; ".join(f"'{row}'" for row in rows)

@@ -29,10 +29,11 @@ def corpus_texts(paths: Sequence[Path], patterns: Sequence[str], max_bytes: int)
             if read >= max_bytes:
                 return
             try:
-                text = file.read_bytes()[: max_bytes - read].decode("utf-8")
+                data = file.read_bytes()[: max_bytes - read]
+                text = data.decode("utf-8")
             except (OSError, UnicodeDecodeError):
                 continue
-            read += len(text.encode("utf-8"))
+            read += len(data)
             yield text
     if read == 0:
         where = ", ".join(map(str, paths))
