@@ -121,7 +121,7 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
 
     out = tmp_path / "bench.json"
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("def add(a, b):\n---\nabcabcabcabcabc\n")  # the second repeats: lookups match
+    prompts.write_text("def add(a, b):\n---\n" + "abc" * 12 + "\n")  # the second repeats: lookups match
     vocab = tmp_path / "vocab.json"  # half the draft's vocabulary, counted from the prompts
     made = run("draft-vocab", str(prompts), "--model", str(tiny_models.noisy), "--size", "128", "--out", str(vocab))
     assert made.returncode == 0, made.stderr[-2000:]
@@ -149,6 +149,9 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
         ("hf", 0), ("service", 0), ("hf", 1), ("service", 1),
     ]  # fmt: skip
     assert all(row["repeats"] == 2 for row in data["methods"].values())
+    # every service run prefilled its prompt, as HF's generate does: none started from the cache
+    # an earlier row or repeat left (the second prompt is long enough to be reused)
+    assert all(r["stats"]["cached_tokens"] == 0 for r in report["runs"] if r["stats"])
     spread = data["methods"]["service model K"]["tokens_per_s"]
     assert spread["min"] <= spread["median"] <= spread["max"]
     assert data["greedy_tokens_identical"].pop("reference") == "hf target-only"

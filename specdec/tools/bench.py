@@ -375,7 +375,10 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
     from specdec.tools.launch import LocalCluster, spawn
 
     k = str(max(cfg.k, 1))
-    common = ["--max-speculative-tokens", "16", "--num-speculative-tokens", k, "--default-max-new-tokens", "1024"]
+    # Prefix reuse off: every row sends the same prompts, and a row that found the prompt cached by
+    # the row before it would skip the prefill that HF's generate (and a new prompt) pays.
+    common = ["--max-speculative-tokens", "16", "--num-speculative-tokens", k, "--default-max-new-tokens", "1024",
+              "--prefix-block-tokens", "0"]  # fmt: skip
     cluster = LocalCluster(
         cfg.model, cfg.draft_model, workdir, worker_args=["--device", cfg.device],
         draft_args=["--quantize", cfg.draft_quantize], coordinator_args=common, share_cpu=cfg.device == "cpu",
@@ -436,6 +439,7 @@ def _request(cfg: BenchConfig, prompt: Prompt, row: ServiceRow) -> Any:
 def _stats(reply: Any) -> dict[str, Any]:
     s = reply.stats
     return {
+        "cached_tokens": reply.usage.cached_tokens,
         "rounds": s.rounds,
         "proposed": s.draft_tokens_proposed,
         "accepted": s.draft_tokens_accepted,
