@@ -30,6 +30,10 @@ _POOL_DECAY = 0.98  # per round: the global acceptance remembers roughly the las
 _FIRST_PROBE = 4  # rounds a proposer stays unused before the first probe; the gap doubles up to probe_every
 _MAX_TOKENS = 64
 MODEL, NGRAM, NONE = "model", "ngram", "none"
+# Where a lookup draft came from, each with acceptance counts of its own: the session's own tokens
+# (NGRAM) or an earlier request's reply (REPLY, the reply index). A retried request is drafted its
+# earlier reply whole; that rate says nothing of how often a session's tokens repeat.
+REPLY = "reply"
 # The confidence stop is judged after this many blocks it ended; it stays while the tokens it ends
 # blocks on are taken less than this share of the draft's per-token acceptance.
 _UNSURE_EVIDENCE = 2.5  # about three blocks (the counts decay)
@@ -106,7 +110,7 @@ class StepCosts:
     verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
     # Per-token acceptance of each proposer over all sessions (the prior of a new turn).
     acceptance: dict[str, Acceptance] = field(
-        default_factory=lambda: {MODEL: Acceptance(_POOL_DECAY), NGRAM: Acceptance(_POOL_DECAY)}
+        default_factory=lambda: {m: Acceptance(_POOL_DECAY) for m in (MODEL, NGRAM, REPLY)}
     )
     # How often the draft model, asked for more, went on after a proposed token (its confidence
     # stop ends a block early otherwise), over all sessions.
@@ -224,7 +228,7 @@ class KController:
     _probe_gap: int = field(default=_FIRST_PROBE, init=False)
 
     def __post_init__(self) -> None:
-        self._seen = {MODEL: Acceptance(self.decay), NGRAM: Acceptance(self.decay)}
+        self._seen = {m: Acceptance(self.decay) for m in (MODEL, NGRAM, REPLY)}
         self._going_on = Acceptance(self.decay)
         self._unsure = Acceptance(self.decay)
         self._sure_seen = Acceptance(self.decay)
@@ -253,7 +257,8 @@ class KController:
         self, k: int, accepted: int, method: str = MODEL, asked: int | None = None, ends_unsure: bool = False
     ) -> None:
         """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends
-        it); ``asked``: the block length asked of the draft model (more than ``k`` if it stopped
+        it); ``method``: ``model``, or the source of a lookup draft (``ngram`` or ``reply``);
+        ``asked``: the block length asked of the draft model (more than ``k`` if it stopped
         early); ``ends_unsure``: the draft proposed the last token below its confidence stop."""
         if k == 0:
             return
@@ -323,9 +328,10 @@ class KController:
         """K for the next round with the model draft only; ``budget`` = the most drafts that can still be used."""
         return self.plan(min(self.k_max, budget)).k
 
-    def plan(self, model: int, lookup: int = 0) -> Plan:
+    def plan(self, model: int, lookup: int = 0, lookup_source: str = NGRAM) -> Plan:
         """The next round's proposer and K. ``model``: the most drafts the draft worker may be
-        asked for (0 = not usable); ``lookup``: tokens a lookup draft has ready (0 = no match)."""
+        asked for (0 = not usable); ``lookup``: tokens a lookup draft has ready (0 = no match),
+        found in ``lookup_source`` (``ngram``: the session's tokens; ``reply``: the reply index)."""
         limits = {MODEL: model, NGRAM: lookup}
         if max(limits.values()) <= 0:
             return TARGET_ONLY
@@ -334,7 +340,7 @@ class KController:
         rates = {TARGET_ONLY: self._rate(TARGET_ONLY)}
         for method, upper in limits.items():
             for k in range(1, upper + 1):
-                rates[Plan(method, k)] = self._rate(Plan(method, k))
+                rates[Plan(method, k)] = self._rate(Plan(method, k), lookup_source)
         known = {plan: rate for plan, rate in rates.items() if rate is not None}
         unmeasured = [m for m in (MODEL, NGRAM) if limits[m] and Plan(m, limits[m]) not in known]
         if unmeasured:  # speculative costs not measured yet: speculate at the most to learn them
@@ -376,7 +382,7 @@ class KController:
         self._stop_dropped = bool(known)
         return max(known, key=lambda plan: known[plan]) if known else None
 
-    def _rate(self, plan: Plan) -> float | None:
+    def _rate(self, plan: Plan, lookup_source: str = NGRAM) -> float | None:
         ms = self.expected_ms(plan.k, plan.method)
         if not ms:
             return None
@@ -384,7 +390,7 @@ class KController:
             sure = self._estimate(self.costs.sure, self._sure_seen, self.alpha_of(MODEL))
             unsure = self._estimate(self.costs.unsure, self._unsure_seen, self.alpha_of(MODEL))
             return expected_tokens(sure, plan.k, self.going_on, unsure) / ms
-        alpha = self.alpha_of(plan.method) if plan.k else 0.0
+        alpha = self.alpha_of(lookup_source if plan.method == NGRAM else plan.method) if plan.k else 0.0
         return expected_tokens(alpha, plan.k, self.going_on if plan.method == MODEL else 1.0) / ms
 
     def _reset(self, method: str) -> None:

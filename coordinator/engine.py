@@ -15,6 +15,7 @@ from coordinator.turn import Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
 from coordinator.workers import DraftClient, TargetPool, translates
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
+from specdec.runtime.lookup import ReplyIndex
 from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
 from specdec.serving.errors import NotServing, Overloaded
@@ -107,6 +108,7 @@ def server_info(
         draft_vocab_method=vocab_method(draft),
         draft_confidence=limits.draft_confidence,
         draft_block_confidence=limits.draft_block_confidence,
+        reply_index_tokens=settings.reply_index_tokens,
     )
 
 
@@ -171,6 +173,7 @@ class Engine:
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
             StepCosts(), pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
             prefix_block=s.prefix_block_tokens, ngram=(s.ngram_min, s.ngram_max),
+            replies=ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None,
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self._info = server_info(s, limits, target_info, draft_info, pipelined, has_template)

@@ -49,6 +49,8 @@ def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
         lookup_rounds=s.lookup_rounds,
         lookup_tokens_proposed=s.lookup_proposed,
         lookup_tokens_accepted=s.lookup_accepted,
+        reply_lookup_rounds=s.reply_lookup_rounds,
+        reply_lookup_tokens_accepted=s.reply_lookup_accepted,
         proposed_by_position=s.proposed_by_position,
         accepted_by_position=s.accepted_by_position,
     )

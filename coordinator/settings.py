@@ -75,6 +75,13 @@ class CoordinatorSettings(ServiceSettings):
         description="the most tokens one lookup draft proposes (the model's blocks use K); capped by "
         "max_speculative_tokens",
     )
+    reply_index_tokens: int = Field(
+        0,
+        ge=0,
+        description="lookup drafts also match recent replies of other requests of the same caller: the index "
+        "keeps the latest replies up to this many tokens in all (about 0.7 KB of coordinator memory per token); "
+        "0 = off (callers that share an identity could tell from timing what others were answered)",
+    )
     draft_confidence: float = Field(
         0.0,
         ge=0,

@@ -19,13 +19,13 @@ from typing import TypeVar
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import MODEL, NGRAM, NO_STOP, TARGET_ONLY, KController, Plan, StepCosts, lookup_score
+from coordinator.adaptive import MODEL, NGRAM, NO_STOP, REPLY, TARGET_ONLY, KController, Plan, StepCosts, lookup_score
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Decoding, Proposal, WorkerSession, lookup_proposal
 from coordinator.workers import DraftClient, TargetPool
 from specdec.runtime.logprobs import LogprobsAsk
-from specdec.runtime.lookup import NgramIndex
+from specdec.runtime.lookup import NO_DRAFT, LookupDraft, NgramIndex, ReplyIndex, lookup_draft
 from specdec.runtime.tokens import block_hashes, common_prefix_len
 from specdec.serving.errors import InvalidRequest, SpecdecError, StateUnavailable
 from specdec.serving.metrics import CoordinatorMetrics
@@ -57,6 +57,8 @@ class TurnStats:
     lookup_rounds: int = 0
     lookup_proposed: int = 0
     lookup_accepted: int = 0
+    reply_lookup_rounds: int = 0  # lookup rounds drafted from the reply index (other requests' replies)
+    reply_lookup_accepted: int = 0
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     k_total: int = 0
@@ -109,6 +111,7 @@ class TurnDeps:
     lease_s: float = 90.0
     prefix_block: int = 0  # prefix reuse in blocks of this many tokens; 0 = off
     ngram: tuple[int, int] = (2, 5)  # suffix lengths a lookup draft matches (n_min, n_max)
+    replies: ReplyIndex | None = None  # recent replies of all sessions, by caller (None = off)
 
 
 @dataclass
@@ -129,6 +132,8 @@ class Turn:
     _chat: list[dict[str, str]] | None = None  # the conversation with this turn's messages (chat turns)
     _decoding: Decoding | None = None
     _index: NgramIndex | None = None  # the committed tokens' n-grams (lookup drafts)
+    _scope: str = ""  # the caller's identity: the reply index's scope
+    _reply_start: int = 0  # where this turn's reply begins in the committed tokens
     _generated: int = 0
     _round: int = 0
     _reply: ReplyText | None = None
@@ -213,6 +218,7 @@ class Turn:
         )
         if req.k and req.method != MODEL:
             self._index = NgramIndex(*self.deps.ngram, self._committed)
+        self._scope, self._reply_start = caller_identity.get(), len(self._committed)
         processing = dataclasses.replace(req.processing, reply_start=len(self._committed))
         self._decoding = Decoding(req.warp, req.seed, processing, req.draft_stop)
         self.stats.prompt_tokens = len(prompt)
@@ -290,28 +296,31 @@ class Turn:
                 f"= {total} tokens exceeds the context length {limit}; shorten the prompt or lower max_new_tokens"
             )
 
-    def _plan(self) -> tuple[Plan, list[int]]:
+    def _plan(self) -> tuple[Plan, LookupDraft]:
         """This round's proposer and K, and the lookup draft on offer (if the method uses one)."""
         req, limits = self.request, self.deps.limits
         budget = req.max_new_tokens - self._generated - 1
         if req.k <= 0 or budget <= 0:
-            return TARGET_ONLY, []
-        lookup: list[int] = []
+            return TARGET_ONLY, NO_DRAFT
+        found = NO_DRAFT
         if self._index is not None:
-            lookup = self._index.propose(min(limits.lookup_max_tokens, budget)).token_ids
+            k = min(limits.lookup_max_tokens, budget)
+            found = lookup_draft(self._index, self.deps.replies, self._scope, self._committed, k)
+        lookup = found.token_ids
         model = 0
         if req.method != NGRAM and self.workers.draft_usable:
             # The draft runs the committed tokens + K - 1 drafts: it cannot draft past its own context.
             model = max(min(req.k, budget, limits.draft_context_len - len(self._committed) + 1), 0)
         if self.adaptive:
-            return self.controller.plan(model, len(lookup)), lookup
+            return self.controller.plan(model, len(lookup), _source(found)), found
         if lookup:  # fixed K: the lookup draft whenever it matches (it costs nothing to make)
-            return Plan(NGRAM, len(lookup)), lookup
-        return (Plan(MODEL, model) if model else TARGET_ONLY), lookup
+            return Plan(NGRAM, len(lookup)), found
+        return (Plan(MODEL, model) if model else TARGET_ONLY), found
 
     async def _run_round(self) -> RoundOutput:
         self._round += 1
-        (plan, lookup), loop, decoding = self._plan(), asyncio.get_running_loop(), self._decoding
+        (plan, found), loop, decoding = self._plan(), asyncio.get_running_loop(), self._decoding
+        lookup = found.token_ids
         assert decoding is not None
         began = loop.time()
         proposal: Proposal | None = None
@@ -347,9 +356,16 @@ class Turn:
             chat = json.dumps([*self._chat, {"role": "assistant", "content": self._reply.text}])
         step = f"{self.owner}:{self._round}"
         await self._commit(Commit(self._version, step, tokens, target=target, draft=draft, chat=chat))
-        self._account(proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000)
+        self._account(
+            proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000,
+            _source(found),
+        )  # fmt: skip
         if lookup and plan.method != NGRAM and self.adaptive:  # what the unused lookup would have got
-            self.controller.observe(*lookup_score(lookup, tokens), NGRAM)
+            self.controller.observe(*lookup_score(lookup, tokens), _source(found))
+        if plan.method == NGRAM and found.from_replies:
+            self._account_reply_lookup(verdict.num_accepted)
+        if finish is not None and self.deps.replies is not None:  # later requests may give this reply again
+            self._remember_reply(self.deps.replies)
         if finish is not None:
             self.deps.metrics.finished_requests.labels(self._finish_reason(finish, tokens)).inc()
         return RoundOutput(
@@ -402,9 +418,10 @@ class Turn:
         committed: int,
         draft_ms: float,
         round_ms: float,
+        lookup_source: str = NGRAM,
     ) -> None:
         """Stats, metrics, the cost model and the acceptance estimate after a round (``asked``: the
-        block length the round's plan asked for)."""
+        block length the round's plan asked for; ``lookup_source``: where a lookup draft came from)."""
         s, m = self.stats, self.deps.metrics
         k = len(proposal.block.token_ids) if proposal else 0
         method = proposal.method if proposal else "none"
@@ -432,13 +449,27 @@ class Turn:
         for position in range(k):
             s.proposed_by_position[position] += 1
             s.accepted_by_position[position] += position < verdict.num_accepted
-        self.controller.observe(k, verdict.num_accepted, method, asked, proposal.ends_unsure)
+        source = lookup_source if method == NGRAM else method
+        self.controller.observe(k, verdict.num_accepted, source, asked, proposal.ends_unsure)
         if method == NGRAM:
             s.lookup_rounds += 1
             s.lookup_proposed += k
             s.lookup_accepted += verdict.num_accepted
         elif proposal.computed <= k + 1:  # no prefill in the draft's work either
             self.deps.costs.observe_draft(proposal.computed, proposal.compute_ms)
+
+    def _account_reply_lookup(self, accepted: int) -> None:
+        s, m = self.stats, self.deps.metrics
+        s.reply_lookup_rounds += 1
+        s.reply_lookup_accepted += accepted
+        m.reply_lookup_rounds.inc()
+        m.reply_lookup_tokens_accepted.inc(accepted)
+
+    def _remember_reply(self, replies: ReplyIndex) -> None:
+        """Adds the finished reply (after its context's last tokens) to the reply index."""
+        start, n_max = self._reply_start, self.deps.ngram[1]
+        replies.add(self._scope, self._committed[max(start - n_max, 0) : start], self._committed[start:])
+        self.deps.metrics.reply_index_tokens.set(replies.tokens)
 
     async def _commit(self, commit: Commit) -> CommitResult:
         """Commits with retries while the store is unreachable (safe: a step applies once)."""
@@ -497,6 +528,11 @@ class Turn:
             None, f"{self.owner}:rollback", self._replaced, self._kept, target, draft, chat=self._chat_before
         )
         return await self.deps.store.commit(self.session_id, self.owner, commit)
+
+
+def _source(lookup: LookupDraft) -> str:
+    """The acceptance counts a lookup draft is judged by: the reply index's or the session's."""
+    return REPLY if lookup.from_replies else NGRAM
 
 
 def _stop_if_cancelled() -> None:

@@ -273,3 +273,19 @@ def test_the_confidence_stop_is_dropped_when_only_whole_blocks_pay() -> None:
         assert controller.stopping  # too little evidence for the unsure-token rule
     assert right.plan(4) == Plan("model", 4) and not right.stopping and right.going_on == 1.0
     assert wrong.plan(4) == Plan("none", 0) and wrong.stopping
+
+
+def test_replies_drafted_again_do_not_make_session_lookups_look_good() -> None:
+    """A reply index that drafts retried requests whole (every token taken) has a rate of its own:
+    a new turn's lookup in its own tokens keeps the prior of session lookups (here failing), not
+    the retries' (measured: pooled, two failed lookup rounds on each fresh request)."""
+    shared = costs(60, {1: 400, 5: 700, 9: 1000})
+    for _ in range(10):  # earlier turns: own-session lookups failed; reply-index drafts all taken
+        earlier = KController(k_max=4, costs=shared)
+        earlier.observe(8, 0, "ngram")
+        earlier.observe(8, 8, "reply")
+        earlier.observe(8, 8, "reply")
+        earlier.observe(4, 3, "model")
+    fresh = KController(k_max=4, costs=shared)
+    assert fresh.plan(model=4, lookup=8).method == "model"  # its own tokens' lookup: priced as those fail
+    assert fresh.plan(model=4, lookup=8, lookup_source="reply").method == "ngram"  # a stored reply: as those pay

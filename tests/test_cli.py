@@ -81,6 +81,7 @@ def test_bench_method_choice_keeps_the_target_only_references() -> None:
         (["--method", "service early-exit K"], "needs --early-exit-layers"),
         (["--method", "service cross-slem default"], "needs --cross-draft-model"),
         (["--method", "service default, draft vocabulary"], "needs --draft-vocab"),
+        (["--method", "service default, reply index"], "needs --reply-index-tokens"),
         (["--skip-hf", "--method", "hf assisted default"], "drop --skip-hf"),
     ],
 )
@@ -128,7 +129,7 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     result = run(
         "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy), "--prompts", str(prompts),
         "--max-new-tokens", "12", "--repeats", "2", "--early-exit-layers", "1", "--concurrency", "1,2",
-        "--draft-vocab", str(vocab), "--out", str(out), timeout=600,
+        "--draft-vocab", str(vocab), "--reply-index-tokens", "256", "--out", str(out), timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -138,11 +139,16 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
         "service model K", "service model adaptive", "service ngram K", "service ngram adaptive", "service hybrid K",
         "service default (hybrid, adaptive)", "service default without the confidence stop",
         "service default with the token stop", "service early-exit K", "service early-exit adaptive",
-        "service model K, draft vocabulary", "service default, draft vocabulary",
+        "service model K, draft vocabulary", "service default, draft vocabulary", "service default, reply index",
     }  # fmt: skip
     assert "default with the draft vocabulary / default" in data["ratios"]
     assert "default / without the confidence stop" in data["ratios"]
     assert "default / with the token stop" in data["ratios"]
+    assert "default with the reply index / default" in data["ratios"]
+    # each repeat is another caller of the reply index: its first prompt finds no reply, the same
+    # prompt's reply from the repeat before included
+    reply_rows = [r for r in report["runs"] if r["method"] == "service default, reply index"]
+    assert len(reply_rows) == 4 and all(r["stats"]["reply_lookup_rounds"] == 0 for r in reply_rows if r["prompt"] == 0)
     # one repeat of the HF rows, then one of the service's, then the next (the runs in the order they ran)
     order = [("hf" if r["method"].startswith("hf ") else "service", r["repeat"]) for r in report["runs"]]
     assert [key for i, key in enumerate(order) if i == 0 or order[i - 1] != key] == [

@@ -28,7 +28,7 @@ from coordinator.worker_session import lookup_proposal, prefix_sync
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, translated_propose_job
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.logprobs import LogprobsAsk
-from specdec.runtime.lookup import NgramIndex
+from specdec.runtime.lookup import NgramIndex, ReplyIndex, lookup_draft
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.proposals import encode_block
@@ -75,6 +75,7 @@ class Speculation:
     processing: Processing = NO_PROCESSING
     prompt: tuple[int, ...] = PROMPT
     lookup: bool = False  # draft by n-gram lookup in the committed tokens (one-hot), as the coordinator does
+    replies: ReplyIndex | None = None  # with lookup: also match the earlier requests' replies (the reply index)
     bridge: VocabBridge | None = None  # the draft has another tokenizer: its worker translates (TLI / SLEM)
     min_confidence: float = 0.0  # the draft's confidence stops (blocks of 1 to K tokens)
     min_block_confidence: float = 0.0
@@ -83,7 +84,7 @@ class Speculation:
         self.target_caches = SessionCaches(self.target, 4, 600)
         self.draft_caches = SessionCaches(self.draft, 4, 600)
         self.ahead_used = 0  # rounds that verified a block drafted ahead
-        self.lookup_rounds = self.lookup_accepted = 0
+        self.lookup_rounds = self.lookup_accepted = self.reply_rounds = 0
         self.proposed = self.accepted = 0  # first draft tokens of the rounds that had one, and those accepted
         self.block_lengths: collections.Counter[int] = collections.Counter()  # model blocks asked for K by length
 
@@ -132,11 +133,15 @@ class Speculation:
                 draft_len = min(common_prefix_len(draft_tokens, committed), len(committed) - 1)
         self.target_caches.release("s")
         self.draft_caches.release("s")
+        if self.replies is not None:  # as the coordinator does with a finished reply
+            self.replies.add("", self.prompt, committed[len(self.prompt) :])
         return committed[len(self.prompt) :]
 
     def _lookup_block(self, committed: list[int], k: int) -> common_pb2.DraftBlock:
         """The coordinator's lookup draft (n from 1, so the prompt's repeats match), on the wire."""
-        draft = NgramIndex(1, 3, committed).propose(k).token_ids if k > 0 else []
+        found = lookup_draft(NgramIndex(1, 3, committed), self.replies, "", committed, k)
+        self.reply_rounds += found.from_replies
+        draft = found.token_ids
         block = lookup_proposal(draft, len(committed)).block if draft else common_pb2.DraftBlock()
         return common_pb2.DraftBlock.FromString(block.SerializeToString())
 
@@ -388,29 +393,43 @@ def _lookup_prompt(target: LoadedModel) -> tuple[int, ...]:
     return (*chain, 3)
 
 
+def _reply_index(source: str) -> ReplyIndex | None:
+    """``replies``: lookups also match the earlier requests' sampled replies (the reply index,
+    n-grams of 1 to 3 tokens as the session's own lookup here); ``session``: only its own tokens."""
+    return ReplyIndex(1, 3, 4096) if source == "replies" else None
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 4])
-def test_lookup_drafts_follow_the_target_distribution(models: dict[str, LoadedModel], k: int) -> None:
-    """One-hot lookup drafts (the coordinator's n-gram index and block encoding, the target's
-    verify_job): a draft token x is accepted with probability p(x), else the token comes from p
-    without x; the first three tokens follow the exact distribution."""
+@pytest.mark.parametrize(("k", "source"), [(1, "session"), (4, "session"), (4, "replies")])
+def test_lookup_drafts_follow_the_target_distribution(models: dict[str, LoadedModel], k: int, source: str) -> None:
+    """One-hot lookup drafts (the coordinator's n-gram index, reply index and block encoding, the
+    target's verify_job): a draft token x is accepted with probability p(x), else the token comes
+    from p without x; the first three tokens follow the exact distribution. With the reply index
+    each request is drafted what earlier sampled requests replied (the prompt's last tokens lead
+    into every stored reply, so it matches longer than the session's own tokens)."""
     target = models["bigram"]
     prompt = _lookup_prompt(target)
-    speculation = Speculation(target, models["noisy"], k, 0, False, prompt=prompt, lookup=True)
+    speculation = Speculation(target, models["noisy"], k, 0, False, prompt=prompt, lookup=True,
+                              replies=_reply_index(source))  # fmt: skip
     samples = sample_counts(speculation, 1500)
     assert speculation.lookup_rounds > 1000 and 0.1 < speculation.lookup_accepted / speculation.lookup_rounds < 0.9
+    assert (speculation.reply_rounds > 1000) == (source == "replies")
     exact = exact_distribution(target, prompt=prompt)
     assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
 
 
 @pytest.mark.slow
-def test_the_lookup_test_catches_a_planted_bug(models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("source", ["session", "replies"])
+def test_the_lookup_test_catches_a_planted_bug(
+    models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
     """Power check: after a rejected lookup token, drawing from p (the rejected token included)
     instead of p without it is rejected at p < 1e-6."""
     monkeypatch.setattr(target_engine, "rejection_sample", _residual_from_p)
     target = models["bigram"]
     prompt = _lookup_prompt(target)
-    speculation = Speculation(target, models["noisy"], 1, 0, False, prompt=prompt, lookup=True)
+    speculation = Speculation(target, models["noisy"], 1, 0, False, prompt=prompt, lookup=True,
+                              replies=_reply_index(source))  # fmt: skip
     samples = sample_counts(speculation, 1500)
     assert chi_square_pvalue(samples, exact_distribution(target, prompt=prompt), sum(samples.values())) < 1e-6
 

@@ -1,4 +1,5 @@
-"""N-gram lookup drafts: the index the coordinator keeps over a session's tokens."""
+"""N-gram lookup drafts: the index the coordinator keeps over a session's tokens, and the reply index
+over recent replies of all sessions."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import random
 
 import pytest
 
-from specdec.runtime.lookup import NgramIndex
+from specdec.runtime.lookup import NgramIndex, ReplyIndex
 
 
 def brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
@@ -59,3 +60,95 @@ def test_sizes_are_checked() -> None:
         NgramIndex(3, 2)
     with pytest.raises(ValueError, match="n_min <= n_max"):
         NgramIndex(0, 2)
+
+
+# --- the reply index (recent replies of all sessions) -------------------------------------------
+
+
+def replies_brute_force(
+    stored: list[tuple[str, list[int], int]], scope: str, tokens: list[int], n_min: int, n_max: int, k: int
+) -> tuple[list[int], int]:
+    """Over (scope, lead-in + reply, lead-in length), oldest first: the longest suffix of ``tokens``
+    followed by a reply token in a reply of ``scope``; the latest such place's continuation."""
+    end = len(tokens)
+    for n in range(min(n_max, end), n_min - 1, -1):
+        suffix = tokens[end - n :]
+        for owner, seq, lead in reversed(stored):
+            if owner != scope:
+                continue
+            for after in range(len(seq) - 1, max(lead, n) - 1, -1):
+                if seq[after - n : after] == suffix:
+                    return seq[after : after + k], n
+    return [], 0
+
+
+def test_a_reply_is_drafted_again_from_its_first_token() -> None:
+    index = ReplyIndex(2, 4, 100)
+    index.add("", [9, 1, 2, 3, 4], [10, 11, 12, 13])  # the lead-in is the context's last 4 tokens
+    draft = index.propose("", [7, 7, 1, 2, 3, 4], 3)
+    assert (draft.token_ids, draft.match_len) == ([10, 11, 12], 4)
+    assert index.propose("", [5, 3, 4, 10, 11], 8).token_ids == [12, 13]  # up to the end of the reply
+    assert index.propose("", [0, 1, 2, 3], 3).token_ids == []  # 1 2 3 is followed by a lead-in token only
+
+
+def test_replies_are_found_only_in_their_own_scope() -> None:
+    index = ReplyIndex(2, 3, 100)
+    index.add("alice", [1, 2, 3], [4, 5, 6])
+    assert index.propose("alice", [1, 2, 3], 2).token_ids == [4, 5]
+    assert index.propose("bob", [1, 2, 3], 2).token_ids == []
+    index.add("bob", [1, 2, 3], [7, 8])
+    assert index.propose("alice", [1, 2, 3], 2).token_ids == [4, 5]  # bob's later reply is not alice's
+    assert index.propose("bob", [1, 2, 3], 2).token_ids == [7, 8]
+
+
+def test_the_oldest_replies_go_once_the_index_is_full() -> None:
+    index = ReplyIndex(1, 2, 10)
+    index.add("", [1], [2, 3, 4, 5])
+    index.add("", [6], [7, 8, 9])
+    index.add("", [10], [11, 12, 13])  # 4 + 3 + 3 = 10: all fit
+    assert (len(index), index.tokens) == (3, 10)
+    index.add("", [14], [15, 16])  # the first reply goes
+    assert (len(index), index.tokens) == (3, 8)
+    assert index.propose("", [1], 2).token_ids == []
+    assert index.propose("", [6], 2).token_ids == [7, 8]
+    index.add("", [0], list(range(100, 130)))  # longer than the index: its first 10 tokens, alone
+    assert (len(index), index.tokens) == (1, 10)
+    assert index.propose("", [0], 20).token_ids == list(range(100, 110))
+
+
+def test_a_key_a_later_reply_took_over_survives_the_older_reply_leaving() -> None:
+    index = ReplyIndex(2, 2, 6)
+    index.add("", [1, 2], [3, 4])
+    index.add("", [1, 2], [3, 5])  # (1, 2) and (2, 3) now lead to this reply
+    index.add("", [8, 9], [6, 7])
+    index.add("", [8, 9], [6, 0])  # the first reply goes; the second's keys stay
+    assert index.propose("", [1, 2], 2).token_ids == [3, 5]
+    assert index.propose("", [2, 3], 1).token_ids == [5]
+
+
+def test_reply_lookups_match_a_brute_force_search_while_replies_come_and_go() -> None:
+    rng = random.Random(5)
+    index, stored, budget = ReplyIndex(1, 3, 60), [], 60
+    for _ in range(40):
+        scope = rng.choice(["a", "b"])
+        context = [rng.randrange(5) for _ in range(rng.randrange(0, 6))]
+        reply = [rng.randrange(5) for _ in range(rng.randrange(1, 12))]
+        index.add(scope, context, reply)
+        lead = context[max(len(context) - 3, 0) :]
+        stored.append((scope, [*lead, *reply], len(lead)))
+        while sum(len(seq) - lead_len for _, seq, lead_len in stored) > budget:
+            stored.pop(0)
+        assert index.tokens == sum(len(seq) - lead_len for _, seq, lead_len in stored)
+        for _ in range(10):
+            query = [rng.randrange(5) for _ in range(rng.randrange(0, 6))]
+            for k in (1, 4):
+                got = index.propose(scope, query, k)
+                assert (got.token_ids, got.match_len) == replies_brute_force(stored, scope, query, 1, 3, k)
+    assert len(index._where) <= index.tokens * 3  # keys of dropped replies are gone
+
+
+def test_reply_index_sizes_are_checked() -> None:
+    with pytest.raises(ValueError, match="n_min <= n_max"):
+        ReplyIndex(3, 2, 10)
+    with pytest.raises(ValueError, match="at least one token"):
+        ReplyIndex(1, 2, 0)

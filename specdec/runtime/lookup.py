@@ -1,4 +1,5 @@
-"""Drafting without a model: n-gram lookup over a session's own tokens (prompt lookup).
+"""Drafting without a model: n-gram lookup over a session's own tokens (prompt lookup), and
+over recent replies of all sessions (``ReplyIndex``).
 
 The last n committed tokens are looked up among the earlier ones; the tokens that followed
 their most recent earlier occurrence are the draft. The longest n in [n_min, n_max] that
@@ -12,6 +13,7 @@ and a lookup O(n_max - n_min + 1) dictionary reads, whatever the session's lengt
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ class LookupDraft:
 
     token_ids: list[int]
     match_len: int
+    from_replies: bool = False  # drafted from the reply index (earlier requests), not the session
 
 
 NO_DRAFT = LookupDraft([], 0)
@@ -63,3 +66,92 @@ class NgramIndex:
                     draft.append(draft[len(draft) - (end - start)])
                 return LookupDraft(draft, n)
         return NO_DRAFT
+
+
+@dataclass
+class _Reply:
+    scope: str
+    tokens: list[int]  # the lead-in (the context's last tokens) + the reply
+    size: int  # tokens of the reply (without the lead-in)
+    keys: list[int]  # the index keys this reply set
+
+
+class ReplyIndex:
+    """Recent replies of all sessions, bounded, for lookup drafts of answers given before.
+
+    Each reply is stored with a lead-in (the last ``n_max`` tokens before it), so a later request
+    whose context ends the same way is drafted the reply from its first token. A lookup matches
+    the longest suffix (``n_max`` down to ``n_min`` tokens) of a session's tokens against the
+    n-grams followed by a reply token, most recent reply first, and drafts what followed, up to
+    the end of that reply. Replies live in scopes (the caller's identity): a lookup only finds
+    its own scope's replies. The oldest replies are dropped once the replies hold more than
+    ``max_tokens`` tokens. Keys are hashes of (scope, n-gram), one int per n-gram instead of a
+    tuple; a hit is checked against the stored tokens and scope, so a hash collision is a miss.
+    """
+
+    def __init__(self, n_min: int, n_max: int, max_tokens: int) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram sizes need 1 <= n_min <= n_max, got {n_min}..{n_max}")
+        if max_tokens < 1:
+            raise ValueError(f"a reply index needs room for at least one token, got {max_tokens}")
+        self.n_min, self.n_max, self.max_tokens = n_min, n_max, max_tokens
+        self._replies: OrderedDict[int, _Reply] = OrderedDict()
+        self._where: dict[int, tuple[int, int]] = {}  # key -> (reply id, index of the token after the n-gram)
+        self._next_id = 0
+        self.tokens = 0  # reply tokens held (lead-ins not counted)
+
+    def __len__(self) -> int:
+        return len(self._replies)
+
+    def add(self, scope: str, context: Sequence[int], reply: Sequence[int]) -> None:
+        """Stores ``reply`` (its first ``max_tokens`` tokens), which followed ``context``."""
+        body = [int(t) for t in reply[: self.max_tokens]]
+        if not body:
+            return
+        while self.tokens + len(body) > self.max_tokens:
+            self._drop_oldest()
+        lead = [int(t) for t in context[max(len(context) - self.n_max, 0) :]]
+        tokens, rid = [*lead, *body], self._next_id
+        self._next_id += 1
+        keys = []
+        for after in range(len(lead), len(tokens)):
+            for n in range(self.n_min, min(self.n_max, after) + 1):
+                key = hash((scope, *tokens[after - n : after]))
+                self._where[key] = (rid, after)
+                keys.append(key)
+        self._replies[rid] = _Reply(scope, tokens, len(body), keys)
+        self.tokens += len(body)
+
+    def propose(self, scope: str, tokens: Sequence[int], k: int) -> LookupDraft:
+        """Up to ``k`` tokens that followed the longest suffix of ``tokens`` in a stored reply."""
+        end = len(tokens)
+        if k <= 0:
+            return NO_DRAFT
+        for n in range(min(self.n_max, end), self.n_min - 1, -1):
+            suffix = [int(t) for t in tokens[end - n : end]]
+            hit = self._where.get(hash((scope, *suffix)))
+            if hit is None:
+                continue
+            reply, after = self._replies[hit[0]], hit[1]
+            if reply.scope == scope and reply.tokens[after - n : after] == suffix:
+                return LookupDraft(reply.tokens[after : after + k], n)
+        return NO_DRAFT
+
+    def _drop_oldest(self) -> None:
+        rid, reply = self._replies.popitem(last=False)
+        for key in reply.keys:
+            if self._where.get(key, (-1, 0))[0] == rid:  # a later reply may have taken the key over
+                del self._where[key]
+        self.tokens -= reply.size
+
+
+def lookup_draft(
+    index: NgramIndex, replies: ReplyIndex | None, scope: str, tokens: Sequence[int], k: int
+) -> LookupDraft:
+    """A session's lookup draft: the longest match in its own tokens (``index``, which holds
+    ``tokens``) or, where the reply index matches a longer suffix, the reply that followed it."""
+    own = index.propose(k)
+    if replies is None or own.match_len >= index.n_max:
+        return own
+    other = replies.propose(scope, tokens, k)
+    return LookupDraft(other.token_ids, other.match_len, from_replies=True) if other.match_len > own.match_len else own

@@ -77,6 +77,17 @@ class CoordinatorMetrics:
             "specdec_round_seconds", "Round latency split into draft wait, verify model time and the rest",
             ["part"], buckets=_LATENCY_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.reply_lookup_rounds = Counter(
+            "specdec_reply_lookup_rounds", "Lookup rounds drafted from earlier requests' replies (the reply index)",
+            registry=registry,
+        )  # fmt: skip
+        self.reply_lookup_tokens_accepted = Counter(
+            "specdec_reply_lookup_tokens_accepted", "Tokens of reply-index drafts the target accepted",
+            registry=registry,
+        )  # fmt: skip
+        self.reply_index_tokens = Gauge(
+            "specdec_reply_index_tokens", "Reply tokens the reply index holds", registry=registry
+        )
         self.draft_failures = Counter(
             "specdec_draft_failures", "Draft unreachable or hung: every session decodes target-only a while",
             registry=registry,

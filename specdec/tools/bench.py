@@ -8,7 +8,9 @@ worker (so the kernel is not counted as speculation), HF assisted generation wit
 ours (constant K, no confidence cut) and with its defaults, and HF prompt lookup. Then our
 service (three or more processes on free ports): target-only, the draft model, n-gram lookup,
 the hybrid (lookup where it matches, the model elsewhere) and an early-exit draft, each with
-fixed K and adaptive K; the headline row is the server's default (the hybrid, adaptive). Every
+fixed K and adaptive K; the headline row is the server's default (the hybrid, adaptive). With
+``--reply-index-tokens`` the default also runs through a coordinator whose lookups match earlier
+replies (each repeat as another caller, so it never sees the same prompt's earlier reply). Every
 method runs ``repeats`` times over each workload (interleaved: one repeat of every HF method, one
 of every service row, then the next; a host whose speed drifts moves both sides alike); the
 report has the median and the spread, greedy token identity against HF target-only,
@@ -149,6 +151,7 @@ class BenchConfig:
     early_exit_layers: int = 0  # the early-exit rows keep this many of the target's layers; 0 = no such rows
     cross_draft_model: str = ""  # a draft with another tokenizer: TLI and SLEM rows ("" = no such rows)
     draft_vocab: str = ""  # a `specdec draft-vocab` file: rows whose draft scores only its tokens ("" = none)
+    reply_index_tokens: int = 0  # rows whose lookups also match earlier replies (--reply-index-tokens); 0 = none
     methods: tuple[str, ...] = ()  # run only these rows (names as in the table); () = all
     prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens
     out: Path = Path("bench-results/bench.json")
@@ -297,6 +300,7 @@ NO_STOP = "service default without the confidence stop"
 TOKEN_STOP = "service default with the token stop"
 VOCAB_MODEL_K = "service model K, draft vocabulary"
 VOCAB_DEFAULT = "service default, draft vocabulary"
+REPLY_INDEX = "service default, reply index"
 SERVICE_METHODS: dict[str, ServiceRow] = {
     "service target-only": ServiceRow("main", "default", True, True),
     "service model K": ServiceRow("main", "model", False, True),
@@ -312,6 +316,8 @@ SERVICE_METHODS: dict[str, ServiceRow] = {
     # the same draft model scoring only the tokens of a --draft-vocab file
     VOCAB_MODEL_K: ServiceRow("draft-vocab", "model", False, True),
     VOCAB_DEFAULT: ServiceRow("draft-vocab", "default", False, False),
+    # the same workers, through a coordinator whose lookups also match earlier replies (a fresh scope per repeat)
+    REPLY_INDEX: ServiceRow("reply-index", "default", False, False),
     "service early-exit K": ServiceRow("early-exit", "model", False, True),
     "service early-exit adaptive": ServiceRow("early-exit", "model", False, False),
     # a draft with another tokenizer (--cross-draft-model), translated by TLI or SLEM
@@ -326,6 +332,7 @@ SERVICE_METHODS: dict[str, ServiceRow] = {
 _EXTRA_DRAFT_FLAGS = {
     "early-exit": "--early-exit-layers N (the target's layers the draft keeps)",
     "draft-vocab": "--draft-vocab FILE (make one with `specdec draft-vocab`)",
+    "reply-index": "--reply-index-tokens N (the reply index's size)",
 }
 
 
@@ -345,8 +352,23 @@ def _extra_drafts(cfg: BenchConfig) -> dict[str, list[str]]:
 
 
 def service_methods(cfg: BenchConfig) -> dict[str, ServiceRow]:
-    extra = _extra_drafts(cfg)
+    extra = [*_extra_drafts(cfg), *(["reply-index"] if cfg.reply_index_tokens else [])]
     return _chosen(cfg, {m: spec for m, spec in SERVICE_METHODS.items() if spec.coordinator in ("main", *extra)})
+
+
+def _reply_caller(repeat: int) -> tuple[str, str]:
+    """The identity and token the reply-index rows send in ``repeat`` (-1: the warm-up). Each
+    repeat is another caller, so its lookups see only its own earlier replies, never the same
+    prompt's reply from the repeat before."""
+    identity = f"repeat-{repeat}" if repeat >= 0 else "warm-up"
+    return identity, f"specdec-bench-{identity}-token"
+
+
+def _metadata(coordinator: str, repeat: int) -> list[tuple[str, str]] | None:
+    """What a request to ``coordinator`` sends besides itself: the reply-index one needs a caller."""
+    if coordinator != "reply-index":
+        return None
+    return [("authorization", f"Bearer {_reply_caller(repeat)[1]}")]
 
 
 def check_methods(cfg: BenchConfig) -> None:
@@ -402,6 +424,15 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
             coordinator.wait_ready(900)
             addresses[name] = coordinator.address
             processes.update({f"draft-{name}": draft, f"coordinator-{name}": coordinator})
+        if "reply-index" in used:  # the main workers, another coordinator: lookups also match earlier replies
+            tokens = workdir / "reply-index-tokens"
+            tokens.write_text("".join(f"{who}:{token}\n" for who, token in map(_reply_caller, range(-1, cfg.repeats))))
+            args = [*cluster.processes["coordinator"].args, "--reply-index-tokens", str(cfg.reply_index_tokens),
+                    "--auth-tokens-file", str(tokens)]  # fmt: skip
+            coordinator = spawn("coordinator", args, workdir, name="coordinator-reply-index")
+            extra.callback(coordinator.stop)
+            coordinator.wait_ready(900)
+            addresses["reply-index"], processes["coordinator-reply-index"] = coordinator.address, coordinator
         yield addresses
         # A worker that died mid-run (out of memory, say) leaves its rows decoding target-only or
         # failing over: numbers, but not of the method the row names.
@@ -447,6 +478,8 @@ def _stats(reply: Any) -> dict[str, Any]:
         "lookup_rounds": s.lookup_rounds,
         "lookup_proposed": s.lookup_tokens_proposed,
         "lookup_accepted": s.lookup_tokens_accepted,
+        "reply_lookup_rounds": s.reply_lookup_rounds,
+        "reply_lookup_accepted": s.reply_lookup_tokens_accepted,
         "draft_ms": s.draft_ms,
         "verify_ms": s.verify_ms,
         "overhead_ms": s.overhead_ms,
@@ -471,14 +504,15 @@ def service_runs(
         for name, stub in stubs.items():  # warm-up: connections, kernels, the cost model
             for row in methods.values():
                 if row.disable or (row.coordinator == name and not row.fixed):
-                    stub.Generate(_request(cfg, prompts[0], row), timeout=1800)
+                    stub.Generate(_request(cfg, prompts[0], row), timeout=1800, metadata=_metadata(name, -1))
         for repeat in range(cfg.repeats):
             runs: list[Run] = []
             for prompt in prompts:
                 for method, row in methods.items():
                     tick(method)
                     started = time.perf_counter()
-                    reply = stubs[row.coordinator].Generate(_request(cfg, prompt, row), timeout=1800)
+                    request, caller = _request(cfg, prompt, row), _metadata(row.coordinator, repeat)
+                    reply = stubs[row.coordinator].Generate(request, timeout=1800, metadata=caller)
                     seconds = time.perf_counter() - started
                     tokens = list(reply.token_ids)
                     runs.append(Run(method, prompt.workload, prompt.index, repeat, tokens, seconds, _stats(reply)))
@@ -554,6 +588,7 @@ def _method_row(mine: Sequence[Run]) -> dict[str, Any]:
         "target_only_round_share": total["target_only_rounds"] / rounds,
         "lookup_round_share": total["lookup_rounds"] / rounds,
         "lookup_acceptance": total["lookup_accepted"] / total["lookup_proposed"] if total["lookup_proposed"] else 0.0,
+        "reply_lookup_round_share": total.get("reply_lookup_rounds", 0) / rounds,
         "acceptance_by_position": [a / p if p else None for a, p in by_position],  # None: never proposed
     }
     return row
@@ -611,9 +646,11 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
     ratio("default / with the token stop", HEADLINE, TOKEN_STOP)
     ratio("default with the draft vocabulary / default", VOCAB_DEFAULT, HEADLINE)
     ratio("model K with the draft vocabulary / model K", VOCAB_MODEL_K, "service model K")
+    ratio("default with the reply index / default", REPLY_INDEX, HEADLINE)
     if best_hf is not None:
         ratio(f"default / best HF speculative ({best_hf})", HEADLINE, best_hf)
         ratio(f"default with the draft vocabulary / best HF speculative ({best_hf})", VOCAB_DEFAULT, best_hf)
+        ratio(f"default with the reply index / best HF speculative ({best_hf})", REPLY_INDEX, best_hf)
     return {
         "ratios": ratios,
         "best_hf_speculative": best_hf,

@@ -289,6 +289,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="add rows whose draft (--draft-model) scores only the tokens of this `specdec draft-vocab` file",
     )  # fmt: skip
     p.add_argument(
+        "--reply-index-tokens", type=int, default=0,
+        help="add a row of the default through a coordinator whose lookups also match earlier replies (a reply "
+        "index of N tokens; each repeat is another caller, so it never sees the same prompt's earlier reply)",
+    )  # fmt: skip
+    p.add_argument(
         "--method", action="append", default=[], help="run this row (a name as in the table; repeat it; default: all)"
     )
     p.add_argument("--concurrency", default="1,2,4", help="request counts for the concurrency sweep ('' = none)")
@@ -315,6 +320,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         early_exit_layers=args.early_exit_layers,
         cross_draft_model=args.cross_draft_model,
         draft_vocab=args.draft_vocab,
+        reply_index_tokens=args.reply_index_tokens,
         methods=tuple(args.method),
         out=args.out,
         skip_hf=args.skip_hf,
