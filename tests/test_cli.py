@@ -395,6 +395,7 @@ def test_bench_refuses_to_report_when_a_service_process_died(tiny_models: TinyMo
 
     cfg = BenchConfig(model=str(tiny_models.target), draft_model=str(tiny_models.same), methods=("service model K",))
     with pytest.raises(RuntimeError, match=r"exited during the benchmark: \{'draft': -9\}"), service(cfg, tmp_path):
-        (draft,) = [pid for pid, cmdline in _children().items() if " serve draft " in f" {cmdline} "]
+        # this bench's draft worker (a session-scoped test cluster may have one of its own running)
+        (draft,) = [pid for pid, cmd in _children().items() if " serve draft " in f" {cmd} " and str(tmp_path) in cmd]
         os.kill(draft, signal.SIGKILL)
         time.sleep(1)
