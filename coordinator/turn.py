@@ -320,7 +320,7 @@ class Turn:
     async def _run_round(self) -> RoundOutput:
         self._round += 1
         (plan, found), loop, decoding = self._plan(), asyncio.get_running_loop(), self._decoding
-        lookup = found.token_ids
+        lookup, source = found.token_ids, _source(found)
         assert decoding is not None
         began = loop.time()
         proposal: Proposal | None = None
@@ -357,13 +357,10 @@ class Turn:
         step = f"{self.owner}:{self._round}"
         await self._commit(Commit(self._version, step, tokens, target=target, draft=draft, chat=chat))
         self._account(
-            proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000,
-            _source(found),
+            proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000, source
         )  # fmt: skip
         if lookup and plan.method != NGRAM and self.adaptive:  # what the unused lookup would have got
-            self.controller.observe(*lookup_score(lookup, tokens), _source(found))
-        if plan.method == NGRAM and found.from_replies:
-            self._account_reply_lookup(verdict.num_accepted)
+            self.controller.observe(*lookup_score(lookup, tokens), source)
         if finish is not None and self.deps.replies is not None:  # later requests may give this reply again
             self._remember_reply(self.deps.replies)
         if finish is not None:
@@ -455,15 +452,13 @@ class Turn:
             s.lookup_rounds += 1
             s.lookup_proposed += k
             s.lookup_accepted += verdict.num_accepted
+            if source == REPLY:
+                s.reply_lookup_rounds += 1
+                s.reply_lookup_accepted += verdict.num_accepted
+                m.reply_lookup_rounds.inc()
+                m.reply_lookup_tokens_accepted.inc(verdict.num_accepted)
         elif proposal.computed <= k + 1:  # no prefill in the draft's work either
             self.deps.costs.observe_draft(proposal.computed, proposal.compute_ms)
-
-    def _account_reply_lookup(self, accepted: int) -> None:
-        s, m = self.stats, self.deps.metrics
-        s.reply_lookup_rounds += 1
-        s.reply_lookup_accepted += accepted
-        m.reply_lookup_rounds.inc()
-        m.reply_lookup_tokens_accepted.inc(accepted)
 
     def _remember_reply(self, replies: ReplyIndex) -> None:
         """Adds the finished reply (after its context's last tokens) to the reply index."""

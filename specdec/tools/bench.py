@@ -328,8 +328,8 @@ SERVICE_METHODS: dict[str, ServiceRow] = {
 }
 
 
-# What starts an extra coordinator's draft worker (the cross-tokenizer ones: --cross-draft-model).
-_EXTRA_DRAFT_FLAGS = {
+# What starts an extra coordinator (the cross-tokenizer ones: --cross-draft-model).
+_COORDINATOR_FLAGS = {
     "early-exit": "--early-exit-layers N (the target's layers the draft keeps)",
     "draft-vocab": "--draft-vocab FILE (make one with `specdec draft-vocab`)",
     "reply-index": "--reply-index-tokens N (the reply index's size)",
@@ -381,7 +381,7 @@ def check_methods(cfg: BenchConfig) -> None:
             continue
         spec = SERVICE_METHODS.get(name)
         if spec is not None:  # a row of a coordinator this run's flags do not start
-            needs = _EXTRA_DRAFT_FLAGS.get(spec.coordinator, "--cross-draft-model (a draft with another tokenizer)")
+            needs = _COORDINATOR_FLAGS.get(spec.coordinator, "--cross-draft-model (a draft with another tokenizer)")
             raise ValueError(f"row '{name}' needs {needs}")
         if name in hf:
             raise ValueError(f"row '{name}' is an HF baseline: drop --skip-hf to run it")
@@ -588,7 +588,7 @@ def _method_row(mine: Sequence[Run]) -> dict[str, Any]:
         "target_only_round_share": total["target_only_rounds"] / rounds,
         "lookup_round_share": total["lookup_rounds"] / rounds,
         "lookup_acceptance": total["lookup_accepted"] / total["lookup_proposed"] if total["lookup_proposed"] else 0.0,
-        "reply_lookup_round_share": total.get("reply_lookup_rounds", 0) / rounds,
+        "reply_lookup_round_share": total["reply_lookup_rounds"] / rounds,
         "acceptance_by_position": [a / p if p else None for a, p in by_position],  # None: never proposed
     }
     return row
