@@ -157,6 +157,7 @@ class _ProposeStream:
             processing_from_proto(request.processing),
             request.min_confidence,
             request.min_block_confidence,
+            self._settings.guess_tokens,
         )
         self._params = params
         sync = request.sync
@@ -167,7 +168,7 @@ class _ProposeStream:
             return translated_propose_job(core.caches, core.loaded, bridge, self._session, sync, params)
 
         block = await core.run(self._session, job)
-        self._count(block, len(sync.tail_token_ids) + (len(block.samples) if block else k) - 1)
+        self._count(block)
         self._last = block
         return block
 
@@ -190,7 +191,7 @@ class _ProposeStream:
         except Exception as exc:  # the stream fails with it
             self._outbox.put_nowait(exc)
             return
-        self._count(block, (len(block.samples) if block else params.k) + 1)
+        self._count(block)
         if block is None:  # the cache moved on (evicted, released): an explicit "no lookahead"
             self._outbox.put_nowait(_no_lookahead(round_id))
             return
@@ -204,13 +205,15 @@ class _ProposeStream:
                 await self._lookahead
         self._lookahead = None
 
-    def _count(self, block: Block | None, computed: int) -> None:
+    def _count(self, block: Block | None) -> None:
         metrics = self._core.metrics
         if block is None:
             metrics.resyncs.inc()
             return
-        metrics.computed_tokens.inc(computed)
+        metrics.computed_tokens.inc(block.computed_tokens)
         metrics.compute_seconds.observe(block.compute_ms / 1000)
+        metrics.guessed_tokens.inc(block.guessed)
+        metrics.guesses_taken.inc(block.guesses_taken)
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):

@@ -25,6 +25,14 @@ class DraftSettings(ModelWorkerSettings):
         description="early-exit draft: load --model (the target's checkpoint) and keep only its first N decoder "
         "layers, its final norm and LM head (0 = the whole model)",
     )
+    guess_tokens: int = Field(
+        8,
+        ge=0,
+        le=64,
+        description="each draft pass may also run up to N tokens guessed from the session's own n-grams (what "
+        "followed the latest earlier occurrence of its last tokens), as many as the session's rate of right guesses "
+        "makes worth it; where the draft draws them, their passes are saved. Exact either way (0 = off)",
+    )
     draft_vocab: str | None = Field(
         None,
         description="a `specdec draft-vocab` file: the draft's output layer scores only the tokens it lists (each "

@@ -140,10 +140,12 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
         "service default (hybrid, adaptive)", "service default without the confidence stop",
         "service default with the token stop", "service early-exit K", "service early-exit adaptive",
         "service model K, draft vocabulary", "service default, draft vocabulary", "service default, reply index",
+        "service default without guessing",
     }  # fmt: skip
     assert "default with the draft vocabulary / default" in data["ratios"]
     assert "default / without the confidence stop" in data["ratios"]
     assert "default / with the token stop" in data["ratios"]
+    assert "default / without guessing" in data["ratios"]
     assert "default with the reply index / default" in data["ratios"]
     # each repeat is another caller of the reply index: its first prompt finds no reply, the same
     # prompt's reply from the repeat before included

@@ -59,6 +59,13 @@ def cluster_draft_vocab(tmp_path_factory: pytest.TempPathFactory, tiny_models: T
     yield from _start(workdir, tiny_models.target, tiny_models.noisy, ["--draft-vocab", str(vocab)])
 
 
+@pytest.fixture(scope="module")
+def cluster_guessing(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """The bigram target and itself as the draft, whose output repeats what the session holds:
+    the draft worker's guesses ahead (on by default) are drawn."""
+    yield from _start(tmp_path_factory.mktemp("guessing"), tiny_models.bigram, tiny_models.bigram, [])
+
+
 REPLY_INDEX_TOKENS = 4096
 CALLERS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
 
@@ -146,6 +153,30 @@ def test_early_exit_draft_reports_its_layers(cluster_early_exit: LocalCluster, t
     with grpc.insecure_channel(cluster_early_exit.address) as channel:
         served = coordinator_pb2_grpc.GenerationStub(channel).GetInfo(coordinator_pb2.GetInfoRequest())
     assert list(served.draft_methods) == ["model", "ngram", "hybrid"] and served.default_draft_method == "hybrid"
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "adaptive"])
+def test_a_draft_that_guesses_ahead_gives_the_target_s_tokens_in_fewer_passes(
+    cluster_guessing: LocalCluster, tiny_models: TinyModels, fixed: bool
+) -> None:
+    """The draft worker's default --guess-tokens 8 with a draft whose output repeats the
+    session's tokens: its guesses are drawn and their passes saved (its metrics say how many);
+    the tokens are the target's, with fixed K = 8 and adaptive K."""
+
+    def draft_metric(name: str) -> float:
+        return metric(cluster_guessing, "draft", name)
+
+    before = {name: draft_metric(name) for name in GUESS_METRICS}
+    reply = generate(cluster_guessing, request(PROMPTS[1], "model", k=8, fixed=fixed))
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.bigram), tuple(PROMPTS[1]), MAX_NEW, True)
+    taken, guessed, computed = (draft_metric(name) - before[name] for name in GUESS_METRICS)
+    assert taken > 0 and reply.stats.draft_tokens_accepted > 0
+    assert guessed >= taken and computed > 0
+
+
+GUESS_METRICS = (
+    "specdec_draft_guesses_taken_total", "specdec_draft_guessed_tokens_total", "specdec_worker_computed_tokens_total",
+)  # fmt: skip
 
 
 def test_adaptive_hybrid_is_exact_and_uses_the_lookup(

@@ -39,7 +39,7 @@ from specdec.runtime.vocab import VocabBridge
 from specdec.v1 import common_pb2
 from tests.helpers import draft_vocab_file, real_tokenizer
 from tests.spec_oracle import chi_square_pvalue, reference_processing
-from tests.tiny_models import TinyModels, build_text_bigram
+from tests.tiny_models import TinyModels, build_text_bigram, build_variant
 
 PROMPT = (5, 17, 99, 3)
 WARP = Warp(temperature=0.8, top_k=4, top_p=0.9)
@@ -79,6 +79,7 @@ class Speculation:
     bridge: VocabBridge | None = None  # the draft has another tokenizer: its worker translates (TLI / SLEM)
     min_confidence: float = 0.0  # the draft's confidence stops (blocks of 1 to K tokens)
     min_block_confidence: float = 0.0
+    guess_tokens: int = 0  # the draft worker's --guess-tokens
 
     def __post_init__(self) -> None:
         self.target_caches = SessionCaches(self.target, 4, 600)
@@ -87,6 +88,7 @@ class Speculation:
         self.lookup_rounds = self.lookup_accepted = self.reply_rounds = 0
         self.proposed = self.accepted = 0  # first draft tokens of the rounds that had one, and those accepted
         self.block_lengths: collections.Counter[int] = collections.Counter()  # model blocks asked for K by length
+        self.guesses_taken = 0  # draft tokens whose pass a right guess saved
 
     def generate(self, seed: int, max_new: int, stop_after: int) -> list[int]:
         """``max_new`` sets K's budget as in a request; the loop stops once ``stop_after`` tokens
@@ -104,6 +106,7 @@ class Speculation:
                 if block is not None and self.pipelined:  # drafted while the target verifies `block`
                     ahead = run_job(lookahead_job(self.draft_caches, self.draft, "s", block, self._params(k, seed)),
                                     self.draft_caches)  # fmt: skip
+                    self.guesses_taken += ahead.guesses_taken if ahead is not None else 0
                 wire = common_pb2.DraftBlock() if block is None else on_the_wire(block)
                 wire = _first(wire, k)
                 if k == self.k:
@@ -148,7 +151,7 @@ class Speculation:
     def _params(self, k: int, seed: int) -> DraftParams:
         return DraftParams(
             k, self.warp, seed, self.top_n, self.target.vocab_size, self.processing, self.min_confidence,
-            self.min_block_confidence,
+            self.min_block_confidence, self.guess_tokens,
         )  # fmt: skip
 
     def _block(self, committed: list[int], draft_len: int, k: int, seed: int, ahead: Block | None) -> Block:
@@ -166,6 +169,7 @@ class Speculation:
             self.draft_caches,
         )
         assert block is not None
+        self.guesses_taken += block.guesses_taken
         return block
 
 
@@ -293,15 +297,15 @@ def test_blocks_ended_by_the_draft_s_confidence_follow_the_target_distribution(
 _draft_block = draft_engine._draft_block  # the production loop, kept before the patch
 
 
-def _unsure_made_greedy(entry, logits, params, start, device, meter, shape=None):  # type: ignore[no-untyped-def]
+def _unsure_made_greedy(entry, feed, params, start, device, meter, shape=None):  # type: ignore[no-untyped-def]
     """The planted bug: the token a block ends on (the draft was unsure of it) is swapped for the
     draft's most likely one, while the block still reports the distribution it drew from."""
-    samples, unsure = yield from _draft_block(entry, logits, params, start, device, meter, shape)
-    last = samples[-1]
+    drafted = yield from _draft_block(entry, feed, params, start, device, meter, shape)
+    samples, last = drafted.samples, drafted.samples[-1]
     if len(samples) < params.k and last.probs is not None:
         ids = last.ids if last.ids is not None else torch.arange(last.probs.shape[0])
         samples[-1] = dataclasses.replace(last, token_id=int(ids[int(last.probs.argmax())]))
-    return samples, unsure
+    return drafted
 
 
 @pytest.mark.slow
@@ -481,6 +485,82 @@ def test_the_draft_vocabulary_test_catches_a_planted_bug(
     speculation = Speculation(models["target"], _even_ids_draft(tiny_models, tmp_path), 4, 0, False)
     samples = sample_counts(speculation, 1500)
     assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def sure_bigram(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The bigram target with its output layer tripled: a draft surer of its favourites than
+    the target, so the tokens it draws as guessed are often rejected (q(x) > p(x)), and what it
+    sends with them decides the output."""
+    path = build_variant(tiny_models.bigram, tmp_path_factory.mktemp("sure-bigram"), noise=0.0, scale=3.0)
+    return load_model(str(path), LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch"))
+
+
+def _guess_prompt(target: LoadedModel, draft: LoadedModel) -> tuple[int, ...]:
+    """(7, a, b, c, d, 7, a): a is the token whose successor the target is surest of, b, c, d the
+    draft's favourite successors of a, b and c. The draft's guess after the prompt is b, c, d; it
+    draws b almost always and the target keeps it most of the time, so the tokens drawn from the
+    rows computed for the guess (c, d) decide the output's second and third tokens often."""
+    with torch.inference_mode():
+        rows = target.model(torch.arange(target.vocab_size)[:, None]).logits[:, -1]
+        chain = [int(warped_probs(rows, WARP).max(-1).values.argmax())]
+        for _ in range(3):
+            chain.append(int(draft.model(torch.tensor([[chain[-1]]])).logits[0, -1].argmax()))
+    return (7, *chain, 7, chain[0])
+
+
+def guessing_speculation(models: dict[str, LoadedModel], draft: LoadedModel, pipelined: bool) -> Speculation:
+    """K = 4, top-3 proposals, the draft guessing up to 8 tokens ahead (the default)."""
+    prompt = _guess_prompt(models["bigram"], draft)
+    return Speculation(models["bigram"], draft, 4, 3, pipelined, prompt=prompt, guess_tokens=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sequential", "pipelined"])
+def test_drafts_that_guess_ahead_follow_the_target_distribution(
+    models: dict[str, LoadedModel], sure_bigram: LoadedModel, pipelined: bool
+) -> None:
+    """The draft worker guessing ahead (``--guess-tokens``): tokens drawn from rows computed for
+    a guess, guesses cut away after a different draw, blocks drafted ahead; 1500 requests."""
+    speculation = guessing_speculation(models, sure_bigram, pipelined)
+    samples = sample_counts(speculation, 1500)
+    assert speculation.guesses_taken > 500 and speculation.accepted < speculation.proposed  # rejections too
+    exact = exact_distribution(models["bigram"], prompt=speculation.prompt)
+    assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
+
+
+class _GuessProposedUndrawn:
+    """The planted bug: where a guess is run, the guessed token is proposed as if the draft had
+    drawn it (with the distribution of its position), not the token the draft drew: a shortcut
+    that is right for a greedy draft only."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []  # the guess run by the last pass, one token per draw to come
+
+    def worth_running(self, entry, guess):  # type: ignore[no-untyped-def]
+        self.pending = list(_worth_running(entry, guess))
+        return list(self.pending)
+
+    def sample(self, logits, warp, top_n, generator):  # type: ignore[no-untyped-def]
+        drawn = _sample_draft_token(logits, warp, top_n, generator)
+        return dataclasses.replace(drawn, token_id=self.pending.pop(0)) if self.pending else drawn
+
+
+_worth_running = draft_engine._worth_running
+
+
+@pytest.mark.slow
+def test_the_guessing_test_catches_a_planted_bug(
+    models: dict[str, LoadedModel], sure_bigram: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same settings (sequential) and number of requests: the planted bug is rejected at p < 1e-6."""
+    bug = _GuessProposedUndrawn()
+    monkeypatch.setattr(draft_engine, "_worth_running", bug.worth_running)
+    monkeypatch.setattr(draft_engine, "sample_draft_token", bug.sample)
+    speculation = guessing_speculation(models, sure_bigram, False)
+    samples = sample_counts(speculation, 1500)
+    exact = exact_distribution(models["bigram"], prompt=speculation.prompt)
+    assert chi_square_pvalue(samples, exact, sum(samples.values())) < 1e-6
 
 
 # Drafting across tokenizers: a draft with SmolLM2's tokenizer for a target with Qwen2.5's (tiny

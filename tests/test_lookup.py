@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from specdec.runtime.lookup import NgramIndex, ReplyIndex
+from specdec.runtime.lookup import GuessIndex, NgramIndex, ReplyIndex
 
 
 def brute_force(tokens: list[int], n_min: int, n_max: int, k: int) -> tuple[list[int], int]:
@@ -53,6 +53,42 @@ def test_incremental_updates_match_a_brute_force_search() -> None:
             got = index.propose(k)
             assert (got.token_ids, got.match_len) == brute_force(tokens[: i + 1], 1, 4, k)
     assert len(index) == len(tokens)
+
+
+def test_a_continuation_of_any_suffix_matches_a_brute_force_search() -> None:
+    """``continuation``: the suffix is any sequence (the indexed tokens and drafted ones after
+    them); the match is among the indexed tokens, its continuation stops at their end."""
+    rng = random.Random(5)
+    tokens = [rng.randrange(5) for _ in range(200)]
+    index = NgramIndex(2, 4, tokens)
+    for _ in range(300):
+        suffix = [rng.randrange(5) for _ in range(rng.randrange(0, 6))]
+        want: list[int] = []
+        for n in range(min(4, len(suffix)), 1, -1):
+            ends = [e for e in range(n, len(tokens)) if tokens[e - n : e] == suffix[len(suffix) - n :]]
+            if ends:
+                want = tokens[ends[-1] : ends[-1] + 6]
+                break
+        assert index.continuation(suffix, 6) == want
+    assert index.continuation(tokens[-3:], 0) == []
+
+
+def test_a_guess_index_runs_the_rows_its_rate_of_right_guesses_pays_for() -> None:
+    """Row j of a guess is run while rate ** j >= min_use; the draws after every guess on offer
+    update the rate, as far as the guess and the draws go, up to the first wrong token."""
+    guesses = GuessIndex(2, 4, min_use=0.1)
+    assert guesses.rate == 0.5 and guesses.rows(8) == 3  # the prior: 0.5 ** 3 >= 0.1 > 0.5 ** 4
+    guesses.score([1, 2, 3, 4], [1, 2, 9, 4])  # two right, then a wrong one: 3 tries, 2 hits
+    assert (guesses.hits, guesses.tries) == (3.0, 5.0)
+    guesses.score([1, 2, 3], [1])  # the draws stop first: 1 try, 1 hit
+    assert (guesses.hits, guesses.tries) == (4.0, 6.0)
+    for _ in range(40):
+        guesses.score([5] * 8, [5] * 8)
+    assert guesses.rate > 0.95 and guesses.rows(8) == 8 and guesses.rows(2) == 2
+    for _ in range(600):
+        guesses.score([5, 6], [7, 6])
+    assert guesses.rate < 0.1 and guesses.rows(8) == 0
+    assert guesses.tries <= 256  # halved as it goes: recent draws count most
 
 
 def test_sizes_are_checked() -> None:

@@ -65,12 +65,14 @@ def build_model(
     return path
 
 
-def build_variant(target: Path, path: Path, noise: float) -> Path:
+def build_variant(target: Path, path: Path, noise: float, scale: float = 1.0) -> Path:
     """The target with its output layer changed: ``noise < 0`` negates it (its favourite token is
-    the target's least likely); ``noise > 0`` adds Gaussian noise (right some of the time)."""
+    the target's least likely); ``noise > 0`` adds Gaussian noise (right some of the time);
+    ``scale`` multiplies it (> 1: surer of its favourites than the target)."""
     model = LlamaForCausalLM.from_pretrained(target)
     with torch.no_grad():
         weight = model.lm_head.weight
+        weight.mul_(scale)
         if noise < 0:
             weight.neg_()
         else:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from specdec.runtime.lookup import GuessIndex
 from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.tokens import prefix_hash
 from specdec.runtime.vocab import TextMirror
@@ -26,19 +27,23 @@ class ResyncRequired(Exception):
 @dataclass
 class SessionCache:
     """Token ids in the KV cache, and the cache itself (always the same length); for a draft of
-    another vocabulary, also the session's committed target ids and their text (``mirror``)."""
+    another vocabulary, also the session's committed target ids and their text (``mirror``); for a
+    draft that guesses ahead, an n-gram index of a prefix of ``tokens`` (``guesses``)."""
 
     tokens: list[int]
     cache: DynamicCache
     last_used: float = field(default_factory=time.monotonic)
     mirror: TextMirror | None = None
+    guesses: GuessIndex | None = None
 
     def truncate(self, length: int) -> None:
-        """Rolls back to the first ``length`` tokens."""
+        """Rolls back to the first ``length`` tokens (an index of more of them is dropped)."""
         excess = len(self.tokens) - length
         if excess > 0:
             self.cache.crop(-excess)
             del self.tokens[length:]
+        if self.guesses is not None and len(self.guesses) > length:
+            self.guesses = None
 
 
 class SessionCaches:

@@ -67,6 +67,59 @@ class NgramIndex:
                 return LookupDraft(draft, n)
         return NO_DRAFT
 
+    def continuation(self, suffix: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent occurrence, in the indexed tokens, of
+        the longest n-gram (n in [n_min, n_max]) that ends ``suffix`` (any sequence, e.g. the
+        indexed tokens followed by drafted ones); [] when none occurs."""
+        if k <= 0:
+            return []
+        for n in range(min(self.n_max, len(suffix)), self.n_min - 1, -1):
+            start = self._last.get(tuple(suffix[len(suffix) - n :]))
+            if start is not None:
+                return self._tokens[start : start + k]
+        return []
+
+
+class GuessIndex:
+    """A draft's guesses ahead (see draft_worker.engine): the session's committed tokens in an
+    n-gram index, and how often the draft has drawn the guessed tokens (a row computed for a guess
+    pays only if the draft draws everything guessed before it).
+
+    The draft's draws are compared with the whole guess on offer at each pass, run or not, so
+    the rate stays current where few rows are run. A pass runs row j of a guess (the token j
+    after the next) while the rate makes ``rate ** j`` at least ``min_use``: the chance that row j
+    is used, if the draft draws each guessed token with the same chance."""
+
+    def __init__(self, n_min: int, n_max: int, min_use: float, prior: tuple[float, float] = (1.0, 2.0)) -> None:
+        self.ngrams = NgramIndex(n_min, n_max)
+        self.min_use = min_use
+        self.hits, self.tries = prior
+
+    def __len__(self) -> int:
+        return len(self.ngrams)
+
+    @property
+    def rate(self) -> float:
+        """The estimated chance that the draft draws a guessed token, all before it drawn."""
+        return self.hits / self.tries
+
+    def rows(self, limit: int) -> int:
+        """How many tokens of a guess of ``limit`` are worth running."""
+        rate, rows = self.rate, 0
+        while rows < limit and rate ** (rows + 1) >= self.min_use:
+            rows += 1
+        return rows
+
+    def score(self, guess: Sequence[int], drawn: Sequence[int]) -> None:
+        """Counts a guess against the tokens the draft drew after it (as far as both go)."""
+        for guessed, token in zip(guess, drawn, strict=False):
+            self.tries += 1
+            if guessed != token:
+                break
+            self.hits += 1
+        if self.tries > 256:  # recent passes count most
+            self.hits, self.tries = self.hits / 2, self.tries / 2
+
 
 @dataclass
 class _Reply:

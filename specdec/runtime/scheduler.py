@@ -48,6 +48,7 @@ class ComputeMeter:
     batch and the host lock, so costs measured under load stay comparable."""
 
     ms: float = 0.0
+    tokens: int = 0  # tokens the job ran through the model
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,7 @@ class StepScheduler:
         for step in steps:
             if step.meter is not None:
                 step.meter.ms += share_ms
+                step.meter.tokens += len(step.token_ids)
         if len(tasks) > 1:
             self.batched_forwards += 1
             self.batched_requests += len(tasks)

@@ -38,6 +38,14 @@ class WorkerMetrics:
             "specdec_worker_request_errors", "Requests failed by their own input or numbers (the worker goes on)",
             registry=registry,
         )  # fmt: skip
+        self.guessed_tokens = Counter(
+            "specdec_draft_guessed_tokens", "Draft worker: guessed tokens run beside drafted ones (--guess-tokens)",
+            registry=registry,
+        )  # fmt: skip
+        self.guesses_taken = Counter(
+            "specdec_draft_guesses_taken", "Draft worker: draft tokens whose step a right guess saved",
+            registry=registry,
+        )  # fmt: skip
 
 
 class CoordinatorMetrics:

@@ -8,7 +8,8 @@ worker (so the kernel is not counted as speculation), HF assisted generation wit
 ours (constant K, no confidence cut) and with its defaults, and HF prompt lookup. Then our
 service (three or more processes on free ports): target-only, the draft model, n-gram lookup,
 the hybrid (lookup where it matches, the model elsewhere) and an early-exit draft, each with
-fixed K and adaptive K; the headline row is the server's default (the hybrid, adaptive). With
+fixed K and adaptive K; the headline row is the server's default (the hybrid, adaptive), also
+run over a draft worker that does not guess ahead (``--guess-tokens 0``, its own process). With
 ``--reply-index-tokens`` the default also runs through a coordinator whose lookups match earlier
 replies (each repeat as another caller, so it never sees the same prompt's earlier reply). Every
 method runs ``repeats`` times over each workload (interleaved: one repeat of every HF method, one
@@ -301,6 +302,7 @@ TOKEN_STOP = "service default with the token stop"
 VOCAB_MODEL_K = "service model K, draft vocabulary"
 VOCAB_DEFAULT = "service default, draft vocabulary"
 REPLY_INDEX = "service default, reply index"
+NO_GUESS = "service default without guessing"
 SERVICE_METHODS: dict[str, ServiceRow] = {
     "service target-only": ServiceRow("main", "default", True, True),
     "service model K": ServiceRow("main", "model", False, True),
@@ -313,6 +315,8 @@ SERVICE_METHODS: dict[str, ServiceRow] = {
     NO_STOP: ServiceRow("main", "default", False, False, confidence=0.0, block_confidence=0.0),
     # the default before the block stop: HF's per-token confidence threshold, 0.4
     TOKEN_STOP: ServiceRow("main", "default", False, False, confidence=0.4, block_confidence=0.0),
+    # the default before the draft worker guessed ahead: its own draft worker with --guess-tokens 0
+    NO_GUESS: ServiceRow("no-guess", "default", False, False),
     # the same draft model scoring only the tokens of a --draft-vocab file
     VOCAB_MODEL_K: ServiceRow("draft-vocab", "model", False, True),
     VOCAB_DEFAULT: ServiceRow("draft-vocab", "default", False, False),
@@ -338,7 +342,7 @@ _COORDINATOR_FLAGS = {
 
 def _extra_drafts(cfg: BenchConfig) -> dict[str, list[str]]:
     """Coordinators besides ``main``, each over its own draft worker (args) and the same target."""
-    extra = {}
+    extra = {"no-guess": ["--model", cfg.draft_model, "--guess-tokens", "0"]}
     if cfg.early_exit_layers:
         extra["early-exit"] = ["--model", cfg.model, "--draft-layers", str(cfg.early_exit_layers)]
     if cfg.draft_vocab:
@@ -644,6 +648,7 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
             ratios[f"worst prompt: {name} / {baseline}"] = min(_per_prompt(runs, method, baseline).values())
     ratio("default / without the confidence stop", HEADLINE, NO_STOP)
     ratio("default / with the token stop", HEADLINE, TOKEN_STOP)
+    ratio("default / without guessing", HEADLINE, NO_GUESS)
     ratio("default with the draft vocabulary / default", VOCAB_DEFAULT, HEADLINE)
     ratio("model K with the draft vocabulary / model K", VOCAB_MODEL_K, "service model K")
     ratio("default with the reply index / default", REPLY_INDEX, HEADLINE)

@@ -1,0 +1,125 @@
+"""Guessing ahead in the draft worker (``--guess-tokens``): a pass also runs the tokens that
+followed the session's last n-gram earlier on; where the draft samples them, their passes are
+saved. The production jobs (``propose_job``, ``lookahead_job``) on a real tiny model: the blocks
+(tokens and the distributions reported with them) are those drafted one token per pass, in fewer
+passes, for greedy and sampled drafts, with and without the confidence stop and top-n proposals.
+The sampled output's exactness through the whole production path is in
+tests/test_exactness_production.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.worker_session import prefix_sync
+from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
+from specdec.runtime.kvcache import SessionCaches
+from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.sampling import Warp
+from specdec.runtime.scheduler import Job
+from specdec.runtime.tokens import common_prefix_len
+from tests.tiny_models import TinyModels, build_variant
+
+SAMPLED = Warp(temperature=0.8, top_k=4, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, LoadedModel]]:
+    """The bigram model (its next token depends on the last one only, so its output repeats
+    what the prompt holds) and a noisy copy of it (its samples leave the guesses now and then)."""
+    options = LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch")
+    noisy = build_variant(tiny_models.bigram, Path(tmp_path_factory.mktemp("noisy-bigram")), noise=0.03)
+    yield {"bigram": load_model(str(tiny_models.bigram), options), "noisy": load_model(str(noisy), options)}
+
+
+def chain_prompt(draft: LoadedModel, length: int = 6) -> list[int]:
+    """(7, 3, c1..cn, 7, 3): c1..cn is the draft's greedy chain after 3, so the prompt ends with
+    a bigram whose earlier occurrence is followed by what the draft will draw."""
+    chain = [3]
+    with torch.inference_mode():
+        for _ in range(length):
+            chain.append(int(draft.model(torch.tensor([[chain[-1]]])).logits[0, -1].argmax()))
+    return [7, *chain, 7, 3]
+
+
+def run_counting(job: Job[Block | None], caches: SessionCaches) -> tuple[Block, int]:
+    """Runs a job's steps as the scheduler does; returns its result and its number of passes."""
+    passes = 0
+    try:
+        step = next(job)
+        while True:
+            passes += 1
+            step = job.send(caches.extend(step.entry, step.token_ids, step.num_logits))
+    except StopIteration as done:
+        assert done.value is not None
+        return done.value, passes
+
+
+def draft_session(draft: LoadedModel, params: DraftParams, rounds: int) -> tuple[list[Block], int]:
+    """``rounds`` rounds of a session: a block, the block drafted ahead of it, then half of the
+    block and a token of the target's (0) committed, as after a rejection."""
+    caches = SessionCaches(draft, 2, 600)
+    committed, cached, blocks, passes = chain_prompt(draft), 0, [], 0
+    for _ in range(rounds):
+        block, n = run_counting(propose_job(caches, draft, "s", prefix_sync(committed, cached), params), caches)
+        ahead, m = run_counting(lookahead_job(caches, draft, "s", block, params), caches)
+        blocks += [block, ahead]
+        passes += n + m
+        committed += [*block.token_ids[: len(block.token_ids) // 2 + 1], 0]
+        cached = min(common_prefix_len(caches.get("s").tokens, committed), len(committed) - 1)  # type: ignore[union-attr]
+    return blocks, passes
+
+
+@pytest.mark.parametrize(
+    ("draft", "warp", "top_n", "block_confidence"),
+    [
+        pytest.param("bigram", Warp(), 0, 0.0, id="greedy"),
+        pytest.param("noisy", Warp(), 0, 0.05, id="greedy-block-stop"),
+        pytest.param("noisy", SAMPLED, 0, 0.0, id="sampled-dense"),
+        pytest.param("noisy", SAMPLED, 3, 0.003, id="sampled-top-n-block-stop"),
+    ],
+)
+def test_guessing_ahead_saves_passes_and_drafts_the_same_blocks(
+    drafts: dict[str, LoadedModel], draft: str, warp: Warp, top_n: int, block_confidence: float
+) -> None:
+    params = DraftParams(8, warp, seed=11, top_n=top_n, min_block_confidence=block_confidence)
+    plain, plain_passes = draft_session(drafts[draft], params, rounds=10)
+    guessing, passes = draft_session(drafts[draft], dataclasses.replace(params, guess_tokens=8), rounds=10)
+    assert [b.token_ids for b in guessing] == [b.token_ids for b in plain]
+    for got, want in zip(guessing, plain, strict=True):
+        assert (got.start, got.assumed, got.cache_len, got.ends_unsure) == (want.start, want.assumed, want.cache_len,
+                                                                           want.ends_unsure)  # fmt: skip
+        for g, w in zip(got.samples, want.samples, strict=True):
+            assert (g.ids is None) == (w.ids is None) and (g.probs is None) == (w.probs is None)
+            if g.ids is not None and w.ids is not None:
+                assert torch.equal(g.ids, w.ids)
+            if g.probs is not None and w.probs is not None:
+                torch.testing.assert_close(g.probs, w.probs, rtol=0, atol=1e-5)
+    taken = sum(b.guesses_taken for b in guessing)
+    assert taken > 0 and passes == plain_passes - taken  # each right guess saved one pass
+    assert all(b.guessed == b.guesses_taken == 0 for b in plain)
+    if draft == "noisy":
+        assert sum(b.guessed for b in guessing) > taken  # some guesses were wrong and cut away
+
+
+def test_a_job_cancelled_before_its_first_pass_leaves_no_index_ahead_of_the_cache(
+    drafts: dict[str, LoadedModel],
+) -> None:
+    """The index is extended with the committed tail before the pass that runs it; if the job
+    is closed first, the next sync (the same prefix again) drops the index instead of keeping
+    tokens the cache lacks."""
+    draft, params = drafts["bigram"], DraftParams(4, Warp(), seed=0, top_n=0, guess_tokens=4)
+    caches, prompt = SessionCaches(draft, 2, 600), chain_prompt(draft)
+    run_counting(propose_job(caches, draft, "s", prefix_sync(prompt[:4], 0), params), caches)
+    job = propose_job(caches, draft, "s", prefix_sync(prompt, 3), params)
+    next(job)
+    job.close()
+    entry = caches.get("s")
+    assert entry is not None and entry.guesses is not None and len(entry.guesses) > len(entry.tokens)
+    block, _ = run_counting(propose_job(caches, draft, "s", prefix_sync(prompt, 3), params), caches)
+    assert entry.guesses is not None and len(entry.guesses) == len(prompt)  # rebuilt from the cache and tail
+    assert block.guesses_taken > 0
