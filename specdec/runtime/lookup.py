@@ -55,29 +55,32 @@ class NgramIndex:
 
     def propose(self, k: int) -> LookupDraft:
         """Up to ``k`` tokens that followed the longest recent match of the sequence's suffix."""
-        end = len(self._tokens)
-        if k <= 0:
+        match = self._latest(self._tokens[-self.n_max :]) if k > 0 else None
+        if match is None:
             return NO_DRAFT
-        for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
-            start = self._last.get(tuple(self._tokens[end - n : end]))
-            if start is not None:
-                draft = self._tokens[start : start + k]
-                while len(draft) < k:  # the match runs into the suffix: the pattern repeats, copy on
-                    draft.append(draft[len(draft) - (end - start)])
-                return LookupDraft(draft, n)
-        return NO_DRAFT
+        start, n = match
+        end = len(self._tokens)
+        draft = self._tokens[start : start + k]
+        while len(draft) < k:  # the match runs into the suffix: the pattern repeats, copy on
+            draft.append(draft[len(draft) - (end - start)])
+        return LookupDraft(draft, n)
 
     def continuation(self, suffix: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent occurrence, in the indexed tokens, of
         the longest n-gram (n in [n_min, n_max]) that ends ``suffix`` (any sequence, e.g. the
         indexed tokens followed by drafted ones); [] when none occurs."""
-        if k <= 0:
-            return []
+        match = self._latest(suffix) if k > 0 else None
+        return [] if match is None else self._tokens[match[0] : match[0] + k]
+
+    def _latest(self, suffix: Sequence[int]) -> tuple[int, int] | None:
+        """(the index just past it, n) for the most recent occurrence with a continuation of the
+        longest n-gram that ends ``suffix``; None when none occurs. (An n-gram as long as the whole
+        indexed sequence never has a continuation, so trying it as well changes nothing.)"""
         for n in range(min(self.n_max, len(suffix)), self.n_min - 1, -1):
             start = self._last.get(tuple(suffix[len(suffix) - n :]))
             if start is not None:
-                return self._tokens[start : start + k]
-        return []
+                return start, n
+        return None
 
 
 class GuessIndex:
