@@ -1,20 +1,28 @@
-"""Process helpers for tests: free ports, a real redis-server."""
+"""Process helpers for tests: free ports, a real redis-server, work split over two processes."""
 
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.output_vocab import write_output_vocab
 from specdec.tools.model_fetch import fetch_tokenizer
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -100,3 +108,45 @@ def draft_vocab_file(path: Path, model: Path, ids: Sequence[int] | None = None) 
     kept = list(range(0, len(tokenizer), 2)) if ids is None else list(ids)
     write_output_vocab(path, kept, tokenizer_fingerprint(tokenizer), len(tokenizer), "test")
     return path
+
+
+def in_two_processes(work: Callable[[range], T], n: int) -> tuple[T, T]:
+    """``work(range(0, n // 2))`` in a forked child and ``work(range(n // 2, n))`` here, at the
+    same time, each on one torch thread: CPU-bound test loops that are Python overhead (tiny models)
+    use both of the machine's cores. The child inherits everything the test set up (models,
+    monkeypatched planted bugs) and sends its result back pickled through a pipe; a child that
+    fails prints its traceback and fails the test here."""
+    half = n // 2
+    if not hasattr(os, "fork"):
+        return work(range(half)), work(range(half, n))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(read)
+            torch.set_num_threads(1)
+            with os.fdopen(write, "wb") as out:
+                out.write(pickle.dumps(work(range(half))))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as inp:
+            mine = work(range(half, n))
+            data = inp.read()
+    except BaseException:  # this half failed or timed out: the child goes too
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    _, status = os.waitpid(pid, 0)
+    if status != 0 or not data:
+        raise AssertionError(f"the forked half of the work failed (wait status {status}; its traceback is above)")
+    return pickle.loads(data), mine

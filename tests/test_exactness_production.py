@@ -37,7 +37,7 @@ from specdec.runtime.scheduler import Job
 from specdec.runtime.tokens import common_prefix_len
 from specdec.runtime.vocab import VocabBridge
 from specdec.v1 import common_pb2
-from tests.helpers import draft_vocab_file, real_tokenizer
+from tests.helpers import draft_vocab_file, in_two_processes, real_tokenizer
 from tests.spec_oracle import chi_square_pvalue, reference_processing
 from tests.tiny_models import TinyModels, build_text_bigram, build_variant
 
@@ -63,6 +63,25 @@ def on_the_wire(block: Block) -> common_pb2.DraftBlock:
 
 
 @dataclass
+class Tally:
+    """What the requests of a Speculation did, summed over them."""
+
+    ahead_used: int = 0  # rounds that verified a block drafted ahead
+    lookup_rounds: int = 0
+    lookup_accepted: int = 0
+    reply_rounds: int = 0
+    proposed: int = 0  # rounds that had a draft
+    accepted: int = 0  # of those, rounds whose first draft token was accepted
+    # model blocks asked for K, by length
+    block_lengths: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+    guesses_taken: int = 0  # draft tokens whose pass a right guess saved
+
+    def add(self, other: Tally) -> None:
+        for name in (f.name for f in dataclasses.fields(self)):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
 class Speculation:
     """The coordinator's round loop over the workers' production jobs (one session at a time)."""
 
@@ -84,11 +103,7 @@ class Speculation:
     def __post_init__(self) -> None:
         self.target_caches = SessionCaches(self.target, 4, 600)
         self.draft_caches = SessionCaches(self.draft, 4, 600)
-        self.ahead_used = 0  # rounds that verified a block drafted ahead
-        self.lookup_rounds = self.lookup_accepted = self.reply_rounds = 0
-        self.proposed = self.accepted = 0  # first draft tokens of the rounds that had one, and those accepted
-        self.block_lengths: collections.Counter[int] = collections.Counter()  # model blocks asked for K by length
-        self.guesses_taken = 0  # draft tokens whose pass a right guess saved
+        self.tally = Tally()
 
     def generate(self, seed: int, max_new: int, stop_after: int) -> list[int]:
         """``max_new`` sets K's budget as in a request; the loop stops once ``stop_after`` tokens
@@ -106,11 +121,11 @@ class Speculation:
                 if block is not None and self.pipelined:  # drafted while the target verifies `block`
                     ahead = run_job(lookahead_job(self.draft_caches, self.draft, "s", block, self._params(k, seed)),
                                     self.draft_caches)  # fmt: skip
-                    self.guesses_taken += ahead.guesses_taken if ahead is not None else 0
+                    self.tally.guesses_taken += ahead.guesses_taken if ahead is not None else 0
                 wire = common_pb2.DraftBlock() if block is None else on_the_wire(block)
                 wire = _first(wire, k)
                 if k == self.k:
-                    self.block_lengths[len(wire.token_ids)] += 1
+                    self.tally.block_lengths[len(wire.token_ids)] += 1
             sync = prefix_sync(committed, target_len)
             result = run_job(
                 target_engine.verify_job(
@@ -120,11 +135,11 @@ class Speculation:
             )
             tokens = list(result.token_ids)[: max_new - generated]
             if self.lookup and wire.token_ids:
-                self.lookup_rounds += 1
-                self.lookup_accepted += result.num_accepted
+                self.tally.lookup_rounds += 1
+                self.tally.lookup_accepted += result.num_accepted
             if wire.token_ids:
-                self.proposed += 1
-                self.accepted += result.num_accepted > 0
+                self.tally.proposed += 1
+                self.tally.accepted += result.num_accepted > 0
             start = len(committed)
             committed += tokens
             generated += len(tokens)
@@ -143,7 +158,7 @@ class Speculation:
     def _lookup_block(self, committed: list[int], k: int) -> common_pb2.DraftBlock:
         """The coordinator's lookup draft (n from 1, so the prompt's repeats match), on the wire."""
         found = lookup_draft(NgramIndex(1, 3, committed), self.replies, "", committed, k)
-        self.reply_rounds += found.from_replies
+        self.tally.reply_rounds += found.from_replies
         draft = found.token_ids
         block = lookup_proposal(draft, len(committed)).block if draft else common_pb2.DraftBlock()
         return common_pb2.DraftBlock.FromString(block.SerializeToString())
@@ -156,7 +171,7 @@ class Speculation:
 
     def _block(self, committed: list[int], draft_len: int, k: int, seed: int, ahead: Block | None) -> Block:
         if ahead is not None and ahead.samples and list(ahead.assumed) == committed[ahead.start - len(ahead.assumed) :]:
-            self.ahead_used += 1
+            self.tally.ahead_used += 1
             return ahead  # the previous block was fully taken and the guessed token was right
         if self.bridge is not None:
             sync = prefix_sync(committed, draft_len)
@@ -169,7 +184,7 @@ class Speculation:
             self.draft_caches,
         )
         assert block is not None
-        self.guesses_taken += block.guesses_taken
+        self.tally.guesses_taken += block.guesses_taken
         return block
 
 
@@ -224,11 +239,24 @@ CASES = [
 
 def sample_counts(speculation: Speculation, n: int) -> collections.Counter[tuple[int, ...]]:
     """The first LENGTH tokens of ``n`` requests (seed = request number), each started with a
-    full first block of K drafts."""
-    return collections.Counter(
-        tuple(speculation.generate(seed, max_new=max(speculation.k + 1, LENGTH + 1), stop_after=LENGTH)[:LENGTH])
-        for seed in range(n)
-    )
+    full first block of K drafts. Half the requests run in a forked process beside this one (each
+    request is decided by its seed alone; with a reply index each half's requests see the replies
+    of the earlier requests of their own half); their tallies are added to ``speculation``'s."""
+
+    def requests(seeds: range) -> tuple[collections.Counter[tuple[int, ...]], Tally]:
+        speculation.tally = Tally()
+        budget = max(speculation.k + 1, LENGTH + 1)
+        counts = collections.Counter(
+            tuple(speculation.generate(seed, max_new=budget, stop_after=LENGTH)[:LENGTH]) for seed in seeds
+        )
+        return counts, speculation.tally
+
+    (first, first_tally), (second, second_tally) = in_two_processes(requests, n)
+    second_tally.add(first_tally)
+    speculation.tally = second_tally
+    counts = first + second
+    assert counts.total() == n
+    return counts
 
 
 @pytest.mark.slow
@@ -239,7 +267,7 @@ def test_production_path_follows_the_target_distribution(
     speculation = Speculation(models["target"], models[draft], k, top_n, pipelined)
     samples = sample_counts(speculation, n)
     if pipelined and k == 1:
-        assert speculation.ahead_used > 100  # blocks drafted ahead decided many of the tested tokens
+        assert speculation.tally.ahead_used > 100  # blocks drafted ahead decided many of the tested tokens
     assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) > 1e-3
 
 
@@ -288,9 +316,9 @@ def test_blocks_ended_by_the_draft_s_confidence_follow_the_target_distribution(
     target's distribution; blocks drafted ahead stop the same way."""
     speculation = confident_speculation(models, stop)
     samples = sample_counts(speculation, 1500)
-    lengths = speculation.block_lengths
+    lengths = speculation.tally.block_lengths
     assert set(lengths) == {1, 2, 3, 4} and lengths[4] < sum(lengths.values()) / 2, lengths
-    assert speculation.ahead_used > 50
+    assert speculation.tally.ahead_used > 50
     assert chi_square_pvalue(samples, exact_distribution(models["target"]), sum(samples.values())) > 1e-3
 
 
@@ -416,8 +444,9 @@ def test_lookup_drafts_follow_the_target_distribution(models: dict[str, LoadedMo
     speculation = Speculation(target, models["noisy"], k, 0, False, prompt=prompt, lookup=True,
                               replies=_reply_index(source))  # fmt: skip
     samples = sample_counts(speculation, 1500)
-    assert speculation.lookup_rounds > 1000 and 0.1 < speculation.lookup_accepted / speculation.lookup_rounds < 0.9
-    assert (speculation.reply_rounds > 1000) == (source == "replies")
+    tally = speculation.tally
+    assert tally.lookup_rounds > 1000 and 0.1 < tally.lookup_accepted / tally.lookup_rounds < 0.9
+    assert (tally.reply_rounds > 1000) == (source == "replies")
     exact = exact_distribution(target, prompt=prompt)
     assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
 
@@ -450,7 +479,7 @@ def test_a_draft_that_scores_only_some_tokens_follows_the_target_distribution(
     samples = sample_counts(speculation, 1500)
     exact = exact_distribution(models["target"])
     assert any(token % 2 for tokens in exact for token in tokens)  # the target has tokens the draft cannot propose
-    assert speculation.accepted > 300  # and the draft is still right often
+    assert speculation.tally.accepted > 300  # and the draft is still right often
     assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
 
 
@@ -524,7 +553,8 @@ def test_drafts_that_guess_ahead_follow_the_target_distribution(
     a guess, guesses cut away after a different draw, blocks drafted ahead; 1500 requests."""
     speculation = guessing_speculation(models, sure_bigram, pipelined)
     samples = sample_counts(speculation, 1500)
-    assert speculation.guesses_taken > 500 and speculation.accepted < speculation.proposed  # rejections too
+    tally = speculation.tally
+    assert tally.guesses_taken > 500 and tally.accepted < tally.proposed  # rejections too
     exact = exact_distribution(models["bigram"], prompt=speculation.prompt)
     assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
 
@@ -600,7 +630,8 @@ def test_drafts_of_another_tokenizer_follow_the_target_distribution(
     follow the exact target distribution."""
     speculation = cross_speculation(cross_models, method, k)
     samples = sample_counts(speculation, 1000)
-    assert 0.1 < speculation.accepted / speculation.proposed < 0.9  # acceptance and rejection both decide tokens
+    tally = speculation.tally
+    assert 0.1 < tally.accepted / tally.proposed < 0.9  # acceptance and rejection both decide tokens
     target = cross_models["target"]
     assert isinstance(target, LoadedModel)
     exact = exact_distribution(target, prompt=speculation.prompt)

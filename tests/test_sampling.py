@@ -20,7 +20,10 @@ from specdec.runtime.sampling import (
     sample_draft_token,
     warped_probs,
 )
+from tests.helpers import in_two_processes
 from tests.spec_oracle import (
+    LogitFn,
+    Sampler,
     chi_square,
     chi_square_pvalue,
     exact_distribution,
@@ -193,6 +196,31 @@ def _broken_sampler(target_logits, draft_tokens, draft_probs, warp, generator) -
     return Verdict(k, [*draft_tokens.tolist(), int(torch.multinomial(p[k], 1, generator=generator))])
 
 
+def sampled_sequences(
+    target: LogitFn,
+    draft: LogitFn,
+    length: int,
+    k: int,
+    warp: Warp,
+    top_n: int,
+    n: int,
+    sampler: Sampler = rejection_sample,
+) -> collections.Counter[tuple[int, ...]]:
+    """``n`` sequences after the prompt (0,), half of them in a forked process beside this one,
+    each half with a generator of its own."""
+
+    def sequences(which: range) -> collections.Counter[tuple[int, ...]]:
+        gen = torch.Generator().manual_seed(1234 + which.start)
+        return collections.Counter(
+            speculative_sequence(target, draft, (0,), length, k, warp, top_n, gen, sampler) for _ in which
+        )
+
+    first, second = in_two_processes(sequences, n)
+    samples = first + second
+    assert samples.total() == n
+    return samples
+
+
 DIST_CASES = [
     pytest.param(Warp(1.0), 0, 2, id="dense-T1-k2"),
     pytest.param(Warp(0.8, top_k=3), 2, 3, id="sparse2-T0.8-topk3-k3"),
@@ -206,10 +234,7 @@ def test_speculative_sampling_follows_target_distribution(warp: Warp, top_n: int
     target = random_logit_table(vocab, 1.5, seed=11)
     draft = random_logit_table(vocab, 1.5, seed=12)
     exact = exact_distribution(target, (0,), length, vocab, warp)
-    gen = torch.Generator().manual_seed(1234)
-    samples = collections.Counter(
-        speculative_sequence(target, draft, (0,), length, k, warp, top_n, gen) for _ in range(n)
-    )
+    samples = sampled_sequences(target, draft, length, k, warp, top_n, n)
     assert chi_square_pvalue(samples, exact, n) > 1e-3
 
 
@@ -218,10 +243,7 @@ def test_distribution_test_catches_a_broken_sampler() -> None:
     target = random_logit_table(vocab, 1.5, seed=11)
     draft = random_logit_table(vocab, 1.5, seed=12)
     exact = exact_distribution(target, (0,), length, vocab, warp)
-    gen = torch.Generator().manual_seed(1234)
-    samples = collections.Counter(
-        speculative_sequence(target, draft, (0,), length, 2, warp, 0, gen, sampler=_broken_sampler) for _ in range(n)
-    )
+    samples = sampled_sequences(target, draft, length, 2, warp, 0, n, sampler=_broken_sampler)
     assert chi_square_pvalue(samples, exact, n) < 1e-6
 
 
