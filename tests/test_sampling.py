@@ -9,10 +9,13 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from specdec.runtime import sampling
 from specdec.runtime.sampling import (
+    TOP_P_CANDIDATES,
     DraftSample,
     Verdict,
     Warp,
+    draw,
     position_generator,
     proposal_matrix,
     proposal_probability,
@@ -130,6 +133,64 @@ def test_warped_probs_match_hf_warpers(temperature: float, top_k: int, top_p: fl
     if top_p < 1.0:
         scores = TopPLogitsWarper(top_p)(None, scores)
     torch.testing.assert_close(warped_probs(logits, Warp(temperature, top_k, top_p)), scores.softmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("spread", "top_p", "fewest", "most"),
+    [
+        (8.0, 0.9, 1, TOP_P_CANDIDATES),  # the cut within the first candidates
+        (3.0, 0.5, 100, TOP_P_CANDIDATES),
+        (3.0, 0.95, 8 * TOP_P_CANDIDATES, 64 * TOP_P_CANDIDATES),  # widened twice
+        (0.05, 0.9, 64 * TOP_P_CANDIDATES, 151_935),  # widened to the whole row
+    ],
+    ids=["peaked", "mid", "wide", "flat"],
+)
+def test_top_p_over_a_whole_vocabulary_keeps_the_sorted_prefix(
+    spread: float, top_p: float, fewest: int, most: int
+) -> None:
+    """Qwen2.5's 151,936 ids: top-p looks among the most likely first and widens the set where the
+    mass lies further out (flat rows). It keeps the ids a sort of the whole row keeps (summing the
+    same float32 probabilities in float64), up to ids within rounding of the cut."""
+    logits = torch.randn(2, 151_936, generator=torch.Generator().manual_seed(5)) * spread
+    got = warped_probs(logits, Warp(1.0, top_p=top_p))
+    probs = (logits - logits.max(-1, keepdim=True).values).softmax(-1).double()
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.empty_like(probs).scatter(-1, order, ordered.cumsum(-1) - ordered)
+    reference = before < top_p
+    differ = (got > 0) != reference
+    assert all(fewest <= kept <= most for kept in (got > 0).sum(-1).tolist())
+    assert bool(((before[differ] - top_p).abs() < 1e-7).all()) and int(differ.sum()) < 3
+    torch.testing.assert_close(
+        got, torch.where(got > 0, probs, 0.0).float() / (got > 0).mul(probs).sum(-1, True).float()
+    )
+
+
+def test_draw_follows_the_distribution_and_never_draws_an_id_without_mass() -> None:
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 6.0, 0.0])  # any positive total: a residual is not normalised
+    generator = torch.Generator().manual_seed(7)
+    counts = collections.Counter(draw(weights, generator) for _ in range(20_000))
+    assert set(counts) == {1, 3, 4}
+    assert chi_square([counts[i] for i in (1, 3, 4)], [0.3, 0.1, 0.6]) > 1e-4
+
+
+def test_draw_is_a_function_of_the_generator() -> None:
+    probs = torch.randn(1000, generator=torch.Generator().manual_seed(8)).softmax(-1)
+    first = [draw(probs, position_generator(3, i, "target")) for i in range(50)]
+    assert first == [draw(probs, position_generator(3, i, "target")) for i in range(50)]
+    assert len(set(first)) > 10
+
+
+def test_a_uniform_that_rounds_to_the_total_draws_the_last_id_with_mass(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampling.torch, "rand", lambda *_, **kw: torch.tensor(1.0, dtype=kw["dtype"]))
+    assert draw(torch.tensor([0.2, 0.5, 0.3, 0.0, 0.0]), None) == 2
+
+
+def test_draw_from_no_mass_is_an_error_of_the_request() -> None:
+    from specdec.serving.errors import NumericalError
+
+    for bad in (torch.zeros(4), torch.tensor([0.5, math.inf]), torch.tensor([math.nan, 1.0])):
+        with pytest.raises(NumericalError):
+            draw(bad, None)
 
 
 def test_sparse_draft_samples_from_reported_distribution() -> None:

@@ -72,18 +72,52 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
         kth = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
     if warp.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        sorted_probs = sorted_scores.softmax(-1)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= warp.top_p
-        drop_sorted[..., 0] = False  # always keep the most likely token
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, -math.inf)
+        scores = scores.masked_fill(_top_p_drop(scores.softmax(-1), warp.top_p), -math.inf)
     probs = scores.softmax(-1)
     if warp.min_p > 0:  # the most likely token always survives (its probability is the maximum)
         floor = warp.min_p * probs.max(-1, keepdim=True).values
         probs = scores.masked_fill(probs < floor, -math.inf).softmax(-1)
     return probs
+
+
+# top-p looks for its cut among the most likely tokens first and widens the set (x8) only while
+# it holds less than the top-p mass: on the 2-core CPU host sorting a 151,936-id row took ~17 ms
+# and a top-1024 ~1 ms, and a language model's top-p mass is almost always within its top 1024.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p_drop(probs: Tensor, top_p: float) -> Tensor:
+    """The ids top-p removes from ``probs`` [..., V]: those whose more likely ids (in descending
+    order) already hold ``top_p`` of the mass; the most likely id always stays. Equal to sorting
+    the whole row: an id outside a candidate set that holds ``top_p`` has at least that mass
+    before it. The masses before each id are summed in float64."""
+    vocab = probs.shape[-1]
+    width = min(TOP_P_CANDIDATES, vocab)
+    while True:
+        top, order = torch.topk(probs, width, dim=-1)  # descending
+        mass = top.double().cumsum(-1)  # float32 sums of ~10^4 ids drift by ~1e-5
+        if width == vocab or bool((mass[..., -1] >= top_p).all()):
+            break
+        width = min(width * 8, vocab)
+    keep = (mass - top) < top_p
+    keep[..., 0] = True
+    return torch.ones_like(probs, dtype=torch.bool).scatter(-1, order, ~keep)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None) -> int:
+    """An index of ``probs`` [V] (non-negative, any positive total) drawn with probability
+    ``probs[i] / probs.sum()``: one uniform from ``generator`` and a search of the cumulative
+    sums (float64, so that no id's share is lost to rounding). ``torch.multinomial`` draws V
+    exponentials instead: 5.3 ms for a 151,936-id row on the 2-core host against 0.3 ms here."""
+    cumulative = probs.double().cumsum(-1)
+    total = float(cumulative[-1])
+    if not (math.isfinite(total) and total > 0):
+        raise NumericalError("the distribution to sample from has no positive finite mass; nothing was sampled")
+    uniform = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device)
+    index = int(torch.searchsorted(cumulative, uniform * total, right=True))
+    if index >= probs.shape[-1]:  # the uniform rounded to the total: the last id with mass
+        index = int(torch.nonzero(probs > 0).max())
+    return index
 
 
 def position_generator(seed: int, position: int, role: str, device: torch.device | str = "cpu") -> torch.Generator:
@@ -130,10 +164,8 @@ def sample_draft_token(logits: Tensor, warp: Warp, top_n: int, generator: torch.
     if 0 < top_n < q.shape[-1]:
         probs, ids = torch.topk(q, top_n)
         probs = probs / probs.sum()
-        choice = torch.multinomial(probs, 1, generator=generator)
-        return DraftSample(token_id=int(ids[choice]), ids=ids, probs=probs)
-    choice = torch.multinomial(q, 1, generator=generator)
-    return DraftSample(token_id=int(choice), probs=q)
+        return DraftSample(token_id=int(ids[draw(probs, generator)]), ids=ids, probs=probs)
+    return DraftSample(token_id=draw(q, generator), probs=q)
 
 
 def proposal_probability(sample: DraftSample, logits: Tensor) -> float:
@@ -206,9 +238,9 @@ def rejection_sample(
     if n < k:
         residual = torch.clamp(p[n] - draft_probs[n].to(p.device).float(), min=0.0)
         dist = residual if float(residual.sum()) > 0 else p[n]
-        last = int(torch.multinomial(dist / dist.sum(), 1, generator=per_row[n]))
+        last = draw(dist, per_row[n])
     else:
-        last = int(torch.multinomial(p[k], 1, generator=per_row[k]))
+        last = draw(p[k], per_row[k])
     return Verdict(num_accepted=n, token_ids=[*drafts[:n].tolist(), last])
 
 
