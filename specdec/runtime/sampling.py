@@ -81,8 +81,9 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
 
 
 # top-p looks for its cut among the most likely tokens first and widens the set (x8) only while
-# it holds less than the top-p mass: on the 2-core CPU host sorting a 151,936-id row took ~17 ms
-# and a top-1024 ~1 ms, and a language model's top-p mass is almost always within its top 1024.
+# it holds less than the top-p mass: on the 2-core CPU host sorting a 151,936-id row took 12-17 ms
+# and a top-1024 ~1 ms. Over 1,200 positions of code and prose, Qwen2.5-Coder-0.5B's top_p 0.9-0.95
+# mass lay within its top 1024 at 99.5-99.9% of them at temperature 0.7-0.8, 87-97% at 1.0.
 TOP_P_CANDIDATES = 1024
 
 
@@ -90,12 +91,13 @@ def _top_p_drop(probs: Tensor, top_p: float) -> Tensor:
     """The ids top-p removes from ``probs`` [..., V]: those whose more likely ids (in descending
     order) already hold ``top_p`` of the mass; the most likely id always stays. Equal to sorting
     the whole row: an id outside a candidate set that holds ``top_p`` has at least that mass
-    before it. The masses before each id are summed in float64."""
+    before it. The masses before each id are summed in float64, so the cut depends on the
+    probabilities alone, not on how a float32 running sum rounds."""
     vocab = probs.shape[-1]
     width = min(TOP_P_CANDIDATES, vocab)
     while True:
         top, order = torch.topk(probs, width, dim=-1)  # descending
-        mass = top.double().cumsum(-1)  # float32 sums of ~10^4 ids drift by ~1e-5
+        mass = top.double().cumsum(-1)
         if width == vocab or bool((mass[..., -1] >= top_p).all()):
             break
         width = min(width * 8, vocab)
