@@ -22,6 +22,7 @@ failing is not tried at all.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,8 +32,9 @@ _FIRST_PROBE = 4  # rounds a proposer stays unused before the first probe; the g
 _MAX_TOKENS = 64
 MODEL, NGRAM, NONE = "model", "ngram", "none"
 # Where a lookup draft came from, each with acceptance counts of its own: the session's own tokens
-# (NGRAM) or an earlier request's reply (REPLY, the reply index). A retried request is drafted its
-# earlier reply whole; that rate says nothing of how often a session's tokens repeat.
+# (NGRAM, kept per match length: see lookup_source) or an earlier request's reply (REPLY, the reply
+# index). A retried request is drafted its earlier reply whole; that rate says nothing of how often
+# a session's tokens repeat.
 REPLY = "reply"
 # The confidence stop is judged after this many blocks it ended; it stays while the tokens it ends
 # blocks on are taken less than this share of the draft's per-token acceptance.
@@ -108,10 +110,8 @@ class StepCosts:
     overhead: float | None = None  # rounds that call the draft worker
     local_overhead: float | None = None  # rounds that do not (lookup drafts, target-only)
     verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
-    # Per-token acceptance of each proposer over all sessions (the prior of a new turn).
-    acceptance: dict[str, Acceptance] = field(
-        default_factory=lambda: {m: Acceptance(_POOL_DECAY) for m in (MODEL, NGRAM, REPLY)}
-    )
+    # Per-token acceptance of each proposer (MODEL or a lookup_source) over all sessions (the prior of a new turn).
+    acceptance: dict[str, Acceptance] = field(default_factory=lambda: defaultdict(lambda: Acceptance(_POOL_DECAY)))
     # How often the draft model, asked for more, went on after a proposed token (its confidence
     # stop ends a block early otherwise), over all sessions.
     continuation: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
@@ -172,6 +172,16 @@ class StepCosts:
         return max(self.verify[a] + slope * (tokens - a), 0.0)
 
 
+def lookup_source(match_len: int, from_replies: bool = False) -> str:
+    """The acceptance counts a lookup draft is judged by: the reply index's (REPLY), or those of
+    the session lookups whose suffix matched ``match_len`` tokens (``ngram:N``). How often a
+    lookup is right depends on how much of the context it matched: on the benchmark's prompts, a
+    5-token match in a reply that copies its prompt ran on for 16 tokens more often than not,
+    while 2-token matches in fresh code were mostly wrong at once; one pooled rate let a copying
+    request's long matches price another request's short ones."""
+    return REPLY if from_replies else f"{NGRAM}:{match_len}"
+
+
 def lookup_score(lookup: Sequence[int], committed: Sequence[int]) -> tuple[int, int]:
     """How a lookup draft that a round did not use would have fared: (tokens of it the round's
     committed tokens can judge, tokens of it the target would have taken), for ``observe``. A
@@ -228,7 +238,7 @@ class KController:
     _probe_gap: int = field(default=_FIRST_PROBE, init=False)
 
     def __post_init__(self) -> None:
-        self._seen = {m: Acceptance(self.decay) for m in (MODEL, NGRAM, REPLY)}
+        self._seen = defaultdict(lambda: Acceptance(self.decay))
         self._going_on = Acceptance(self.decay)
         self._unsure = Acceptance(self.decay)
         self._sure_seen = Acceptance(self.decay)
@@ -257,7 +267,7 @@ class KController:
         self, k: int, accepted: int, method: str = MODEL, asked: int | None = None, ends_unsure: bool = False
     ) -> None:
         """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends
-        it); ``method``: ``model``, or the source of a lookup draft (``ngram`` or ``reply``);
+        it); ``method``: ``model``, or the source of a lookup draft (a ``lookup_source``);
         ``asked``: the block length asked of the draft model (more than ``k`` if it stopped
         early); ``ends_unsure``: the draft proposed the last token below its confidence stop."""
         if k == 0:
@@ -331,7 +341,8 @@ class KController:
     def plan(self, model: int, lookup: int = 0, lookup_source: str = NGRAM) -> Plan:
         """The next round's proposer and K. ``model``: the most drafts the draft worker may be
         asked for (0 = not usable); ``lookup``: tokens a lookup draft has ready (0 = no match),
-        found in ``lookup_source`` (``ngram``: the session's tokens; ``reply``: the reply index)."""
+        whose acceptance counts are ``lookup_source``'s (the session's tokens by match length, or
+        the reply index: see the function ``lookup_source``)."""
         limits = {MODEL: model, NGRAM: lookup}
         if max(limits.values()) <= 0:
             return TARGET_ONLY

@@ -19,7 +19,18 @@ from typing import TypeVar
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import MODEL, NGRAM, NO_STOP, REPLY, TARGET_ONLY, KController, Plan, StepCosts, lookup_score
+from coordinator.adaptive import (
+    MODEL,
+    NGRAM,
+    NO_STOP,
+    REPLY,
+    TARGET_ONLY,
+    KController,
+    Plan,
+    StepCosts,
+    lookup_score,
+    lookup_source,
+)
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Decoding, Proposal, WorkerSession, lookup_proposal
@@ -415,10 +426,10 @@ class Turn:
         committed: int,
         draft_ms: float,
         round_ms: float,
-        lookup_source: str = NGRAM,
+        draft_source: str = NGRAM,
     ) -> None:
         """Stats, metrics, the cost model and the acceptance estimate after a round (``asked``: the
-        block length the round's plan asked for; ``lookup_source``: where a lookup draft came from)."""
+        block length the round's plan asked for; ``draft_source``: a lookup draft's ``lookup_source``)."""
         s, m = self.stats, self.deps.metrics
         k = len(proposal.block.token_ids) if proposal else 0
         method = proposal.method if proposal else "none"
@@ -446,7 +457,7 @@ class Turn:
         for position in range(k):
             s.proposed_by_position[position] += 1
             s.accepted_by_position[position] += position < verdict.num_accepted
-        source = lookup_source if method == NGRAM else method
+        source = draft_source if method == NGRAM else method
         self.controller.observe(k, verdict.num_accepted, source, asked, proposal.ends_unsure)
         if method == NGRAM:
             s.lookup_rounds += 1
@@ -526,8 +537,8 @@ class Turn:
 
 
 def _source(lookup: LookupDraft) -> str:
-    """The acceptance counts a lookup draft is judged by: the reply index's or the session's."""
-    return REPLY if lookup.from_replies else NGRAM
+    """The acceptance counts a lookup draft is judged by (see ``lookup_source``)."""
+    return lookup_source(lookup.match_len, lookup.from_replies)
 
 
 def _stop_if_cancelled() -> None:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import KController, Plan, StepCosts, expected_length, expected_tokens, lookup_score
+from coordinator.adaptive import (
+    KController,
+    Plan,
+    StepCosts,
+    expected_length,
+    expected_tokens,
+    lookup_score,
+    lookup_source,
+)
 
 
 def costs(draft: float, verify: dict[int, float], overhead: float = 0.0) -> StepCosts:
@@ -289,3 +297,22 @@ def test_replies_drafted_again_do_not_make_session_lookups_look_good() -> None:
     fresh = KController(k_max=4, costs=shared)
     assert fresh.plan(model=4, lookup=8).method == "model"  # its own tokens' lookup: priced as those fail
     assert fresh.plan(model=4, lookup=8, lookup_source="reply").method == "ngram"  # a stored reply: as those pay
+
+
+def test_lookups_are_priced_by_the_length_of_their_match() -> None:
+    """A session lookup's acceptance is kept per match length: a 5-token match in a reply that
+    copies its prompt is usually right, a 2-token one in fresh code rarely is. Pooled (measured on
+    the benchmark: edit prompts' copies made a new completion's 2-token matches look good), each
+    fresh `complete` request spent 2-3 verify passes on lookups of which none was taken."""
+    shared = costs(60, {1: 400, 5: 700, 9: 1000, 17: 1300})
+    for _ in range(10):  # earlier turns: long matches copied whole, short ones failed
+        earlier = KController(k_max=16, costs=shared)
+        earlier.observe(16, 16, lookup_source(5))
+        earlier.observe(16, 16, lookup_source(5))
+        earlier.observe(16, 0, lookup_source(2))
+        earlier.observe(4, 3, "model")
+    fresh = KController(k_max=16, costs=shared)
+    assert fresh.plan(model=16, lookup=16, lookup_source=lookup_source(2)).method == "model"
+    long = fresh.plan(model=16, lookup=16, lookup_source=lookup_source(5))
+    assert long.method == "ngram" and long.k == 16
+    assert lookup_source(3, from_replies=True) == "reply"  # replies keep one rate of their own
