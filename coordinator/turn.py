@@ -426,7 +426,7 @@ class Turn:
         committed: int,
         draft_ms: float,
         round_ms: float,
-        draft_source: str = NGRAM,
+        draft_source: str,
     ) -> None:
         """Stats, metrics, the cost model and the acceptance estimate after a round (``asked``: the
         block length the round's plan asked for; ``draft_source``: a lookup draft's ``lookup_source``)."""
