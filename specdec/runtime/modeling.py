@@ -78,12 +78,16 @@ def use_packed_linear(model: torch.nn.Module) -> int:
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Dynamic int8 quantization of the Linear layers (CPU): weights int8, activations quantized
-    per call. Meant for a CPU draft: about 3-4x faster per token; the draft's proposals change
-    (they stay exact: the target verifies the distribution the draft actually sampled from)."""
+    """Dynamic int8 quantization of the Linear layers (CPU): weights int8 with a scale per output
+    row (per-channel), activations quantized per call. Meant for a CPU draft: about 3-4x faster per
+    token; the draft's proposals change (they stay exact: the target verifies the distribution the
+    draft actually sampled from). A scale per row instead of one per weight costs nothing per
+    token and keeps the rows that are small next to others (measured on Qwen2.5-Coder-0.5B against
+    the 1.5B's greedy replies to 16 code prompts: 926 of 1,024 tokens the same instead of 902)."""
+    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notice; the API still works in torch 2.x
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8)
 
 
 def release_freed_memory() -> None:
