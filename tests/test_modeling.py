@@ -96,10 +96,10 @@ def test_packed_and_torch_kernels_agree_on_a_verify_block(tiny_models: TinyModel
 
 
 def test_int8_gives_each_output_row_its_own_scale(tiny_models: TinyModels) -> None:
-    """A layer's rows can differ in size by orders of magnitude (Qwen2.5's fused q/k/v biases and
-    projections do); one scale for the whole weight rounds the small rows away. Each row gets its
-    own (per-channel), which on Qwen2.5-Coder-0.5B made the draft agree with the 1.5B target on
-    926 instead of 902 of 1,024 tokens at the same cost per token (README: CPU specifics)."""
+    """A weight's rows can differ in size by orders of magnitude (in Qwen2.5-Coder-0.5B the largest
+    row's largest entry is up to 104x the median row's); one scale for the whole weight rounds the
+    small rows away. Each row gets its own (per-channel), which made that draft agree with the
+    1.5B target on 926 instead of 902 of 1,024 tokens at the same cost (README: CPU specifics)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 8, bias=False).requires_grad_(False)
     linear.weight[4:] *= 1e-3  # half the rows a thousand times smaller than the others
