@@ -32,7 +32,7 @@ _FIRST_PROBE = 4  # rounds a proposer stays unused before the first probe; the g
 _MAX_TOKENS = 64
 MODEL, NGRAM, NONE = "model", "ngram", "none"
 # Where a lookup draft came from, each with acceptance counts of its own: the session's own tokens
-# (NGRAM, kept per match length: see lookup_source) or an earlier request's reply (REPLY, the reply
+# (NGRAM, kept per match length: see lookup_key) or an earlier request's reply (REPLY, the reply
 # index). A retried request is drafted its earlier reply whole; that rate says nothing of how often
 # a session's tokens repeat.
 REPLY = "reply"
@@ -110,7 +110,7 @@ class StepCosts:
     overhead: float | None = None  # rounds that call the draft worker
     local_overhead: float | None = None  # rounds that do not (lookup drafts, target-only)
     verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
-    # Per-token acceptance of each proposer (MODEL or a lookup_source) over all sessions (the prior of a new turn).
+    # Per-token acceptance of each proposer (MODEL or a lookup_key) over all sessions (the prior of a new turn).
     acceptance: dict[str, Acceptance] = field(default_factory=lambda: defaultdict(lambda: Acceptance(_POOL_DECAY)))
     # How often the draft model, asked for more, went on after a proposed token (its confidence
     # stop ends a block early otherwise), over all sessions.
@@ -172,7 +172,7 @@ class StepCosts:
         return max(self.verify[a] + slope * (tokens - a), 0.0)
 
 
-def lookup_source(match_len: int, from_replies: bool = False) -> str:
+def lookup_key(match_len: int, from_replies: bool = False) -> str:
     """The acceptance counts a lookup draft is judged by: the reply index's (REPLY), or those of
     the session lookups whose suffix matched ``match_len`` tokens (``ngram:N``). How often a
     lookup is right depends on how much of the context it matched: on the benchmark's prompts, a
@@ -267,7 +267,7 @@ class KController:
         self, k: int, accepted: int, method: str = MODEL, asked: int | None = None, ends_unsure: bool = False
     ) -> None:
         """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends
-        it); ``method``: ``model``, or the source of a lookup draft (a ``lookup_source``);
+        it); ``method``: ``model``, or the source of a lookup draft (a ``lookup_key``);
         ``asked``: the block length asked of the draft model (more than ``k`` if it stopped
         early); ``ends_unsure``: the draft proposed the last token below its confidence stop."""
         if k == 0:
@@ -342,7 +342,7 @@ class KController:
         """The next round's proposer and K. ``model``: the most drafts the draft worker may be
         asked for (0 = not usable); ``lookup``: tokens a lookup draft has ready (0 = no match),
         whose acceptance counts are ``lookup_source``'s (the session's tokens by match length, or
-        the reply index: see the function ``lookup_source``)."""
+        the reply index: see ``lookup_key``)."""
         limits = {MODEL: model, NGRAM: lookup}
         if max(limits.values()) <= 0:
             return TARGET_ONLY

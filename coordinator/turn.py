@@ -28,8 +28,8 @@ from coordinator.adaptive import (
     KController,
     Plan,
     StepCosts,
+    lookup_key,
     lookup_score,
-    lookup_source,
 )
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
@@ -429,7 +429,7 @@ class Turn:
         draft_source: str,
     ) -> None:
         """Stats, metrics, the cost model and the acceptance estimate after a round (``asked``: the
-        block length the round's plan asked for; ``draft_source``: a lookup draft's ``lookup_source``)."""
+        block length the round's plan asked for; ``draft_source``: a lookup draft's ``lookup_key``)."""
         s, m = self.stats, self.deps.metrics
         k = len(proposal.block.token_ids) if proposal else 0
         method = proposal.method if proposal else "none"
@@ -537,8 +537,8 @@ class Turn:
 
 
 def _source(lookup: LookupDraft) -> str:
-    """The acceptance counts a lookup draft is judged by (see ``lookup_source``)."""
-    return lookup_source(lookup.match_len, lookup.from_replies)
+    """The acceptance counts a lookup draft is judged by (see ``lookup_key``)."""
+    return lookup_key(lookup.match_len, lookup.from_replies)
 
 
 def _stop_if_cancelled() -> None:

@@ -10,8 +10,8 @@ from coordinator.adaptive import (
     StepCosts,
     expected_length,
     expected_tokens,
+    lookup_key,
     lookup_score,
-    lookup_source,
 )
 
 
@@ -307,12 +307,12 @@ def test_lookups_are_priced_by_the_length_of_their_match() -> None:
     shared = costs(60, {1: 400, 5: 700, 9: 1000, 17: 1300})
     for _ in range(10):  # earlier turns: long matches copied whole, short ones failed
         earlier = KController(k_max=16, costs=shared)
-        earlier.observe(16, 16, lookup_source(5))
-        earlier.observe(16, 16, lookup_source(5))
-        earlier.observe(16, 0, lookup_source(2))
+        earlier.observe(16, 16, lookup_key(5))
+        earlier.observe(16, 16, lookup_key(5))
+        earlier.observe(16, 0, lookup_key(2))
         earlier.observe(4, 3, "model")
     fresh = KController(k_max=16, costs=shared)
-    assert fresh.plan(model=16, lookup=16, lookup_source=lookup_source(2)).method == "model"
-    long = fresh.plan(model=16, lookup=16, lookup_source=lookup_source(5))
+    assert fresh.plan(model=16, lookup=16, lookup_source=lookup_key(2)).method == "model"
+    long = fresh.plan(model=16, lookup=16, lookup_source=lookup_key(5))
     assert long.method == "ngram" and long.k == 16
-    assert lookup_source(3, from_replies=True) == "reply"  # replies keep one rate of their own
+    assert lookup_key(3, from_replies=True) == "reply"  # replies keep one rate of their own
