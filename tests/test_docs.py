@@ -1,4 +1,4 @@
-"""The README stays true: every setting of every service is documented."""
+"""The README stays true: every setting of every service is documented, with its default."""
 
 from __future__ import annotations
 
@@ -21,6 +21,54 @@ def test_readme_documents_every_setting(settings_cls: type[BaseSettings]) -> Non
     for name in settings_cls.model_fields:
         flag, env = f"--{name.replace('_', '-')}", f"SPECDEC_{name.upper()}"
         assert f"`{flag}` / `{env}`" in README, f"README configuration table lacks {flag} / {env}"
+
+
+_ROLES = {
+    CoordinatorSettings: ("coordinator",),
+    DraftSettings: ("draft", "workers"),
+    TargetSettings: ("target", "workers"),
+}
+
+
+def _documented_default(flag: str) -> str:
+    """The default column of the README configuration row of ``--flag``."""
+    match = re.search(rf"^\| `--{flag}` / `SPECDEC_[A-Z0-9_]+` \| ([^|]*) \|", README, flags=re.M)
+    assert match, f"README configuration table lacks --{flag}"
+    return match.group(1).strip()
+
+
+def _as_documented(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f"`{value}`"
+    if isinstance(value, int) and value >= 2**20 and value % 2**20 == 0:
+        return f"{value >> 20} MiB"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@pytest.mark.parametrize("settings_cls", [CoordinatorSettings, DraftSettings, TargetSettings])
+def test_readme_states_each_settings_default(settings_cls: type[BaseSettings]) -> None:
+    """A default changed in code but not in the table misleads every operator who reads it.
+    Settings without a default say ``required``; those left unset say so, or what they fall back
+    to; a cell shared by the services says each one's value (``50052 draft``)."""
+    for name, field in settings_cls.model_fields.items():
+        cell = _documented_default(name.replace("_", "-"))
+        if field.is_required():
+            assert cell == "required", f"--{name}: required, but the README says {cell!r}"
+        elif field.default_factory is not None:
+            assert field.default_factory() == [] and cell == "empty", f"--{name}: the README says {cell!r}"
+        elif field.default is None:
+            assert not re.fullmatch(r"`?[0-9.]+`?|true|false", cell), f"--{name} is unset by default, not {cell!r}"
+        elif "," in cell:  # one value per service
+            wanted = _as_documented(field.default)
+            parts = [part.strip() for part in cell.split(",")]
+            assert any(part in (f"{wanted} {role}" for role in _ROLES[settings_cls]) for part in parts), (
+                f"--{name}: {settings_cls.__name__} defaults to {wanted}, the README says {cell!r}"
+            )
+        else:
+            wanted = _as_documented(field.default)
+            assert cell == wanted, f"--{name}: the code's default is {wanted}, the README says {cell!r}"
 
 
 def test_generated_stubs_match_the_protos() -> None:
