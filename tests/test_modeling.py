@@ -32,6 +32,37 @@ def test_packed_linear_computes_what_nn_linear_computes(bias: bool, shape: tuple
     assert "in_features=48, out_features=80" in repr(packed)
 
 
+@pytest.mark.parametrize(
+    ("shape", "kernel_rows"),
+    [((259, 96), 264), ((1, 259, 96), 264), ((2, 130, 96), 264), ((1, 264, 96), 264), ((1, 255, 96), 255)],
+)
+def test_long_passes_run_on_a_multiple_of_8_rows(
+    shape: tuple[int, ...], kernel_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """oneDNN's inner product has slow row counts (on an Intel Xeon guest the target's prefill of
+    259 rows took 3.4-3.5 s, of 257 or 260 rows 2.3-2.5 s): a pass of 256 rows or more runs on a
+    multiple of 8 rows (zeros added, then dropped), and the real rows come out bit for bit as
+    the kernel computes them without the padding."""
+    import specdec.runtime.modeling as modeling
+
+    torch.manual_seed(0)
+    packed = PackedLinear(torch.nn.Linear(96, 160).requires_grad_(False))
+    x = torch.randn(shape)
+    unpadded = modeling._inner_product(x.reshape(-1, 96), packed.packed_weight, packed.bias)
+    seen: list[int] = []
+
+    def spy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return unpadded_kernel(rows, weight, bias)
+
+    unpadded_kernel = modeling._inner_product
+    monkeypatch.setattr(modeling, "_inner_product", spy)
+    got = packed(x)
+    assert seen == [kernel_rows]
+    assert got.shape == (*shape[:-1], 160)
+    assert torch.equal(got.reshape(-1, 160), unpadded)
+
+
 def _llama(tied: bool) -> LlamaForCausalLM:
     tokenizer = build_tokenizer()
     config = LlamaConfig(
