@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from specdec.runtime import modeling
 from specdec.runtime.modeling import (
     LoadOptions,
     PackedLinear,
@@ -43,19 +44,17 @@ def test_long_passes_run_on_a_multiple_of_8_rows(
     259 rows took 3.4-3.5 s, of 257 or 260 rows 2.3-2.5 s): a pass of 256 rows or more runs on a
     multiple of 8 rows (zeros added, then dropped), and the real rows come out bit for bit as
     the kernel computes them without the padding."""
-    import specdec.runtime.modeling as modeling
-
     torch.manual_seed(0)
     packed = PackedLinear(torch.nn.Linear(96, 160).requires_grad_(False))
     x = torch.randn(shape)
-    unpadded = modeling._inner_product(x.reshape(-1, 96), packed.packed_weight, packed.bias)
+    kernel = modeling._inner_product
+    unpadded = kernel(x.reshape(-1, 96), packed.packed_weight, packed.bias)
     seen: list[int] = []
 
     def spy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         seen.append(rows.shape[0])
-        return unpadded_kernel(rows, weight, bias)
+        return kernel(rows, weight, bias)
 
-    unpadded_kernel = modeling._inner_product
     monkeypatch.setattr(modeling, "_inner_product", spy)
     got = packed(x)
     assert seen == [kernel_rows]

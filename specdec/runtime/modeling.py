@@ -40,10 +40,10 @@ class PackedLinear(torch.nn.Module):
     A pass of ``PAD_FROM_ROWS`` rows or more (a prefill) runs on a multiple of ``ROW_MULTIPLE``
     rows, zeros added and their outputs dropped: oneDNN's blocking makes some row counts slow
     (on a 2-core Intel Xeon guest with AMX, Qwen2.5 1.5B's whole prefill of 259 rows took
-    3.4-3.5 s, padded to 264 rows 2.4-2.6 s, 257 or 260 rows 2.3-2.5 s; over 16 random prompt lengths of 200-520
-    tokens padding was 0.985x the time in all; the four Linear shapes of a layer alone 0.998x
-    over the counts of 256-519 rows that are not multiples of 8, 1.03-1.05x below 256, hence
-    the threshold). The real rows come out bit for bit as without the padding.
+    3.4-3.5 s, padded to 264 rows 2.4-2.6 s, 257 or 260 rows 2.3-2.5 s; over 16 random prompt
+    lengths of 200-520 tokens padding was 0.985x the time in all; the four Linear shapes of a
+    layer alone 0.998x over the counts of 256-519 rows that are not multiples of 8, 1.03-1.05x
+    below 256, hence the threshold). The real rows come out bit for bit as without the padding.
     """
 
     def __init__(self, linear: torch.nn.Linear) -> None:
