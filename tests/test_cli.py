@@ -96,6 +96,25 @@ def test_bench_refuses_a_row_it_would_not_run(flags: list[str], expected: str) -
     assert "Traceback" not in result.stderr
 
 
+def test_bench_runs_hf_assisted_default_only_as_hf_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's assisted generation adapts its draft confidence threshold to each request (a ROC curve
+    over the draft's probabilities and what the target took) only where scikit-learn imports; a
+    row named for HF's defaults that ran without it measured a weaker baseline (on the benchmark's
+    `edit` prompts about a tenth slower). So the row needs scikit-learn, and the other rows do not."""
+    import transformers.utils
+
+    from specdec.tools.bench import BenchConfig, check_methods, hf_assisted_default_adapts
+
+    assert hf_assisted_default_adapts()  # the dev and bench extras install scikit-learn
+    monkeypatch.setattr(transformers.utils, "is_sklearn_available", lambda: False)
+    assert not hf_assisted_default_adapts()
+    for methods in ((), ("hf assisted default",)):
+        with pytest.raises(ValueError, match=r"row 'hf assisted default' needs scikit-learn: .*specdec\[bench\]"):
+            check_methods(BenchConfig(model="m", draft_model="d", methods=methods))
+    check_methods(BenchConfig(model="m", draft_model="d", methods=("hf assisted K=4", "service target-only")))
+    check_methods(BenchConfig(model="m", draft_model="d", skip_hf=True))
+
+
 def test_bench_rows_ask_as_a_user_would() -> None:
     """The headline row asks for nothing (the server's default K and confidence stops); fixed-K
     rows ask for the run's K; the row without the stops asks for both at 0 and no K (so the
@@ -157,6 +176,7 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
         ("hf", 0), ("service", 0), ("hf", 1), ("service", 1),
     ]  # fmt: skip
     assert all(row["repeats"] == 2 for row in data["methods"].values())
+    assert report["hf"]["assisted_default_adapts_threshold"] is True
     # every service run prefilled its prompt, as HF's generate does: none started from the cache
     # an earlier row or repeat left (the second prompt is long enough to be reused)
     assert all(r["stats"]["cached_tokens"] == 0 for r in report["runs"] if r["stats"])

@@ -135,6 +135,7 @@ T = TypeVar("T")
 CHAT_WORKLOADS = frozenset({"edit"})  # sent through the chat template (instructions to an instruct model)
 HEADLINE = "service default (hybrid, adaptive)"
 HF_TARGET = "hf target-only"
+HF_DEFAULT = "hf assisted default"
 _REFERENCES = (HF_TARGET, "service target-only")
 
 
@@ -220,7 +221,7 @@ def hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
                 "assistant_confidence_threshold": 0.0,
             }
         },
-        "hf assisted default": {"assistant": {}},
+        HF_DEFAULT: {"assistant": {}},
         "hf prompt lookup": {"prompt_lookup_num_tokens": cfg.prompt_lookup_tokens},
     }
     return _chosen(cfg, every)
@@ -375,10 +376,26 @@ def _metadata(coordinator: str, repeat: int) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {_reply_caller(repeat)[1]}")]
 
 
+def hf_assisted_default_adapts() -> bool:
+    """Whether HF's assisted generation adapts its draft confidence threshold to each request:
+    it fits one to the draft's probabilities and what the target took (a ROC curve) only where
+    scikit-learn imports, and keeps the fixed 0.4 otherwise."""
+    from transformers import utils
+
+    return bool(utils.is_sklearn_available())
+
+
 def check_methods(cfg: BenchConfig) -> None:
-    """Every ``--method`` names a row this run has; raises ValueError saying what to change."""
+    """Every ``--method`` names a row this run has, and the HF rows run as HF would; raises
+    ValueError saying what to change."""
     every = replace(cfg, methods=())
     hf = hf_methods(every)
+    if not cfg.skip_hf and HF_DEFAULT in hf_methods(cfg) and not hf_assisted_default_adapts():
+        raise ValueError(
+            f"row '{HF_DEFAULT}' needs scikit-learn: without it HF's assisted generation keeps a fixed "
+            "confidence threshold instead of adapting it to each request, a weaker baseline than HF's "
+            "default; install it (pip install 'specdec[bench]') or leave the row out with --method"
+        )
     rows = [*({} if cfg.skip_hf else hf), *service_methods(every)]
     for name in cfg.methods:
         if name in rows:
@@ -791,6 +808,11 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     report["prompt_tokens"] = {f"{p.workload}/{p.index}": len(p.token_ids) for p in prompts}
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    if not cfg.skip_hf:
+        import transformers
+
+        adapts = hf_assisted_default_adapts()
+        report["hf"] = {"transformers": transformers.__version__, "assisted_default_adapts_threshold": adapts}
     report["runs"] = [asdict(r) for r in runs]
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     cfg.out.write_text(json.dumps(report, indent=2))
