@@ -16,14 +16,25 @@ the probabilities are the teacher-forced ones, also after a wrong guess, where t
 draft would go on from its own token: only the cost of such a block is approximate), and an
 oracle: a proposer that drafts exactly the run of tokens the draft gets right, so that no drafted
 token is wasted and no run is cut short. No schedule of the draft's greedy proposals (any K, any
-confidence stop) beats the oracle at these costs: it is the ceiling of the draft on this machine
-(short of proposing other tokens than its first choice, or drafting beside the verify pass on
-other hardware). Predicted
-decoding rates are scaled to the report by its measured ``service target-only`` tokens/s
-(prefill and timer noise cancel in the ratio), then compared with the report's best HF
-speculative row.
+confidence stop) beats the oracle at these costs: it is the ceiling of the draft's first choices
+on this machine (short of drafting beside the verify pass on other hardware). One row goes
+beyond first choices: a small tree (SpecInfer's, Medusa's and EAGLE's token trees, reduced to
+leaves) that adds the draft's second choice as a leaf beside each block token the draft gave a
+probability below ``--leaf-below``; a leaf costs a verify row, and where the block's first miss
+has a leaf that is the target's token, the round also commits the leaf and the target's token
+after it. Predicted decoding rates are scaled to the report by its measured ``service
+target-only`` tokens/s (prefill and timer noise cancel in the ratio), then compared with the
+report's best HF speculative row.
+
+With ``--prompts FILE`` (prompts separated by lines holding only '---', as ``specdec bench
+--prompts`` reads them) the replies priced are instead the target's greedy replies to those
+prompts (``--max-new-tokens`` each, through the target worker's loader and cache path), at the
+costs of each of the report's workloads: prompts other than the report's, so that a stop or a
+threshold is not chosen on the prompts it is then measured on.
 
     .venv/bin/python scripts/draft_ceiling.py docs/bench/qwen-2core.json
+    .venv/bin/python scripts/draft_ceiling.py docs/bench/fair/hf-adaptive.json \
+      --prompts docs/bench/complete-16.txt --max-new-tokens 96
 """
 
 from __future__ import annotations
@@ -31,8 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -41,7 +52,7 @@ import torch
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.serving.logging import configure_logging
-from specdec.tools.bench import HF_TARGET, SERVICE_METHODS, BenchConfig, tokenize_prompts
+from specdec.tools.bench import HF_TARGET, SERVICE_METHODS, BenchConfig, tokenize_prompts, workloads_from
 
 TARGET_ONLY = "service target-only"
 MODEL_K = "service model K"
@@ -84,10 +95,15 @@ def measured_costs(runs: Sequence[dict[str, Any]]) -> Costs:
     )
 
 
-def stop_ms(guesses: Sequence[Guess], max_k: int, token: float, block: float, costs: Costs) -> float:
+def stop_ms(
+    guesses: Sequence[Guess], max_k: int, token: float, block: float, costs: Costs, leaf_below: float = 0.0
+) -> float:
     """Decoding the reply with blocks of up to ``max_k`` model drafts (fewer only where the reply
     ends), each ended by the draft's confidence stops (``token``: after a guess below it;
-    ``block``: once the product is below it; 0 = off, so both 0 is fixed K = ``max_k``)."""
+    ``block``: once the product is below it; 0 = off, so both 0 is fixed K = ``max_k``). With
+    ``leaf_below`` > 0 each block token guessed with a probability below it gets the draft's
+    second choice as a leaf (one more verify row); a leaf that is the target's token where the
+    block first misses is committed with the target's token after it."""
     ms, i = 0.0, 0
     while i < len(guesses):
         length, product = 0, 1.0
@@ -99,8 +115,11 @@ def stop_ms(guesses: Sequence[Guess], max_k: int, token: float, block: float, co
         run = 0
         while run < length and guesses[i + run].right:
             run += 1
-        ms += costs.round_ms(length)
-        i += run + 1
+        leaves = sum(1 for g in guesses[i : i + length] if g.probability < leaf_below)
+        ms += costs.round_ms(length) + costs.verify_per_draft * leaves
+        miss = guesses[i + run] if run < length else None
+        leaf_taken = miss is not None and miss.probability < leaf_below and miss.runner_up
+        i += run + (2 if leaf_taken and i + run + 1 < len(guesses) else 1)
     return ms
 
 
@@ -117,10 +136,12 @@ def oracle_ms(agree: Sequence[bool], costs: Costs) -> float:
 
 
 class Guess(NamedTuple):
-    """The draft's greedy guess of one reply token: whether it is the token, and its probability."""
+    """The draft's greedy guess of one reply token: whether it is the token, and its probability;
+    whether the draft's second choice is the token."""
 
     right: bool
     probability: float
+    runner_up: bool = False
 
 
 def draft_guesses(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int]) -> list[Guess]:
@@ -134,11 +155,79 @@ def draft_guesses(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int
         logits = caches.extend(entry, list(prompt), 1)[-1]
         for token in reply:
             probs = torch.softmax(logits.float(), dim=-1)
-            guess = int(probs.argmax())
-            guesses.append(Guess(guess == token, float(probs[guess])))
+            top, ids = probs.topk(2)
+            guesses.append(Guess(int(ids[0]) == token, float(top[0]), int(ids[1]) == token))
             if len(guesses) < len(reply):
                 logits = caches.extend(entry, [token], 1)[-1]
     return guesses
+
+
+def target_replies(target: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy reply to each prompt (up to ``max_new_tokens``, ending at its EOS),
+    through the target worker's cache path."""
+    caches = SessionCaches(target, max_sessions=1, idle_s=float("inf"))
+    replies = []
+    with torch.inference_mode():
+        for n, prompt in enumerate(prompts):
+            entry = caches.sync(f"reply-{n}", 0, 0)
+            logits = caches.extend(entry, list(prompt), 1)[-1]
+            reply: list[int] = []
+            while len(reply) < max_new_tokens:
+                reply.append(int(logits.argmax()))
+                if reply[-1] in target.eos_token_ids or len(reply) == max_new_tokens:
+                    break
+                logits = caches.extend(entry, reply[-1:], 1)[-1]
+            caches.release(f"reply-{n}")
+            replies.append(reply)
+    return replies
+
+
+def price(
+    out: Callable[[str], object],
+    guesses: Sequence[Sequence[Guess]],
+    costs: Costs,
+    reference: float,
+    measured: dict[str, Any],
+    k: int,
+    args: argparse.Namespace,
+) -> float:
+    """Prints the predicted (and, where the report has the row, measured) tokens/s of each way to
+    draft; returns the oracle's."""
+    agree = [[g.right for g in reply] for reply in guesses]
+    tokens = sum(len(a) for a in agree)
+    plain = tokens * costs.round_ms(0)
+    oracle = "oracle (drafts exactly the runs the draft gets right)"
+    rows = {
+        TARGET_ONLY: (plain, TARGET_ONLY),
+        f"model, fixed K = {k}": (sum(stop_ms(g, k, 0.0, 0.0, costs) for g in guesses), MODEL_K),
+        f"model, token stop {args.token_stop}, up to {args.max_k}": (
+            sum(stop_ms(g, args.max_k, args.token_stop, 0.0, costs) for g in guesses),
+            "",
+        ),
+        f"model, block stop {args.block_stop}, up to {args.max_k}": (
+            sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs) for g in guesses),
+            "",
+        ),
+        f"tree: block stop {args.block_stop} + 2nd choice below {args.leaf_below}": (
+            sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs, args.leaf_below) for g in guesses),
+            "",
+        ),
+        oracle: (sum(oracle_ms(a, costs) for a in agree), ""),
+    }
+    guessed = sum(map(sum, agree))
+    second = sum(g.runner_up for reply in guesses for g in reply)
+    out(f"the draft guesses {guessed} of the target's {tokens} tokens (teacher-forced); ")
+    out(f"its second choice {second} of the {tokens - guessed} others\n")
+    out(
+        f"costs: verify {costs.verify:.1f} ms + {costs.verify_per_draft:.1f} ms per drafted token, draft "
+        f"{costs.draft_per_token:.1f} ms per token, overhead {costs.overhead:.1f} ms per round "
+        f"({costs.local_overhead:.1f} without a draft)\n"
+    )
+    out(f"{'tok/s':56} {'predicted':>9} {'measured':>9}\n")
+    for name, (ms, row) in rows.items():
+        seen = measured.get(row, {}).get("tokens_per_s", {}).get("median")
+        out(f"{name:56} {reference * plain / ms:9.2f} {'' if seen is None else f'{seen:9.2f}'}\n")
+    return reference * plain / rows[oracle][0]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -149,6 +238,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-k", type=int, default=16, help="longest block with a stop (the server's max K)")
     parser.add_argument("--token-stop", type=float, default=0.4, help="the token stop priced (HF's default 0.4)")
     parser.add_argument("--block-stop", type=float, default=0.5, help="the block stop priced (the server's default)")
+    parser.add_argument(
+        "--leaf-below", type=float, default=0.7, help="the tree row: a second-choice leaf beside drafts below this"
+    )
+    parser.add_argument("--prompts", type=Path, help="price the target's replies to these prompts instead")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="with --prompts: the length of each reply")
     args = parser.parse_args(argv)
     configure_logging("warning", "console")
     report = json.loads(args.report.read_text())
@@ -159,53 +253,43 @@ def main(argv: Sequence[str] | None = None) -> None:
         workloads={name: tuple(texts) for name, texts in config["workloads"].items()},
     )
     quantize = args.draft_quantize or config["draft_quantize"]
-    draft = load_model(cfg.draft_model, LoadOptions(device="cpu", dtype="float32", quantize=quantize))
     k = int(config["k"])
     out = sys.stdout.write
-    prompts = tokenize_prompts(cfg)
+    if args.prompts is not None:
+        try:
+            cfg = replace(cfg, workloads=workloads_from(args.prompts))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        prompts = [p.token_ids for p in tokenize_prompts(cfg)]
+        target = load_model(cfg.model, LoadOptions(device="cpu", dtype="float32"))
+        replies = target_replies(target, prompts, args.max_new_tokens)
+        del target
+        draft = load_model(cfg.draft_model, LoadOptions(device="cpu", dtype="float32", quantize=quantize))
+        guesses = [draft_guesses(draft, p, r) for p, r in zip(prompts, replies, strict=True)]
+        for workload, summary in report["workloads"].items():
+            costs = measured_costs([r for r in report["runs"] if r["workload"] == workload])
+            reference = summary["methods"][TARGET_ONLY]["tokens_per_s"]["median"]
+            out(f"== {len(prompts)} prompts of {args.prompts} at the costs of {workload} ==\n")
+            price(out, guesses, costs, reference, {}, k, args)
+        return
+    draft = load_model(cfg.draft_model, LoadOptions(device="cpu", dtype="float32", quantize=quantize))
+    prompts_of = tokenize_prompts(cfg)
     for workload, summary in report["workloads"].items():
         runs = [r for r in report["runs"] if r["workload"] == workload]
         costs = measured_costs(runs)
-        replies = {r["prompt"]: r["token_ids"] for r in runs if r["method"] == HF_TARGET and r["repeat"] == 0}
-        here = [p for p in prompts if p.workload == workload and p.index in replies]
-        guesses = [draft_guesses(draft, p.token_ids, replies[p.index]) for p in here]
-        agree = [[g.right for g in reply] for reply in guesses]
-        tokens = sum(len(a) for a in agree)
-        plain = tokens * costs.round_ms(0)
+        replies_of = {r["prompt"]: r["token_ids"] for r in runs if r["method"] == HF_TARGET and r["repeat"] == 0}
+        here = [p for p in prompts_of if p.workload == workload and p.index in replies_of]
+        guesses = [draft_guesses(draft, p.token_ids, replies_of[p.index]) for p in here]
         # predicted tokens/s scaled to the report: its measured target-only rate x (target-only ms / ms)
         reference = summary["methods"][TARGET_ONLY]["tokens_per_s"]["median"]
-        oracle = "oracle (drafts exactly the runs the draft gets right)"
-        rows = {
-            TARGET_ONLY: (plain, TARGET_ONLY),
-            f"model, fixed K = {k}": (sum(stop_ms(g, k, 0.0, 0.0, costs) for g in guesses), MODEL_K),
-            f"model, token stop {args.token_stop}, up to {args.max_k}": (
-                sum(stop_ms(g, args.max_k, args.token_stop, 0.0, costs) for g in guesses),
-                "",
-            ),
-            f"model, block stop {args.block_stop}, up to {args.max_k}": (
-                sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs) for g in guesses),
-                "",
-            ),
-            oracle: (sum(oracle_ms(a, costs) for a in agree), ""),
-        }
         out(f"== {workload} ==\n")
-        guessed = sum(map(sum, agree))
-        out(f"the draft guesses {guessed} of the target's {tokens} tokens (teacher-forced)\n")
-        out(
-            f"costs: verify {costs.verify:.1f} ms + {costs.verify_per_draft:.1f} ms per drafted token, draft "
-            f"{costs.draft_per_token:.1f} ms per token, overhead {costs.overhead:.1f} ms per round "
-            f"({costs.local_overhead:.1f} without a draft)\n"
-        )
-        out(f"{'tok/s':56} {'predicted':>9} {'measured':>9}\n")
-        for name, (ms, row) in rows.items():
-            seen = summary["methods"].get(row, {}).get("tokens_per_s", {}).get("median")
-            out(f"{name:56} {reference * plain / ms:9.2f} {'' if seen is None else f'{seen:9.2f}'}\n")
+        oracle = price(out, guesses, costs, reference, summary["methods"], k, args)
         hf = [m for m in summary["methods"] if m.startswith("hf ") and m != HF_TARGET]
         if hf:
             best = max(hf, key=lambda m: summary["methods"][m]["tokens_per_s"]["median"])
             rate = summary["methods"][best]["tokens_per_s"]["median"]
             out(f"{'best HF speculative: ' + best:56} {'':9} {rate:9.2f}\n")
-            out(f"oracle / best HF speculative: {reference * plain / rows[oracle][0] / rate:.2f}x\n")
+            out(f"oracle / best HF speculative: {oracle / rate:.2f}x\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -395,6 +397,66 @@ def test_draft_ceiling_prices_the_confidence_stops(tiny_models: TinyModels, tmp_
     fixed = no_stops["model, fixed K = 4"]
     assert no_stops["model, token stop 0.0, up to 4"] == no_stops["model, block stop 0.0, up to 4"] == fixed
     assert block_stop["model, block stop 0.999999, up to 4"] == pytest.approx(5.0 * 12 * 102 / (6 * 133), abs=0.006)
+
+
+def _ceiling_module() -> Any:
+    """scripts/draft_ceiling.py as a module (it is a script, not part of the package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
+    spec = importlib.util.spec_from_file_location("draft_ceiling", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_draft_ceiling_prices_second_choice_leaves() -> None:
+    """A leaf (the draft's second choice) beside each draft below --leaf-below costs a verify row;
+    where the block first misses on a leafed token whose second choice is right, the round commits
+    the leaf and the target's token after it."""
+    ceiling = _ceiling_module()
+    costs = ceiling.Costs(verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0)
+    g = ceiling.Guess
+    # 6 reply tokens; fixed K = 3 drafts positions 0-2, misses position 1 (its second choice is right)
+    reply = [g(True, 0.9), g(False, 0.6, True), g(True, 0.9), g(True, 0.9), g(True, 0.9), g(True, 0.9)]
+    round_ms = costs.round_ms(3)
+    # without leaves: commits 2 (one taken + the target's), then positions 2-4 taken + the target's
+    assert ceiling.stop_ms(reply, 3, 0.0, 0.0, costs) == pytest.approx(2 * round_ms)
+    # a leaf beside position 1 (0.6 < 0.7): the first round commits 3 (position 0, the leaf, the
+    # target's token after it), the second drafts positions 3-4 (the reply ends) and commits the rest
+    with_leaf = ceiling.stop_ms(reply, 3, 0.0, 0.0, costs, leaf_below=0.7)
+    assert with_leaf == pytest.approx(round_ms + 5.0 + costs.round_ms(2))
+    # a leaf that is not the target's token only costs its row
+    wrong = [*reply[:1], g(False, 0.6, False), *reply[2:]]
+    assert ceiling.stop_ms(wrong, 3, 0.0, 0.0, costs, leaf_below=0.7) == pytest.approx(2 * round_ms + 5.0)
+    # below the threshold only: no leaf where the draft was surer
+    assert ceiling.stop_ms(reply, 3, 0.0, 0.0, costs, leaf_below=0.5) == pytest.approx(2 * round_ms)
+
+
+def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """--prompts prices the target's greedy replies to a file's prompts at each report workload's
+    costs: a draft equal to the target guesses every token, and the oracle drafts each whole reply
+    in one round."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
+    report = _ceiling_report(tiny_models, tmp_path / "report.json")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one two three\n---\nthe dog ran to\n")
+    args = [str(report), "--draft-model", str(tiny_models.same), "--prompts", str(prompts), "--max-new-tokens", "7"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert f"== 2 prompts of {prompts} at the costs of complete ==" in out
+    (tokens,) = re.findall(r"the draft guesses (\d+) of the target's \1 tokens", out)
+    assert 2 <= int(tokens) <= 14  # each reply ends at 7 tokens or the target's EOS
+    assert "its second choice 0 of the 0 others" in out
+    rows = [line for line in out.splitlines() if re.fullmatch(r" *\d+\.\d\d *", line[56:66])]
+    rate = {line[:56].strip(): float(line[56:66]) for line in rows}
+    plain = int(tokens) * 102
+    assert rate["service target-only"] == 5.0
+    oracle = rate["oracle (drafts exactly the runs the draft gets right)"]
+    assert oracle > rate["model, block stop 0.5, up to 16"] * 0.999
+    assert oracle == pytest.approx(5.0 * plain / (2 * 108 + 25 * (int(tokens) - 2)), abs=0.006)
+    assert "best HF speculative" not in out  # other prompts than the report's measured rows
 
 
 def _children() -> dict[int, str]:
