@@ -163,8 +163,8 @@ def draft_guesses(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int
 
 
 def target_replies(target: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    """The target's greedy reply to each prompt (up to ``max_new_tokens``, ending at its EOS),
-    through the target worker's cache path."""
+    """The target's greedy reply to each prompt (``max_new_tokens`` >= 1, fewer where it ends with
+    its EOS), through the target worker's cache path."""
     caches = SessionCaches(target, max_sessions=1, idle_s=float("inf"))
     replies = []
     with torch.inference_mode():
@@ -172,9 +172,9 @@ def target_replies(target: LoadedModel, prompts: Sequence[Sequence[int]], max_ne
             entry = caches.sync(f"reply-{n}", 0, 0)
             logits = caches.extend(entry, list(prompt), 1)[-1]
             reply: list[int] = []
-            while len(reply) < max_new_tokens:
+            while True:
                 reply.append(int(logits.argmax()))
-                if reply[-1] in target.eos_token_ids or len(reply) == max_new_tokens:
+                if reply[-1] in target.eos_token_ids or len(reply) >= max_new_tokens:
                     break
                 logits = caches.extend(entry, reply[-1:], 1)[-1]
             caches.release(f"reply-{n}")
@@ -244,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", type=Path, help="price the target's replies to these prompts instead")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="with --prompts: the length of each reply")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be at least 1")
     configure_logging("warning", "console")
     report = json.loads(args.report.read_text())
     config = report["config"]
