@@ -312,6 +312,9 @@ def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
     assert "nan" not in format_table(report)
 
 
+CEILING_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
+
+
 def _ceiling_report(tiny_models: TinyModels, path: Path) -> Path:
     """A bench report by hand: one prompt, the target's greedy reply, and service stats whose
     costs are round numbers (verify 100 ms + 5 per drafted token, draft 20 per token, overhead 8
@@ -351,10 +354,9 @@ def test_draft_ceiling_prices_an_oracle_from_a_bench_report(
 ) -> None:
     """A draft equal to the target guesses every token: the oracle drafts the whole reply in one
     round; a draft that is always wrong leaves the oracle at target-only speed."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
     report = _ceiling_report(tiny_models, tmp_path / "report.json")
     args = [str(report), "--draft-model", str(getattr(tiny_models, draft))]
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=180)
+    done = subprocess.run([sys.executable, str(CEILING_SCRIPT), *args], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "costs: verify 100.0 ms + 5.0 ms per drafted token, draft 20.0 ms per token, overhead 8.0 ms" in out
@@ -382,13 +384,15 @@ def test_draft_ceiling_prices_the_confidence_stops(tiny_models: TinyModels, tmp_
     """Stops at 0 leave blocks of --max-k (fixed K's price); a block stop just below 1 ends every
     block after its first draft (the tiny draft is never that sure): 6 rounds of one draft
     accepted + the target's token."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
     report = _ceiling_report(tiny_models, tmp_path / "report.json")
     rates = []
     for stops in (["0", "0"], ["0", "0.999999"]):
         args = [str(report), "--draft-model", str(tiny_models.same), "--max-k", "4", "--token-stop", stops[0]]
         done = subprocess.run(
-            [sys.executable, str(script), *args, "--block-stop", stops[1]], capture_output=True, text=True, timeout=180
+            [sys.executable, str(CEILING_SCRIPT), *args, "--block-stop", stops[1]],
+            capture_output=True,
+            text=True,
+            timeout=180,
         )
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
@@ -401,8 +405,7 @@ def test_draft_ceiling_prices_the_confidence_stops(tiny_models: TinyModels, tmp_
 
 def _ceiling_module() -> Any:
     """scripts/draft_ceiling.py as a module (it is a script, not part of the package)."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
-    spec = importlib.util.spec_from_file_location("draft_ceiling", path)
+    spec = importlib.util.spec_from_file_location("draft_ceiling", CEILING_SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
@@ -437,12 +440,11 @@ def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, 
     """--prompts prices the target's greedy replies to a file's prompts at each report workload's
     costs: a draft equal to the target guesses every token, and the oracle drafts each whole reply
     in one round."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
     report = _ceiling_report(tiny_models, tmp_path / "report.json")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one two three\n---\nthe dog ran to\n")
     args = [str(report), "--draft-model", str(tiny_models.same), "--prompts", str(prompts), "--max-new-tokens", "7"]
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=180)
+    done = subprocess.run([sys.executable, str(CEILING_SCRIPT), *args], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert f"== 2 prompts of {prompts} at the costs of complete ==" in out
