@@ -294,6 +294,12 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         raise InvalidRequest(
             f"sampling.min_tokens ({sampling.min_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
         )
+    if sampling.min_tokens and len(stop_ids) >= limits.vocab_size:
+        raise InvalidRequest(
+            f"min_tokens would ban every token: until the reply has {sampling.min_tokens} tokens the stop "
+            f"tokens (sampling.stop_token_ids and, unless ignore_eos, the end-of-sequence ids) are banned, "
+            f"and they cover all {limits.vocab_size} ids; leave some ids out or set min_tokens to 0"
+        )
     top_logprobs, prompt_logprobs = _logprobs(sampling)
     draft_stop = _draft_stop(request.speculation, limits)
     return TurnRequest(

@@ -17,12 +17,13 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy, worker_info
-from tests.tiny_models import TinyModels, build_model, build_resized, build_sliding
+from tests.tiny_models import TinyModels, build_model, build_resized, build_sliding, build_tokenizer
 
 PROMPT = [5, 17, 99, 3]
 U32_MAX = 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1e-45  # the smallest positive (denormal) float32
+EVERY_ID = list(range(len(build_tokenizer())))  # the tiny models' whole vocabulary
 
 
 def _sampled(**sampling: object) -> coordinator_pb2.GenerateRequest:
@@ -53,6 +54,11 @@ EXTREME = [
     ("K 2^32-1", make_request(PROMPT, k=U32_MAX)),
     ("token id 2^32-1", make_request([U32_MAX])),
     ("stop id 2^32-1", _sampled(stop_token_ids=[U32_MAX])),
+    ("every id a stop id, min_tokens 3", make_request(PROMPT, max_new=6, stop_token_ids=EVERY_ID, min_tokens=3)),
+    (
+        "every id a stop id, min_tokens 3, sampled",
+        _sampled(temperature=1.0, seed=7, stop_token_ids=EVERY_ID, min_tokens=3),
+    ),
     ("session id with a newline", make_request(PROMPT, session_id="chat\n")),
     ("session id of 129 characters", make_request(PROMPT, session_id="a" * 129)),
     ("draft confidence NaN", _confident(float("nan"))),
@@ -111,6 +117,9 @@ def test_extreme_sampling_values_never_end_a_worker(robust_cluster: LocalCluster
     assert first == after == reference_greedy(str(tiny_models.target), tuple(PROMPT), 16, ignore_eos=True)
     assert outcomes["temperature 1e-40"] == "OK" and outcomes["seed 2^64-1"] == "OK"
     assert outcomes["session id with a newline"] == "INVALID_ARGUMENT"
+    # min_tokens would ban every token: nothing could be sampled, so the request is refused
+    assert outcomes["every id a stop id, min_tokens 3"] == "INVALID_ARGUMENT"
+    assert outcomes["every id a stop id, min_tokens 3, sampled"] == "INVALID_ARGUMENT"
     assert outcomes["draft confidence NaN"] == outcomes["draft confidence 1"] == "INVALID_ARGUMENT"
     assert outcomes["draft confidence just below 1, sampled"] == "OK"
     assert outcomes["draft block confidence NaN"] == outcomes["draft block confidence 1"] == "INVALID_ARGUMENT"

@@ -105,6 +105,14 @@ def test_seed_is_kept() -> None:
     assert parse_request(req(sampling=common_pb2.SamplingParams(seed=5)), LIMITS).seed == 5
 
 
+def test_min_tokens_may_ban_all_but_one_token() -> None:
+    """Every id but one a stop id (EOS included): the one left can be sampled, so it is accepted."""
+    turn = parse_request(req(sampling=S(min_tokens=2, stop_token_ids=list(range(1, 100)))), LIMITS)
+    assert turn.min_tokens == 2 and len(turn.processing.banned_until_min) == 99
+    everything = parse_request(req(sampling=S(min_tokens=0, stop_token_ids=list(range(100)))), LIMITS)
+    assert len(everything.stop_ids) == 100  # no min_tokens: every id may end the reply
+
+
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
@@ -146,6 +154,10 @@ def test_seed_is_kept() -> None:
         (req(sampling=S(top_logprobs=2)), "top_logprobs needs sampling.logprobs"),
         (req(sampling=S(prompt_logprobs=21)), r"prompt_logprobs must be in \[0, 20\]"),
         (req(sampling=S(max_new_tokens=4, min_tokens=5)), r"min_tokens \(5\) must not exceed max_new_tokens \(4\)"),
+        (
+            req(sampling=S(min_tokens=1, stop_token_ids=[i for i in range(100) if i != 2])),
+            "min_tokens would ban every token",
+        ),
         (req(sampling=S(stop=["x"] * 17)), "sampling.stop has 17 strings; at most 16"),
         (req(sampling=S(stop=["x" * 257])), "1 to 256 characters"),
         (req(messages=[coordinator_pb2.ChatMessage(role="user", content="hi")]), "either `messages` or a prompt"),
