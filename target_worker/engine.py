@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.runtime.kvcache import ResyncRequired, SessionCaches
+from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCaches
 from specdec.runtime.logprobs import LogprobsAsk, token_logprobs
 from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.processing import Processing, process_logits
@@ -66,8 +66,15 @@ def verify_job(
     except ResyncRequired:
         return VerifyResult(resync=True)
     k = len(drafts)
-    all_logits = yield Extend(entry, [*tail, *drafts.tolist()], k + 1 + prompt_rows, meter)
-    raw = all_logits[prompt_rows:]
+    scored = tail[scored_from - base_len :] if prompt_rows else []  # the prompt tokens rows score
+    scored_logprobs: list[common_pb2.TokenLogprob] = []
+
+    def score_prompt(chunk: torch.Tensor) -> None:  # the pass's rows before the block, in order
+        done = len(scored_logprobs)
+        scored_logprobs.extend(token_logprobs(chunk, scored[done : done + chunk.shape[0]], ask.prompt_top))
+
+    earlier = EarlierLogits(prompt_rows, score_prompt) if prompt_rows else None
+    raw = yield Extend(entry, [*tail, *drafts.tolist()], k + 1, meter, earlier)
     logits = process_logits(raw, entry.tokens, committed_len, processing)
     generators = None
     if not warp.greedy:  # row i decides the token at position committed_len + i
@@ -77,11 +84,9 @@ def verify_job(
     verdict = rejection_sample(logits, drafts, q, warp, generators)
     entry.truncate(committed_len + verdict.num_accepted)
     prompt_logprobs: list[common_pb2.TokenLogprob] = []
-    if ask.prompt_count:
-        if prompt_first == 0:  # nothing precedes the session's first token
-            prompt_logprobs.append(common_pb2.TokenLogprob(token_id=entry.tokens[0]))
-        scored = entry.tokens[scored_from:committed_len]
-        prompt_logprobs += token_logprobs(all_logits[:prompt_rows], scored, ask.prompt_top)
+    if ask.prompt_count and prompt_first == 0:  # nothing precedes the session's first token
+        prompt_logprobs.append(common_pb2.TokenLogprob(token_id=entry.tokens[0]))
+    prompt_logprobs += scored_logprobs
     rows = len(verdict.token_ids)
     return VerifyResult(
         resync=False,

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from specdec.runtime.kvcache import ResyncRequired, SessionCaches
+from specdec.runtime import kvcache
+from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.tokens import prefix_hash
-from tests.tiny_models import TinyModels
+from tests.tiny_models import TinyModels, build_sliding
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,60 @@ def test_extend_crop_and_reuse_match_a_full_forward(loaded: LoadedModel) -> None
     logits = caches.extend(entry, seq[4:], 4)
     torch.testing.assert_close(logits, full_logits(loaded, seq)[-4:], atol=1e-4, rtol=1e-4)
     assert caches.prefill_tokens_total == 10
+
+
+def _earlier_rows(loaded: LoadedModel) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A 10-token sequence extended by its last 8 with 2 logit rows and the 6 before them as
+    earlier rows: (the chunks handed over, the last rows, a plain forward pass's logits)."""
+    seq = [5, 9, 13, 200, 7, 7, 1, 40, 3, 11]
+    caches = SessionCaches(loaded, max_sessions=4, idle_s=60)
+    entry = caches.sync("s", 0, 0)
+    caches.extend(entry, seq[:2], 1)
+    chunks: list[torch.Tensor] = []
+    last = caches.extend(entry, seq[2:], 2, EarlierLogits(6, chunks.append))
+    assert entry.tokens == seq
+    return chunks, last, full_logits(loaded, seq)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2 (soft-capped logits)"])
+def test_earlier_rows_come_a_chunk_at_a_time_as_the_model_scores_them(
+    tmp_path: Path, tiny_models: TinyModels, monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """The rows before a pass's last logits (a prompt's, for its log-probabilities) come in chunks
+    of LOGIT_CHUNK_ROWS, equal to the model's own logits of those positions: also for Gemma 2,
+    whose forward pass soft-caps the output layer's logits (here at 0.05, so the cap shows)."""
+    monkeypatch.setattr(kvcache, "LOGIT_CHUNK_ROWS", 4)
+    gemma = arch.startswith("gemma2")
+    path = build_sliding(tmp_path / "gemma2", "gemma2", seed=0) if gemma else tiny_models.target
+    loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
+    if gemma:
+        loaded.model.config.final_logit_softcapping = 0.05
+    calls: list[int] = []
+    apart = kvcache._output_layer
+    monkeypatch.setattr(
+        kvcache, "_output_layer", lambda model, states: calls.append(len(states)) or apart(model, states)
+    )
+    chunks, last, full = _earlier_rows(loaded)
+    assert calls == [3, 4, 2]  # the start-up check's 3 rows, then the chunks from hidden states
+    assert [c.shape[0] for c in chunks] == [4, 2]
+    torch.testing.assert_close(torch.cat(chunks), full[-8:-2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(last, full[-2:], atol=1e-5, rtol=1e-5)
+    if gemma:  # the cap is in play: without it these logits are larger
+        loaded.model.config.final_logit_softcapping = None
+        assert float(full.abs().max()) <= 0.05 < float(full_logits(loaded, [5, 9, 13, 200, 7, 7, 1, 40]).abs().max())
+
+
+def test_earlier_rows_of_a_model_whose_output_layer_cannot_run_apart(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where logits computed from the decoder's hidden states differ from the model's own (the
+    start-up check), the earlier rows come from the model's own pass, still in chunks."""
+    monkeypatch.setattr(kvcache, "LOGIT_CHUNK_ROWS", 4)
+    monkeypatch.setattr(kvcache, "_output_layer", lambda model, states: torch.zeros(states.shape[0], 259))
+    chunks, last, full = _earlier_rows(loaded)
+    assert [c.shape[0] for c in chunks] == [4, 2]
+    torch.testing.assert_close(torch.cat(chunks), full[-8:-2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(last, full[-2:], atol=1e-4, rtol=1e-4)
 
 
 def test_resync_required_for_unknown_short_or_different_prefix(loaded: LoadedModel) -> None:

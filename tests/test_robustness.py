@@ -11,6 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -349,3 +351,47 @@ def test_a_draft_with_a_shorter_context_drafts_up_to_it(tmp_path: Path, tiny_mod
     # committed tokens with one draft (33 - 32 = 1) and ends at most at 34; the rest is target-only.
     assert stats.target_only_rounds >= 30 - (34 - len(prompt)) and stats.rounds > stats.target_only_rounds
     assert errors == 0 and failures == 0
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory so far (VmHWM), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def test_prompt_logprobs_of_a_long_prompt_never_hold_all_its_logits(tmp_path: Path) -> None:
+    """Qwen2.5's 151,936-id vocabulary in a tiny model: prompt log-probabilities of 2,000 prompt
+    tokens are 1.1 GiB of float32 logits at once (a 32k-token prompt would be 18.5 GiB: a worker killed
+    for memory, or on a GPU an out-of-memory error that ends the worker). The target scores them a
+    chunk at a time: its peak memory grows by far less than the logits, the values equal a plain
+    forward pass, and the reply is the target's own."""
+    vocab = 151_936
+    target = build_model(tmp_path / "wide", seed=0, hidden=32, layers=1, vocab=vocab, init_range=0.2, context=4096)
+    prompt = [3 + (i * 37) % 256 for i in range(2000)]
+    logits_mb = len(prompt) * vocab * 4 / 2**20
+    with (
+        fault_cluster(tmp_path / "run", target, target) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        pid = cluster.processes["target-0"].proc.pid
+        warm = make_request(prompt[:50], k=4, max_new=8, ignore_eos=True, prompt_logprobs=1)
+        stub.Generate(warm, timeout=60)  # the allocator's and the model's own first-use growth
+        before = _peak_rss_mb(pid)
+        reply = stub.Generate(make_request(prompt, k=4, max_new=8, ignore_eos=True, prompt_logprobs=1), timeout=120)
+        grown = _peak_rss_mb(pid) - before
+    assert grown < logits_mb / 2, f"the target's peak memory grew {grown:.0f} MiB for {logits_mb:.0f} MiB of logits"
+    assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 8, ignore_eos=True)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hidden = model.model(torch.tensor([prompt])).last_hidden_state[0]
+        rows = hidden[:-1]  # the last prompt position scores the first reply token
+        chunks = [torch.log_softmax(model.lm_head(rows[i : i + 500]), dim=-1) for i in range(0, len(rows), 500)]
+    assert [e.token_id for e in reply.prompt_logprobs] == prompt
+    for start, logp in zip(range(0, len(rows), 500), chunks, strict=True):  # row j - 1 scores prompt token j
+        for row in range(logp.shape[0]):
+            entry = reply.prompt_logprobs[start + row + 1]
+            assert entry.logprob == pytest.approx(float(logp[row, prompt[start + row + 1]]), abs=1e-4)
+            assert entry.top[0].token_id == int(logp[row].argmax())

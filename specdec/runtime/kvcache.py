@@ -8,16 +8,34 @@ from __future__ import annotations
 import copy
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import structlog
 import torch
 from transformers import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.runtime.lookup import GuessIndex
 from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.tokens import prefix_hash
 from specdec.runtime.vocab import TextMirror
+
+log = structlog.get_logger(__name__)
+
+LOGIT_CHUNK_ROWS = 128  # earlier rows (a prompt's, for its log-probabilities) scored per output-layer call
+
+
+@dataclass(frozen=True)
+class EarlierLogits:
+    """The logits of the ``rows`` positions before a pass's last ``num_logits``, handed to
+    ``consume`` up to LOGIT_CHUNK_ROWS rows at a time, in order: a long prompt's logits (prompt
+    log-probabilities; 1.1 GiB for 2,000 tokens of a 151,936-id vocabulary) never exist all at once."""
+
+    rows: int
+    consume: Callable[[torch.Tensor], None]
 
 
 class ResyncRequired(Exception):
@@ -56,6 +74,7 @@ class SessionCaches:
         self._entries: OrderedDict[str, SessionCache] = OrderedDict()
         self.prefill_tokens_total = 0
         self.reused_tokens_total = 0  # tokens taken from another session's cache (prefix reuse)
+        self._head_apart: bool | None = None  # whether the output layer runs apart from the decoder
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,21 +121,69 @@ class SessionCaches:
             self._entries.move_to_end(session_id)
         return entry
 
-    def extend(self, entry: SessionCache, token_ids: Sequence[int], num_logits: int) -> torch.Tensor:
+    def extend(
+        self, entry: SessionCache, token_ids: Sequence[int], num_logits: int, earlier: EarlierLogits | None = None
+    ) -> torch.Tensor:
         """Runs ``token_ids`` through the model on top of the cache.
 
-        Returns float32 logits [num_logits, V] for the last ``num_logits`` positions.
+        Returns float32 logits [num_logits, V] for the last ``num_logits`` positions; with
+        ``earlier``, the rows before those go to ``earlier.consume`` a chunk at a time (the model's
+        output layer run on the decoder's final hidden states of a chunk of them).
         """
         if not token_ids:
             raise ValueError("extend needs at least one token")
+        rows = earlier.rows if earlier is not None else 0
+        if num_logits + rows > len(token_ids):
+            raise ValueError(f"{num_logits} + {rows} logit rows asked of a {len(token_ids)}-token pass")
+        apart = bool(rows) and self._output_layer_runs_apart()
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._loaded.device)
-        with torch.inference_mode():
+        hidden: list[torch.Tensor] = []
+        with torch.inference_mode(), _final_hidden(self._loaded.model, hidden, on=apart):
             out = self._loaded.model(
-                input_ids=ids, past_key_values=entry.cache, use_cache=True, logits_to_keep=num_logits
+                input_ids=ids,
+                past_key_values=entry.cache,
+                use_cache=True,
+                logits_to_keep=num_logits + (0 if apart else rows),
             )
         entry.tokens.extend(token_ids)
         self.prefill_tokens_total += len(token_ids)
-        return out.logits[0, -num_logits:].float()
+        logits = out.logits[0, -num_logits:].float()
+        if earlier is not None and rows:
+            if apart:
+                states = hidden[-1][0, -(num_logits + rows) : -num_logits]
+                chunks = (
+                    _output_layer(self._loaded.model, states[i : i + LOGIT_CHUNK_ROWS])
+                    for i in range(0, rows, LOGIT_CHUNK_ROWS)
+                )
+            else:
+                every = out.logits[0, -(num_logits + rows) : -num_logits]
+                chunks = (every[i : i + LOGIT_CHUNK_ROWS].float() for i in range(0, rows, LOGIT_CHUNK_ROWS))
+            for chunk in chunks:
+                earlier.consume(chunk)
+        return logits
+
+    def _output_layer_runs_apart(self) -> bool:
+        """Whether the model's output layer (with whatever it does after it: logit soft-capping,
+        scaling) can run on decoder hidden states alone, checked once on a 3-token pass: logits
+        from its hidden states equal to the model's own. A model where it cannot gets its earlier
+        rows' logits from its own forward pass, all at once (the memory they take)."""
+        if self._head_apart is None:
+            model, hidden = self._loaded.model, []
+            ids = torch.tensor([[0, 1, 2]], dtype=torch.long, device=self._loaded.device)
+            try:
+                with torch.inference_mode():
+                    with _final_hidden(model, hidden, on=True):
+                        whole = model(input_ids=ids, use_cache=False).logits[0].float()
+                    apart = _output_layer(model, hidden[-1][0])
+                self._head_apart = bool(
+                    whole.shape == apart.shape and torch.allclose(whole, apart, rtol=1e-4, atol=1e-5)
+                )
+            except Exception as exc:  # a model whose forward pass the hooks below do not fit
+                log.warning("output_layer_check_failed", error=repr(exc))
+                self._head_apart = False
+            if not self._head_apart:
+                log.warning("earlier_logits_at_once", reason="the output layer does not run apart from the decoder")
+        return self._head_apart
 
     def extend_many(self, ops: Sequence[tuple[SessionCache, Sequence[int], int]]) -> list[torch.Tensor]:
         """``extend`` for several sessions in ONE forward pass; returns each one's logits.
@@ -220,3 +287,42 @@ def _left_pad(cache: DynamicCache, layer: int, length: int, like: torch.Tensor) 
         pad = (0, 0, missing, 0)
         keys, values = torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
     return keys, values
+
+
+@contextmanager
+def _final_hidden(model: Any, into: list[torch.Tensor], on: bool) -> Iterator[None]:
+    """While open (and ``on``), every forward pass of ``model``'s decoder appends its final hidden
+    states [B, T, H] to ``into``."""
+    if not on:
+        yield
+        return
+
+    def keep(_module: torch.nn.Module, _args: object, output: Any) -> None:
+        into.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = model.get_decoder().register_forward_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _output_layer(model: Any, states: torch.Tensor) -> torch.Tensor:
+    """float32 logits [R, V] of final hidden states [R, H]: the model's own forward pass with its
+    decoder standing in as ``states``, so what the model does after its output layer applies too."""
+    decoder = model.get_decoder()
+    ran: list[bool] = []
+
+    def stand_in(*_args: object, **_kwargs: object) -> BaseModelOutputWithPast:
+        ran.append(True)
+        return BaseModelOutputWithPast(last_hidden_state=states[None])
+
+    decoder.forward = stand_in
+    try:
+        ids = torch.zeros((1, states.shape[0]), dtype=torch.long, device=states.device)
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    finally:
+        del decoder.forward  # the class's own forward again
+    if not ran:
+        raise RuntimeError("the model's forward pass does not call its decoder (get_decoder())")
+    return logits

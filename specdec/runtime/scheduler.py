@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 import torch
 
-from specdec.runtime.kvcache import SessionCache, SessionCaches
+from specdec.runtime.kvcache import EarlierLogits, SessionCache, SessionCaches
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -59,6 +59,7 @@ class Extend:
     token_ids: list[int]
     num_logits: int
     meter: ComputeMeter | None = None
+    earlier: EarlierLogits | None = None  # rows before the last num_logits, scored a chunk at a time (runs alone)
 
 
 Job = Generator[Extend, torch.Tensor, T]
@@ -167,8 +168,8 @@ class StepScheduler:
             if not self._take_new(block=not self._active):
                 self._host_lock.release()
                 return
-            short = [t for t in self._active.values() if t.step and len(t.step.token_ids) <= SHORT_STEP_TOKENS]
-            long = [t for t in self._active.values() if t.step and len(t.step.token_ids) > SHORT_STEP_TOKENS]
+            short = [t for t in self._active.values() if t.step and _batchable(t.step)]
+            long = [t for t in self._active.values() if t.step and not _batchable(t.step)]
             if short:
                 self._forward(short[: self._max_batch])
             if long:
@@ -238,7 +239,11 @@ class StepScheduler:
         try:
             self._host_lock.acquire()
             began = time.perf_counter()
-            results = self._caches.extend_many([(s.entry, s.token_ids, s.num_logits) for s in steps])
+            if steps[0].earlier is not None:  # never batched
+                one = steps[0]
+                results = [self._caches.extend(one.entry, one.token_ids, one.num_logits, one.earlier)]
+            else:
+                results = self._caches.extend_many([(s.entry, s.token_ids, s.num_logits) for s in steps])
             share_ms = (time.perf_counter() - began) * 1000 / len(steps)
             self._host_lock.pass_done()
         except BaseException as exc:  # every job in the batch fails with it
@@ -261,3 +266,8 @@ class StepScheduler:
         for task, logits in zip(tasks, results, strict=True):
             task.step = None
             self._advance(task, logits)
+
+
+def _batchable(step: Extend) -> bool:
+    """Short steps share a forward pass; long ones (prefills) and steps scoring earlier rows run alone."""
+    return len(step.token_ids) <= SHORT_STEP_TOKENS and step.earlier is None
