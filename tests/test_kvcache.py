@@ -90,6 +90,23 @@ def test_earlier_rows_of_a_model_whose_output_layer_cannot_run_apart(
     torch.testing.assert_close(last, full[-2:], atol=1e-4, rtol=1e-4)
 
 
+def test_a_token_budget_frees_the_least_recently_used_caches(loaded: LoadedModel) -> None:
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, max_tokens=10)
+    for session in "abc":
+        caches.extend(caches.sync(session, 0, 0), [5, 6, 7, 8], 1)
+    assert "a" not in caches and caches.cached_tokens == 8  # 12 tokens: the oldest went
+    caches.get("b")  # used: "c" is now the least recently used
+    caches.extend(caches.sync("d", 0, 0), [1] * 6, 1)
+    assert sorted(caches._entries) == ["b", "d"] and caches.cached_tokens == 10
+    caches.extend(caches.sync("e", 0, 0), list(range(20)), 1)  # longer than the budget: runs, alone
+    assert list(caches._entries) == ["e"] and caches.evicted_for_tokens == 4
+    with pytest.raises(ResyncRequired):  # a freed session's next step re-sends its tokens
+        caches.sync("b", 4, prefix_hash([5, 6, 7, 8]))
+    first, second = caches.sync("f", 0, 0), caches.sync("g", 0, 0)
+    caches.extend_many([(first, [1] * 6, 1), (second, [2] * 6, 1)])  # one pass: neither goes
+    assert sorted(caches._entries) == ["f", "g"] and caches.cached_tokens == 12
+
+
 def test_resync_required_for_unknown_short_or_different_prefix(loaded: LoadedModel) -> None:
     caches = SessionCaches(loaded, max_sessions=4, idle_s=60)
     with pytest.raises(ResyncRequired):

@@ -395,3 +395,40 @@ def test_prompt_logprobs_of_a_long_prompt_never_hold_all_its_logits(tmp_path: Pa
             entry = reply.prompt_logprobs[start + row + 1]
             assert entry.logprob == pytest.approx(float(logp[row, prompt[start + row + 1]]), abs=1e-4)
             assert entry.top[0].token_id == int(logp[row].argmax())
+
+
+def test_the_kv_caches_stay_within_their_token_budget(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Many sessions with long histories cannot grow the workers' KV caches without bound (each
+    one-shot request and session leaves its cache for reuse): past --max-cache-tokens the least
+    recently used caches are freed, and a session whose cache went re-sends its tokens and goes on
+    with the target's own output. Without the flag the budget is set from the memory free at load."""
+    prompts = [[3 + (i * 11 + j * 5) % 250 for j in range(24)] for i in range(4)]
+    with (
+        fault_cluster(
+            tmp_path / "run", tiny_models.target, tiny_models.same, worker_args=["--max-cache-tokens", "64"]
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        replies, held = [], []
+        for i, prompt in enumerate(prompts):
+            replies.append(stub.Generate(make_request(prompt, k=4, max_new=8, session_id=f"s{i}", ignore_eos=True)))
+            held.append({role: metric(cluster, role, "specdec_worker_cached_tokens") for role in ("target-0", "draft")})
+        again = stub.Generate(make_request([9, 10], k=4, max_new=8, session_id="s0", ignore_eos=True), timeout=60)
+        budgets = {role: metric(cluster, role, "specdec_worker_cache_budget_tokens") for role in ("target-0", "draft")}
+        resyncs = metric(cluster, "target-0", "specdec_worker_cache_resyncs_total")
+    assert budgets == {"target-0": 64, "draft": 64}
+    assert all(tokens <= 64 for step in held for tokens in step.values()), held
+    for prompt, reply in zip(prompts, replies, strict=True):
+        assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), 8, ignore_eos=True)
+    history = (*prompts[0], *replies[0].token_ids, 9, 10)
+    assert list(again.token_ids) == reference_greedy(str(tiny_models.target), history, 8, ignore_eos=True)
+    assert resyncs >= 1  # s0's cache had been freed for the later sessions
+
+
+def test_the_automatic_kv_budget_is_half_the_free_memory(robust_cluster: LocalCluster) -> None:
+    """A tiny Llama's token (2 layers x keys and values x 2 KV heads x 16 dims x 4 bytes = 512 bytes)
+    against the host's available memory: millions of tokens, far from 0 and from unbounded."""
+    budget = metric(robust_cluster, "target-0", "specdec_worker_cache_budget_tokens")
+    available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    assert 0.25 * available / 512 < budget < 1.0 * available / 512

@@ -6,6 +6,7 @@ Not thread-safe: a worker calls it from its single model thread only.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +39,37 @@ class EarlierLogits:
     consume: Callable[[torch.Tensor], None]
 
 
+CACHE_MEMORY_SHARE = 0.5  # of the memory free after loading, what an automatic token budget may fill
+
+
+def kv_bytes_per_token(loaded: LoadedModel) -> int:
+    """The KV-cache bytes one token takes in this model (measured on a 2-token pass)."""
+    cache = DynamicCache(config=loaded.model.config)
+    with torch.inference_mode():
+        loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), past_key_values=cache, use_cache=True)
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+    return max(1, sum(t.numel() * t.element_size() for t in tensors) // 2)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free now on ``device``: the GPU's free memory, else the host's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def auto_token_budget(loaded: LoadedModel) -> int:
+    """A cached-token budget that fills at most CACHE_MEMORY_SHARE of the memory free now."""
+    return max(1, int(free_memory_bytes(loaded.device) * CACHE_MEMORY_SHARE) // kv_bytes_per_token(loaded))
+
+
 class ResyncRequired(Exception):
     """The worker's cache does not hold the committed prefix; the caller must resend from 0."""
 
@@ -65,22 +97,32 @@ class SessionCache:
 
 
 class SessionCaches:
-    """LRU-bounded map of session id -> SessionCache for one model."""
+    """LRU-bounded map of session id -> SessionCache for one model: at most ``max_sessions``
+    caches and, when ``max_tokens`` is set, at most that many cached tokens in all (the least
+    recently used caches go first; the ones a pass has just extended stay, so one session longer
+    than the budget still runs, alone)."""
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, idle_s: float) -> None:
+    def __init__(self, loaded: LoadedModel, max_sessions: int, idle_s: float, max_tokens: int = 0) -> None:
         self._loaded = loaded
         self._max_sessions = max_sessions
+        self.max_tokens = max_tokens  # 0 = no limit
         self._idle_s = idle_s
         self._entries: OrderedDict[str, SessionCache] = OrderedDict()
         self.prefill_tokens_total = 0
         self.reused_tokens_total = 0  # tokens taken from another session's cache (prefix reuse)
         self._head_apart: bool | None = None  # whether the output layer runs apart from the decoder
+        self.evicted_for_tokens = 0  # caches freed to stay within max_tokens
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._entries
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens held by all the caches."""
+        return sum(len(entry.tokens) for entry in self._entries.values())
 
     def sync(self, session_id: str, base_len: int, base_hash: int, source: str = "") -> SessionCache:
         """The session's cache cut back to ``base_len`` committed tokens.
@@ -147,6 +189,7 @@ class SessionCaches:
             )
         entry.tokens.extend(token_ids)
         self.prefill_tokens_total += len(token_ids)
+        self._evict_over_tokens((entry,))
         logits = out.logits[0, -num_logits:].float()
         if earlier is not None and rows:
             if apart:
@@ -210,6 +253,7 @@ class SessionCaches:
             entry.tokens.extend(token_ids)
             self.prefill_tokens_total += len(token_ids)
             results.append(out.logits[row, len(token_ids) - num_logits : len(token_ids)].float())
+        self._evict_over_tokens([entry for entry, _, _ in ops])
         return results
 
     def release(self, session_id: str) -> bool:
@@ -228,6 +272,24 @@ class SessionCaches:
     def _evict_over_capacity(self) -> None:
         while len(self._entries) > self._max_sessions:
             self._entries.popitem(last=False)
+
+    def _evict_over_tokens(self, keep: Sequence[SessionCache]) -> None:
+        """Frees the least recently used caches, other than ``keep``, while over ``max_tokens``."""
+        if not self.max_tokens:
+            return
+        over = self.cached_tokens - self.max_tokens
+        freed = []
+        for session_id, entry in list(self._entries.items()):
+            if over <= 0:
+                break
+            if not any(entry is kept for kept in keep):
+                del self._entries[session_id]
+                over -= len(entry.tokens)
+                freed.append(session_id)
+        if freed:
+            self.evicted_for_tokens += len(freed)
+            log.info("caches_freed_for_tokens", sessions=len(freed), max_cache_tokens=self.max_tokens,
+                     freed_total=self.evicted_for_tokens)  # fmt: skip
 
 
 def _holds(entry: SessionCache | None, length: int, expected_hash: int) -> bool:

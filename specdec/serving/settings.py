@@ -84,6 +84,12 @@ class ModelWorkerSettings(ServiceSettings):
         "auto", description="weight dtype (auto = bfloat16 on CUDA, float32 otherwise)"
     )
     max_sessions: int = Field(256, gt=0, description="KV caches kept at most; the least recently used is evicted")
+    max_cache_tokens: int = Field(
+        0,
+        ge=0,
+        description="tokens all KV caches hold at most; the least recently used caches are freed (0 = half the "
+        "memory free after loading, divided by the model's KV bytes per token)",
+    )
     session_idle_s: float = Field(900.0, gt=0, description="a cache unused this long is freed")
     torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for torch (0 = torch's default)")
     trust_remote_code: bool = Field(False, description="allow model code from the model repository")

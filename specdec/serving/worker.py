@@ -12,7 +12,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec.runtime.kvcache import SessionCaches
+from specdec.runtime.kvcache import SessionCaches, auto_token_budget
 from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
 from specdec.serving.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable
@@ -54,8 +54,12 @@ class WorkerCore:
         if s.torch_threads:
             await self.scheduler.call(torch.set_num_threads, s.torch_threads)
         self._loaded = await self.scheduler.call(load_model, s.model, s.load_options())
-        caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s)
+        budget = s.max_cache_tokens or await self.scheduler.call(auto_token_budget, self._loaded)
+        log.info("cache_budget", max_cache_tokens=budget, automatic=not s.max_cache_tokens)
+        caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s, budget)
         self.metrics.cached_sessions.set_function(lambda: len(caches))
+        self.metrics.cached_tokens.set_function(lambda: caches.cached_tokens)
+        self.metrics.cache_budget_tokens.set(budget)
         self.scheduler.attach(caches)
         self._caches = caches
 
