@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from specdec.runtime import kvcache
-from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCaches
+from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.tokens import prefix_hash
 from tests.tiny_models import TinyModels, build_sliding
@@ -105,6 +107,30 @@ def test_a_token_budget_frees_the_least_recently_used_caches(loaded: LoadedModel
     first, second = caches.sync("f", 0, 0), caches.sync("g", 0, 0)
     caches.extend_many([(first, [1] * 6, 1), (second, [2] * 6, 1)])  # one pass: neither goes
     assert sorted(caches._entries) == ["f", "g"] and caches.cached_tokens == 12
+
+
+def test_cached_tokens_can_be_read_while_the_model_thread_changes_the_caches(loaded: LoadedModel) -> None:
+    """The metrics server reads the cached-token gauge from its own thread while the model thread
+    adds and frees caches: the read never fails with "mutated during iteration"."""
+    caches = SessionCaches(loaded, max_sessions=50_000, idle_s=60)
+    caches._entries.update((str(i), SessionCache(tokens=[1, 2, 3], cache=DynamicCache())) for i in range(20_000))
+    stop = threading.Event()
+
+    def churn() -> None:  # what sync and release do to the map, as fast as possible
+        i = 0
+        while not stop.is_set():
+            caches._entries.pop(str(i), None)
+            caches._entries[str(i)] = SessionCache(tokens=[1], cache=DynamicCache())
+            i = (i + 1) % 20_000
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        readings = [caches.cached_tokens for _ in range(300)]
+    finally:
+        stop.set()
+        thread.join()
+    assert all(19_999 <= tokens <= 60_000 for tokens in readings)  # one entry may be between pop and insert
 
 
 def test_resync_required_for_unknown_short_or_different_prefix(loaded: LoadedModel) -> None:

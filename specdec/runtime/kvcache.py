@@ -121,8 +121,9 @@ class SessionCaches:
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens held by all the caches."""
-        return sum(len(entry.tokens) for entry in self._entries.values())
+        """Tokens held by all the caches. Safe to read from another thread (the metrics server):
+        the entries are copied out in one step before they are summed."""
+        return sum(len(entry.tokens) for entry in list(self._entries.values()))
 
     def sync(self, session_id: str, base_len: int, base_hash: int, source: str = "") -> SessionCache:
         """The session's cache cut back to ``base_len`` committed tokens.
