@@ -371,3 +371,27 @@ def test_a_five_turn_chat_reuses_the_cached_conversation(tmp_path_factory: pytes
                 assert cached == 0
             previous_prompt = usage.prompt_tokens
             conversation.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+
+
+def test_what_the_gateway_does_before_the_engine(gateway: Gateway) -> None:
+    """smg's own behaviour the README describes (so a gateway upgrade that changes it shows here):
+    SGLang-style constraints reach the engine and get its 400; vLLM's `guided_choice` is dropped
+    by the gateway (an unconstrained reply); `/v1/completions` answers no logprobs although the
+    engine computed them, chat completions carry them."""
+    with pytest.raises(openai.BadRequestError) as error:
+        gateway.client.chat.completions.create(
+            model=gateway.model, messages=MESSAGES, max_tokens=3, extra_body={"regex": "(yes|no)"}
+        )
+    assert "structured output (regex) is not supported" in str(error.value)
+    unconstrained = gateway.client.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=3, temperature=0, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert unconstrained.choices[0].message.content not in ("yes", "no")
+    completion = gateway.client.completions.create(
+        model=gateway.model, prompt="hello", max_tokens=2, temperature=0, logprobs=2
+    )
+    assert completion.choices[0].logprobs is None
+    chat = gateway.client.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=2, temperature=0, logprobs=True, top_logprobs=2
+    )
+    assert chat.choices[0].logprobs is not None and len(chat.choices[0].logprobs.content) == 2
