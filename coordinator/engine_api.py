@@ -192,13 +192,27 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
             turn = engine.new_turn(parse_request(native, engine.limits), deadline)
             completions.append(_Completion(turn, [], [], []))
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._run(i, c.turn, queue)) for i, c in enumerate(completions)]
+        # Completion 0 runs first; the others start once its first round is done, from its caches
+        # (the prompt is computed once, as vLLM's parallel sampling does).
+        tasks = [asyncio.create_task(self._run(0, completions[0].turn, queue))]
+        waiting = list(enumerate(completions))[1:]
         request_id = request.request_id
         self._running.setdefault(request_id, []).extend(tasks)
         try:
             pending = n
             while pending:
                 index, item = await queue.get()
+                if waiting and index == 0:
+                    if isinstance(item, RoundOutput) and not tasks[0].cancelling():
+                        for _, c in waiting:
+                            c.turn.prefix_donor = completions[0].turn
+                        started = [asyncio.create_task(self._run(i, c.turn, queue)) for i, c in waiting]
+                        tasks += started
+                        self._running.setdefault(request_id, []).extend(started)
+                    elif not isinstance(item, BaseException):  # aborted before its first round ended
+                        for i, _ in waiting:
+                            queue.put_nowait((i, _ABORTED))
+                    waiting = []
                 if isinstance(item, BaseException):
                     raise item
                 completion = completions[index]

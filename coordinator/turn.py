@@ -153,6 +153,7 @@ class Turn:
     _dirty: bool = False  # this turn may have changed the session: roll back unless it finishes
     _created: bool = False
     _renewal: asyncio.Task[None] | None = None
+    prefix_donor: Turn | None = None  # a running turn of the same prompt whose caches this one starts from
 
     def __post_init__(self) -> None:
         self.session_id = self.request.session_id or f"oneshot-{self.owner}"
@@ -241,7 +242,14 @@ class Turn:
 
     async def _reuse_prefix(self) -> None:
         """Starts from the longest cached prefix of the prompt that some earlier request left in
-        the workers (found in the state store, so any coordinator replica finds it)."""
+        the workers (found in the state store, so any coordinator replica finds it), or from the
+        ``prefix_donor``'s caches (the other completions of an ``n`` > 1 request)."""
+        donor = self.prefix_donor
+        if donor is not None and donor._committed[: len(self._committed)] == self._committed:
+            target, draft = donor.workers.locations()
+            if target is not None:  # the last token is always sent (the tail)
+                self.workers.adopt(PrefixLocation(donor.session_id, target, draft), len(self._committed) - 1)
+                return
         keys = self._prefix_keys(self._committed[:-1])  # the last token is always sent (the tail)
         try:
             hit = await self.deps.store.find_prefix(keys)

@@ -25,6 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from coordinator.engine_api import _derived_seed
 from specdec.runtime.modeling import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster
 from specdec.tools.model_fetch import fetch_tokenizer
@@ -303,6 +304,27 @@ def test_engine_generate_n_and_prompt_logprobs(engine_stub: vllm_grpc.VllmEngine
         assert not complete.input_logprobs.token_logprobs[0].HasField("value")
         values = [v.value for v in complete.input_logprobs.token_logprobs[1:]]
         assert values == pytest.approx([e.logprob for e in expected.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_engine_n_completions_compute_the_prompt_once(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
+    """n = 4 over a 200-token prompt: the target computes the prompt once (the other completions
+    start from completion 0's caches once its first round is done), and every completion is still
+    the target's own: greedy ones equal the native reply, sampled ones the native request with
+    that completion's seed."""
+    ids = [1000 + (i * 37) % 5000 for i in range(200)]
+    target = gateway.cluster.processes["target-0"].address
+    before = worker_info(target, "target").prefill_tokens_total
+    greedy = list(engine_stub.Generate(_engine_request(ids, "n4", temperature=0.0, max_tokens=6, n=4), timeout=60))
+    computed = worker_info(target, "target").prefill_tokens_total - before
+    expected = list(native(gateway, ids, max_new_tokens=6).token_ids)
+    assert [list(r.complete.output_ids) for r in greedy] == [expected] * 4
+    assert computed < 2 * len(ids), f"the target computed {computed} tokens for 4 completions of {len(ids)}"
+    ids = [i + 1 for i in ids]  # a prompt none of the above cached
+    sampled = list(engine_stub.Generate(_engine_request(ids, "n3", max_tokens=6, n=3, seed=7), timeout=60))
+    for reply in sampled:
+        seed = _derived_seed(7, reply.complete.index)
+        alone = native(gateway, ids, max_new_tokens=6, temperature=1.0, seed=seed)
+        assert list(reply.complete.output_ids) == list(alone.token_ids), reply.complete.index
 
 
 def test_engine_abort_cancels_a_running_request(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
