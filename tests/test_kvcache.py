@@ -70,7 +70,7 @@ def test_earlier_rows_come_a_chunk_at_a_time_as_the_model_scores_them(
         kvcache, "_output_layer", lambda model, states: calls.append(len(states)) or apart(model, states)
     )
     chunks, last, full = _earlier_rows(loaded)
-    assert calls == [3, 4, 2]  # the start-up check's 3 rows, then the chunks from hidden states
+    assert calls == [3, 4, 2]  # the first-use check's 3 rows, then the chunks from hidden states
     assert [c.shape[0] for c in chunks] == [4, 2]
     torch.testing.assert_close(torch.cat(chunks), full[-8:-2], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(last, full[-2:], atol=1e-5, rtol=1e-5)
@@ -83,7 +83,7 @@ def test_earlier_rows_of_a_model_whose_output_layer_cannot_run_apart(
     loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where logits computed from the decoder's hidden states differ from the model's own (the
-    start-up check), the earlier rows come from the model's own pass, still in chunks."""
+    check on first use), the earlier rows come from the model's own pass, still in chunks."""
     monkeypatch.setattr(kvcache, "LOGIT_CHUNK_ROWS", 4)
     monkeypatch.setattr(kvcache, "_output_layer", lambda model, states: torch.zeros(states.shape[0], 259))
     chunks, last, full = _earlier_rows(loaded)
