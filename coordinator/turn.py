@@ -247,7 +247,7 @@ class Turn:
         donor = self.prefix_donor
         if donor is not None and donor._committed[: len(self._committed)] == self._committed:
             target, draft = donor.workers.locations()
-            if target is not None:  # the last token is always sent (the tail)
+            if target is not None:  # all but the last token: that one is always sent (the tail)
                 self.workers.adopt(PrefixLocation(donor.session_id, target, draft), len(self._committed) - 1)
                 return
         keys = self._prefix_keys(self._committed[:-1])  # the last token is always sent (the tail)
