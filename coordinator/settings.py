@@ -107,7 +107,9 @@ class CoordinatorSettings(ServiceSettings):
         "matched in blocks of this many tokens (0 = off: one-shot caches are freed at once)",
     )
     max_speculative_tokens: int = Field(16, ge=1, description="largest K a request may ask for")
-    default_max_new_tokens: int = Field(256, gt=0, description="max_new_tokens when a request leaves it unset")
+    default_max_new_tokens: int = Field(
+        256, gt=0, description="max_new_tokens when a request leaves it unset (cut to the room the context has left)"
+    )
     max_concurrent_requests: int = Field(
         64, gt=0, description="requests generating at once; more get RESOURCE_EXHAUSTED"
     )

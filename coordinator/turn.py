@@ -307,12 +307,24 @@ class Turn:
         return list(ids)
 
     def _check_context(self, history: int, prompt: int) -> None:
-        total = history + prompt + self.request.max_new_tokens
-        limit = self.deps.limits.max_context_len
-        if total > limit:
+        """Checks that the reply fits in the context. A default max_new_tokens (the caller left it
+        unset) is cut to the room left, as vLLM does for an unset max_tokens; one the caller set
+        must fit as it is."""
+        req, limit = self.request, self.deps.limits.max_context_len
+        room = limit - history - prompt
+        if not req.max_new_tokens_set and req.max_new_tokens > room:
+            if room < max(1, req.min_tokens):
+                raise InvalidRequest(
+                    f"session history ({history}) + prompt ({prompt}) tokens leave no room for a reply"
+                    f"{f' of min_tokens ({req.min_tokens})' if req.min_tokens else ''} in the context length "
+                    f"{limit}; shorten the prompt{' or lower min_tokens' if req.min_tokens else ''}"
+                )
+            self.request = dataclasses.replace(req, max_new_tokens=room)
+        elif req.max_new_tokens > room:
             raise InvalidRequest(
-                f"session history ({history}) + prompt ({prompt}) + max_new_tokens ({self.request.max_new_tokens}) "
-                f"= {total} tokens exceeds the context length {limit}; shorten the prompt or lower max_new_tokens"
+                f"session history ({history}) + prompt ({prompt}) + max_new_tokens ({req.max_new_tokens}) "
+                f"= {history + prompt + req.max_new_tokens} tokens exceeds the context length {limit}; "
+                "shorten the prompt or lower max_new_tokens"
             )
 
     def _plan(self) -> tuple[Plan, LookupDraft]:

@@ -74,7 +74,7 @@ class TurnRequest:
     session_id: str  # "" = one-shot
     prompt_text: str | None
     prompt_ids: tuple[int, ...] | None
-    max_new_tokens: int
+    max_new_tokens: int  # when the caller left it unset: the server default, cut to the context's room
     warp: Warp
     seed: int
     stop_ids: frozenset[int]
@@ -91,6 +91,7 @@ class TurnRequest:
     top_logprobs: int = 0
     prompt_logprobs: int | None = None  # alternatives per prompt token; None = no prompt logprobs
     draft_stop: ConfidenceStop = NO_STOP  # where the draft model ends a block early
+    max_new_tokens_set: bool = True  # False: the server's default, which the turn caps at the room left
 
 
 def _check_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
@@ -307,6 +308,7 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         prompt_text=prompt_text,
         prompt_ids=prompt_ids,
         max_new_tokens=max_new_tokens,
+        max_new_tokens_set=sampling.HasField("max_new_tokens"),
         warp=_warp(sampling),
         seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(63),
         stop_ids=stop_ids,

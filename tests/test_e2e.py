@@ -172,6 +172,42 @@ def test_max_new_tokens_and_stop_tokens_are_exact(
     assert reply.finish_reason == coordinator_pb2.FINISH_REASON_STOP
 
 
+def unset_max_new(prompt: list[int], **fields: object) -> coordinator_pb2.GenerateRequest:
+    req = request(prompt, k=8, ignore_eos=True, **fields)
+    req.sampling.ClearField("max_new_tokens")
+    return req
+
+
+def test_an_unset_max_new_tokens_stops_at_the_end_of_the_context(
+    same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    """The server's default max_new_tokens (255 here) is a cap, not a demand: a prompt that leaves
+    less room gets a reply up to the end of the context (vLLM's rule for an unset max_tokens), not
+    an error about a limit the caller never set. A limit the caller did set still must fit."""
+    context = same.GetInfo(coordinator_pb2.GetInfoRequest()).max_context_len
+    prompt = [5 + i % 50 for i in range(200)]
+    reply = same.Generate(unset_max_new(prompt))
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), context - 200, True)
+    assert reply.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+    assert len(same.Generate(unset_max_new([7] * (context - 1))).token_ids) == 1
+    # A session: the room left is what the history and the new prompt leave.
+    first = same.Generate(request(prompt[:100], session_id="room-1", max_new=100, ignore_eos=True))
+    second = same.Generate(unset_max_new(prompt[100:150], session_id="room-1"))
+    assert len(first.token_ids) == 100 and len(second.token_ids) == context - 250
+    with pytest.raises(grpc.RpcError) as full:
+        same.Generate(unset_max_new([3], session_id="room-1"))
+    assert full.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "leave no room for a reply" in (full.value.details() or "")
+    same.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="room-1"))
+    with pytest.raises(grpc.RpcError) as short:  # min_tokens must fit in the room left
+        same.Generate(unset_max_new(prompt, min_tokens=context - 199))
+    assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "min_tokens" in (short.value.details() or "")
+    with pytest.raises(grpc.RpcError) as set_limit:  # a max_new_tokens the caller set is not cut
+        same.Generate(request(prompt, max_new=100))
+    assert "exceeds the context length" in (set_limit.value.details() or "")
+
+
 def test_eos_ends_a_reply_unless_ignored(
     cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
 ) -> None:

@@ -196,6 +196,21 @@ def test_stop_strings_end_the_reply_at_the_engine(gateway: Gateway) -> None:
     assert reply.usage is not None and reply.usage.completion_tokens == len(expected.token_ids) < 40
 
 
+def test_a_request_without_max_tokens_runs_to_the_end_of_the_context(gateway: Gateway) -> None:
+    """No max_tokens, a prompt leaving less room than the server's default: the reply fills the
+    context (main answered 400, 'prompt + max_new_tokens exceeds the context length')."""
+    prompt = " ".join(["word"] * 150)
+    ids = gateway.tokenizer(prompt)["input_ids"]
+    context = 256
+    assert context - len(ids) < 255  # less room than the default max_new_tokens
+    reply = gateway.client.completions.create(
+        model=gateway.model, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage is not None and reply.usage.total_tokens == context
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].text == native(gateway, ids, max_new_tokens=context - len(ids), ignore_eos=True).text
+
+
 def test_seed_reproduces_and_n_gives_distinct_samples(gateway: Gateway) -> None:
     def sample(n: int) -> list[str]:
         reply = gateway.client.chat.completions.create(
