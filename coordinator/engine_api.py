@@ -30,9 +30,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from coordinator.engine import Engine
-from coordinator.turn import Finish, RoundOutput, Turn
+from coordinator.turn import Finish, RoundOutput, Turn, tokenize
 from coordinator.validation import parse_request
-from specdec.serving.errors import InvalidRequest, Unsupported
+from specdec.serving.errors import InvalidRequest, RequestTooLarge, Unsupported
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -56,12 +56,15 @@ def _unsupported(request: vllm_pb2.GenerateRequest) -> str | None:
     return None
 
 
-def _prompt_ids(request: vllm_pb2.GenerateRequest, engine: Engine) -> list[int]:
+async def _prompt_ids(request: vllm_pb2.GenerateRequest, engine: Engine) -> list[int]:
     kind = request.WhichOneof("input")
     if kind == "tokenized":
         ids = list(request.tokenized.input_ids)
     elif kind == "text":
-        ids = list(engine.deps.tokenizer(request.text)["input_ids"])
+        limit = engine.limits.max_prompt_chars
+        if len(request.text) > limit:
+            raise RequestTooLarge(f"text has {len(request.text)} characters; the limit is {limit}")
+        ids = await asyncio.to_thread(tokenize, engine.deps.tokenizer, request.text)  # off the event loop
     else:
         raise InvalidRequest("the request has no input: set `tokenized` or `text`")
     params = request.sampling_params
@@ -180,7 +183,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         if n > MAX_N:
             raise InvalidRequest(f"n must be in [1, {MAX_N}], got {n}")
         engine = self._engine
-        prompt = _prompt_ids(request, engine)
+        prompt = await _prompt_ids(request, engine)
         remaining = context.time_remaining()
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
         seed = request.sampling_params.seed if request.sampling_params.HasField("seed") else secrets.randbits(31)

@@ -209,11 +209,11 @@ class Turn:
         self._created = record.version == 0  # a session this turn made: an unfinished turn deletes it
         self._renewal = asyncio.create_task(self._renew_lease())
         if self.request.messages is not None:
-            kept, prompt = self._chat_prompt(record)
+            kept, prompt = await self._chat_prompt(record)
         else:
             if record.chat:
                 raise InvalidRequest("this session is a chat: continue it with `messages`, not a prompt")
-            kept, prompt = len(record.tokens), self._prompt_ids(new_session=not record.tokens)
+            kept, prompt = len(record.tokens), await self._prompt_ids(new_session=not record.tokens)
         self._kept, self._replaced = kept, record.tokens[kept:]
         self._check_context(kept, len(prompt))
         self._dirty = True  # the prompt commit may apply even if we never see its reply
@@ -282,29 +282,33 @@ class Turn:
             except SpecdecError as exc:
                 log.warning("session_lease_renewal_failed", error=str(exc))
 
-    def _chat_prompt(self, record: SessionRecord) -> tuple[int, list[int]]:
+    async def _chat_prompt(self, record: SessionRecord) -> tuple[int, list[int]]:
         """The tokens of the whole conversation (the stored one + the new messages) rendered with
         the chat template: (committed tokens kept, tokens to append). Usually everything committed
         is kept; a reply whose tokens differ from its text's tokenization (or a template that
-        renders past turns differently) replaces the committed tail from the first difference."""
+        renders past turns differently) replaces the committed tail from the first difference.
+        Rendering and tokenizing run in a thread: a long conversation takes seconds, and the event
+        loop serves every other request meanwhile."""
         if record.tokens and not record.chat:
             raise InvalidRequest("this session was started with a prompt: continue it with `prompt`, not `messages`")
         assert self.request.messages is not None
         history: list[dict[str, str]] = json.loads(record.chat) if record.chat else []
         self._chat = [*history, *({"role": role, "content": content} for role, content in self.request.messages)]
-        ids = render_chat(self.deps.tokenizer, self._chat)
+        ids = await asyncio.to_thread(render_chat, self.deps.tokenizer, self._chat)
         kept = common_prefix_len(record.tokens, ids)
         if kept == len(ids):
             raise InvalidRequest("the new messages add no tokens to the conversation")
         return kept, ids[kept:]
 
-    def _prompt_ids(self, new_session: bool) -> list[int]:
+    async def _prompt_ids(self, new_session: bool) -> list[int]:
+        """The prompt's tokens; text is tokenized in a thread (a 1,000,000-character prompt takes
+        seconds, and the event loop serves every other request meanwhile)."""
         if self.request.prompt_ids is not None:
             return list(self.request.prompt_ids)
-        ids = self.deps.tokenizer(self.request.prompt_text, add_special_tokens=new_session)["input_ids"]
+        ids = await asyncio.to_thread(tokenize, self.deps.tokenizer, self.request.prompt_text, new_session)
         if not ids:
             raise InvalidRequest("the prompt text produced no tokens")
-        return list(ids)
+        return ids
 
     def _check_context(self, history: int, prompt: int) -> None:
         """Checks that the reply fits in the context. A default max_new_tokens (the caller left it
@@ -571,6 +575,11 @@ def _stop_if_cancelled() -> None:
 def _upto(location: CacheLocation | None, length: int) -> CacheLocation | None:
     """A cache location cut to the first ``length`` committed tokens."""
     return None if location is None else CacheLocation(location.address, min(location.length, length))
+
+
+def tokenize(tokenizer: PreTrainedTokenizerBase, text: str | None, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids (the fast tokenizers let other threads run while they work)."""
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:

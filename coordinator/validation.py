@@ -110,9 +110,11 @@ def _messages(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple
         raise InvalidRequest("set either `messages` or a prompt (`prompt` / `prompt_token_ids`), not both")
     if len(request.messages) > MAX_MESSAGES:
         raise InvalidRequest(f"messages has {len(request.messages)} entries; at most {MAX_MESSAGES} are allowed")
-    chars = sum(len(m.content) for m in request.messages)
+    chars = sum(len(m.role) + len(m.content) for m in request.messages)  # both are rendered and tokenized
     if chars > limits.max_prompt_chars:
-        raise RequestTooLarge(f"the messages have {chars} characters; the limit is {limits.max_prompt_chars}")
+        raise RequestTooLarge(
+            f"the messages have {chars} characters (roles and contents); the limit is {limits.max_prompt_chars}"
+        )
     for index, message in enumerate(request.messages):
         if not message.role:
             raise InvalidRequest(f"messages[{index}].role is empty; use e.g. 'system', 'user' or 'assistant'")

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
+
 from specdec.tools.launch import LocalCluster
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 FAULT_COORDINATOR_ARGS = [
     "--max-speculative-tokens", "8", "--draft-timeout-s", "1", "--draft-retry-s", "1", "--target-retry-s", "1",
@@ -68,3 +72,41 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float 
             raise TimeoutError(f"condition not met within {timeout_s}s")
         time.sleep(interval_s)
     return time.monotonic() - started
+
+
+# 1,000,000 CJK characters (the default --max-prompt-chars): 3,000,000 tokens for the byte-level
+# test tokenizer, 1.6 million for Qwen2.5's; tokenizing them takes seconds.
+HUGE_TEXT = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(1_000_000))
+
+
+def loop_stall_during(address: str, request: coordinator_pb2.GenerateRequest) -> tuple[float, float, grpc.RpcError]:
+    """Sends ``request`` (one that fails: its prompt is too long for the context) while another
+    client polls GetInfo; returns (seconds the request took, the longest GetInfo call meanwhile,
+    the request's error). A coordinator that tokenized on its event loop answers nobody meanwhile."""
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 16 << 20)]) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10)
+        calls: list[float] = []
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                started = time.perf_counter()
+                stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=60)
+                calls.append(time.perf_counter() - started)
+                time.sleep(0.01)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        started = time.perf_counter()
+        try:
+            stub.Generate(request, timeout=60)
+        except grpc.RpcError as exc:
+            error = exc
+        else:
+            raise AssertionError("the huge prompt was served")
+        finally:
+            took = time.perf_counter() - started
+            done.set()
+            poller.join()
+    return took, max(calls), error

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import fault_cluster, metric, wait_for
+from tests.clusters import HUGE_TEXT, fault_cluster, loop_stall_during, metric, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy, worker_info
@@ -386,3 +386,17 @@ def test_a_cancellation_swallowed_by_a_library_call_still_ends_the_turn(cluster_
     rounds, cancelled = asyncio.run(scenario())
     assert cancelled, f"the turn ran to its end ({rounds} rounds) after its task was cancelled"
     assert rounds <= 2  # the round in flight when the cancel came may still finish
+
+
+def test_a_huge_prompt_does_not_stall_other_requests(cluster_same: LocalCluster, fault_report: dict) -> None:
+    """A prompt is tokenized off the coordinator's event loop: while a 1,000,000-character prompt
+    (the largest allowed) is tokenized, other calls are answered. Before, every other stream,
+    health check and lease renewal waited for it (GetInfo took as long as the whole request)."""
+    took, worst, error = loop_stall_during(cluster_same.address, coordinator_pb2.GenerateRequest(prompt=HUGE_TEXT))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length" in (error.details() or "")
+    assert took > 0.5  # long enough that a stalled event loop would show
+    assert worst < took / 4, (worst, took)
+    fault_report["a 1,000,000-character prompt beside other calls"] = {
+        "request_s": round(took, 3),
+        "worst_other_call_s": round(worst, 3),
+    }

@@ -18,7 +18,7 @@ from specdec.runtime.processing import Processing
 from specdec.tools.launch import LocalCluster
 from specdec.tools.model_fetch import fetch_tokenizer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import wait_for
+from tests.clusters import HUGE_TEXT, loop_stall_during, wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.helpers import RedisServer
 from tests.reference import coordinator_stub, make_request, read_session
@@ -277,6 +277,16 @@ def test_chat_mistakes_are_invalid_argument(chat_cluster: tuple[LocalCluster, st
             stub.Generate(_chat([("user", "hi")]), timeout=60)
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in error.value.details()
         assert not stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10).chat_template
+
+
+def test_a_huge_chat_message_does_not_stall_other_requests(chat_cluster: tuple[LocalCluster, str]) -> None:
+    """The chat template is rendered and tokenized off the coordinator's event loop: while a
+    1,000,000-character message is, other calls are answered (before, they all waited for it)."""
+    cluster, _ = chat_cluster
+    took, worst, error = loop_stall_during(cluster.address, _chat([("user", HUGE_TEXT[4:])]))  # + the role
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length" in (error.details() or "")
+    assert took > 0.5  # long enough that a stalled event loop would show
+    assert worst < took / 4, (worst, took)
 
 
 def test_a_cancelled_chat_turn_restores_the_tokens_and_the_conversation(

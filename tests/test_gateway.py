@@ -376,6 +376,22 @@ def test_engine_rejects_what_it_cannot_honour(
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
 
 
+def test_engine_text_input_is_tokenized_within_the_prompt_limit(
+    engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway
+) -> None:
+    """`text` input gives the reply of its tokens; text over the prompt character limit is refused before
+    it is tokenized (main tokenized it, seconds on the event loop, then refused it as too long)."""
+    prompt = "def fibonacci(n):"
+    params = vllm_pb2.SamplingParams(temperature=0.0, max_tokens=6)
+    reply = list(engine_stub.Generate(vllm_pb2.GenerateRequest(request_id="t", text=prompt, sampling_params=params)))
+    ids = gateway.tokenizer(prompt)["input_ids"]
+    assert list(reply[-1].complete.output_ids) == list(native(gateway, ids, max_new_tokens=6).token_ids)
+    huge = vllm_pb2.GenerateRequest(request_id="huge", text="a" * 1_000_001, sampling_params=params)
+    with pytest.raises(grpc.RpcError) as error:
+        list(engine_stub.Generate(huge, timeout=30))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "the limit is 1000000" in error.value.details()
+
+
 def test_a_five_turn_chat_reuses_the_cached_conversation(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The gateway resends the whole conversation each turn; prefix reuse finds the previous
     turn's cache, so turns 2-5 report cached tokens (at least the previous prompt, in whole

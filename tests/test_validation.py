@@ -37,6 +37,17 @@ def test_oversized_prompt_is_resource_exhausted() -> None:
         parse_request(coordinator_pb2.GenerateRequest(prompt="x" * 1001), LIMITS)
 
 
+def test_oversized_messages_are_resource_exhausted_roles_included() -> None:
+    """A role is rendered and tokenized like the content, so it counts toward the limit too (a
+    message's role could otherwise fill the whole 8 MiB message)."""
+    message = coordinator_pb2.ChatMessage
+    with pytest.raises(RequestTooLarge, match="the messages have 1001 characters"):
+        parse_request(coordinator_pb2.GenerateRequest(messages=[message(role="user", content="x" * 997)]), LIMITS)
+    with pytest.raises(RequestTooLarge, match="the messages have 1002 characters"):
+        parse_request(coordinator_pb2.GenerateRequest(messages=[message(role="u" * 1001, content="x")]), LIMITS)
+    parse_request(coordinator_pb2.GenerateRequest(messages=[message(role="user", content="x" * 996)]), LIMITS)
+
+
 def test_defaults() -> None:
     turn = parse_request(req(), LIMITS)
     assert turn.prompt_ids == (1, 2, 3) and turn.prompt_text is None
