@@ -142,3 +142,33 @@ def test_int8_gives_each_output_row_its_own_scale(tiny_models: TinyModels) -> No
     model = load_model(str(tiny_models.other), LoadOptions(device="cpu", quantize="int8")).model
     schemes = {m.weight().qscheme() for m in model.modules() if hasattr(m, "weight") and callable(m.weight)}
     assert schemes == {torch.per_channel_affine}
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("/no/such/model", "no such directory"),
+        ("./models/qwen", "no such directory"),
+        ("~/models/qwen", "no such directory"),
+        ("models/qwen/", "no such directory"),
+        ("FILE", "is a file"),
+        ("EMPTY_DIR", "holds no tokenizer"),
+        ("TOKENIZER_ONLY", "holds no config.json"),
+    ],
+)
+def test_a_model_source_that_is_not_a_checkpoint_says_so(tmp_path, source: str, expected: str) -> None:  # type: ignore[no-untyped-def]
+    """A mistyped path is reported as such, before Hugging Face takes it for a hub id ("Repo id
+    must use alphanumeric chars ...") or asks for sentencepiece to read a directory that holds
+    no tokenizer at all."""
+    (tmp_path / "FILE").write_text("x")
+    (tmp_path / "EMPTY_DIR").mkdir()
+    build_tokenizer().save_pretrained(tmp_path / "TOKENIZER_ONLY")
+    path = str(tmp_path / source) if source.isupper() else source
+    with pytest.raises(ValueError, match=expected) as error:
+        modeling.load_model(path, modeling.LoadOptions(device="cpu"))
+    assert path in str(error.value)
+    if source != "TOKENIZER_ONLY":  # a tokenizer directory is all a tokenizer needs
+        with pytest.raises(ValueError, match=expected):
+            modeling.load_tokenizer(path)
+    else:
+        assert len(modeling.load_tokenizer(path)) == len(build_tokenizer())

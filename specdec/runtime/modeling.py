@@ -9,6 +9,7 @@ import json
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -142,8 +143,33 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     return _DTYPES[spec]
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_CHECKPOINT_HELP = (
+    "pass a directory holding a Hugging Face checkpoint (config.json, weights, tokenizer files; "
+    "`specdec models fetch` writes some), or a hub id such as Qwen/Qwen2.5-0.5B where the hub is reachable"
+)
+
+
+def check_source(model_id: str, need_config: bool = True) -> None:
+    """Raises ValueError saying what is wrong when ``model_id`` is meant as a local directory (it
+    exists, or it is written as a path) and is not a checkpoint; a hub id is left to the hub."""
+    path = Path(model_id).expanduser()
+    looks_like_a_path = model_id.startswith(("/", ".", "~")) or model_id.endswith("/") or model_id.count("/") > 1
+    if not path.exists():
+        if looks_like_a_path:
+            raise ValueError(f"{model_id}: no such directory; {_CHECKPOINT_HELP}")
+        return
+    if not path.is_dir():
+        raise ValueError(f"{model_id} is a file, not a checkpoint directory; {_CHECKPOINT_HELP}")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(f"{model_id} holds no tokenizer ({' or '.join(_TOKENIZER_FILES)}); {_CHECKPOINT_HELP}")
+    if need_config and not (path / "config.json").is_file():
+        raise ValueError(f"{model_id} holds no config.json, so no model; {_CHECKPOINT_HELP}")
+
+
 def load_tokenizer(model_id: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer stored with a model."""
+    """The tokenizer stored with a model (a directory of tokenizer files will do)."""
+    check_source(model_id, need_config=False)
     return AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
 
 
@@ -189,6 +215,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         raise ValueError("--quantize int8 is a CPU (dynamic quantization) option; use it with --device cpu")
     if options.quantize == "int8" and options.cpu_kernel == "packed":
         raise ValueError("--quantize int8 has its own int8 kernels; use --cpu-kernel auto or torch with it")
+    check_source(model_id)
     tokenizer = load_tokenizer(model_id, options.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=options.trust_remote_code)
     if options.layers:

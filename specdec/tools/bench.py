@@ -184,9 +184,9 @@ class Run:
 def tokenize_prompts(cfg: BenchConfig) -> list[Prompt]:
     """Every workload's prompts as token ids (the same ids go to HF and to the service); an
     instruction workload goes through the target's chat template."""
-    from transformers import AutoTokenizer
+    from specdec.runtime.modeling import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
     prompts = []
     for workload, texts in cfg.workloads.items():
         for i, text in enumerate(texts):
@@ -235,6 +235,7 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
     from transformers import AutoModelForCausalLM
 
     from specdec.runtime.modeling import (
+        check_source,
         quantize_int8,
         release_freed_memory,
         resolve_device,
@@ -244,6 +245,8 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype("auto", device)
+    check_source(cfg.model)
+    check_source(cfg.draft_model)
     target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
     draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=dtype).to(device).eval()
     if cfg.draft_quantize == "int8":
