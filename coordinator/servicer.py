@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -110,8 +111,9 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateStreamResponse]:
         turn = self._turn(request, context)
-        async with self._engine.admitted():
-            async for out in turn.rounds():
+        # closed explicitly: a stream ended at a yield (its client stopped reading) rolls the turn back now
+        async with self._engine.admitted(), contextlib.aclosing(turn.rounds()) as rounds:
+            async for out in rounds:
                 message = coordinator_pb2.GenerateStreamResponse(
                     session_id=request.session_id,
                     token_ids=out.token_ids,

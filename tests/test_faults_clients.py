@@ -9,13 +9,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -399,4 +401,56 @@ def test_a_huge_prompt_does_not_stall_other_requests(cluster_same: LocalCluster,
     fault_report["a 1,000,000-character prompt beside other calls"] = {
         "request_s": round(took, 3),
         "worst_other_call_s": round(worst, 3),
+    }
+
+
+def _stalled_stream(api: str, channel: grpc.Channel) -> Iterator[object]:
+    """A long stream with large messages (top-20 logprobs): the native API on session "stalled",
+    or the vLLM engine API the gateway uses."""
+    if api == "native":
+        logprobs = {"logprobs": True, "top_logprobs": 20, "prompt_logprobs": 20}
+        request = make_request(PROMPT, max_new=200, session_id="stalled", ignore_eos=True, **logprobs)
+        return coordinator_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=60)
+    params = vllm_pb2.SamplingParams(max_tokens=200, ignore_eos=True, logprobs=20, prompt_logprobs=20)
+    engine = vllm_pb2.GenerateRequest(
+        request_id="stalled", tokenized=vllm_pb2.TokenizedInput(input_ids=PROMPT), sampling_params=params, stream=True
+    )
+    return vllm_grpc.VllmEngineStub(channel).Generate(engine, timeout=60)
+
+
+@pytest.mark.parametrize("api", ["native", "engine"])
+def test_a_client_that_stops_reading_a_stream_loses_its_turn(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict, api: str
+) -> None:
+    """A client that stops reading a stream (here with a 1 KiB flow-control window, as any client
+    may set) blocks the coordinator's writes; before, a native turn then held its admission slot,
+    its session's lease (renewed for ever) and both workers' caches for as long as the connection
+    lived, and an engine-API call (its turn done) stayed in flight, holding up a drain. Past
+    --stream-write-timeout-s without a message taken the call ends with DEADLINE_EXCEEDED: a
+    native turn rolls back, and the session can be used at once."""
+    args = ["--stream-write-timeout-s", "1"]
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, coordinator_args=args) as cluster:
+        options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+        with grpc.insecure_channel(cluster.address, options=options) as channel:
+            stream = _stalled_stream(api, channel)
+            next(stream)  # then read nothing
+            started = time.monotonic()
+            # the native turn is held at its blocked write and rolled back; an engine request runs
+            # on in its own task (its chunks queue up) and, one-shot, keeps its caches for reuse
+            freed = wait_for(lambda: idle(cluster, kept=0 if api == "native" else 2), 10, 0.05)
+            time.sleep(max(0.0, 1.5 - (time.monotonic() - started)))  # past the write timeout
+            with pytest.raises(grpc.RpcError) as error:
+                list(stream)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "stopped reading" in (error.value.details() or "")
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            again = stub.Generate(make_request(PROMPT, max_new=8, session_id="stalled", ignore_eos=True), timeout=30)
+        assert again.usage.prompt_tokens == len(PROMPT)  # the stalled turn left nothing in the session
+        assert list(again.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
+    assert (1 if api == "native" else 0) <= freed < 5, freed  # native: ended by the write timeout
+    fault_report[f"a client that stops reading a stream ({api})"] = {
+        "write_timeout_s": 1,
+        "freed_after_s": round(freed, 3),
+        "waited_s": round(time.monotonic() - started, 3),
     }

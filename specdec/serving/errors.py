@@ -65,6 +65,12 @@ class DeadlineExceeded(SpecdecError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class ClientStalled(SpecdecError):
+    """The client took none of a stream's messages for too long (it stopped reading)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class WorkerTimedOut(WorkerUnavailable):
     """A worker call ran out of time (the worker is slow or hung, or the caller's deadline hit)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specdec.serving.errors import NotServing, SpecdecError
+from specdec.serving.errors import ClientStalled, NotServing, SpecdecError
 from specdec.serving.metrics import start_metrics
 from specdec.serving.security import Authenticator, ServerTls, caller_identity, load_tokens
 from specdec.serving.settings import ServiceSettings
@@ -103,17 +104,37 @@ def _wrap_unary(
     return handler
 
 
+async def _write(context: grpc.aio.ServicerContext, item: Any, timeout_s: float) -> None:
+    """Sends one stream message; a client that takes none of it within ``timeout_s`` (it stopped
+    reading, and flow control holds the write) is ClientStalled."""
+    if not timeout_s:
+        await context.write(item)
+        return
+    try:
+        await asyncio.wait_for(context.write(item), timeout_s)
+    except TimeoutError:
+        raise ClientStalled(
+            f"the client took no message of this stream for {timeout_s:g} s (it stopped reading); the call was ended"
+        ) from None
+
+
 def _wrap_stream(
-    fn: Callable[[Any, Any], AsyncIterator[Any]], method: str, control: ServerControl, auth: Authenticator
-) -> Callable[[Any, Any], AsyncIterator[Any]]:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    fn: Callable[[Any, Any], AsyncIterator[Any]],
+    method: str,
+    control: ServerControl,
+    auth: Authenticator,
+    write_timeout_s: float,
+) -> Callable[[Any, Any], Awaitable[None]]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
         with structlog.contextvars.bound_contextvars(rpc=method):
             try:
                 _authenticate(auth, context)
                 control.enter()
                 try:
-                    async for item in fn(request, context):
-                        yield item
+                    # closed at once on any way out, so the work behind the stream (a turn) ends now
+                    async with contextlib.aclosing(fn(request, context)) as items:
+                        async for item in items:
+                            await _write(context, item, write_timeout_s)
                 finally:
                     control.exit()
             except Exception as exc:
@@ -129,9 +150,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     Health passes through untouched (probes carry no credentials).
     """
 
-    def __init__(self, control: ServerControl, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self, control: ServerControl, auth: Authenticator | None = None, stream_write_timeout_s: float = 0.0
+    ) -> None:
         self._control = control
         self._auth = auth or Authenticator()
+        self._write_timeout_s = stream_write_timeout_s
 
     async def intercept_service(
         self,
@@ -151,12 +175,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             wrapped = _wrap_unary(handler.unary_unary, name, control, auth)
             return grpc.unary_unary_rpc_method_handler(wrapped, **codec)
         if handler.unary_stream:
-            wrapped = _wrap_stream(handler.unary_stream, name, control, auth)
+            wrapped = _wrap_stream(handler.unary_stream, name, control, auth, self._write_timeout_s)
             return grpc.unary_stream_rpc_method_handler(wrapped, **codec)
         if handler.stream_unary:
             wrapped = _wrap_unary(handler.stream_unary, name, control, auth)
             return grpc.stream_unary_rpc_method_handler(wrapped, **codec)
-        wrapped = _wrap_stream(handler.stream_stream, name, control, auth)
+        wrapped = _wrap_stream(handler.stream_stream, name, control, auth, self._write_timeout_s)
         return grpc.stream_stream_rpc_method_handler(wrapped, **codec)
 
 
@@ -253,7 +277,8 @@ def _local_server(
     token (they share the anonymous session namespace)."""
     if settings.local_port is None:
         return None
-    local = grpc.aio.server(interceptors=[ErrorInterceptor(control)], options=channel_options(settings))
+    interceptor = ErrorInterceptor(control, stream_write_timeout_s=settings.stream_write_timeout_s)
+    local = grpc.aio.server(interceptors=[interceptor], options=channel_options(settings))
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, local)
     spec.register(local)
     return local
@@ -288,7 +313,8 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
     except ValueError as exc:
         log.error("invalid_security_settings", error=str(exc))
         return 2
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(control, auth)], options=channel_options(settings))
+    interceptor = ErrorInterceptor(control, auth, settings.stream_write_timeout_s)
+    server = grpc.aio.server(interceptors=[interceptor], options=channel_options(settings))
     health_state = Health(spec.service_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     spec.register(server)

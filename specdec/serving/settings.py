@@ -31,6 +31,12 @@ class ServiceSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["json", "console"] = Field("json", description="log line format")
     grace_period_s: float = Field(20.0, ge=0, description="on SIGTERM, time for in-flight RPCs to finish")
+    stream_write_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="a stream message the client takes none of for this long ends the call "
+        "(it stopped reading; its turn is rolled back); 0 = wait for ever",
+    )
     ready_file: str | None = Field(
         None, description='write {"port": N} to this file once serving (for launchers and tests)'
     )
