@@ -33,6 +33,7 @@ from coordinator.engine import Engine
 from coordinator.turn import Finish, RoundOutput, Turn, tokenize
 from coordinator.validation import parse_request
 from specdec.serving.errors import InvalidRequest, RequestTooLarge, Unsupported
+from specdec.serving.security import caller_identity
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -169,7 +170,9 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._started = time.monotonic()
-        self._running: dict[str, list[asyncio.Task[None]]] = {}
+        # (caller, request id) -> the running completions' tasks: like session ids, request ids
+        # are the caller's own, so one caller's Abort never reaches another's request
+        self._running: dict[tuple[str, str], list[asyncio.Task[None]]] = {}
         self._throughput = (time.monotonic(), 0.0)
         self._tokenizer_zip: tuple[bytes, str] | None = None
 
@@ -199,7 +202,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         # (the prompt is computed once, as vLLM's parallel sampling does).
         tasks = [asyncio.create_task(self._run(0, completions[0].turn, queue))]
         waiting = list(enumerate(completions))[1:]
-        request_id = request.request_id
+        request_id = (caller_identity.get(), request.request_id)
         self._running.setdefault(request_id, []).extend(tasks)
         try:
             pending = n
@@ -301,10 +304,11 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         return vllm_pb2.GenerateResponse(complete=complete)
 
     async def Abort(self, request: vllm_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> vllm_pb2.AbortResponse:
-        """Cancels the named requests' turns: each is rolled back and its caches freed, as for a
-        cancelled native stream (the gateway sends this on a client disconnect)."""
+        """Cancels the caller's named requests' turns: each is rolled back and its caches freed, as
+        for a cancelled native stream (the gateway sends this on a client disconnect)."""
+        caller = caller_identity.get()
         for request_id in request.request_ids:
-            for task in self._running.get(request_id, []):
+            for task in self._running.get((caller, request_id), []):
                 task.cancel()
         return vllm_pb2.AbortResponse()
 

@@ -179,6 +179,34 @@ def test_sessions_are_bound_to_their_caller(secure: SecureCluster) -> None:
         assert closed.existed
 
 
+def test_engine_request_ids_are_bound_to_their_caller(secure: SecureCluster, tiny_models: TinyModels) -> None:
+    """The engine API's Abort names request ids, which clients choose: like session ids they are
+    per caller, so bob aborting "req-1" leaves alice's "req-1" running (before, it was cancelled)."""
+    alice, bob = ([("authorization", f"Bearer {token}")] for token in (ALICE, BOB))
+    params = vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    request = vllm_engine_pb2.GenerateRequest(
+        request_id="req-1",
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=PROMPT),
+        sampling_params=params,
+        stream=True,
+    )
+    with secure.channel() as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        stream = stub.Generate(request, metadata=alice, timeout=60)
+        first = next(stream)
+        stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=["req-1"]), metadata=bob, timeout=10)
+        rest = list(stream)
+    assert rest[-1].complete.finish_reason == "length"
+    tokens = [t for r in [first, *rest] if r.HasField("chunk") for t in r.chunk.token_ids]
+    assert tokens == reference_greedy(str(tiny_models.target), tuple(PROMPT), 200, ignore_eos=True)
+    with secure.channel() as channel:  # and alice's own Abort still works
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        stream = stub.Generate(request, metadata=alice, timeout=60)
+        next(stream)
+        stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=["req-1"]), metadata=alice, timeout=10)
+        assert list(stream)[-1].complete.finish_reason == "abort"
+
+
 def _target_stub(secure: SecureCluster, cert: tuple[Path, Path] | None) -> tuple[grpc.Channel, object]:
     key_pem = cert[1].read_bytes() if cert else None
     chain_pem = cert[0].read_bytes() if cert else None
