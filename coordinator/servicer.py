@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from coordinator.engine import Engine
-from coordinator.turn import Finish, Turn
-from coordinator.validation import parse_request
+from coordinator.turn import Finish, RoundOutput, Turn
+from coordinator.validation import Limits, parse_request
+from specdec.serving.errors import ReplyTooLarge
 from specdec.serving.security import caller_identity, scoped_session_id
 from specdec.serving.session_ids import check_session_id
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -67,6 +68,33 @@ def _set_matched_stop(
         message.stop_token_id = turn.stop_token_id
 
 
+_REPLY_OVERHEAD = 4096  # usage, stats, seed, stop, field tags: well under this
+_TEXT_PER_TOKEN = 64  # bytes of text one token may add to a reply, allowed for (generously)
+
+
+def _entry_bytes(entries: Sequence[common_pb2.TokenLogprob]) -> int:
+    return sum(entry.ByteSize() + 4 for entry in entries)  # + its tag and length in the reply
+
+
+def _round_bytes(out: RoundOutput) -> int:
+    """What one round adds to a unary reply."""
+    text = len(out.text.encode())
+    return _entry_bytes(out.logprobs) + _entry_bytes(out.prompt_logprobs) + 5 * len(out.token_ids) + text
+
+
+def _round_reserve(turn: Turn, limits: Limits) -> int:
+    """At most what one more round can add to a unary reply: its tokens, their text and entries."""
+    tokens = max(limits.max_k, limits.lookup_max_tokens) + 1
+    entry = 0
+    if turn.request.logprobs:
+        widest = common_pb2.TopLogprob(token_id=limits.vocab_size - 1, logprob=-1.0)
+        sample = common_pb2.TokenLogprob(
+            token_id=limits.vocab_size - 1, logprob=-1.0, top=[widest] * turn.request.top_logprobs
+        )
+        entry = sample.ByteSize() + 4
+    return tokens * (entry + 5 + _TEXT_PER_TOKEN) + _REPLY_OVERHEAD
+
+
 class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -86,13 +114,25 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
         logprobs: list[common_pb2.TokenLogprob] = []
         prompt_logprobs: list[common_pb2.TokenLogprob] = []
         finish = None
-        async with self._engine.admitted():
-            async for out in turn.rounds():
+        # One message carries every round: past what leaves room for one more round under the
+        # message limit, the turn ends unfinished (rolled back) rather than finishing into a reply
+        # that cannot be sent.
+        room = self._engine.settings.max_message_bytes - _round_reserve(turn, self._engine.limits)
+        size = 0
+        async with self._engine.admitted(), contextlib.aclosing(turn.rounds()) as rounds:
+            async for out in rounds:
                 token_ids += out.token_ids
                 text.append(out.text)
                 logprobs += out.logprobs
                 prompt_logprobs += out.prompt_logprobs
                 finish = out.finish
+                size += _round_bytes(out)
+                if finish is None and size > room:
+                    raise ReplyTooLarge(
+                        f"the reply would be larger than the coordinator's message limit "
+                        f"({self._engine.settings.max_message_bytes:,} bytes, --max-message-bytes): use "
+                        "GenerateStream (a message per round), ask for fewer top_logprobs or tokens, or raise the limit"
+                    )
         reply = coordinator_pb2.GenerateResponse(
             session_id=request.session_id,
             token_ids=token_ids,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
-from specdec.serving.errors import WorkerFailed, WorkerTimedOut, WorkerUnavailable
+from specdec.serving.errors import ReplyTooLarge, WorkerFailed, WorkerTimedOut, WorkerUnavailable
 from specdec.serving.security import ClientSecurity
 from specdec.serving.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -28,6 +29,10 @@ _RECONNECT_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 # Codes after which another replica may succeed; anything else is the worker failing the request.
+_TOO_LARGE = (
+    "the target's reply to this request is larger than the coordinator accepts ({}): ask for fewer "
+    "prompt_logprobs / top_logprobs, send a shorter prompt, or raise the coordinator's --max-message-bytes"
+)
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 # Codes that say the worker (or the way to it) is unavailable, not that one request was bad.
 _WORKER_FAULTS = {
@@ -129,6 +134,10 @@ class TargetClient:
             log.warning("target_call_failed", address=self.address, code=exc.code().name, details=exc.details())
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise WorkerTimedOut("the target worker is unavailable; retry later") from exc
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (exc.details() or ""):
+                sizes = re.search(r"larger than max \((\d+) vs\. (\d+)\)", exc.details() or "")
+                size = f"{int(sizes[1]):,} bytes, the limit {int(sizes[2]):,}" if sizes else "over the limit"
+                raise ReplyTooLarge(_TOO_LARGE.format(size)) from exc
             if exc.code() in _RETRYABLE:
                 raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
             raise WorkerFailed("the target worker failed while processing the request") from exc

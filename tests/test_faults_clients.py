@@ -454,3 +454,30 @@ def test_a_client_that_stops_reading_a_stream_loses_its_turn(
         "freed_after_s": round(freed, 3),
         "waited_s": round(time.monotonic() - started, 3),
     }
+
+
+def test_a_unary_reply_over_the_message_limit_rolls_the_turn_back(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """A unary reply carries every round's logprobs in one message; one that would outgrow the
+    coordinator's --max-message-bytes (here 20,000 bytes; 150 tokens at top 20 are about 30,000)
+    ends the turn with RESOURCE_EXHAUSTED before it finishes, so the session is rolled back like
+    any failed turn. Before, the turn finished and committed, and then the reply could not be
+    sent: the caller got an error for a turn its session had kept. A stream (a message per
+    round) serves the same request."""
+    args = ["--max-message-bytes", "20000"]
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, coordinator_args=args) as cluster:
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            first = make_request(PROMPT, max_new=4, session_id="limit", ignore_eos=True)
+            history = [*PROMPT, *stub.Generate(first, timeout=30).token_ids, 9]
+            big = make_request([9], max_new=150, session_id="limit", ignore_eos=True, logprobs=True, top_logprobs=20)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Generate(big, timeout=30)
+            after = stub.Generate(make_request([9], max_new=4, session_id="limit", ignore_eos=True), timeout=30)
+            big.session_id = "limit-stream"
+            streamed = list(stub.GenerateStream(big, timeout=30))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # the big turn left nothing behind: the session goes on from its first turn
+        assert list(after.token_ids) == reference_greedy(str(tiny_models.target), tuple(history), 4, ignore_eos=True)
+        assert "GenerateStream" in (error.value.details() or "")
+        assert sum(len(m.token_ids) for m in streamed) == 150
+        assert sum(len(m.logprobs) for m in streamed) == 150

@@ -257,3 +257,33 @@ def test_adversarial_drafts_keep_output_and_cache_lengths(
         "target_cache_len": record.target.length,
         "committed": committed,
     }
+
+
+def test_a_reply_over_the_message_limit_is_that_requests_error(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """Prompt logprobs can make the target's reply larger than the coordinator accepts
+    (--max-message-bytes, here 20,000 bytes: a 150-token prompt at top 20 is about 35,000). That is
+    the request's own limit, not a replica fault: RESOURCE_EXHAUSTED saying what to change, no
+    replica marked down, no session moved. Before, the coordinator took it for the replica being
+    unavailable: it marked the replicas down (four failovers, the prompt scored four times) and
+    answered UNAVAILABLE, "retry later", which would fail again."""
+    args = ["--max-message-bytes", "20000"]
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, targets=2, coordinator_args=args) as cluster:
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            history = [*PROMPT, 7, 8]
+            stub.Generate(make_request(history, max_new=4, session_id="bystander", ignore_eos=True), timeout=30)
+            prompt = [5 + i % 50 for i in range(150)]
+            big = make_request(prompt, max_new=4, ignore_eos=True, prompt_logprobs=20)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Generate(big, timeout=30)
+            small = stub.Generate(make_request(prompt, max_new=4, ignore_eos=True, prompt_logprobs=1), timeout=30)
+            after = stub.Generate(make_request([9], max_new=4, session_id="bystander", ignore_eos=True), timeout=30)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-message-bytes" in (error.value.details() or "")
+        assert "prompt_logprobs" in (error.value.details() or "")
+        assert len(small.prompt_logprobs) == len(prompt)  # a smaller ask of the same prompt is served
+        assert metric(cluster, "coordinator", "specdec_target_failovers_total") == 0
+        assert after.stats.cache_resyncs == 0 and after.usage.cached_tokens > 0
+    fault_report["a reply over the coordinator's message limit"] = {"details": error.value.details(), "failovers": 0}

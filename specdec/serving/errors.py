@@ -23,6 +23,11 @@ class RequestTooLarge(SpecdecError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class ReplyTooLarge(RequestTooLarge):
+    """A worker's reply to this request is larger than the coordinator accepts (its own limit,
+    not a worker fault)."""
+
+
 class Overloaded(SpecdecError):
     """The server is at its admission limit; retry with backoff."""
 
