@@ -28,11 +28,13 @@ _RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-# Codes after which another replica may succeed; anything else is the worker failing the request.
+# A reply over the coordinator's receive limit (gRPC: RESOURCE_EXHAUSTED, "... larger than max
+# (N vs. M)") is the request's own limit, not the worker's fault.
 _TOO_LARGE = (
     "the target's reply to this request is larger than the coordinator accepts ({}): ask for fewer "
     "prompt_logprobs / top_logprobs, send a shorter prompt, or raise the coordinator's --max-message-bytes"
 )
+# Codes after which another replica may succeed; anything else is the worker failing the request.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 # Codes that say the worker (or the way to it) is unavailable, not that one request was bad.
 _WORKER_FAULTS = {
