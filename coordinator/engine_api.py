@@ -31,8 +31,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from coordinator.engine import Engine
 from coordinator.turn import Finish, RoundOutput, Turn, tokenize
-from coordinator.validation import parse_request
-from specdec.serving.errors import InvalidRequest, RequestTooLarge, Unsupported
+from coordinator.validation import check_prompt_chars, parse_request
+from specdec.serving.errors import InvalidRequest, Unsupported
 from specdec.serving.security import caller_identity
 from specdec.v1 import common_pb2, coordinator_pb2
 
@@ -62,9 +62,7 @@ async def _prompt_ids(request: vllm_pb2.GenerateRequest, engine: Engine) -> list
     if kind == "tokenized":
         ids = list(request.tokenized.input_ids)
     elif kind == "text":
-        limit = engine.limits.max_prompt_chars
-        if len(request.text) > limit:
-            raise RequestTooLarge(f"text has {len(request.text)} characters; the limit is {limit}")
+        check_prompt_chars("text has", len(request.text), engine.limits)
         ids = await asyncio.to_thread(tokenize, engine.deps.tokenizer, request.text)  # off the event loop
     else:
         raise InvalidRequest("the request has no input: set `tokenized` or `text`")

@@ -316,20 +316,21 @@ class Turn:
         must fit as it is."""
         req, limit = self.request, self.deps.limits.max_context_len
         room = limit - history - prompt
-        if not req.max_new_tokens_set and req.max_new_tokens > room:
-            if room < max(1, req.min_tokens):
-                raise InvalidRequest(
-                    f"session history ({history}) + prompt ({prompt}) tokens leave no room for a reply"
-                    f"{f' of min_tokens ({req.min_tokens})' if req.min_tokens else ''} in the context length "
-                    f"{limit}; shorten the prompt{' or lower min_tokens' if req.min_tokens else ''}"
-                )
-            self.request = dataclasses.replace(req, max_new_tokens=room)
-        elif req.max_new_tokens > room:
+        if req.max_new_tokens <= room:
+            return
+        if req.max_new_tokens_set:
             raise InvalidRequest(
                 f"session history ({history}) + prompt ({prompt}) + max_new_tokens ({req.max_new_tokens}) "
                 f"= {history + prompt + req.max_new_tokens} tokens exceeds the context length {limit}; "
                 "shorten the prompt or lower max_new_tokens"
             )
+        if room < max(1, req.min_tokens):
+            raise InvalidRequest(
+                f"session history ({history}) + prompt ({prompt}) tokens leave no room for a reply"
+                f"{f' of min_tokens ({req.min_tokens})' if req.min_tokens else ''} in the context length "
+                f"{limit}; shorten the prompt{' or lower min_tokens' if req.min_tokens else ''}"
+            )
+        self.request = dataclasses.replace(req, max_new_tokens=room)
 
     def _plan(self) -> tuple[Plan, LookupDraft]:
         """This round's proposer and K, and the lookup draft on offer (if the method uses one)."""

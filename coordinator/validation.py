@@ -105,16 +105,20 @@ def _check_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
 MAX_MESSAGES = 1024
 
 
+def check_prompt_chars(what: str, chars: int, limits: Limits, counted: str = "") -> None:
+    """Text to tokenize (or render) is held to ``max_prompt_chars`` before any work is done on it;
+    ``counted`` says what the count covers, where that is not plain."""
+    if chars > limits.max_prompt_chars:
+        raise RequestTooLarge(f"{what} {chars} characters{counted}; the limit is {limits.max_prompt_chars}")
+
+
 def _messages(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple[tuple[str, str], ...]:
     if request.WhichOneof("input") is not None:
         raise InvalidRequest("set either `messages` or a prompt (`prompt` / `prompt_token_ids`), not both")
     if len(request.messages) > MAX_MESSAGES:
         raise InvalidRequest(f"messages has {len(request.messages)} entries; at most {MAX_MESSAGES} are allowed")
     chars = sum(len(m.role) + len(m.content) for m in request.messages)  # both are rendered and tokenized
-    if chars > limits.max_prompt_chars:
-        raise RequestTooLarge(
-            f"the messages have {chars} characters (roles and contents); the limit is {limits.max_prompt_chars}"
-        )
+    check_prompt_chars("the messages have", chars, limits, " (roles and contents)")
     for index, message in enumerate(request.messages):
         if not message.role:
             raise InvalidRequest(f"messages[{index}].role is empty; use e.g. 'system', 'user' or 'assistant'")
@@ -124,10 +128,7 @@ def _messages(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple
 def _prompt(request: coordinator_pb2.GenerateRequest, limits: Limits) -> tuple[str | None, tuple[int, ...] | None]:
     kind = request.WhichOneof("input")
     if kind == "prompt" and request.prompt:
-        if len(request.prompt) > limits.max_prompt_chars:
-            raise RequestTooLarge(
-                f"prompt has {len(request.prompt)} characters; the limit is {limits.max_prompt_chars}"
-            )
+        check_prompt_chars("prompt has", len(request.prompt), limits)
         return request.prompt, None
     if kind == "prompt_token_ids" and request.prompt_token_ids.ids:
         ids = tuple(request.prompt_token_ids.ids)
