@@ -219,7 +219,10 @@ class Turn:
         self._dirty = True  # the prompt commit may apply even if we never see its reply
         chat = None if self._chat is None else json.dumps(self._chat)
         truncate = kept if self._replaced else None
-        await self._commit(Commit(record.version, f"{self.owner}:prompt", prompt, truncate_to=truncate, chat=chat))
+        opening = Commit(
+            record.version, f"{self.owner}:prompt", prompt, truncate_to=truncate, chat=chat, opens_turn=True
+        )
+        await self._commit(opening)
         self._committed = [*record.tokens[:kept], *prompt]
         self.workers.restore(_upto(record.target, kept), _upto(record.draft, kept))
         if not kept and self.deps.prefix_block:  # nothing of this session cached: a shared prefix may be
@@ -391,7 +394,10 @@ class Turn:
         if finish is not None and self._chat is not None:  # the reply joins the conversation
             chat = json.dumps([*self._chat, {"role": "assistant", "content": self._reply.text}])
         step = f"{self.owner}:{self._round}"
-        await self._commit(Commit(self._version, step, tokens, target=target, draft=draft, chat=chat))
+        closes = finish is not None
+        await self._commit(
+            Commit(self._version, step, tokens, target=target, draft=draft, chat=chat, closes_turn=closes)
+        )
         self._account(
             proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000, source
         )  # fmt: skip
@@ -556,8 +562,9 @@ class Turn:
         self.workers.forget_caches()
         target, draft = self.workers.locations()
         commit = Commit(
-            None, f"{self.owner}:rollback", self._replaced, self._kept, target, draft, chat=self._chat_before
-        )
+            None, f"{self.owner}:rollback", self._replaced, self._kept, target, draft, chat=self._chat_before,
+            closes_turn=True,
+        )  # fmt: skip
         return await self.deps.store.commit(self.session_id, self.owner, commit)
 
 

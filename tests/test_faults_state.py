@@ -308,3 +308,75 @@ def test_a_failed_or_cancelled_turn_is_rolled_back_and_the_session_free_at_once(
         "session_free_after_s": freed_after,
         "next_turn_identical_output": True,
     }
+
+
+def _after_the_dead_lease(call: Callable[[], object], timeout_s: float = 30) -> object:
+    """``call()``, retried while the session is still leased to the turn that died (ABORTED)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ABORTED or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_a_turn_whose_coordinator_died_is_undone_before_the_next_one(
+    tmp_path: Path,
+    tiny_models: TinyModels,
+    redis_server: RedisServer,
+    routes: Callable[..., ProxyRoutes],
+    fault_report: dict,
+) -> None:
+    """The coordinator is SIGKILLed mid-turn: no rollback runs, and the turn's prompt and rounds are
+    already committed. When the dead turn's lease has lapsed, the next request on the session finds
+    it unfinished and undoes it first: the session is what it was before that turn (a turn is
+    atomic), and a session that the dead turn created is gone, as after any failed first turn."""
+    lease = ["--session-lease-s", "4", "--worker-timeout-s", "2", "--state-retry-s", "1"]
+    with fault_cluster(
+        tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url, route=routes(0.03),
+        coordinator_args=lease,
+    ) as cluster:  # fmt: skip
+        coordinator = cluster.processes["coordinator"]
+
+        def killed_mid_turn(session: str, prompt: list[int]) -> None:
+            with grpc.insecure_channel(cluster.address) as channel:
+                request = make_request(prompt, session_id=session, max_new=200, ignore_eos=True)
+                stream = coordinator_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=60)
+                next(stream)
+                next(stream)
+                coordinator.restart()  # SIGKILL, then a fresh process on the same port
+
+        with grpc.insecure_channel(cluster.address) as channel:
+            first = coordinator_pb2_grpc.GenerationStub(channel).Generate(
+                make_request(PROMPT, session_id="kept", max_new=5, ignore_eos=True), timeout=30
+            )
+        history = [*PROMPT, *first.token_ids]
+        killed_mid_turn("kept", [1, 2])
+        dead_turn = read_session(redis_server.url, "kept").tokens
+        assert dead_turn[: len(history) + 2] == [*history, 1, 2] and len(dead_turn) > len(history) + 2
+        killed_mid_turn("made", [7, 8])
+        assert read_session(redis_server.url, "made").tokens[:2] == [7, 8]
+
+        started = time.monotonic()
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            follow = make_request([3, 4], session_id="kept", max_new=4, ignore_eos=True)
+            follow.require_existing_session = True
+            reply = _after_the_dead_lease(lambda: stub.Generate(follow, timeout=30))
+            waited = time.monotonic() - started
+            expected = reference_greedy(str(tiny_models.target), (*history, 3, 4), 4, ignore_eos=True)
+            assert list(reply.token_ids) == expected
+            assert read_session(redis_server.url, "kept").tokens == [*history, 3, 4, *expected]
+            again = make_request([9], session_id="made", max_new=2, ignore_eos=True)
+            again.require_existing_session = True
+            with pytest.raises(grpc.RpcError) as err:
+                _after_the_dead_lease(lambda: stub.Generate(again, timeout=30))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+    fault_report["coordinator SIGKILLed mid-turn"] = {
+        "dead_turn_tokens_committed": len(dead_turn) - len(history),
+        "undone_at_next_turn": True,
+        "next_turn_served_after_s": round(waited, 2),
+        "created_session_removed": True,
+    }

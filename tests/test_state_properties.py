@@ -28,11 +28,13 @@ TOKENS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=5)
 
 
 class StoreMachine(RuleBasedStateMachine):
-    """Random sequences of commits, retries, stale writes, rollbacks and foreign writers.
+    """Random sequences of commits, retries, stale writes, rollbacks, foreign writers, and turns
+    that open, close or are abandoned (their owner gone without closing them; the next owner's
+    acquire undoes them).
 
     Invariants: the store equals a simple model; the version grows by exactly one per applied
-    commit; the committed length shrinks only through an explicit rollback; recorded cache
-    lengths never exceed the committed length.
+    commit (and per undo); the committed length shrinks only through an explicit rollback or an
+    undo; recorded cache lengths never exceed the committed length.
     """
 
     url = "memory://"
@@ -50,6 +52,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.recent: list[Commit] = []
         self.last_len = 0
         self.last_was_rollback = False
+        self.owner = f"{self.session}-0"  # a released owner name is refused for good: unique ones
+        self.owners = itertools.count(1)
+        self.before_turn: tuple[list[int], int] | None = None  # the open turn's tokens and version before it
 
     def run(self, coro):  # type: ignore[no-untyped-def]
         return self.loop.run_until_complete(coro)
@@ -61,10 +66,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize()
     def create(self) -> None:
-        self.run(self.store.acquire(self.session, "owner", create=True))
+        self.run(self.store.acquire(self.session, self.owner, create=True))
 
     def _apply(self, commit: Commit) -> None:
-        result = self.run(self.store.commit(self.session, "owner", commit))
+        if commit.opens_turn:
+            self.before_turn = (list(self.tokens), self.version)
+        if commit.closes_turn:
+            self.before_turn = None
+        result = self.run(self.store.commit(self.session, self.owner, commit))
         assert result.outcome is CommitOutcome.APPLIED
         assert result.version == self.version + 1
         self.version = result.version
@@ -86,19 +95,48 @@ class StoreMachine(RuleBasedStateMachine):
         cut = data.draw(st.integers(0, len(self.tokens)))
         self._apply(Commit(self.version, f"s{next(self.steps)}", append, truncate_to=cut))
 
+    @precondition(lambda self: self.before_turn is None)
+    @rule(append=TOKENS, data=st.data())
+    def open_turn(self, append: list[int], data: st.DataObject) -> None:
+        cut = data.draw(st.one_of(st.none(), st.integers(0, len(self.tokens))))
+        self._apply(Commit(self.version, f"s{next(self.steps)}", append, truncate_to=cut, opens_turn=True))
+
+    @precondition(lambda self: self.before_turn is not None)
+    @rule(append=TOKENS)
+    def close_turn(self, append: list[int]) -> None:
+        self._apply(Commit(self.version, f"s{next(self.steps)}", append, closes_turn=True))
+
+    @rule()
+    def next_owner(self) -> None:
+        """The owner goes without closing its turn (released: its lease is free at once); the
+        next owner's acquire undoes that turn, or deletes the session the turn created."""
+        self.run(self.store.release(self.session, self.owner))
+        self.owner = f"{self.session}-{next(self.owners)}"
+        record = self.run(self.store.acquire(self.session, self.owner, create=True))
+        if self.before_turn is not None:
+            tokens, version = self.before_turn
+            self.tokens, self.version = tokens, 0 if version == 0 else self.version + 1
+            if version == 0:
+                self.recent = []
+            self.last_was_rollback = True
+        self.before_turn = None
+        assert record.tokens == self.tokens and record.version == self.version
+
     @precondition(lambda self: bool(self.recent))
     @rule(data=st.data())
     def retry_recent(self, data: st.DataObject) -> None:
         """Re-sending any of the recent commits (a reply was lost) reports it applied, changes nothing."""
         commit = data.draw(st.sampled_from(self.recent))
-        result = self.run(self.store.commit(self.session, "owner", commit))
+        result = self.run(self.store.commit(self.session, self.owner, commit))
         assert result.outcome is CommitOutcome.ALREADY_APPLIED and result.version == self.version
 
     @precondition(lambda self: self.version > 0)
     @rule(append=TOKENS)
     def stale(self, append: list[int]) -> None:
         with pytest.raises(StateConflict):
-            self.run(self.store.commit(self.session, "owner", Commit(self.version - 1, f"s{next(self.steps)}", append)))
+            self.run(
+                self.store.commit(self.session, self.owner, Commit(self.version - 1, f"s{next(self.steps)}", append))
+            )
 
     @rule(append=TOKENS)
     def foreign_owner(self, append: list[int]) -> None:
@@ -110,7 +148,7 @@ class StoreMachine(RuleBasedStateMachine):
         target = CacheLocation("t:1", len(self.tokens) + extra)
         with pytest.raises(ValueError):
             self.run(
-                self.store.commit(self.session, "owner", Commit(self.version, f"s{next(self.steps)}", target=target))
+                self.store.commit(self.session, self.owner, Commit(self.version, f"s{next(self.steps)}", target=target))
             )
 
     @invariant()

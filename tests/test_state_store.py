@@ -267,3 +267,110 @@ async def test_prefixes_are_found_longest_first(store: StateStore) -> None:
     assert await store.find_prefix(keys[:3]) == (2, long)
     assert await store.find_prefix(keys[:2]) == (1, short)
     assert await store.find_prefix(block_hashes([*tokens[:16], 999, *tokens[17:]], 16)) == (0, short)
+
+
+async def _finished_turn(store: StateStore, session: str, owner: str, prompt: list[int], reply: list[int]) -> int:
+    """A whole turn as the coordinator runs it: acquire, open, a closing round, release."""
+    record = await store.acquire(session, owner, create=True)
+    opening = Commit(record.version, f"{owner}:p", prompt, opens_turn=True)
+    version = (await store.commit(session, owner, opening)).version
+    closing = Commit(version, f"{owner}:1", reply, target=CacheLocation("t", 2), closes_turn=True)
+    version = (await store.commit(session, owner, closing)).version
+    await store.release(session, owner)
+    return version
+
+
+async def _open_turn(store: StateStore, session: str, owner: str, version: int, prompt: list[int]) -> int:
+    """A turn that takes the session and commits its prompt, and then nothing more."""
+    await store.acquire(session, owner, create=False)
+    return (await store.commit(session, owner, Commit(version, f"{owner}:p", prompt, opens_turn=True))).version
+
+
+def _owners(session: str) -> list[str]:
+    """Owner names of this test's turns (a released owner's name is never usable again)."""
+    return [f"{name}-{session}" for name in "abcd"]
+
+
+async def test_a_turn_left_open_is_undone_by_the_next_acquire(store: StateStore) -> None:
+    """A turn whose request died after some rounds (no rollback) and whose lease was released: the
+    next acquire finds the session as it was before that turn, cache lengths 0, chat restored; the
+    dead owner's later commits are refused."""
+    session = sid()
+    a, b, c, d = _owners(session)
+    version = await _finished_turn(store, session, a, [1, 2], [3])
+    await store.acquire(session, b, create=False)
+    opening = Commit(version, "b:p", [9, 4], truncate_to=2, chat='[{"role": "user"}]', opens_turn=True)
+    version = (await store.commit(session, b, opening)).version
+    await store.commit(session, b, Commit(version, "b:1", [5, 6], target=CacheLocation("t", 6)))
+    await store.release(session, b)  # the rollback never ran (its coordinator died, or the store was down)
+    left = await store.get(session)
+    assert left is not None and left.tokens == [1, 2, 9, 4, 5, 6] and left.chat
+    record = await store.acquire(session, c, create=False)
+    assert record.tokens == [1, 2, 3] and record.chat == "" and record.version == version + 2
+    assert record.target == CacheLocation("t", 0)
+    with pytest.raises(StateConflict):
+        await store.commit(session, b, Commit(None, "b:2", [7]))
+    # a turn that finishes or rolls itself back leaves nothing to undo
+    await store.commit(session, c, Commit(record.version, "c:p", [8], opens_turn=True))
+    await store.commit(session, c, Commit(None, "c:rollback", truncate_to=3, closes_turn=True))
+    await store.release(session, c)
+    assert (await store.acquire(session, d, create=False)).tokens == [1, 2, 3]
+
+
+async def test_an_open_turn_is_undone_only_once_its_lease_lapses(redis_server: RedisServer) -> None:
+    for url in ("memory://", redis_server.url):
+        store = open_store(url, ttl_s=60, lease_s=0.3, timeout_s=2)
+        await store.start()
+        try:
+            session = sid()
+            a, b, c, _ = _owners(session)
+            version = await _finished_turn(store, session, a, [1], [2])
+            await _open_turn(store, session, b, version, [3])
+            with pytest.raises(SessionBusy):
+                await store.acquire(session, c, create=False)
+            await asyncio.sleep(0.4)  # b is gone: no renewal, no release
+            assert (await store.acquire(session, c, create=False)).tokens == [1, 2], url
+        finally:
+            await store.close()
+
+
+async def test_a_session_created_by_a_turn_left_open_is_deleted(store: StateStore) -> None:
+    session = sid()
+    a, b, c, _ = _owners(session)
+    await store.acquire(session, a, create=True)
+    await store.commit(session, a, Commit(0, "a:p", [1, 2], opens_turn=True))
+    await store.commit(session, a, Commit(1, "a:1", [3]))
+    await store.release(session, a)
+    with pytest.raises(SessionNotFound):
+        await store.acquire(session, b, create=False)
+    assert await store.get(session) is None
+    record = await store.acquire(session, c, create=True)
+    assert record.tokens == [] and record.version == 0
+
+
+async def test_an_open_turn_that_another_writer_moved_past_is_kept(redis_server: RedisServer) -> None:
+    """Mid-upgrade, a coordinator of an older release (which keeps no undo fields) may commit to a
+    session after a turn was left open; the next acquire keeps what it committed."""
+    import redis.asyncio as aioredis
+
+    from specdec.runtime.tokens import pack_tokens
+    from specdec.state.redis_store import RedisStateStore
+
+    store = open_store(redis_server.url, ttl_s=60, lease_s=30, timeout_s=2)
+    assert isinstance(store, RedisStateStore)
+    await store.start()
+    client = aioredis.from_url(redis_server.url)
+    try:
+        session = sid()
+        a, b, c, _ = _owners(session)
+        version = await _finished_turn(store, session, a, [1], [2])
+        await _open_turn(store, session, b, version, [3])
+        await store.release(session, b)
+        # what an older release's turn leaves: a later version and its tokens, the undo fields untouched
+        await client.hset(store.key(session), mapping={"tokens": pack_tokens([1, 2, 3, 4]), "version": version + 2})
+        record = await store.acquire(session, c, create=False)
+        assert record.tokens == [1, 2, 3, 4] and record.version == version + 2
+        assert not await client.hexists(store.key(session), "undo_tokens")
+    finally:
+        await client.aclose()
+        await store.close()

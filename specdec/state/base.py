@@ -94,6 +94,14 @@ class Commit:
     RECENT_STEPS applied reports ALREADY_APPLIED instead of applying it twice. ``truncate_to`` (an explicit rollback)
     cuts the committed tokens before ``append`` is added. ``None`` cache locations are unchanged
     (but cut to the tokens kept: a location is never longer than the tokens it was computed for).
+
+    A turn is atomic even when its request dies without rolling back (its coordinator killed, the
+    store unreachable past the retries): the turn's first commit ``opens_turn``, and the store keeps
+    what that commit replaced (the tokens it cut, the conversation, whether the session was new)
+    until a commit that ``closes_turn`` (the last round's, or the turn's own rollback). An acquire
+    that finds a turn open under an owner that no longer holds the lease undoes it first: the
+    tokens and conversation as they were, both cache lengths 0 (as a rollback leaves them), or the
+    session deleted when that turn created it.
     """
 
     def __post_init__(self) -> None:
@@ -115,6 +123,8 @@ class Commit:
     target: CacheLocation | None = None
     draft: CacheLocation | None = None
     chat: str | None = None  # the new conversation (JSON) of a chat session; None = unchanged
+    opens_turn: bool = False  # a turn's first commit: keep what it replaces until the turn closes
+    closes_turn: bool = False  # the turn finished or rolled itself back: nothing left to undo
 
 
 class CommitOutcome(enum.Enum):
@@ -146,7 +156,8 @@ class StateStore(ABC):
         """Takes the session's lease for ``owner`` and returns the record.
 
         Creates an empty session when ``create`` and it does not exist. Raises SessionNotFound
-        (missing, not ``create``) or SessionBusy (another owner holds an unexpired lease).
+        (missing, not ``create``) or SessionBusy (another owner holds an unexpired lease). A turn
+        left open by an owner whose lease has lapsed or been released is undone first (Commit).
         """
 
     @abstractmethod

@@ -32,6 +32,15 @@ def _clamped(location: CacheLocation | None, committed: int) -> CacheLocation | 
     return dataclasses.replace(location, length=committed)
 
 
+@dataclasses.dataclass(frozen=True)
+class _OpenTurn:
+    """What a turn's first commit replaced (see Commit.opens_turn)."""
+
+    tokens: list[int]
+    chat: str
+    created: bool
+
+
 class MemoryStateStore(StateStore):
     """Same semantics as the Redis store, held in a dict."""
 
@@ -41,6 +50,7 @@ class MemoryStateStore(StateStore):
         self._records: dict[str, SessionRecord] = {}
         self._expires: dict[str, float] = {}
         self._lease_until: dict[str, float] = {}
+        self._open_turns: dict[str, _OpenTurn] = {}
         # owner -> until when its acquire is refused; expiries grow with insertion (now + a constant)
         self._released: OrderedDict[str, float] = OrderedDict()
         # prefix key -> (location, expiry), oldest first; at most MAX_PREFIXES
@@ -56,6 +66,22 @@ class MemoryStateStore(StateStore):
         self._records.pop(session_id, None)
         self._expires.pop(session_id, None)
         self._lease_until.pop(session_id, None)
+        self._open_turns.pop(session_id, None)
+
+    def _undo_open_turn(self, record: SessionRecord, now: float) -> SessionRecord | None:
+        """Undoes the turn its owner left open; None when that turn had created the session."""
+        turn = self._open_turns.pop(record.session_id, None)
+        if turn is None:
+            return record
+        if turn.created:
+            self._drop(record.session_id)
+            return None
+        record.tokens = turn.tokens
+        record.chat = turn.chat
+        record.target, record.draft = _clamped(record.target, 0), _clamped(record.draft, 0)
+        record.version += 1
+        record.updated_at = now
+        return record
 
     def _touch(self, session_id: str, now: float) -> None:
         self._expires[session_id] = now + self._ttl_s
@@ -67,13 +93,15 @@ class MemoryStateStore(StateStore):
             if self._released.get(owner, 0.0) > now:
                 raise StateConflict(f"the request holding session {session_id!r} already ended")
             record = self._live(session_id, now)
+            if record is not None and record.owner != owner:
+                if record.owner and self._lease_until.get(session_id, 0) > now:
+                    raise SessionBusy(f"session {session_id!r} is generating for another request; retry when it ends")
+                record = self._undo_open_turn(record, now)
             if record is None:
                 if not create:
                     raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
                 record = SessionRecord(session_id=session_id, created_at=now, updated_at=now)
                 self._records[session_id] = record
-            elif record.owner not in ("", owner) and self._lease_until.get(session_id, 0) > now:
-                raise SessionBusy(f"session {session_id!r} is generating for another request; retry when it ends")
             record.owner = owner
             self._touch(session_id, now)
             return copy.deepcopy(record)
@@ -91,6 +119,10 @@ class MemoryStateStore(StateStore):
             if record.owner != owner:
                 raise StateConflict(f"session {session_id!r} was taken over by another request")
             commit.check(len(record.tokens))
+            if commit.opens_turn:
+                self._open_turns[session_id] = _OpenTurn(list(record.tokens), record.chat, record.version == 0)
+            if commit.closes_turn:
+                self._open_turns.pop(session_id, None)
             if commit.truncate_to is not None:
                 del record.tokens[commit.truncate_to :]
             kept = len(record.tokens)  # a location this commit does not set is valid this far, at most

@@ -42,14 +42,37 @@ _ACQUIRE = (
     + _NOW_MS
     + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'released'} end
+local held = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'undo_created', 'undo_version', 'version')
+if held[1] and held[1] ~= ARGV[2] then
+  if held[1] ~= '' and tonumber(held[2]) > now then return {'busy'} end
+  -- A turn its owner left open (see Commit.opens_turn) is undone, if its commits were the last:
+  -- a writer that does not keep the undo fields (an older release, mid-upgrade) may have moved on.
+  if held[3] and held[4] ~= held[5] then
+    redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
+  elseif held[3] == '1' then
+    redis.call('DEL', KEYS[1])
+  elseif held[3] then
+    local was = redis.call('HMGET', KEYS[1], 'undo_tokens', 'undo_chat', 'version')
+    local fields = {'tokens', was[1], 'chat', was[2], 'version', tonumber(was[3]) + 1, 'updated', now}
+    for _, field in ipairs({'target', 'draft'}) do
+      local raw = redis.call('HGET', KEYS[1], field)
+      if raw and raw ~= '' then
+        local loc = cjson.decode(raw)
+        loc.length = 0
+        table.insert(fields, field)
+        table.insert(fields, cjson.encode(loc))
+      end
+    end
+    redis.call('HSET', KEYS[1], unpack(fields))
+    redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
+  end
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[3] == '0' then return {'missing'} end
   redis.call('HSET', KEYS[1], 'tokens', '', 'version', 0, 'steps', '|', 'owner', ARGV[2],
              'lease', now + tonumber(ARGV[4]), 'created', now, 'updated', now,
              'target', '', 'draft', '')
 else
-  local cur = redis.call('HMGET', KEYS[1], 'owner', 'lease')
-  if cur[1] ~= '' and cur[1] ~= ARGV[2] and tonumber(cur[2]) > now then return {'busy'} end
   redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'lease', now + tonumber(ARGV[4]))
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
@@ -59,7 +82,8 @@ return {'ok', redis.call('HGETALL', KEYS[1])}
 
 # KEYS: session, epoch; ARGV: epoch, owner, expected_version (-1 = any: the owner's rollback), step,
 # append (packed uint32), truncate_to (-1 = none), target json ('' = unchanged), target length (-1 = none), draft json,
-# draft length, lease_ms, ttl_ms, recent steps kept, chat ('' = unchanged, else '=' .. the new value)
+# draft length, lease_ms, ttl_ms, recent steps kept, chat ('' = unchanged, else '=' .. the new value),
+# turn ('open' / 'close' / '': see Commit.opens_turn)
 _COMMIT = (
     _EPOCH
     + _NOW_MS
@@ -77,6 +101,14 @@ tokens = tokens .. ARGV[5]
 local committed = #tokens / 4
 if tonumber(ARGV[8]) > committed or tonumber(ARGV[10]) > committed then return {'invalid', committed} end
 local version = tonumber(cur[1]) + 1
+if ARGV[15] == 'open' then
+  redis.call('HSET', KEYS[1], 'undo_tokens', cur[4], 'undo_chat', redis.call('HGET', KEYS[1], 'chat') or '',
+             'undo_created', cur[1] == '0' and 1 or 0, 'undo_version', version)
+elseif ARGV[15] == 'close' then
+  redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
+elseif redis.call('HEXISTS', KEYS[1], 'undo_version') == 1 then
+  redis.call('HSET', KEYS[1], 'undo_version', version)  -- the open turn's latest commit
+end
 local steps = cur[2] .. ARGV[4] .. '|'
 local _, bars = string.gsub(steps, '|', '')
 while bars > tonumber(ARGV[13]) + 1 do
@@ -242,6 +274,7 @@ class RedisStateStore(StateStore):
             self._ttl_ms,
             RECENT_STEPS,
             "" if commit.chat is None else "=" + commit.chat,
+            "open" if commit.opens_turn else "close" if commit.closes_turn else "",
         ]
         keys = [self.key(session_id), self._epoch_key]
         status_raw, *rest = await self._call(lambda: self._commit(keys=keys, args=args))
