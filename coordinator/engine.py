@@ -28,6 +28,12 @@ log = structlog.get_logger(__name__)
 MAX_PROMPT_CHARS = 1_000_000
 
 
+def prefix_ttl_s(session_ttl_s: float, target: common_pb2.WorkerInfo) -> float:
+    """How long a record of where a prefix is cached is kept: as long as the target keeps a cache
+    nobody uses (a record of a freed cache only costs a resync), at most the session TTL."""
+    return min(session_ttl_s, target.cache_idle_s or session_ttl_s)
+
+
 def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo) -> None:
     """Raises when the draft cannot propose tokens for the target: it must speak the target's ids,
     either sharing its tokenizer or translating to it (a draft started with --target-tokenizer).
@@ -172,7 +178,8 @@ class Engine:
         self._deps = TurnDeps(
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
             StepCosts(), pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
-            prefix_block=s.prefix_block_tokens, ngram=(s.ngram_min, s.ngram_max),
+            prefix_block=s.prefix_block_tokens, prefix_ttl_s=prefix_ttl_s(s.session_ttl_s, target_info),
+            ngram=(s.ngram_min, s.ngram_max),
             replies=ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None,
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))

@@ -121,6 +121,7 @@ class TurnDeps:
     cleanup_timeout_s: float = 2.0
     lease_s: float = 90.0
     prefix_block: int = 0  # prefix reuse in blocks of this many tokens; 0 = off
+    prefix_ttl_s: float = 900.0  # how long a prefix record is kept: as long as a worker keeps an unused cache
     ngram: tuple[int, int] = (2, 5)  # suffix lengths a lookup draft matches (n_min, n_max)
     replies: ReplyIndex | None = None  # recent replies of all sessions, by caller (None = off)
 
@@ -270,7 +271,8 @@ class Turn:
             return
         try:
             keys = self._prefix_keys(self._committed[: target.length])
-            await self.deps.store.put_prefixes(keys, PrefixLocation(self.session_id, target, draft))
+            location = PrefixLocation(self.session_id, target, draft)
+            await self.deps.store.put_prefixes(keys, location, self.deps.prefix_ttl_s)
         except SpecdecError as exc:
             log.warning("prefix_record_failed", error=str(exc))
 

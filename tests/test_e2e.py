@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -25,6 +26,7 @@ from specdec.v1 import (
     target_pb2_grpc,
 )
 from tests.clusters import metric
+from tests.helpers import RedisServer
 from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_model
 
@@ -529,6 +531,24 @@ def test_bad_stop_strings_are_invalid(
     with pytest.raises(grpc.RpcError) as err:
         same.Generate(request(PROMPTS[0], stop=stops))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
+
+def test_prefix_records_last_as_long_as_the_target_keeps_an_unused_cache(
+    cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub, redis_server: RedisServer
+) -> None:
+    """A record of where a prefix is cached (about 300 bytes of Redis per 16 tokens of every finished
+    request) is kept as long as the target keeps a cache nobody uses (--session-idle-s, 900 s by
+    default), not for the whole session TTL (3600 s): past that it could only point to a freed cache."""
+    prompt = [(13 * i + 7) % 250 for i in range(48)]
+    other.Generate(request(prompt, max_new=4, ignore_eos=True))
+    client = redis.Redis(port=redis_server.port)
+    try:
+        lifetimes = [client.pttl(key) for key in client.scan_iter("specdec:prefix:*")]
+    finally:
+        client.close()
+    assert lifetimes and all(0 < ms <= 900_000 for ms in lifetimes), max(lifetimes)
+    assert max(lifetimes) > 890_000  # the newest records: the whole idle time
+    assert target_info(cluster_other).cache_idle_s == 900
 
 
 def test_another_coordinator_replica_finds_the_cached_prefix(

@@ -260,13 +260,24 @@ async def test_prefixes_are_found_longest_first(store: StateStore) -> None:
     assert await store.find_prefix(keys) is None
     short = PrefixLocation("a", CacheLocation("t:1", 40), None)
     long = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 97))
-    await store.put_prefixes(keys[:2], short)
-    await store.put_prefixes(keys, long)
+    await store.put_prefixes(keys[:2], short, 60)
+    await store.put_prefixes(keys, long, 60)
     assert await store.find_prefix(keys) == (5, long)
-    await store.put_prefixes(keys[:2], short)  # a newer cache of the first two blocks
+    await store.put_prefixes(keys[:2], short, 60)  # a newer cache of the first two blocks
     assert await store.find_prefix(keys[:3]) == (2, long)
     assert await store.find_prefix(keys[:2]) == (1, short)
     assert await store.find_prefix(block_hashes([*tokens[:16], 999, *tokens[17:]], 16)) == (0, short)
+
+
+async def test_prefix_records_expire_after_the_time_given(store: StateStore) -> None:
+    from specdec.runtime.tokens import block_hashes
+    from specdec.state import PrefixLocation
+
+    keys = block_hashes(list(range(1000, 1048)), 16)
+    await store.put_prefixes(keys, PrefixLocation("c", CacheLocation("t:1", 48), None), 0.2)
+    assert await store.find_prefix(keys) is not None
+    await asyncio.sleep(0.3)
+    assert await store.find_prefix(keys) is None
 
 
 async def _finished_turn(store: StateStore, session: str, owner: str, prompt: list[int], reply: list[int]) -> int:

@@ -143,6 +143,7 @@ class WorkerCore:
             batched_forwards=self.scheduler.batched_forwards,
             batched_requests=self.scheduler.batched_requests,
             reused_tokens_total=self.caches.reused_tokens_total,
+            cache_idle_s=self.settings.session_idle_s,
         )
 
     def check_request(

@@ -187,9 +187,9 @@ class StateStore(ABC):
         """Deletes the session; False when it did not exist."""
 
     @abstractmethod
-    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation) -> None:
+    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation, ttl_s: float) -> None:
         """Records that ``location`` caches the prefixes named by ``keys`` (block chain hashes,
-        specdec.runtime.tokens.block_hashes); each entry expires after the session TTL."""
+        specdec.runtime.tokens.block_hashes); each entry expires after ``ttl_s``."""
 
     @abstractmethod
     async def find_prefix(self, keys: Sequence[str]) -> tuple[int, PrefixLocation] | None:

@@ -137,8 +137,8 @@ class MemoryStateStore(StateStore):
             self._touch(session_id, now)
             return CommitResult(CommitOutcome.APPLIED, record.version)
 
-    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation) -> None:
-        expires = time.time() + self._ttl_s
+    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation, ttl_s: float) -> None:
+        expires = time.time() + ttl_s
         for key in keys:
             self._prefixes.pop(key, None)
             self._prefixes[key] = (location, expires)

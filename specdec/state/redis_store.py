@@ -313,13 +313,13 @@ class RedisStateStore(StateStore):
     def _prefix_key(self, key: str) -> str:
         return f"{self._prefix}prefix:{key}"
 
-    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation) -> None:
-        value = location.to_json()
+    async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation, ttl_s: float) -> None:
+        value, ttl_ms = location.to_json(), max(int(ttl_s * 1000), 1)
 
         async def put() -> None:
             async with self._client.pipeline(transaction=False) as pipe:
                 for key in keys:
-                    pipe.set(self._prefix_key(key), value, px=self._ttl_ms)
+                    pipe.set(self._prefix_key(key), value, px=ttl_ms)
                 await pipe.execute()
 
         await self._call(put)
