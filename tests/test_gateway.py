@@ -448,3 +448,45 @@ def test_what_the_gateway_does_before_the_engine(gateway: Gateway) -> None:
         model=gateway.model, messages=MESSAGES, max_tokens=2, temperature=0, logprobs=True, top_logprobs=2
     )
     assert chat.choices[0].logprobs is not None and len(chat.choices[0].logprobs.content) == 2
+
+
+def test_fields_the_gateway_drops_before_the_engine(gateway: Gateway) -> None:
+    """smg 1.13.0 does not pass `logit_bias`, `include_stop_str_in_output` or, on chat completions,
+    `min_tokens` to a vLLM engine (nor `prompt_logprobs`, which no OpenAI reply carries): the reply
+    is what the request without them gives, where the native API with them gives another. The
+    README says so; a gateway that starts passing them fails this test."""
+    client, model, ids = gateway.client, gateway.model, chat_ids(gateway)
+    plain = native(gateway, ids, max_new_tokens=8, ignore_eos=True)
+    first = plain.token_ids[0]
+
+    def chat(**extra: object) -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=8,
+            temperature=0,
+            **extra,  # type: ignore[arg-type]
+        )
+
+    banned = native(gateway, ids, max_new_tokens=8, ignore_eos=True, logit_bias={first: -100.0})
+    assert banned.token_ids[0] != first  # the engine honours a bias it receives
+    bias = {str(first): -100}
+    for reply in (
+        chat(logit_bias=bias, extra_body={"ignore_eos": True}),
+        chat(extra_body={"ignore_eos": True, "logit_bias": bias}),
+    ):
+        assert reply.choices[0].message.content == plain.text
+
+    held = native(gateway, ids, max_new_tokens=8, stop_token_ids=[first], min_tokens=3)
+    assert len(held.token_ids) > 1  # the engine holds the stop token back for min_tokens
+    reply = chat(extra_body={"stop_token_ids": [first], "min_tokens": 3})
+    assert not reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 1  # min_tokens never arrived: stopped at once
+
+    stop = plain.text[len(plain.text) // 2 :][:2]
+    assert stop.strip(), plain.text
+    kept = native(gateway, ids, max_new_tokens=8, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text.endswith(stop)
+    reply = chat(stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content == kept.text[: -len(stop)]
