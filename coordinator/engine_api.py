@@ -83,6 +83,25 @@ def _derived_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+# The native request's field names in an error message, and what the engine protocol (and the
+# OpenAI API behind the gateway) calls those fields; in this order.
+_ENGINE_NAMES = (
+    ("sampling.max_new_tokens", "max_tokens"),
+    ("max_new_tokens", "max_tokens"),
+    ("sampling.top_logprobs", "logprobs"),
+    ("prompt_token_ids", "tokenized.input_ids"),
+    ("sampling.", ""),
+)
+
+
+def _in_engine_terms(error: InvalidRequest) -> InvalidRequest:
+    """``error`` with the fields named as the engine-API caller named them."""
+    message = str(error)
+    for native, engine in _ENGINE_NAMES:
+        message = message.replace(native, engine)
+    return type(error)(message)
+
+
 def native_request(
     request: vllm_pb2.GenerateRequest, prompt: Sequence[int], index: int
 ) -> coordinator_pb2.GenerateRequest:
@@ -193,7 +212,11 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
             native = native_request(request, prompt, index)
             if not request.sampling_params.HasField("seed"):
                 native.sampling.seed = _derived_seed(seed, index)
-            turn = engine.new_turn(parse_request(native, engine.limits), deadline)
+            try:
+                parsed = parse_request(native, engine.limits)
+            except InvalidRequest as exc:
+                raise _in_engine_terms(exc) from None
+            turn = engine.new_turn(parsed, deadline)
             completions.append(_Completion(turn, [], [], []))
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         # Completion 0 runs first; the others start once its first round is done, from its caches
@@ -217,6 +240,8 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                         for i, _ in waiting:
                             queue.put_nowait((i, _ABORTED))
                     waiting = []
+                if isinstance(item, InvalidRequest):  # the reply does not fit the context
+                    raise _in_engine_terms(item) from None
                 if isinstance(item, BaseException):
                     raise item
                 completion = completions[index]

@@ -366,14 +366,23 @@ def test_engine_abort_cancels_a_running_request(engine_stub: vllm_grpc.VllmEngin
         ({"logprobs": -1}, "logprobs = -1 (all) is not supported"),
         ({"n": 17}, "n must be in [1, 16]"),
         ({"repetition_penalty": -1.0}, "repetition_penalty must be in"),
+        ({"max_tokens": 100_000}, "max_tokens must be in [1, 255], got 100000"),
+        ({"max_tokens": 255}, "prompt (3) + max_tokens (255) = 258 tokens exceeds the context length 256"),
+        ({"max_tokens": 5, "min_tokens": 6}, "min_tokens (6) must not exceed max_tokens (5)"),
+        ({"logprobs": 25}, "logprobs must be in [0, 20], got 25"),
+        ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+        ({"logit_bias": {1_000_000: 1.0}}, "logit_bias contains token id 1000000"),
     ],
 )
 def test_engine_rejects_what_it_cannot_honour(
     engine_stub: vllm_grpc.VllmEngineStub, params: dict[str, object], message: str
 ) -> None:
+    """With the reason, in the engine protocol's (and the OpenAI API's) field names."""
     with pytest.raises(grpc.RpcError) as error:
         list(engine_stub.Generate(_engine_request([1, 2, 3], "bad", **params), timeout=30))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in error.value.details()
+    details = error.value.details() or ""
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in details
+    assert "sampling." not in details and "max_new_tokens" not in details and "top_logprobs" not in details
 
 
 def test_engine_text_input_is_tokenized_within_the_prompt_limit(

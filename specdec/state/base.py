@@ -141,10 +141,10 @@ class CommitResult:
 class StateStore(ABC):
     """Session state shared by coordinator replicas; every method is safe to retry.
 
-    Invariants every implementation keeps: the version grows by one per applied commit; the
-    committed tokens only grow, except through a commit with ``truncate_to`` (an explicit
-    rollback, which bumps the version like any commit); a recorded cache length never exceeds
-    the committed length.
+    Invariants every implementation keeps: the version grows by one per applied commit (and per
+    undo of a turn left open, see Commit); the committed tokens only grow, except through a
+    commit with ``truncate_to`` (an explicit rollback, which bumps the version like any commit)
+    or such an undo; a recorded cache length never exceeds the committed length.
     """
 
     async def start(self) -> None:
