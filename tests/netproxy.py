@@ -64,6 +64,12 @@ class TcpProxy:
         else:
             self._flowing.set()
 
+    def retarget(self, upstream: str) -> None:
+        """Sends new connections to ``upstream``; open ones stay where they are (a DNS name that
+        now resolves to another host, as after a managed Redis failover)."""
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+
     def reset_connections(self) -> None:
         """Closes every open connection (peers see a reset / EOF)."""
 

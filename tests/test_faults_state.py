@@ -12,11 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
 from specdec.v1 import coordinator_pb2_grpc
 from tests.clusters import fault_cluster, wait_for
 from tests.helpers import RedisServer
-from tests.netproxy import ProxyRoutes
+from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import make_request, read_session, reference_greedy
 from tests.tiny_models import TinyModels
 
@@ -379,4 +380,55 @@ def test_a_turn_whose_coordinator_died_is_undone_before_the_next_one(
         "undone_at_next_turn": True,
         "next_turn_served_after_s": round(waited, 2),
         "created_session_removed": True,
+    }
+
+
+def test_a_redis_failover_that_keeps_the_old_primary_up_is_ridden_out(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """Redis fails over to its replica and the old primary stays up as a replica of the new one
+    (Sentinel, or a managed Redis behind one DNS name): the coordinator's open connections now
+    reach a read-only node, which answers every write READONLY. It reconnects (the address now
+    names the new primary) instead of failing every request until it restarts; sessions go on
+    from the replicated state."""
+    old = RedisServer(tmp_path / "redis-a")
+    new = RedisServer(tmp_path / "redis-b", extra_args=["--replicaof", "127.0.0.1", str(old.port)])
+    name = TcpProxy(f"127.0.0.1:{old.port}")
+    try:
+        with fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.noisy, state_url=f"redis://{name.address}/0"
+        ) as cluster, grpc.insecure_channel(cluster.address) as channel:  # fmt: skip
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            first = stub.Generate(make_request(PROMPT, session_id="kept", max_new=5, ignore_eos=True), timeout=30)
+            history = [*PROMPT, *first.token_ids]
+            old_client, new_client = redis.Redis(port=old.port), redis.Redis(port=new.port)
+            wait_for(lambda: new_client.exists("specdec:session:kept") == 1, 10, 0.05)
+            new_client.replicaof("NO", "ONE")
+            old_client.replicaof("127.0.0.1", new.port)
+            name.retarget(f"127.0.0.1:{new.port}")
+            started = time.monotonic()
+            follow = make_request([3, 4], session_id="kept", max_new=4, ignore_eos=True)
+            follow.require_existing_session = True
+            errors: list[str] = []
+            for _ in range(3):  # a client's retries; on main all fail (READONLY) until the coordinator restarts
+                try:
+                    reply = stub.Generate(follow, timeout=30)
+                    break
+                except grpc.RpcError as exc:
+                    errors.append(f"{exc.code().name}: {exc.details()}")
+                    time.sleep(0.5)
+            else:
+                raise AssertionError(f"every turn failed after the failover: {errors}")
+            recovered = time.monotonic() - started
+            old_client.close()
+            new_client.close()
+    finally:
+        name.close()
+        new.stop()
+        old.stop()
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), (*history, 3, 4), 4, ignore_eos=True)
+    fault_report["Redis failover, old primary kept up as a replica"] = {
+        "failed_attempts": len(errors),
+        "served_after_s": round(recovered, 2),
+        "identical_output": True,
     }

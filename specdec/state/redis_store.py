@@ -11,7 +11,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specdec.runtime.tokens import pack_tokens, unpack_tokens
@@ -239,7 +239,15 @@ class RedisStateStore(StateStore):
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
         try:
-            return await fn()
+            try:
+                return await fn()
+            except ReadOnlyError:
+                # A failover made the node these connections reach a replica (Sentinel, or a managed
+                # Redis behind one name): new connections reach the new primary. The write was
+                # refused, not applied, so it is sent again once on a fresh connection.
+                log.warning("state_store_read_only", action="reconnecting")
+                await self._client.connection_pool.disconnect(inuse_connections=False)
+                return await fn()
         except RedisError as exc:
             raise StateUnavailable(f"state store unavailable ({type(exc).__name__}); retry later") from exc
 
