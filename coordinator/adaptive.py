@@ -30,6 +30,9 @@ _EWMA = 0.2
 _POOL_DECAY = 0.98  # per round: the global acceptance remembers roughly the last 50 rounds
 _FIRST_PROBE = 4  # rounds a proposer stays unused before the first probe; the gap doubles up to probe_every
 _MAX_TOKENS = 64
+# A pass that computed at least this many tokens (a prompt, a resync) measures the prefill rate;
+# fewer are dominated by the pass's fixed costs.
+PREFILL_MIN_TOKENS = 64
 MODEL, NGRAM, NONE = "model", "ngram", "none"
 # Where a lookup draft came from, each with acceptance counts of its own: the session's own tokens
 # (NGRAM, kept per match length: see lookup_key) or an earlier request's reply (REPLY, the reply
@@ -110,6 +113,8 @@ class StepCosts:
     overhead: float | None = None  # rounds that call the draft worker
     local_overhead: float | None = None  # rounds that do not (lookup drafts, target-only)
     verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
+    prefill_per_token: float | None = None  # the target's ms per token of a pass that computed a prefix too
+    draft_prefill_per_token: float | None = None  # the same for the draft model
     # Per-token acceptance of each proposer (MODEL or a lookup_key) over all sessions (the prior of a new turn).
     acceptance: dict[str, Acceptance] = field(default_factory=lambda: defaultdict(lambda: Acceptance(_POOL_DECAY)))
     # How often the draft model, asked for more, went on after a proposed token (its confidence
@@ -135,6 +140,16 @@ class StepCosts:
     def observe_verify(self, tokens: int, ms: float) -> None:
         if 0 < tokens <= _MAX_TOKENS:
             self.verify[tokens] = ewma(self.verify.get(tokens), ms)
+
+    def observe_prefill(self, tokens: int, ms: float, draft: bool = False) -> None:
+        """A pass of the target (or the draft) that computed ``tokens`` with a prefix among them
+        (a prompt, a resync): the per-token cost that later calls' time limits allow for."""
+        if tokens < PREFILL_MIN_TOKENS:
+            return
+        if draft:
+            self.draft_prefill_per_token = ewma(self.draft_prefill_per_token, ms / tokens)
+        else:
+            self.prefill_per_token = ewma(self.prefill_per_token, ms / tokens)
 
     def observe_overhead(self, ms: float, drafted: bool = True) -> None:
         """A round's time besides model time; ``drafted``: the round called the draft worker."""

@@ -160,7 +160,7 @@ class Turn:
         self.session_id = self.request.session_id or f"oneshot-{self.owner}"
         d = self.deps
         self.workers = WorkerSession(
-            self.session_id, d.targets, d.draft, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined
+            self.session_id, d.targets, d.draft, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined, d.costs
         )
         self.controller = KController(
             self.request.k,
@@ -477,6 +477,8 @@ class Turn:
         if verdict.computed_tokens == k + 1:  # steady state (no prefill in the pass): a clean cost sample
             self.deps.costs.observe_verify(k + 1, verdict.compute_ms)
             self.deps.costs.observe_overhead(overhead, drafted=method == MODEL)
+        elif verdict.computed_tokens > k + 1:  # a prefix too: what a prefill costs (later calls' time limits)
+            self.deps.costs.observe_prefill(verdict.computed_tokens, verdict.compute_ms)
         if proposal is None:
             s.target_only_rounds += 1
             return
@@ -503,6 +505,8 @@ class Turn:
                 m.reply_lookup_tokens_accepted.inc(verdict.num_accepted)
         elif proposal.computed <= k + 1:  # no prefill in the draft's work either
             self.deps.costs.observe_draft(proposal.computed, proposal.compute_ms)
+        else:
+            self.deps.costs.observe_prefill(proposal.computed, proposal.compute_ms, draft=True)
 
     def _remember_reply(self, replies: ReplyIndex) -> None:
         """Adds the finished reply (after its context's last tokens) to the reply index."""

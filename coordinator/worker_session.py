@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from coordinator.adaptive import MODEL, NGRAM, NO_STOP, ConfidenceStop
+from coordinator.adaptive import MODEL, NGRAM, NO_STOP, PREFILL_MIN_TOKENS, ConfidenceStop, StepCosts
 from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.processing import NO_PROCESSING, Processing, processing_to_proto
@@ -29,6 +29,10 @@ from specdec.v1 import common_pb2, draft_pb2, target_pb2
 log = structlog.get_logger(__name__)
 
 _VERIFY_RETRY_PAUSE_S = 0.1
+# A call that must compute a prefix of at least PREFILL_MIN_TOKENS first gets this many times its
+# measured cost on top of its timeout (a long prompt's attention costs more per token than the
+# shorter ones measured); fewer tokens are a round's work, which the timeout itself covers.
+_PREFILL_MARGIN = 4
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,13 @@ def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
     """A lookup draft: one-hot proposals (each token had probability 1 under the proposer)."""
     block = common_pb2.DraftBlock(token_ids=token_ids, kind=common_pb2.PROPOSAL_KIND_ONE_HOT)
     return Proposal(block, cache_len=0, start=start, compute_ms=0.0, computed=0, method=NGRAM)
+
+
+def _allowance(prefill: int, per_token_ms: float | None) -> float:
+    """Seconds a call gets for the ``prefill`` tokens it must compute first, on top of its timeout."""
+    if prefill < PREFILL_MIN_TOKENS or not per_token_ms:
+        return 0.0
+    return _PREFILL_MARGIN * prefill * per_token_ms / 1000
 
 
 def _first(block: common_pb2.DraftBlock, k: int) -> common_pb2.DraftBlock:
@@ -103,8 +114,10 @@ class WorkerSession:
         worker_timeout_s: float,
         deadline: float | None,
         pipelined: bool = False,
+        costs: StepCosts | None = None,
     ) -> None:
-        """``deadline``: the caller's deadline (event-loop time), None for none."""
+        """``deadline``: the caller's deadline (event-loop time), None for none; ``costs``: the
+        measured model costs (a call that prefills gets the time its tokens are expected to take)."""
         self.session_id = session_id
         self._targets = targets
         self._draft = draft
@@ -113,6 +126,7 @@ class WorkerSession:
         self._lookahead_round: int | None = None
         self._metrics = metrics
         self._worker_timeout_s = worker_timeout_s
+        self._costs = costs
         self._deadline = deadline
         self._stream: DraftStream | None = None
         self._draft_refused = False  # the draft failed one of this turn's requests: target-only for the rest
@@ -129,9 +143,12 @@ class WorkerSession:
             return float("inf")
         return self._deadline - asyncio.get_running_loop().time()
 
-    def time_left(self) -> float:
-        """A call's time limit: --worker-timeout-s, capped by the caller's deadline."""
-        return max(min(self._worker_timeout_s, self._caller_left()), 0.001)
+    def time_left(self, prefill: int = 0) -> float:
+        """A call's time limit: --worker-timeout-s, plus _PREFILL_MARGIN times the measured time of
+        the ``prefill`` tokens the target must compute first (a long prompt on a slow target is not
+        a hung worker), capped by the caller's deadline."""
+        per_token_ms = self._costs.prefill_per_token if self._costs is not None else None
+        return max(min(self._worker_timeout_s + _allowance(prefill, per_token_ms), self._caller_left()), 0.001)
 
     def restore(self, target: CacheLocation | None, draft: CacheLocation | None) -> None:
         """Adopts the cache locations recorded in the session state."""
@@ -184,21 +201,25 @@ class WorkerSession:
         self._last = proposal
         return proposal
 
-    def _draft_timeout(self) -> tuple[float, bool]:
-        """How long to wait for the draft, and whether that is the caller's deadline (not the
-        draft's patience) talking."""
+    def _draft_timeout(self, prefill: int = 0) -> tuple[float, bool]:
+        """How long to wait for the draft (its patience, plus the allowance for ``prefill`` tokens
+        it must compute first: a long prompt is not a hung draft), and whether that is the
+        caller's deadline talking."""
         assert self._draft is not None
-        patience, left = self._draft.patience_s, self._caller_left()
+        per_token_ms = self._costs.draft_prefill_per_token if self._costs is not None else None
+        patience, left = self._draft.patience_s + _allowance(prefill, per_token_ms), self._caller_left()
         return (max(left, 0.001), True) if left < patience else (patience, False)
 
     async def _send(self, request: draft_pb2.ProposeRequest) -> None:
         assert self._stream is not None
         await self._stream.send(request, *self._draft_timeout())
 
-    async def _read(self, wanted: Callable[[draft_pb2.ProposeResponse], bool]) -> draft_pb2.ProposeResponse:
+    async def _read(
+        self, wanted: Callable[[draft_pb2.ProposeResponse], bool], prefill: int = 0
+    ) -> draft_pb2.ProposeResponse:
         """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped."""
         assert self._stream is not None
-        while not wanted(reply := await self._stream.receive(*self._draft_timeout())):
+        while not wanted(reply := await self._stream.receive(*self._draft_timeout(prefill))):
             log.debug("stale_draft_reply", round_id=reply.round_id, lookahead=reply.lookahead)
         return reply
 
@@ -239,9 +260,11 @@ class WorkerSession:
             )  # fmt: skip
             sent = time.monotonic()
             await self._send(request)
-            reply = await self._read(lambda r: not r.lookahead and r.round_id == round_id)
+            tail = len(sync.tail_token_ids)
+            reply = await self._read(lambda r: not r.lookahead and r.round_id == round_id, prefill=tail)
             assert self._draft is not None
-            self._draft.observe_latency(time.monotonic() - sent)
+            if tail < PREFILL_MIN_TOKENS:  # a prefill's time says nothing about how busy the draft is
+                self._draft.observe_latency(time.monotonic() - sent)
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 got = len(reply.draft.token_ids)
                 # a translating draft may send fewer (none, even); with a confidence stop, 1 to k
@@ -288,11 +311,12 @@ class WorkerSession:
         repeat: the worker crops to base_len and the round's randomness depends on the position.
         """
         ask = ask or LogprobsAsk()
+        budget = self.time_left(prefill=len(committed) - min(self.target_len, len(committed)))
         last_error: SpecdecError = WorkerUnavailable("no target worker answered in time; retry later")
-        if self._caller_left() < self._worker_timeout_s:  # the caller's deadline is the limit here
+        if self._caller_left() <= budget:  # the caller's deadline is the limit here
             last_error = DeadlineExceeded("the request's deadline expired during verification")
         loop = asyncio.get_running_loop()
-        budget_end = loop.time() + self.time_left()  # one budget for the step, retries included
+        budget_end = loop.time() + budget  # one budget for the step, retries included
         for attempt in range(2):
             if attempt:
                 await asyncio.sleep(_VERIFY_RETRY_PAUSE_S)

@@ -316,3 +316,26 @@ def test_lookups_are_priced_by_the_length_of_their_match() -> None:
     long = fresh.plan(model=16, lookup=16, lookup_source=lookup_key(5))
     assert long.method == "ngram" and long.k == 16
     assert lookup_key(3, from_replies=True) == "reply"  # replies keep one rate of their own
+
+
+def test_prefill_rates_come_from_passes_that_computed_a_prefix() -> None:
+    """Passes of fewer than PREFILL_MIN_TOKENS are a round's work (fixed costs dominate): not a rate."""
+    from coordinator.adaptive import PREFILL_MIN_TOKENS
+
+    costs = StepCosts()
+    costs.observe_prefill(PREFILL_MIN_TOKENS - 1, 500.0)
+    assert costs.prefill_per_token is None
+    costs.observe_prefill(200, 100.0)
+    costs.observe_prefill(400, 80.0, draft=True)
+    assert costs.prefill_per_token == 0.5 and costs.draft_prefill_per_token == 0.2
+
+
+async def test_a_call_that_prefills_gets_the_time_its_tokens_take() -> None:
+    from coordinator.worker_session import WorkerSession
+
+    costs = StepCosts()
+    session = WorkerSession("s", None, None, None, 2.0, None, costs=costs)  # type: ignore[arg-type]
+    assert session.time_left(prefill=3000) == 2.0  # nothing measured yet: the timeout alone
+    costs.observe_prefill(200, 100.0)  # 0.5 ms a token
+    assert session.time_left(prefill=10) == 2.0  # a round's work
+    assert session.time_left(prefill=3000) == 2.0 + 4 * 3000 * 0.5 / 1000

@@ -20,7 +20,7 @@ from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, read_session, reference_greedy, worker_info
-from tests.tiny_models import TinyModels, build_crashy
+from tests.tiny_models import TinyModels, build_crashy, build_model
 
 PROMPT = [5, 17, 99, 3]
 LONG = 120  # tokens: enough rounds to inject a fault in the middle
@@ -287,3 +287,35 @@ def test_a_reply_over_the_message_limit_is_that_requests_error(
         assert metric(cluster, "coordinator", "specdec_target_failovers_total") == 0
         assert after.stats.cache_resyncs == 0 and after.usage.cached_tokens > 0
     fault_report["a reply over the coordinator's message limit"] = {"details": error.value.details(), "failovers": 0}
+
+
+def test_a_long_prefill_is_not_taken_for_a_hung_worker(tmp_path: Path, fault_report: dict) -> None:
+    """--worker-timeout-s / --draft-timeout-s bound a call to a hung worker. A call that must first
+    compute a long prompt gets, on top, 4x the time the worker's measured prefill rate says those
+    tokens take. Before: a prompt whose target prefill outlasted the timeout failed UNAVAILABLE
+    "retry later" on every attempt (the target computing it each time), and one whose draft prefill
+    outlasted the draft's patience marked the draft down for every session for --draft-retry-s."""
+    model = build_model(tmp_path / "model", seed=5, hidden=384, layers=4, vocab=260, context=4096)
+    timeouts = ["--worker-timeout-s", "0.4", "--draft-timeout-s", "0.3", "--draft-retry-s", "30"]
+    with (
+        fault_cluster(tmp_path, model, model, coordinator_args=timeouts) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        short = [5 + (7 * i) % 250 for i in range(200)]
+        stub.Generate(make_request(short, max_new=8, ignore_eos=True), timeout=60)  # the rates are measured
+        long = [5 + (11 * i) % 250 for i in range(3500)]
+        started = time.monotonic()
+        reply = stub.Generate(make_request(long, max_new=8, ignore_eos=True), timeout=60)
+        took = time.monotonic() - started
+        after = stub.Generate(make_request([9, 8, 7, 6], max_new=8, ignore_eos=True), timeout=60)
+        draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    assert list(reply.token_ids) == reference_greedy(str(model), tuple(long), 8, ignore_eos=True)
+    assert took > 0.4  # the prefills did outlast both timeouts
+    assert reply.stats.target_only_rounds == 0 and after.stats.draft_tokens_proposed > 0
+    assert draft_failures == 0
+    fault_report["a prefill longer than the worker and draft timeouts"] = {
+        "prompt_tokens": 3500,
+        "served_after_s": round(took, 2),
+        "draft_failures": draft_failures,
+    }
