@@ -35,11 +35,27 @@ _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math
 # Every script first checks the epoch marker: a Redis that restarted without persistence has
 # lost it (and every session), which must surface as an error, never as a silent fresh start.
 _EPOCH = "if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'epoch'} end\n"
+# Cuts the recorded cache locations of session hash ``key`` to at most ``n`` tokens.
+_CUT_LOCATIONS = """
+local function cut_locations(key, n)
+  for _, field in ipairs({'target', 'draft'}) do
+    local raw = redis.call('HGET', key, field)
+    if raw and raw ~= '' then
+      local loc = cjson.decode(raw)
+      if loc.length > n then
+        loc.length = n
+        redis.call('HSET', key, field, cjson.encode(loc))
+      end
+    end
+  end
+end
+"""
 
 # KEYS: session, epoch, the owner's tombstone; ARGV: epoch, owner, create (0/1), lease_ms, ttl_ms
 _ACQUIRE = (
     _EPOCH
     + _NOW_MS
+    + _CUT_LOCATIONS
     + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'released'} end
 local held = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'undo_created', 'undo_version', 'version')
@@ -53,17 +69,8 @@ if held[1] and held[1] ~= ARGV[2] then
     redis.call('DEL', KEYS[1])
   elseif held[3] then
     local was = redis.call('HMGET', KEYS[1], 'undo_tokens', 'undo_chat', 'version')
-    local fields = {'tokens', was[1], 'chat', was[2], 'version', tonumber(was[3]) + 1, 'updated', now}
-    for _, field in ipairs({'target', 'draft'}) do
-      local raw = redis.call('HGET', KEYS[1], field)
-      if raw and raw ~= '' then
-        local loc = cjson.decode(raw)
-        loc.length = 0
-        table.insert(fields, field)
-        table.insert(fields, cjson.encode(loc))
-      end
-    end
-    redis.call('HSET', KEYS[1], unpack(fields))
+    redis.call('HSET', KEYS[1], 'tokens', was[1], 'chat', was[2], 'version', tonumber(was[3]) + 1, 'updated', now)
+    cut_locations(KEYS[1], 0)  -- as a rollback leaves them
     redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
   end
 end
@@ -87,6 +94,7 @@ return {'ok', redis.call('HGETALL', KEYS[1])}
 _COMMIT = (
     _EPOCH
     + _NOW_MS
+    + _CUT_LOCATIONS
     + """
 local cur = redis.call('HMGET', KEYS[1], 'version', 'steps', 'owner', 'tokens')
 if not cur[1] then return {'missing', 0} end
@@ -119,17 +127,7 @@ end
 redis.call('HSET', KEYS[1], 'tokens', tokens, 'version', version, 'steps', steps,
            'updated', now, 'lease', now + tonumber(ARGV[11]))
 if ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'chat', string.sub(ARGV[14], 2)) end
--- a location this commit does not set is valid for the tokens it kept, at most
-for _, field in ipairs({'target', 'draft'}) do
-  local raw = redis.call('HGET', KEYS[1], field)
-  if raw and raw ~= '' then
-    local loc = cjson.decode(raw)
-    if loc.length > kept then
-      loc.length = kept
-      redis.call('HSET', KEYS[1], field, cjson.encode(loc))
-    end
-  end
-end
+cut_locations(KEYS[1], kept)  -- a location this commit does not set is valid for the tokens it kept, at most
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'target', ARGV[7]) end
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'draft', ARGV[9]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[12])
