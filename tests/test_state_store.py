@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -111,6 +112,31 @@ async def test_sessions_expire_after_ttl(redis_server: RedisServer) -> None:
         await asyncio.sleep(0.5)
         assert await s.get(session) is None, url
         await s.close()
+
+
+async def test_expired_sessions_free_their_memory_though_never_named_again() -> None:
+    """memory:// (the default store): a session nobody names again once its TTL has passed is
+    freed all the same. Main dropped an expired record only when a later call named it, so every
+    session a client opened and never closed stayed in the coordinator's memory for good."""
+    s = open_store("memory://", ttl_s=0.3, lease_s=0.3, timeout_s=2)
+    await s.start()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200):
+            session = sid()
+            await s.acquire(session, f"o{i}", create=True)
+            await s.commit(session, f"o{i}", Commit(0, "a", [1000 + i + j for j in range(2000)]))
+            await s.release(session, f"o{i}")
+        held = tracemalloc.get_traced_memory()[0] - before
+        await asyncio.sleep(0.5)
+        await s.acquire(sid(), "later", create=True)  # any later request
+        left = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        await s.close()
+    assert held > 200 * 2000 * 8, "the sessions did not hold their tokens"
+    assert left < held / 20, f"{left} of {held} bytes still held after every session expired"
 
 
 async def test_concurrent_committers_apply_each_step_once(store: StateStore) -> None:

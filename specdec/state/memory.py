@@ -48,7 +48,9 @@ class MemoryStateStore(StateStore):
         self._ttl_s = ttl_s
         self._lease_s = lease_s
         self._records: dict[str, SessionRecord] = {}
-        self._expires: dict[str, float] = {}
+        # session -> when its TTL runs out; every touch sets now + the TTL and moves it to the end,
+        # so the order is the expiry order
+        self._expires: OrderedDict[str, float] = OrderedDict()
         self._lease_until: dict[str, float] = {}
         self._open_turns: dict[str, _OpenTurn] = {}
         # owner -> until when its acquire is refused; expiries grow with insertion (now + a constant)
@@ -83,13 +85,23 @@ class MemoryStateStore(StateStore):
         record.updated_at = now
         return record
 
+    def _sweep(self, now: float) -> None:
+        """Drops every session whose TTL has run out, named again or not."""
+        while self._expires:
+            session_id, expires = next(iter(self._expires.items()))
+            if expires > now:
+                return
+            self._drop(session_id)
+
     def _touch(self, session_id: str, now: float) -> None:
         self._expires[session_id] = now + self._ttl_s
+        self._expires.move_to_end(session_id)
         self._lease_until[session_id] = now + self._lease_s
 
     async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
         async with self._lock:
             now = time.time()
+            self._sweep(now)
             if self._released.get(owner, 0.0) > now:
                 raise StateConflict(f"the request holding session {session_id!r} already ended")
             record = self._live(session_id, now)
