@@ -114,6 +114,7 @@ class TargetClient:
         self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
         self.breaker = _Breaker(retry_s)
         self.info = common_pb2.WorkerInfo()
+        self.vocabulary = ("", 0)  # (tokenizer hash, vocab size) the coordinator serves; every verify names it
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._channel, self.address, timeout_s)
@@ -121,6 +122,7 @@ class TargetClient:
         return self.info
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
+        request.tokenizer_hash, request.vocab_size = self.vocabulary
         return await self._call(self._stub.Verify(request, timeout=timeout_s, metadata=self._metadata))
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
@@ -140,6 +142,9 @@ class TargetClient:
                 sizes = re.search(r"larger than max \((\d+) vs\. (\d+)\)", exc.details() or "")
                 size = f"{int(sizes[1]):,} bytes, the limit {int(sizes[2]):,}" if sizes else "over the limit"
                 raise ReplyTooLarge(_TOO_LARGE.format(size)) from exc
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it serves another model (WrongModel)
+                log.error("target_serves_another_model", address=self.address, details=exc.details())
+                raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
             if exc.code() in _RETRYABLE:
                 raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
             raise WorkerFailed("the target worker failed while processing the request") from exc
@@ -172,6 +177,8 @@ class TargetPool:
             raise RuntimeError(f"no target worker is serving: {results[0]}")
         if len({(i.vocab_size, i.tokenizer_hash) for i in infos}) > 1:
             raise RuntimeError("target replicas serve models with different vocabularies; deploy one model")
+        for replica in self.replicas:  # also those not up yet, and any restarted with another model
+            replica.vocabulary = (infos[0].tokenizer_hash, infos[0].vocab_size)
         return infos[0]
 
     def candidates(self, session_id: str, current: str | None) -> list[TargetClient]:

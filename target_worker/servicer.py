@@ -27,6 +27,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.VerifyResponse:
+        self._core.check_vocabulary(request.tokenizer_hash, request.vocab_size)
         k = len(request.draft.token_ids)
         if k > self._settings.max_draft_tokens:
             raise InvalidRequest(

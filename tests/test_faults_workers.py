@@ -20,7 +20,7 @@ from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, read_session, reference_greedy, worker_info
-from tests.tiny_models import TinyModels, build_crashy, build_model
+from tests.tiny_models import TinyModels, build_crashy, build_model, build_tokenizer
 
 PROMPT = [5, 17, 99, 3]
 LONG = 120  # tokens: enough rounds to inject a fault in the middle
@@ -182,6 +182,47 @@ def test_session_moves_to_a_second_target_replica(
         "client_errors": 0,
         "longest_stall_s": round(gap, 3),
     }
+
+
+def _other_vocabulary_model(path: Path) -> Path:
+    """A random model whose tokenizer has one more token than the tiny models' (another hash)."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<extra>"])
+    return build_model(path, seed=9, hidden=32, layers=1, vocab=len(tokenizer), tokenizer=tokenizer)
+
+
+def test_a_target_replica_that_comes_back_with_another_model_is_not_used(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """Replica 1 is restarted on its port with a model of another vocabulary (a rollout gone wrong,
+    or a replica down when the coordinator started and checked the others). Main only compared the
+    replicas that answered at start-up, so about half the requests were verified by the other model:
+    ids beyond the vocabulary, with OK. Now every verify names the vocabulary the coordinator
+    serves, the replica refuses it before computing anything, and the requests go to replica 0;
+    once replica 1 serves the right model again it is used again."""
+    other = _other_vocabulary_model(tmp_path / "other-vocabulary")
+    prompts = [[5 + i, 17, 99, 3 + i] for i in range(12)]
+    expected = [reference_greedy(str(tiny_models.target), tuple(p), 6) for p in prompts]
+    with fault_cluster(tmp_path / "run", tiny_models.target, None, targets=2) as cluster:
+        replica = cluster.processes["target-1"]
+        right_args = list(replica.args)
+        replica.args = ["--model", str(other), *right_args[2:]]
+        replica.restart()
+        time.sleep(1.5)  # past --target-retry-s: the coordinator may try the replica again
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            replies = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
+            assert replies == expected
+            assert worker_info(replica.address, "target").prefill_tokens_total == 0
+            refused = metric(cluster, "coordinator", "specdec_target_failovers_total")
+            assert refused >= 1
+            replica.args = right_args
+            replica.restart()
+            time.sleep(1.5)
+            again = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
+            assert again == expected
+            assert worker_info(replica.address, "target").prefill_tokens_total > 0
+    fault_report["target replica back with another model"] = {"identical_output": True, "refused_verifies": refused}
 
 
 def test_only_target_down_is_unavailable_within_a_second_and_leaves_no_state(

@@ -64,6 +64,13 @@ class WorkerUnavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class WrongModel(SpecdecError):
+    """The worker serves a model of another vocabulary than the caller's (a replica restarted with
+    another model): it must not serve this caller."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class DeadlineExceeded(SpecdecError):
     """The request's own deadline expired while a worker was working on it."""
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from specdec.runtime.kvcache import SessionCaches, auto_token_budget
 from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
-from specdec.serving.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable
+from specdec.serving.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable, WrongModel
 from specdec.serving.metrics import WorkerMetrics
 from specdec.serving.server import ServerControl
 from specdec.serving.session_ids import INTERNAL_SESSION_ID_MAX, check_session_id
@@ -125,6 +125,17 @@ class WorkerCore:
         if self._caches is None:
             raise WorkerUnavailable("the model is still loading; retry when health reports SERVING")
         return self._caches
+
+    def check_vocabulary(self, tokenizer_hash: str, vocab_size: int) -> None:
+        """Refuses a caller that serves another vocabulary than this worker's model (empty / 0:
+        the caller did not say)."""
+        m = self.loaded
+        if (tokenizer_hash and tokenizer_hash != m.tokenizer_hash) or (vocab_size and vocab_size != m.vocab_size):
+            raise WrongModel(
+                f"this worker serves {m.model_id!r} (tokenizer {m.tokenizer_hash}, {m.vocab_size} ids) but the "
+                f"caller serves tokenizer {tokenizer_hash or '?'} with {vocab_size or '?'} ids: deploy one model on "
+                "every replica, or restart the coordinator after changing the model"
+            )
 
     def info(self) -> common_pb2.WorkerInfo:
         m = self.loaded

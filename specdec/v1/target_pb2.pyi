@@ -18,7 +18,7 @@ class TargetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "draft", "warp", "seed", "sync", "processing", "logprobs", "top_logprobs", "prompt_logprobs_count", "prompt_top_logprobs")
+    __slots__ = ("session_id", "draft", "warp", "seed", "sync", "processing", "logprobs", "top_logprobs", "prompt_logprobs_count", "prompt_top_logprobs", "tokenizer_hash", "vocab_size")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     WARP_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class VerifyRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_COUNT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     draft: _common_pb2.DraftBlock
     warp: _common_pb2.WarpParams
@@ -39,7 +41,9 @@ class VerifyRequest(_message.Message):
     top_logprobs: int
     prompt_logprobs_count: int
     prompt_top_logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs_count: _Optional[int] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
+    tokenizer_hash: str
+    vocab_size: int
+    def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs_count: _Optional[int] = ..., prompt_top_logprobs: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("cache_status", "num_accepted", "token_ids", "cache_len", "computed_tokens", "compute_ms", "logprobs", "prompt_logprobs")
