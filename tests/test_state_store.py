@@ -165,6 +165,71 @@ async def test_concurrent_committers_apply_each_step_once(store: StateStore) -> 
     assert got.version == 50 and sum(applied) == 50
 
 
+async def test_a_round_s_commit_writes_what_it_appends_not_the_whole_session(tmp_path: Path) -> None:
+    """Redis with an append-only file, as deployed (and likewise its replication stream): a
+    round's commit costs the tokens it appends, not the session's length. Main rewrote the whole
+    token list on every commit, so a 16,000-token session wrote 64 KB to the AOF (and to every
+    replica) per round: O(n^2) over a session."""
+    import redis.asyncio as aioredis
+
+    aof = ["--appendonly", "yes", "--appendfsync", "no", "--auto-aof-rewrite-percentage", "0"]
+    server = RedisServer(tmp_path / "redis", extra_args=aof)
+    store = open_store(server.url, ttl_s=60, lease_s=30, timeout_s=2)
+    client = aioredis.from_url(server.url)
+    try:
+        await store.start()
+
+        async def aof_bytes() -> int:
+            return int((await client.info("persistence"))["aof_current_size"])
+
+        session = sid()
+        await store.acquire(session, "o", create=True)
+        await store.commit(session, "o", Commit(0, "prompt", list(range(1000, 17_000))))
+        before = await aof_bytes()
+        for version in range(1, 51):
+            await store.commit(session, "o", Commit(version, f"round-{version}", [version, version + 1]))
+        per_round = (await aof_bytes() - before) / 50
+        got = await store.get(session)
+        assert got is not None and got.tokens[-2:] == [50, 51] and len(got.tokens) == 16_100
+        assert per_round < 2_000, f"{per_round:.0f} bytes of AOF per round"
+    finally:
+        await client.aclose()
+        await store.close()
+        server.stop()
+
+
+async def test_a_session_an_earlier_release_wrote_carries_on(redis_server: RedisServer) -> None:
+    """Releases before the tokens had their own key kept them in the session hash (mid-upgrade,
+    such sessions exist): the next acquire moves them to the tokens key, and the session goes on."""
+    import redis.asyncio as aioredis
+
+    from specdec.runtime.tokens import pack_tokens
+    from specdec.state.redis_store import RedisStateStore
+
+    store = open_store(redis_server.url, ttl_s=60, lease_s=30, timeout_s=2)
+    assert isinstance(store, RedisStateStore)
+    await store.start()
+    client = aioredis.from_url(redis_server.url)
+    try:
+        session = sid()
+        old = {"tokens": pack_tokens([7, 8, 9]), "version": 3, "steps": "|a|b|c|", "owner": "", "lease": 0,
+               "created": 1, "updated": 1, "target": "", "draft": ""}  # fmt: skip
+        await client.hset(store.key(session), mapping=old)
+        got = await store.get(session)
+        assert got is not None and got.tokens == [7, 8, 9]
+        record = await store.acquire(session, "new", create=False)
+        assert record.tokens == [7, 8, 9] and record.version == 3
+        assert not await client.hexists(store.key(session), "tokens")
+        await store.commit(session, "new", Commit(3, "d", [10]))
+        got = await store.get(session)
+        assert got is not None and got.tokens == [7, 8, 9, 10] and got.version == 4
+        assert await client.pttl(store.tokens_key(session)) > 0
+        assert await store.delete(session) and not await client.exists(store.tokens_key(session))
+    finally:
+        await client.aclose()
+        await store.close()
+
+
 async def test_cache_lengths_beyond_the_committed_length_are_refused(store: StateStore) -> None:
     session = sid()
     await store.acquire(session, "o", create=True)

@@ -51,43 +51,50 @@ local function cut_locations(key, n)
 end
 """
 
-# KEYS: session, epoch, the owner's tombstone; ARGV: epoch, owner, create (0/1), lease_ms, ttl_ms
+# KEYS: session, epoch, the owner's tombstone, session tokens; ARGV: epoch, owner, create (0/1), lease_ms, ttl_ms
 _ACQUIRE = (
     _EPOCH
     + _NOW_MS
     + _CUT_LOCATIONS
     + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'released'} end
-local held = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'undo_created', 'undo_version', 'version')
+local held = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'undo_created', 'undo_version', 'version', 'tokens')
+if held[1] and held[1] ~= ARGV[2] and held[1] ~= '' and tonumber(held[2]) > now then return {'busy'} end
+if held[6] then  -- an earlier release kept the tokens in the hash: they move to their own key
+  redis.call('SET', KEYS[4], held[6])
+  redis.call('HDEL', KEYS[1], 'tokens')
+end
 if held[1] and held[1] ~= ARGV[2] then
-  if held[1] ~= '' and tonumber(held[2]) > now then return {'busy'} end
   -- A turn its owner left open (see Commit.opens_turn) is undone, if its commits were the last:
   -- a writer that does not keep the undo fields (an older release, mid-upgrade) may have moved on.
   if held[3] and held[4] ~= held[5] then
     redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
   elseif held[3] == '1' then
-    redis.call('DEL', KEYS[1])
+    redis.call('DEL', KEYS[1], KEYS[4])
   elseif held[3] then
     local was = redis.call('HMGET', KEYS[1], 'undo_tokens', 'undo_chat', 'version')
-    redis.call('HSET', KEYS[1], 'tokens', was[1], 'chat', was[2], 'version', tonumber(was[3]) + 1, 'updated', now)
+    redis.call('SET', KEYS[4], was[1])
+    redis.call('HSET', KEYS[1], 'chat', was[2], 'version', tonumber(was[3]) + 1, 'updated', now)
     cut_locations(KEYS[1], 0)  -- as a rollback leaves them
     redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
   end
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[3] == '0' then return {'missing'} end
-  redis.call('HSET', KEYS[1], 'tokens', '', 'version', 0, 'steps', '|', 'owner', ARGV[2],
+  redis.call('SET', KEYS[4], '')
+  redis.call('HSET', KEYS[1], 'version', 0, 'steps', '|', 'owner', ARGV[2],
              'lease', now + tonumber(ARGV[4]), 'created', now, 'updated', now,
              'target', '', 'draft', '')
 else
   redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'lease', now + tonumber(ARGV[4]))
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
-return {'ok', redis.call('HGETALL', KEYS[1])}
+redis.call('PEXPIRE', KEYS[4], ARGV[5])
+return {'ok', redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[4]) or ''}
 """
 )
 
-# KEYS: session, epoch; ARGV: epoch, owner, expected_version (-1 = any: the owner's rollback), step,
+# KEYS: session, epoch, session tokens; ARGV: epoch, owner, expected_version (-1 = any: the owner's rollback), step,
 # append (packed uint32), truncate_to (-1 = none), target json ('' = unchanged), target length (-1 = none), draft json,
 # draft length, lease_ms, ttl_ms, recent steps kept, chat ('' = unchanged, else '=' .. the new value),
 # turn ('open' / 'close' / '': see Commit.opens_turn)
@@ -96,21 +103,21 @@ _COMMIT = (
     + _NOW_MS
     + _CUT_LOCATIONS
     + """
-local cur = redis.call('HMGET', KEYS[1], 'version', 'steps', 'owner', 'tokens')
+local cur = redis.call('HMGET', KEYS[1], 'version', 'steps', 'owner')
 if not cur[1] then return {'missing', 0} end
 if string.find(cur[2], '|' .. ARGV[4] .. '|', 1, true) then return {'already', tonumber(cur[1])} end
 if tonumber(ARGV[3]) >= 0 and tonumber(cur[1]) ~= tonumber(ARGV[3]) then return {'conflict', tonumber(cur[1])} end
 if cur[3] ~= ARGV[2] then return {'not_owner', tonumber(cur[1])} end
-local tokens = cur[4]
+local length = redis.call('STRLEN', KEYS[3]) / 4
+local kept = length
 local cut = tonumber(ARGV[6])
-if cut >= 0 then tokens = string.sub(tokens, 1, cut * 4) end
-local kept = #tokens / 4
-tokens = tokens .. ARGV[5]
-local committed = #tokens / 4
+if cut >= 0 and cut < length then kept = cut end
+local committed = kept + #ARGV[5] / 4
 if tonumber(ARGV[8]) > committed or tonumber(ARGV[10]) > committed then return {'invalid', committed} end
 local version = tonumber(cur[1]) + 1
 if ARGV[15] == 'open' then
-  redis.call('HSET', KEYS[1], 'undo_tokens', cur[4], 'undo_chat', redis.call('HGET', KEYS[1], 'chat') or '',
+  redis.call('HSET', KEYS[1], 'undo_tokens', redis.call('GET', KEYS[3]) or '',
+             'undo_chat', redis.call('HGET', KEYS[1], 'chat') or '',
              'undo_created', cur[1] == '0' and 1 or 0, 'undo_version', version)
 elseif ARGV[15] == 'close' then
   redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
@@ -124,24 +131,31 @@ while bars > tonumber(ARGV[13]) + 1 do
   steps = string.sub(steps, cut)
   bars = bars - 1
 end
-redis.call('HSET', KEYS[1], 'tokens', tokens, 'version', version, 'steps', steps,
-           'updated', now, 'lease', now + tonumber(ARGV[11]))
+-- A round appends (what the AOF and the replicas receive is what it adds); only a cut rewrites.
+if kept < length then
+  redis.call('SET', KEYS[3], string.sub(redis.call('GET', KEYS[3]), 1, kept * 4) .. ARGV[5])
+elseif ARGV[5] ~= '' then
+  redis.call('APPEND', KEYS[3], ARGV[5])
+end
+redis.call('HSET', KEYS[1], 'version', version, 'steps', steps, 'updated', now, 'lease', now + tonumber(ARGV[11]))
 if ARGV[14] ~= '' then redis.call('HSET', KEYS[1], 'chat', string.sub(ARGV[14], 2)) end
 cut_locations(KEYS[1], kept)  -- a location this commit does not set is valid for the tokens it kept, at most
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'target', ARGV[7]) end
 if ARGV[9] ~= '' then redis.call('HSET', KEYS[1], 'draft', ARGV[9]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[12])
+redis.call('PEXPIRE', KEYS[3], ARGV[12])
 return {'applied', version}
 """
 )
 
-# KEYS: session; ARGV: owner, lease_ms, ttl_ms
+# KEYS: session, session tokens; ARGV: owner, lease_ms, ttl_ms
 _RENEW = (
     _NOW_MS
     + """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'lease', now + tonumber(ARGV[2]))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 )
@@ -167,11 +181,12 @@ def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
 
 
-def _record(session_id: str, fields: dict[bytes, bytes]) -> SessionRecord:
+def _record(session_id: str, fields: dict[bytes, bytes], tokens: bytes) -> SessionRecord:
+    """``tokens``: the session's tokens key (a hash an earlier release wrote holds them itself)."""
     raw = {k.decode(): v for k, v in fields.items()}
     return SessionRecord(
         session_id=session_id,
-        tokens=unpack_tokens(raw["tokens"]),
+        tokens=unpack_tokens(raw.get("tokens", tokens)),
         version=int(raw["version"]),
         recent_steps=[step for step in raw["steps"].decode().split("|") if step],
         owner=raw["owner"].decode(),
@@ -184,7 +199,8 @@ def _record(session_id: str, fields: dict[bytes, bytes]) -> SessionRecord:
 
 
 class RedisStateStore(StateStore):
-    """Sessions as Redis hashes ``<prefix>session:<id>`` with a TTL."""
+    """Sessions as Redis hashes ``<prefix>session:<id>`` and their committed tokens as strings
+    ``<prefix>tokens:<id>`` (appended to, so a round writes only what it adds), with one TTL."""
 
     def __init__(
         self,
@@ -219,6 +235,9 @@ class RedisStateStore(StateStore):
     def key(self, session_id: str) -> str:
         return f"{self._prefix}session:{session_id}"
 
+    def tokens_key(self, session_id: str) -> str:
+        return f"{self._prefix}tokens:{session_id}"
+
     def _tombstone(self, owner: str) -> str:
         return f"{self._prefix}released:{owner}"
 
@@ -251,7 +270,7 @@ class RedisStateStore(StateStore):
 
     async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
         args = [self._epoch, owner, int(create), self._lease_ms, self._ttl_ms]
-        keys = [self.key(session_id), self._epoch_key, self._tombstone(owner)]
+        keys = [self.key(session_id), self._epoch_key, self._tombstone(owner), self.tokens_key(session_id)]
         reply: list[Any] = await self._call(lambda: self._acquire(keys=keys, args=args))
         status = reply[0].decode()
         if status == "epoch":
@@ -262,7 +281,7 @@ class RedisStateStore(StateStore):
             raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
         if status == "busy":
             raise SessionBusy(f"session {session_id!r} is generating for another request; retry when it ends")
-        return _record(session_id, _pairs(reply[1]))
+        return _record(session_id, _pairs(reply[1]), reply[2])
 
     async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
         args = [
@@ -282,7 +301,7 @@ class RedisStateStore(StateStore):
             "" if commit.chat is None else "=" + commit.chat,
             "open" if commit.opens_turn else "close" if commit.closes_turn else "",
         ]
-        keys = [self.key(session_id), self._epoch_key]
+        keys = [self.key(session_id), self._epoch_key, self.tokens_key(session_id)]
         status_raw, *rest = await self._call(lambda: self._commit(keys=keys, args=args))
         status = status_raw.decode()
         version = int(rest[0]) if rest else 0
@@ -303,18 +322,26 @@ class RedisStateStore(StateStore):
 
     async def renew(self, session_id: str, owner: str) -> bool:
         args = [owner, self._lease_ms, self._ttl_ms]
-        return bool(await self._call(lambda: self._renew(keys=[self.key(session_id)], args=args)))
+        keys = [self.key(session_id), self.tokens_key(session_id)]
+        return bool(await self._call(lambda: self._renew(keys=keys, args=args)))
 
     async def release(self, session_id: str, owner: str) -> None:
         keys, args = [self.key(session_id), self._tombstone(owner)], [owner, self._lease_ms + TOMBSTONE_EXTRA_MS]
         await self._call(lambda: self._release(keys=keys, args=args))
 
     async def get(self, session_id: str) -> SessionRecord | None:
-        fields: dict[bytes, bytes] = await self._call(lambda: self._client.hgetall(self.key(session_id)))
-        return _record(session_id, fields) if fields else None
+        async def read() -> list[Any]:
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.hgetall(self.key(session_id))
+                pipe.get(self.tokens_key(session_id))
+                return await pipe.execute()  # type: ignore[no-any-return]
+
+        fields, tokens = await self._call(read)
+        return _record(session_id, fields, tokens or b"") if fields else None
 
     async def delete(self, session_id: str) -> bool:
-        return bool(await self._call(lambda: self._client.delete(self.key(session_id))))
+        keys = (self.key(session_id), self.tokens_key(session_id))
+        return bool(await self._call(lambda: self._client.delete(*keys)))
 
     def _prefix_key(self, key: str) -> str:
         return f"{self._prefix}prefix:{key}"
