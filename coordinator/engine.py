@@ -54,6 +54,23 @@ def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo
     )
 
 
+def largest_block(
+    max_speculative_tokens: int, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo | None
+) -> int:
+    """The largest K requests may use: --max-speculative-tokens, at most what the workers accept
+    (their --max-draft-tokens); a larger block would be refused and its round decoded target-only."""
+    limits = [w.max_draft_tokens for w in (target, draft) if w is not None and w.max_draft_tokens]
+    largest = min([max_speculative_tokens, *limits])
+    if largest < max_speculative_tokens:
+        log.warning(
+            "max_speculative_tokens_capped",
+            max_speculative_tokens=max_speculative_tokens,
+            workers_max_draft_tokens=min(limits),
+            effect=f"requests draft at most {largest} tokens a round; raise the workers' --max-draft-tokens",
+        )
+    return largest
+
+
 def vocab_method(draft: common_pb2.WorkerInfo | None) -> str:
     """How the draft's proposals reach the target's vocabulary (GetInfo's draft_vocab_method)."""
     if draft is None:
@@ -153,17 +170,18 @@ class Engine:
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
             raise RuntimeError("the coordinator's tokenizer differs from the target model's; fix --tokenizer")
         s = self.settings
+        max_k = largest_block(s.max_speculative_tokens, target_info, draft_info)
         limits = Limits(
             vocab_size=target_info.vocab_size,
             max_context_len=target_info.max_context_len,
             eos_token_ids=frozenset(target_info.eos_token_ids),
             default_max_new_tokens=min(s.default_max_new_tokens, target_info.max_context_len - 1),
-            default_k=s.num_speculative_tokens,
-            max_k=s.max_speculative_tokens,
+            default_k=min(s.num_speculative_tokens, max_k),
+            max_k=max_k,
             max_prompt_chars=MAX_PROMPT_CHARS,
             draft_context_len=draft_info.max_context_len if draft_info is not None else 0,
             default_method=s.default_method(),
-            lookup_max_tokens=min(s.lookup_max_tokens, s.max_speculative_tokens),
+            lookup_max_tokens=min(s.lookup_max_tokens, max_k),
             draft_confidence=s.draft_confidence,
             draft_block_confidence=s.draft_block_confidence,
         )

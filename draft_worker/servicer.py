@@ -225,7 +225,9 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     async def Info(
         self, request: draft_pb2.DraftInfoRequest, context: grpc.aio.ServicerContext
     ) -> draft_pb2.DraftInfoResponse:
-        return draft_pb2.DraftInfoResponse(info=self._vocabulary.describe(self._core.info()))
+        info = self._vocabulary.describe(self._core.info())
+        info.max_draft_tokens = self._settings.max_draft_tokens
+        return draft_pb2.DraftInfoResponse(info=info)
 
     async def Propose(
         self, request_iterator: AsyncIterator[draft_pb2.ProposeRequest], context: grpc.aio.ServicerContext

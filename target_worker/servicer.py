@@ -22,7 +22,9 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     async def Info(
         self, request: target_pb2.TargetInfoRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.TargetInfoResponse:
-        return target_pb2.TargetInfoResponse(info=self._core.info())
+        info = self._core.info()
+        info.max_draft_tokens = self._settings.max_draft_tokens
+        return target_pb2.TargetInfoResponse(info=info)
 
     async def Verify(
         self, request: target_pb2.VerifyRequest, context: grpc.aio.ServicerContext

@@ -353,6 +353,36 @@ def test_a_draft_with_a_shorter_context_drafts_up_to_it(tmp_path: Path, tiny_mod
     assert errors == 0 and failures == 0
 
 
+def test_workers_with_smaller_blocks_than_the_coordinator_s_k_still_speculate(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """Workers started with --max-draft-tokens 4 under a coordinator whose --max-speculative-tokens
+    is 8. Main did not know the workers' limit: every block over 4 was refused, so every round of
+    the default request and of a `fixed` K = 8 request decoded target-only, with no error (40 of
+    40 rounds). Now the workers report their limit and the coordinator's K stops there."""
+    prompt = [5, 6, 7, 8]
+    expected = reference_greedy(str(tiny_models.target), tuple(prompt), 40, ignore_eos=True)
+    small_blocks = ["--max-draft-tokens", "4"]
+    with (
+        fault_cluster(tmp_path, tiny_models.target, tiny_models.same, worker_args=small_blocks) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        info = stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10)
+        assert info.max_speculative_tokens == 4 and info.default_speculative_tokens <= 4
+        assert info.lookup_max_tokens <= 4
+        default = stub.Generate(make_request(prompt, k=0, max_new=40, fixed=False, ignore_eos=True), timeout=60)
+        fixed = stub.Generate(make_request(prompt, k=4, max_new=40, ignore_eos=True), timeout=60)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(make_request(prompt, k=8, max_new=40), timeout=60)
+        errors = metric(cluster, "coordinator", "specdec_draft_request_errors_total")
+    assert list(default.token_ids) == expected and list(fixed.token_ids) == expected
+    assert default.stats.draft_tokens_proposed > 0 and default.stats.target_only_rounds < default.stats.rounds // 2
+    assert len(fixed.stats.proposed_by_position) == 4 and fixed.stats.target_only_rounds == 0
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "<= 4" in (error.value.details() or "")
+    assert errors == 0
+
+
 def _peak_rss_mb(pid: int) -> float:
     """A process's peak resident memory so far (VmHWM), in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
