@@ -9,9 +9,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 
+from specdec.runtime.tokens import pack_tokens
 from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict, StateLost
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store
+from specdec.state.redis_store import RedisStateStore
 from tests.helpers import RedisServer
 
 
@@ -22,6 +25,18 @@ async def store(request: pytest.FixtureRequest, redis_server: RedisServer) -> As
     await s.start()
     yield s
     await s.close()
+
+
+@pytest.fixture
+async def redis_and_client(redis_server: RedisServer) -> AsyncIterator[tuple[RedisStateStore, aioredis.Redis]]:
+    """The Redis store and a plain client of the same server, to write what other writers leave."""
+    store = open_store(redis_server.url, ttl_s=60, lease_s=30, timeout_s=2)
+    assert isinstance(store, RedisStateStore)
+    await store.start()
+    client = aioredis.from_url(redis_server.url)
+    yield store, client
+    await client.aclose()
+    await store.close()
 
 
 def sid() -> str:
@@ -170,8 +185,6 @@ async def test_a_round_s_commit_writes_what_it_appends_not_the_whole_session(tmp
     round's commit costs the tokens it appends, not the session's length. Main rewrote the whole
     token list on every commit, so a 16,000-token session wrote 64 KB to the AOF (and to every
     replica) per round: O(n^2) over a session."""
-    import redis.asyncio as aioredis
-
     aof = ["--appendonly", "yes", "--appendfsync", "no", "--auto-aof-rewrite-percentage", "0"]
     server = RedisServer(tmp_path / "redis", extra_args=aof)
     store = open_store(server.url, ttl_s=60, lease_s=30, timeout_s=2)
@@ -198,36 +211,26 @@ async def test_a_round_s_commit_writes_what_it_appends_not_the_whole_session(tmp
         server.stop()
 
 
-async def test_a_session_an_earlier_release_wrote_carries_on(redis_server: RedisServer) -> None:
+async def test_a_session_an_earlier_release_wrote_carries_on(
+    redis_and_client: tuple[RedisStateStore, aioredis.Redis],
+) -> None:
     """Releases before the tokens had their own key kept them in the session hash (mid-upgrade,
     such sessions exist): the next acquire moves them to the tokens key, and the session goes on."""
-    import redis.asyncio as aioredis
-
-    from specdec.runtime.tokens import pack_tokens
-    from specdec.state.redis_store import RedisStateStore
-
-    store = open_store(redis_server.url, ttl_s=60, lease_s=30, timeout_s=2)
-    assert isinstance(store, RedisStateStore)
-    await store.start()
-    client = aioredis.from_url(redis_server.url)
-    try:
-        session = sid()
-        old = {"tokens": pack_tokens([7, 8, 9]), "version": 3, "steps": "|a|b|c|", "owner": "", "lease": 0,
-               "created": 1, "updated": 1, "target": "", "draft": ""}  # fmt: skip
-        await client.hset(store.key(session), mapping=old)
-        got = await store.get(session)
-        assert got is not None and got.tokens == [7, 8, 9]
-        record = await store.acquire(session, "new", create=False)
-        assert record.tokens == [7, 8, 9] and record.version == 3
-        assert not await client.hexists(store.key(session), "tokens")
-        await store.commit(session, "new", Commit(3, "d", [10]))
-        got = await store.get(session)
-        assert got is not None and got.tokens == [7, 8, 9, 10] and got.version == 4
-        assert await client.pttl(store.tokens_key(session)) > 0
-        assert await store.delete(session) and not await client.exists(store.tokens_key(session))
-    finally:
-        await client.aclose()
-        await store.close()
+    store, client = redis_and_client
+    session = sid()
+    old = {"tokens": pack_tokens([7, 8, 9]), "version": 3, "steps": "|a|b|c|", "owner": "", "lease": 0,
+           "created": 1, "updated": 1, "target": "", "draft": ""}  # fmt: skip
+    await client.hset(store.key(session), mapping=old)
+    got = await store.get(session)
+    assert got is not None and got.tokens == [7, 8, 9]
+    record = await store.acquire(session, "new", create=False)
+    assert record.tokens == [7, 8, 9] and record.version == 3
+    assert not await client.hexists(store.key(session), "tokens")
+    await store.commit(session, "new", Commit(3, "d", [10]))
+    got = await store.get(session)
+    assert got is not None and got.tokens == [7, 8, 9, 10] and got.version == 4
+    assert await client.pttl(store.tokens_key(session)) > 0
+    assert await store.delete(session) and not await client.exists(store.tokens_key(session))
 
 
 async def test_cache_lengths_beyond_the_committed_length_are_refused(store: StateStore) -> None:
@@ -450,29 +453,19 @@ async def test_a_session_created_by_a_turn_left_open_is_deleted(store: StateStor
     assert record.tokens == [] and record.version == 0
 
 
-async def test_an_open_turn_that_another_writer_moved_past_is_kept(redis_server: RedisServer) -> None:
+async def test_an_open_turn_that_another_writer_moved_past_is_kept(
+    redis_and_client: tuple[RedisStateStore, aioredis.Redis],
+) -> None:
     """Mid-upgrade, a coordinator of an older release (which keeps no undo fields) may commit to a
     session after a turn was left open; the next acquire keeps what it committed."""
-    import redis.asyncio as aioredis
-
-    from specdec.runtime.tokens import pack_tokens
-    from specdec.state.redis_store import RedisStateStore
-
-    store = open_store(redis_server.url, ttl_s=60, lease_s=30, timeout_s=2)
-    assert isinstance(store, RedisStateStore)
-    await store.start()
-    client = aioredis.from_url(redis_server.url)
-    try:
-        session = sid()
-        a, b, c, _ = _owners(session)
-        version = await _finished_turn(store, session, a, [1], [2])
-        await _open_turn(store, session, b, version, [3])
-        await store.release(session, b)
-        # what an older release's turn leaves: a later version and its tokens, the undo fields untouched
-        await client.hset(store.key(session), mapping={"tokens": pack_tokens([1, 2, 3, 4]), "version": version + 2})
-        record = await store.acquire(session, c, create=False)
-        assert record.tokens == [1, 2, 3, 4] and record.version == version + 2
-        assert not await client.hexists(store.key(session), "undo_tokens")
-    finally:
-        await client.aclose()
-        await store.close()
+    store, client = redis_and_client
+    session = sid()
+    a, b, c, _ = _owners(session)
+    version = await _finished_turn(store, session, a, [1], [2])
+    await _open_turn(store, session, b, version, [3])
+    await store.release(session, b)
+    # what an older release's turn leaves: a later version and its tokens, the undo fields untouched
+    await client.hset(store.key(session), mapping={"tokens": pack_tokens([1, 2, 3, 4]), "version": version + 2})
+    record = await store.acquire(session, c, create=False)
+    assert record.tokens == [1, 2, 3, 4] and record.version == version + 2
+    assert not await client.hexists(store.key(session), "undo_tokens")
