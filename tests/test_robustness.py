@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import fault_cluster, metric
+from tests.clusters import fault_cluster, metric, wait_for
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_model, build_resized, build_sliding, build_tokenizer
@@ -211,19 +211,26 @@ def test_one_sessions_trouble_does_not_switch_speculation_off_for_others(
 def test_a_draft_refusing_one_request_does_not_trip_the_breaker(
     tmp_path: Path, tiny_models: TinyModels, fault_report: dict
 ) -> None:
-    """The draft refuses blocks over --max-draft-tokens 2 (INVALID_ARGUMENT): a request asking for
-    K = 4 decodes target-only (same tokens), and the next request with K = 2 speculates at once."""
+    """The draft is restarted with --max-draft-tokens 2 after the coordinator learned 8 from it,
+    so it refuses blocks over 2 (INVALID_ARGUMENT): a request asking for K = 4 decodes target-only
+    (same tokens), and the next request with K = 2 speculates at once."""
     expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 12, ignore_eos=True)
-    small_blocks = ["--max-draft-tokens", "2"]
     with (
-        fault_cluster(tmp_path, tiny_models.target, tiny_models.same, draft_args=small_blocks) as cluster,
+        fault_cluster(tmp_path, tiny_models.target, tiny_models.same) as cluster,
         grpc.insecure_channel(cluster.address) as channel,
     ):
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        refused = stub.Generate(make_request(PROMPT, k=4, max_new=12, ignore_eos=True), timeout=30)
-        accepted = stub.Generate(make_request(PROMPT, k=2, max_new=12, ignore_eos=True), timeout=30)
+        draft = cluster.processes["draft"]
+        draft.args = [*draft.args, "--max-draft-tokens", "2"]
+        draft.restart()
+        small = make_request(PROMPT, k=2, max_new=12, ignore_eos=True)
+        wait_for(lambda: stub.Generate(small, timeout=30).stats.target_only_rounds == 0, 15, 0.2)  # reconnected
         failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
         request_errors = metric(cluster, "coordinator", "specdec_draft_request_errors_total")
+        refused = stub.Generate(make_request(PROMPT, k=4, max_new=12, ignore_eos=True), timeout=30)
+        accepted = stub.Generate(small, timeout=30)
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total") - failures
+        request_errors = metric(cluster, "coordinator", "specdec_draft_request_errors_total") - request_errors
     assert list(refused.token_ids) == list(accepted.token_ids) == expected
     assert refused.stats.target_only_rounds == refused.stats.rounds
     assert accepted.stats.target_only_rounds == 0 and accepted.stats.acceptance_rate == 1.0
