@@ -20,7 +20,7 @@ from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.processing import NO_PROCESSING, Processing, processing_to_proto
 from specdec.runtime.proposals import warp_to_proto
 from specdec.runtime.sampling import Warp
-from specdec.runtime.tokens import common_prefix_len, prefix_hash
+from specdec.runtime.tokens import PrefixHashes, common_prefix_len
 from specdec.serving.errors import DeadlineExceeded, SpecdecError, WorkerFailed, WorkerTimedOut, WorkerUnavailable
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import CacheLocation, PrefixLocation
@@ -90,13 +90,16 @@ class SyncCounters:
     resyncs: int = 0
 
 
-def prefix_sync(committed: list[int], cached: int, source: str = "") -> common_pb2.PrefixSync:
+def prefix_sync(
+    committed: list[int], cached: int, source: str = "", hashes: PrefixHashes | None = None
+) -> common_pb2.PrefixSync:
     """The prefix sync for a worker holding ``cached`` committed tokens (the tail >= 1 token),
-    possibly in the cache of session ``source`` (prefix reuse)."""
+    possibly in the cache of session ``source`` (prefix reuse); ``hashes``: kept over the turn's
+    committed tokens (which a turn only appends to), so a round hashes only what it added."""
     base = min(cached, len(committed) - 1)
     return common_pb2.PrefixSync(
         base_len=base,
-        prefix_hash=prefix_hash(committed[:base]),
+        prefix_hash=(hashes or PrefixHashes()).of(committed, base),
         tail_token_ids=committed[base:],
         source_session_id=source if base else "",
     )
@@ -136,6 +139,7 @@ class WorkerSession:
         self.draft_len = 0
         # prefix reuse: the other session whose caches hold target_len / draft_len of our tokens
         self._target_source = self._draft_source = ""
+        self._target_hashes, self._draft_hashes = PrefixHashes(), PrefixHashes()  # of the turn's committed tokens
 
     def _caller_left(self) -> float:
         """Seconds until the caller's deadline (inf without one)."""
@@ -251,7 +255,7 @@ class WorkerSession:
         cached, source = self.draft_len, self._draft_source
         self._draft_source = ""
         for _ in range(2):
-            sync = prefix_sync(committed, cached, source)
+            sync = prefix_sync(committed, cached, source, self._draft_hashes)
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
                 warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
@@ -360,7 +364,7 @@ class WorkerSession:
         if ask.prompt_count:  # the prompt's positions must be computed again to be scored
             cached = min(cached, max(len(committed) - ask.prompt_count - 1, 0))
         for _ in range(2):
-            sync = prefix_sync(committed, cached, source)
+            sync = prefix_sync(committed, cached, source, self._target_hashes)
             request = target_pb2.VerifyRequest(
                 session_id=self.session_id, sync=sync, draft=block, warp=warp_to_proto(decoding.warp),
                 seed=decoding.seed, processing=processing_to_proto(decoding.processing), logprobs=ask.tokens,

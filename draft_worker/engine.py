@@ -35,7 +35,7 @@ from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.sampling import DraftSample, Warp, position_generator, proposal_probability, sample_draft_token
 from specdec.runtime.scheduler import ComputeMeter, Extend, Job
-from specdec.runtime.tokens import common_prefix_len, prefix_hash
+from specdec.runtime.tokens import common_prefix_len
 from specdec.runtime.vocab import TextMirror, VocabBridge
 from specdec.serving.errors import InvalidRequest
 from specdec.v1 import common_pb2
@@ -215,7 +215,7 @@ def _finish(entry: SessionCache, drafted: Drafted, start: int, assumed: Sequence
         start=start,
         assumed=tuple(assumed),
         cache_len=len(entry.tokens),
-        cache_hash=prefix_hash(entry.tokens),
+        cache_hash=entry.hashes.of(entry.tokens, len(entry.tokens)),
         compute_ms=meter.ms,
         ends_unsure=drafted.unsure,
         computed_tokens=meter.tokens,

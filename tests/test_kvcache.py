@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from specdec.runtime import kvcache
+from specdec.runtime import tokens as tokens_module
 from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
-from specdec.runtime.tokens import prefix_hash
+from specdec.runtime.tokens import PrefixHashes, prefix_hash
 from tests.tiny_models import TinyModels, build_sliding
 
 
@@ -146,6 +150,46 @@ def test_resync_required_for_unknown_short_or_different_prefix(loaded: LoadedMod
     with pytest.raises(ResyncRequired):
         caches.sync("s", 3, prefix_hash([1, 2, 4]))
     assert len(caches) == 0  # a mismatching cache is dropped
+
+
+def test_a_prefix_cut_and_grown_again_differently_is_not_taken_for_the_old_one(loaded: LoadedModel) -> None:
+    """The worker keeps the hash state of a session's tokens between calls (PrefixHashes): a cut
+    must invalidate it, so a cache rolled back and regrown with other tokens never passes for the
+    prefix it held before, and the new one does."""
+    caches = SessionCaches(loaded, max_sessions=4, idle_s=60)
+    old = [5, 9, 13, 200, 7, 7, 1, 40]
+    entry = caches.sync("s", 0, 0)
+    caches.extend(entry, old, 1)
+    assert caches.sync("s", 8, prefix_hash(old)).tokens == old  # the state now covers all 8
+    entry = caches.sync("s", 4, prefix_hash(old[:4]))  # rolled back to 4
+    new = [*old[:4], 3, 3, 3, 3]
+    caches.extend(entry, new[4:], 1)
+    assert caches.sync("s", 8, prefix_hash(new)).tokens == new
+    with pytest.raises(ResyncRequired):
+        caches.sync("s", 8, prefix_hash(old))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "cut", "read", "new list"]), st.integers(0, 40)), max_size=40))
+def test_prefix_hashes_equal_the_hash_of_the_prefix(operations: list[tuple[str, int]]) -> None:
+    """PrefixHashes (kept state, a checkpoint every few tokens) equals prefix_hash of the prefix
+    asked for, whatever the appends, reported cuts, shorter reads and new lists before."""
+    hashes, tokens = PrefixHashes(), [1]
+    with mock.patch.object(tokens_module, "_CHECKPOINT_TOKENS", 4):  # checkpoints within these lengths
+        _apply(hashes, tokens, operations)
+
+
+def _apply(hashes: PrefixHashes, tokens: list[int], operations: list[tuple[str, int]]) -> None:
+    for operation, n in operations:
+        if operation == "append":
+            tokens.extend(range(n * 7, n * 8))
+        elif operation == "cut":
+            del tokens[min(n, len(tokens)) :]
+            hashes.cut(min(n, len(tokens)))
+        elif operation == "new list":
+            tokens = [*tokens, n]
+        length = min(n, len(tokens))
+        assert hashes.of(tokens, length) == prefix_hash(tokens[:length])
 
 
 def test_least_recently_used_and_idle_sessions_are_evicted(loaded: LoadedModel) -> None:

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.runtime.lookup import GuessIndex
 from specdec.runtime.modeling import LoadedModel
-from specdec.runtime.tokens import prefix_hash
+from specdec.runtime.tokens import PrefixHashes
 from specdec.runtime.vocab import TextMirror
 
 log = structlog.get_logger(__name__)
@@ -85,6 +85,7 @@ class SessionCache:
     last_used: float = field(default_factory=time.monotonic)
     mirror: TextMirror | None = None
     guesses: GuessIndex | None = None
+    hashes: PrefixHashes = field(default_factory=PrefixHashes)  # of ``tokens``, kept up to date below
 
     def truncate(self, length: int) -> None:
         """Rolls back to the first ``length`` tokens (an index of more of them is dropped)."""
@@ -92,6 +93,7 @@ class SessionCache:
         if excess > 0:
             self.cache.crop(-excess)
             del self.tokens[length:]
+            self.hashes.cut(length)
         if self.guesses is not None and len(self.guesses) > length:
             self.guesses = None
 
@@ -295,7 +297,7 @@ class SessionCaches:
 
 def _holds(entry: SessionCache | None, length: int, expected_hash: int) -> bool:
     """Whether ``entry`` holds ``length`` tokens whose hash is ``expected_hash``."""
-    return entry is not None and len(entry.tokens) >= length and prefix_hash(entry.tokens[:length]) == expected_hash
+    return entry is not None and len(entry.tokens) >= length and entry.hashes.of(entry.tokens, length) == expected_hash
 
 
 @dataclass

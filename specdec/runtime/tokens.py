@@ -6,6 +6,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 
 def prefix_hash(token_ids: Sequence[int]) -> int:
@@ -18,6 +19,48 @@ def prefix_hash(token_ids: Sequence[int]) -> int:
         return 0
     digest = hashlib.blake2b(pack_tokens(token_ids), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1
+
+
+_CHECKPOINT_TOKENS = 4096  # PrefixHashes keeps the hash state after every this many tokens
+
+
+class PrefixHashes:
+    """``prefix_hash(tokens[:length])`` of one growing token list, in time proportional to the
+    tokens added since the last call (the hash state is kept and extended), not to ``length``.
+
+    Valid while the caller only appends to the list, or reports a cut with ``cut``: a state is
+    kept for the list object last hashed (another list starts over), and after every 4,096 tokens
+    a copy of it, so that a shorter length or a cut costs at most that many tokens again.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: Sequence[int] | None = None
+        self._length = 0
+        self._state = hashlib.blake2b(digest_size=8)
+        self._checkpoints: list[Any] = []  # [i]: the state after tokens[: (i + 1) * _CHECKPOINT_TOKENS]
+
+    def of(self, tokens: Sequence[int], length: int) -> int:
+        """``prefix_hash(tokens[:length])``."""
+        if tokens is not self._tokens:
+            self._tokens = tokens
+            self.cut(0)
+        elif length < self._length:
+            self.cut(length)
+        while self._length < length:
+            end = min(length, (self._length // _CHECKPOINT_TOKENS + 1) * _CHECKPOINT_TOKENS)
+            self._state.update(pack_tokens(tokens[self._length : end]))
+            self._length = end
+            if end % _CHECKPOINT_TOKENS == 0 and len(self._checkpoints) < end // _CHECKPOINT_TOKENS:
+                self._checkpoints.append(self._state.copy())
+        return (int.from_bytes(self._state.digest(), "little") or 1) if length else 0
+
+    def cut(self, length: int) -> None:
+        """The list's tokens from ``length`` on changed (or were removed): forget their state."""
+        if length >= self._length:
+            return
+        del self._checkpoints[length // _CHECKPOINT_TOKENS :]
+        self._length = len(self._checkpoints) * _CHECKPOINT_TOKENS
+        self._state = self._checkpoints[-1].copy() if self._checkpoints else hashlib.blake2b(digest_size=8)
 
 
 def block_hashes(token_ids: Sequence[int], block: int, salt: str = "") -> list[str]:
