@@ -411,7 +411,8 @@ def _stalled_stream(api: str, channel: grpc.Channel) -> Iterator[object]:
         logprobs = {"logprobs": True, "top_logprobs": 20, "prompt_logprobs": 20}
         request = make_request(PROMPT, max_new=200, session_id="stalled", ignore_eos=True, **logprobs)
         return coordinator_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=60)
-    params = vllm_pb2.SamplingParams(max_tokens=200, ignore_eos=True, logprobs=20, prompt_logprobs=20)
+    # short enough to end well within the write timeout on a slow host (its turn runs on its own)
+    params = vllm_pb2.SamplingParams(max_tokens=40, ignore_eos=True, logprobs=20, prompt_logprobs=20)
     engine = vllm_pb2.GenerateRequest(
         request_id="stalled", tokenized=vllm_pb2.TokenizedInput(input_ids=PROMPT), sampling_params=params, stream=True
     )
