@@ -2,23 +2,41 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 _CONTEXT_TOKENS = 4  # earlier tokens decoded with the new ones, so leading spaces come out right
+# Tokens held back past the last release before looking for a point that is safe to release: a
+# character spans at most four byte tokens, so more are held only for text that ends in U+FFFD
+# for good (invalid bytes) or adds nothing.
+_HELD_LIMIT = 16
+
+
+@functools.lru_cache(maxsize=8)
+def _skipped_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Special tokens that decoding skips: they never change the text, so they are never decoded."""
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    special |= set(tokenizer.all_special_ids)
+    return frozenset(i for i in special if tokenizer.decode([i], skip_special_tokens=True) == "")
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
+    """Turns a growing list of token ids into text deltas that add up to the decode of the whole.
 
-    Decodes a small window (a few context tokens + the unread tokens) and emits only the text
-    after the context; holds back output that ends in an incomplete character (U+FFFD).
+    Decodes a window from the previous release point (after a few context tokens at first) and
+    emits the text after what was already released; holds back output that ends in an
+    incomplete character (U+FFFD). A window always starts at a release point: one that starts
+    inside a run of byte tokens (SentencePiece byte fallback decodes a run as a whole) garbles
+    it. Text held back for good (invalid bytes) is released once no later token can change it,
+    so the window, and the cost of a round, stays bounded.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, context: Sequence[int]) -> None:
         self._tokenizer = tokenizer
-        self._ids = list(context[-_CONTEXT_TOKENS:])
+        self._skipped = _skipped_ids(tokenizer)
+        self._ids = [i for i in context if i not in self._skipped][-_CONTEXT_TOKENS:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
@@ -27,14 +45,39 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds tokens; returns the text they complete (possibly empty)."""
-        self._ids.extend(token_ids)
+        self._ids.extend(i for i in token_ids if i not in self._skipped)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            return self._release(len(self._ids), prefix_text, new_text)
+        if len(self._ids) - self._read_offset > _HELD_LIMIT:
+            return self._unblock(prefix_text, new_text)
+        return ""
+
+    def _release(self, end: int, prefix_text: str, text: str) -> str:
+        """Releases the text of the tokens up to ``end``; the next window starts where this one read."""
+        self._prefix_offset, self._read_offset = self._read_offset, end
+        return text[len(prefix_text) :]
+
+    def _unblock(self, prefix_text: str, new_text: str) -> str:
+        """Many tokens held back: releases what fed one at a time they would have, else what no
+        later token can change, else drops tokens that add no text."""
+        start, ids = self._prefix_offset, self._ids
+        for end in range(len(ids) - 1, self._read_offset, -1):
+            text = self._decode(ids[start:end])
+            if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+                return self._release(end, prefix_text, text)
+        if new_text == prefix_text:
+            del ids[self._read_offset :]
             return ""
-        self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
-        self._read_offset = len(self._ids)
-        return new_text[len(prefix_text) :]
+        # No point in the last _HELD_LIMIT tokens ends a character: the bytes before the last
+        # four tokens are invalid whatever follows (a character is at most four bytes), and their
+        # text is final once it agrees with the decode that has those four after it.
+        end = len(ids) - _CONTEXT_TOKENS
+        text = self._decode(ids[start:end])
+        if len(text) > len(prefix_text) and text.startswith(prefix_text) and new_text.startswith(text):
+            return self._release(end, prefix_text, text)
+        return ""
 
     def flush(self) -> str:
         """Whatever text is still held back (at the end of generation)."""

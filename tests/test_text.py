@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerBase
+
 from coordinator.text import IncrementalDetokenizer
-from tests.tiny_models import build_tokenizer
+from tests.tiny_models import build_byte_fallback_tokenizer, build_tokenizer
 
 
 def test_deltas_add_up_to_the_full_text_with_multibyte_characters() -> None:
@@ -16,6 +23,96 @@ def test_deltas_add_up_to_the_full_text_with_multibyte_characters() -> None:
     deltas.append(detok.flush())
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def _streamed(tok: PreTrainedTokenizerBase, context: Sequence[int], ids: Sequence[int], sizes: Sequence[int]) -> str:
+    """The deltas (and the final flush) of ``ids`` pushed ``sizes[0]``, ``sizes[1]``, ... at a time."""
+    detok = IncrementalDetokenizer(tok, context)
+    deltas, start, turn = [], 0, 0
+    while start < len(ids):
+        size = sizes[turn % len(sizes)]
+        deltas.append(detok.push(ids[start : start + size]))
+        start, turn = start + size, turn + 1
+    deltas.append(detok.flush())
+    return "".join(deltas)
+
+
+def _after(tok: PreTrainedTokenizerBase, context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``context`` when the two are decoded together."""
+    before = tok.decode(list(context), skip_special_tokens=True)
+    whole = tok.decode([*context, *ids], skip_special_tokens=True)
+    assert whole.startswith(before)
+    return whole[len(before) :]
+
+
+BYTE_SPELLED = "hello 字测试 world 测试的字hello a😀b the 日本語 中文"
+
+
+@pytest.mark.parametrize("per_push", [1, 2, 3, 5, 8, 20])
+def test_characters_spelled_in_byte_tokens_come_out_whole(per_push: int) -> None:
+    """Llama 2, Mistral and Gemma spell a character outside their vocabulary as UTF-8 byte tokens
+    and decode a run of them as a whole (U+FFFD per byte where the run is not valid UTF-8). A
+    decode window that starts inside such a run garbles it: the text must still be the decode of
+    the whole reply, for any number of tokens per round."""
+    tok = build_byte_fallback_tokenizer()
+    context = tok("the", add_special_tokens=False)["input_ids"]
+    ids = tok(BYTE_SPELLED, add_special_tokens=False)["input_ids"]
+    assert sum(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids) > 40  # runs of byte tokens
+    assert _streamed(tok, context, ids, [per_push]) == _after(tok, context, ids) == " " + BYTE_SPELLED
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 258), max_size=80), st.lists(st.integers(1, 24), min_size=1, max_size=6))
+def test_any_byte_level_reply_adds_up_to_its_decode(ids: list[int], sizes: list[int]) -> None:
+    """Any ids (incomplete and invalid UTF-8, special tokens) in any rounds: the deltas add up to
+    the decode of the whole reply."""
+    tok = build_tokenizer()
+    context = tok("ctx ")["input_ids"]
+    assert _streamed(tok, context, ids, sizes) == _after(tok, context, ids)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=40), st.lists(st.integers(1, 24), min_size=1, max_size=6))
+def test_any_byte_fallback_text_adds_up_to_its_decode(text: str, sizes: list[int]) -> None:
+    tok = build_byte_fallback_tokenizer()
+    context = tok("the", add_special_tokens=False)["input_ids"]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert _streamed(tok, context, ids, sizes) == _after(tok, context, ids)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "piece"),
+    [
+        (build_tokenizer, "Ä"),  # byte 0xC4: a UTF-8 lead byte that the next byte never completes
+        (build_tokenizer, "</s>"),  # a special token: no text
+        (build_byte_fallback_tokenizer, "<0x80>"),
+        (build_byte_fallback_tokenizer, "<pad>"),
+    ],
+)
+def test_a_reply_held_back_for_good_costs_linear_decoding(
+    tokenizer: type[PreTrainedTokenizerBase], piece: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text that ends in U+FFFD (or adds nothing) after every token is held back; each round
+    decoded everything since the last release again, so a reply of n such tokens (a client can
+    ask for them with logit_bias) cost O(n^2) on the coordinator's event loop (as in SGLang
+    #34740): 4,000,000 token decodes for these 2,000. Now it is linear."""
+    tok = tokenizer()
+    token = tok.convert_tokens_to_ids(piece)
+    assert token is not None and token != tok.unk_token_id
+    ids, context = [token] * 2000, tok("ab", add_special_tokens=False)["input_ids"]
+    decoded = 0
+    decode = tok.decode
+
+    def counting(token_ids: list[int], **kwargs: object) -> str:
+        nonlocal decoded
+        decoded += len(token_ids)
+        return decode(token_ids, **kwargs)
+
+    monkeypatch.setattr(tok, "decode", counting)
+    text = _streamed(tok, context, ids, [1])
+    monkeypatch.setattr(tok, "decode", decode)
+    assert text == _after(tok, context, ids)
+    assert decoded < 100 * len(ids), decoded
 
 
 def test_special_tokens_are_skipped() -> None:

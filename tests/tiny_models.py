@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -26,6 +26,23 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def build_byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2-style SentencePiece BPE: a few words, every other character as UTF-8 byte tokens
+    (<0x00>..<0xFF>), "▁" for spaces; decoding strips the first space and turns a run of byte
+    tokens into its characters, or one U+FFFD per byte where the run is not valid UTF-8."""
+    vocab = {name: i for i, name in enumerate(SPECIALS)}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for piece in ["▁", "a", "b", "▁a", "▁the", "▁hello", "▁world", "中", "文"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
