@@ -16,8 +16,8 @@ from coordinator.validation import FEATURES, Limits, TurnRequest
 from coordinator.workers import DraftClient, TargetPool, translates
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.lookup import ReplyIndex
-from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
+from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.serving.errors import NotServing, Overloaded
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import StateStore, open_store

@@ -11,10 +11,11 @@ import structlog
 
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, translated_propose_job
 from draft_worker.settings import DraftSettings
-from specdec.runtime.modeling import LoadedModel, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.processing import processing_from_proto
 from specdec.runtime.proposals import encode_block, warp_from_proto
 from specdec.runtime.scheduler import Job
+from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.vocab import VocabBridge
 from specdec.serving.errors import InvalidRequest
 from specdec.serving.worker import WorkerCore

@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.output_vocab import write_output_vocab
+from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.tools.model_fetch import fetch_tokenizer
 
 T = TypeVar("T")

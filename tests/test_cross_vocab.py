@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from specdec.runtime.modeling import tokenizer_fingerprint
+from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LaunchError, LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS

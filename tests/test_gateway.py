@@ -26,7 +26,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from coordinator.engine_api import _derived_seed
-from specdec.runtime.modeling import tokenizer_fingerprint
+from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster
 from specdec.tools.model_fetch import fetch_tokenizer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc

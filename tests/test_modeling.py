@@ -15,6 +15,7 @@ from specdec.runtime.modeling import (
     quantize_int8,
     use_packed_linear,
 )
+from specdec.runtime.tokenizer import load_tokenizer
 from tests.tiny_models import TinyModels, build_tokenizer
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
@@ -169,6 +170,6 @@ def test_a_model_source_that_is_not_a_checkpoint_says_so(tmp_path, source: str, 
     assert path in str(error.value)
     if source != "TOKENIZER_ONLY":  # a tokenizer directory is all a tokenizer needs
         with pytest.raises(ValueError, match=expected):
-            modeling.load_tokenizer(path)
+            load_tokenizer(path)
     else:
-        assert len(modeling.load_tokenizer(path)) == len(build_tokenizer())
+        assert len(load_tokenizer(path)) == len(build_tokenizer())

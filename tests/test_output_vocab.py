@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.runtime.modeling import LoadOptions, load_model, load_tokenizer, tokenizer_fingerprint
+from specdec.runtime.modeling import LoadOptions, load_model
 from specdec.runtime.output_vocab import (
     RestrictedHead,
     build_output_vocab,
     read_output_vocab,
     restrict_output,
 )
+from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.tools.cli import main
 from specdec.tools.draft_vocab import corpus_texts
 from tests.helpers import draft_vocab_file

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import hashlib
-import json
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.runtime.output_vocab import read_output_vocab, restrict_output
+from specdec.runtime.tokenizer import check_source, load_tokenizer, tokenizer_fingerprint
 
 log = structlog.get_logger(__name__)
 
@@ -141,42 +139,6 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[spec]
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-_CHECKPOINT_HELP = (
-    "pass a directory holding a Hugging Face checkpoint (config.json, weights, tokenizer files; "
-    "`specdec models fetch` writes some), or a hub id such as Qwen/Qwen2.5-0.5B where the hub is reachable"
-)
-
-
-def check_source(model_id: str, need_config: bool = True) -> None:
-    """Raises ValueError saying what is wrong when ``model_id`` is meant as a local directory (it
-    exists, or it is written as a path) and is not a checkpoint; a hub id is left to the hub."""
-    path = Path(model_id).expanduser()
-    looks_like_a_path = model_id.startswith(("/", ".", "~")) or model_id.endswith("/") or model_id.count("/") > 1
-    if not path.exists():
-        if looks_like_a_path:
-            raise ValueError(f"{model_id}: no such directory; {_CHECKPOINT_HELP}")
-        return
-    if not path.is_dir():
-        raise ValueError(f"{model_id} is a file, not a checkpoint directory; {_CHECKPOINT_HELP}")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(f"{model_id} holds no tokenizer ({' or '.join(_TOKENIZER_FILES)}); {_CHECKPOINT_HELP}")
-    if need_config and not (path / "config.json").is_file():
-        raise ValueError(f"{model_id} holds no config.json, so no model; {_CHECKPOINT_HELP}")
-
-
-def load_tokenizer(model_id: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer stored with a model (a directory of tokenizer files will do)."""
-    check_source(model_id, need_config=False)
-    return AutoTokenizer.from_pretrained(model_id, trust_remote_code=trust_remote_code)
-
-
-def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
-    """Hash of the token-string -> id mapping (two tokenizers with equal hashes agree on ids)."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,7 @@ class Run:
 def tokenize_prompts(cfg: BenchConfig) -> list[Prompt]:
     """Every workload's prompts as token ids (the same ids go to HF and to the service); an
     instruction workload goes through the target's chat template."""
-    from specdec.runtime.modeling import load_tokenizer
+    from specdec.runtime.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
     prompts = []
@@ -235,13 +235,13 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
     from transformers import AutoModelForCausalLM
 
     from specdec.runtime.modeling import (
-        check_source,
         quantize_int8,
         release_freed_memory,
         resolve_device,
         resolve_dtype,
         use_packed_linear,
     )
+    from specdec.runtime.tokenizer import check_source
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype("auto", device)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import structlog
 
-from specdec.runtime.modeling import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.output_vocab import build_output_vocab, write_output_vocab
+from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 log = structlog.get_logger(__name__)
 
