@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from collections.abc import Sequence
 
 import grpc
@@ -18,7 +16,7 @@ from coordinator.servicer import GenerationServicer
 from coordinator.settings import CoordinatorSettings
 from specdec.serving.logging import configure_logging
 from specdec.serving.metrics import CoordinatorMetrics
-from specdec.serving.server import ServerControl, ServiceSpec, serve
+from specdec.serving.server import ServerControl, ServiceSpec, run_service, serve
 from specdec.serving.settings import load_settings
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -47,4 +45,4 @@ async def run(settings: CoordinatorSettings) -> int:
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(CoordinatorSettings, argv, "specdec serve coordinator")
     configure_logging(settings.log_level, settings.log_format)
-    sys.exit(asyncio.run(run(settings)))
+    run_service(run(settings))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from collections.abc import Sequence
 
 import grpc
@@ -12,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from draft_worker.servicer import DraftServicer, Vocabulary
 from draft_worker.settings import DraftSettings
 from specdec.serving.logging import configure_logging
-from specdec.serving.server import ServerControl, ServiceSpec, serve
+from specdec.serving.server import ServerControl, ServiceSpec, run_service, serve
 from specdec.serving.settings import load_settings
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -42,4 +40,4 @@ async def run(settings: DraftSettings) -> int:
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(DraftSettings, argv, "specdec serve draft")
     configure_logging(settings.log_level, settings.log_format)
-    sys.exit(asyncio.run(run(settings)))
+    run_service(run(settings))

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from collections.abc import Sequence
 
 import grpc
 from prometheus_client import CollectorRegistry
 
 from specdec.serving.logging import configure_logging
-from specdec.serving.server import ServerControl, ServiceSpec, serve
+from specdec.serving.server import ServerControl, ServiceSpec, run_service, serve
 from specdec.serving.settings import load_settings
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import target_pb2, target_pb2_grpc
@@ -37,4 +35,4 @@ async def run(settings: TargetSettings) -> int:
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(TargetSettings, argv, "specdec serve target")
     configure_logging(settings.log_level, settings.log_format)
-    sys.exit(asyncio.run(run(settings)))
+    run_service(run(settings))
