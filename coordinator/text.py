@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from transformers import PreTrainedTokenizerBase
 
 _CONTEXT_TOKENS = 4  # earlier tokens decoded with the new ones, so leading spaces come out right
-# Tokens held back past the last release before looking for a point that is safe to release: a
-# character spans at most four byte tokens, so more are held only for text that ends in U+FFFD
-# for good (invalid bytes) or adds nothing.
+_CHARACTER_BYTES = 4  # the longest UTF-8 character: at most this many byte tokens
+# Tokens held back past the last release before looking for a point that is safe to release: more
+# than a character's bytes are held only for text that ends in U+FFFD for good (invalid bytes) or
+# adds nothing.
 _HELD_LIMIT = 16
 
 
@@ -71,9 +72,9 @@ class IncrementalDetokenizer:
             del ids[self._read_offset :]
             return ""
         # No point in the last _HELD_LIMIT tokens ends a character: the bytes before the last
-        # four tokens are invalid whatever follows (a character is at most four bytes), and their
-        # text is final once it agrees with the decode that has those four after it.
-        end = len(ids) - _CONTEXT_TOKENS
+        # _CHARACTER_BYTES tokens are invalid whatever follows, and their text is final once it
+        # agrees with the decode that has those tokens after it.
+        end = len(ids) - _CHARACTER_BYTES
         text = self._decode(ids[start:end])
         if len(text) > len(prefix_text) and text.startswith(prefix_text) and new_text.startswith(text):
             return self._release(end, prefix_text, text)
