@@ -37,7 +37,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, context: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         self._skipped = _skipped_ids(tokenizer)
-        self._ids = [i for i in context if i not in self._skipped][-_CONTEXT_TOKENS:]
+        visible = [i for i in context if i not in self._skipped]
+        # The context starts on a character: a window that starts inside one (or inside a run of
+        # byte tokens, decoded as a whole) turns it, and so what the reply adds to it, into U+FFFD.
+        start = max(len(visible) - _CONTEXT_TOKENS, 0)
+        earliest = max(len(visible) - _HELD_LIMIT, 0)
+        while start > earliest and self._decode(visible[start:]).startswith("\ufffd"):
+            start -= 1
+        self._ids = visible[start:]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
@@ -71,13 +71,27 @@ def test_any_byte_level_reply_adds_up_to_its_decode(ids: list[int], sizes: list[
     assert _streamed(tok, context, ids, sizes) == _after(tok, context, ids)
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.text(max_size=40), st.lists(st.integers(1, 24), min_size=1, max_size=6))
-def test_any_byte_fallback_text_adds_up_to_its_decode(text: str, sizes: list[int]) -> None:
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40), st.integers(0, 60), st.lists(st.integers(1, 24), min_size=1, max_size=6))
+def test_any_byte_fallback_text_adds_up_to_its_decode(text: str, cut: int, sizes: list[int]) -> None:
+    """Any text, split into prompt and reply anywhere but inside a character, in any rounds."""
     tok = build_byte_fallback_tokenizer()
-    context = tok("the", add_special_tokens=False)["input_ids"]
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert _streamed(tok, context, ids, sizes) == _after(tok, context, ids)
+    context, reply = ids[:cut], ids[cut:]
+    assume(tok.decode([*context, *reply]).startswith(tok.decode(context)))
+    assert _streamed(tok, context, reply, sizes) == _after(tok, context, reply)
+
+
+@pytest.mark.parametrize("per_push", [1, 4])
+def test_a_reply_that_goes_on_with_the_prompt_s_byte_tokens_is_not_garbled(per_push: int) -> None:
+    """A completion prompt that ends in characters spelled in byte tokens, and a reply that goes on
+    in them: the decode window must not start inside the prompt's run of byte tokens."""
+    tok = build_byte_fallback_tokenizer()
+    text = "测试的字符串 ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]  # "▁", then 3 byte tokens a character
+    for cut in (4, 7, 10, 13, 16):
+        context, reply = ids[:cut], ids[cut:]
+        assert _streamed(tok, context, reply, [per_push]) == _after(tok, context, reply) == text[cut // 3 :]
 
 
 @pytest.mark.parametrize(
