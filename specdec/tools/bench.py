@@ -418,7 +418,7 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
     """Target + draft workers and the coordinator with default settings (K = cfg.k); for the
     early-exit and cross-tokenizer rows also their draft workers, each with a coordinator over it
     and the same target (only those some chosen row uses). Yields the coordinators' addresses."""
-    from specdec.tools.launch import LocalCluster, spawn
+    from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
 
     k = str(max(cfg.k, 1))
     # Prefix reuse off: every row sends the same prompts, and a row that found the prompt cached by
@@ -431,32 +431,37 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
     )  # fmt: skip
     used = {spec.coordinator for spec in service_methods(cfg).values()}
     with cluster, ExitStack() as extra:
-        addresses = {"main": cluster.address}
         processes = dict(cluster.processes)
         lock = ["--cpu-lock-file", str(workdir / "cpu.lock")] if cfg.device == "cpu" else []
-        for name, model_args in _extra_drafts(cfg).items():
-            if name not in used:
-                continue
-            draft_args = [*model_args, "--device", cfg.device, "--quantize", cfg.draft_quantize, *lock]
-            draft = spawn("draft", draft_args, workdir, name=f"draft-{name}")
-            extra.callback(draft.stop)
-            draft.wait_ready(900)
-            args = list(cluster.processes["coordinator"].args)
-            args[args.index("--draft-address") + 1] = draft.address
-            coordinator = spawn("coordinator", args, workdir, name=f"coordinator-{name}")
-            extra.callback(coordinator.stop)
-            coordinator.wait_ready(900)
-            addresses[name] = coordinator.address
-            processes.update({f"draft-{name}": draft, f"coordinator-{name}": coordinator})
+
+        def start(role: str, args: list[str], name: str) -> ServiceProcess:
+            process = spawn(role, args, workdir, name=name)
+            extra.callback(process.stop)
+            processes[name] = process
+            return process
+
+        # The coordinators start without waiting for one another (each needs only its workers);
+        # the drafts load one after the other, so that only one model is being loaded at a time.
+        coordinators: dict[str, ServiceProcess] = {}
         if "reply-index" in used:  # the main workers, another coordinator: lookups also match earlier replies
             tokens = workdir / "reply-index-tokens"
             tokens.write_text("".join(f"{who}:{token}\n" for who, token in map(_reply_caller, range(-1, cfg.repeats))))
             args = [*cluster.processes["coordinator"].args, "--reply-index-tokens", str(cfg.reply_index_tokens),
                     "--auth-tokens-file", str(tokens)]  # fmt: skip
-            coordinator = spawn("coordinator", args, workdir, name="coordinator-reply-index")
-            extra.callback(coordinator.stop)
+            coordinators["reply-index"] = start("coordinator", args, "coordinator-reply-index")
+        for name, model_args in _extra_drafts(cfg).items():
+            if name not in used:
+                continue
+            draft_args = [*model_args, "--device", cfg.device, "--quantize", cfg.draft_quantize, *lock]
+            draft = start("draft", draft_args, f"draft-{name}")
+            draft.wait_ready(900)
+            args = list(cluster.processes["coordinator"].args)
+            args[args.index("--draft-address") + 1] = draft.address
+            coordinators[name] = start("coordinator", args, f"coordinator-{name}")
+        addresses = {"main": cluster.address}
+        for name, coordinator in coordinators.items():
             coordinator.wait_ready(900)
-            addresses["reply-index"], processes["coordinator-reply-index"] = coordinator.address, coordinator
+            addresses[name] = coordinator.address
         yield addresses
         # A worker that died mid-run (out of memory, say) leaves its rows decoding target-only or
         # failing over: numbers, but not of the method the row names.
