@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -398,8 +399,13 @@ def test_sampled_tokens_follow_the_target_distribution(
             for b in torch.nonzero(second).flatten().tolist():
                 exact[(a, b)] = float(first[a] * second[b])
     counts: dict[tuple[int, int], int] = dict.fromkeys(exact, 0)
-    for seed in range(n):
-        reply = other.Generate(request(prompt, k=3, max_new=2, temperature=1.0, top_k=4, seed=seed, ignore_eos=True))
+
+    def sample(seed: int) -> coordinator_pb2.GenerateResponse:
+        return other.Generate(request(prompt, k=3, max_new=2, temperature=1.0, top_k=4, seed=seed, ignore_eos=True))
+
+    with ThreadPoolExecutor(8) as pool:  # several at once, as clients send them: the target batches them
+        replies = list(pool.map(sample, range(n)))
+    for reply in replies:
         pair = (reply.token_ids[0], reply.token_ids[1])
         assert pair in counts, f"sampled {pair}, which has probability 0 under the target"
         counts[pair] += 1
