@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from specdec.runtime.tokens import start_on_a_character
+
 _CONTEXT_TOKENS = 4  # earlier tokens decoded with the new ones, so leading spaces come out right
 _CHARACTER_BYTES = 4  # the longest UTF-8 character: at most this many byte tokens
 # Tokens held back past the last release before looking for a point that is safe to release: more
@@ -38,13 +40,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skipped = _skipped_ids(tokenizer)
         visible = [i for i in context if i not in self._skipped]
-        # The context starts on a character: a window that starts inside one (or inside a run of
-        # byte tokens, decoded as a whole) turns it, and so what the reply adds to it, into U+FFFD.
-        start = max(len(visible) - _CONTEXT_TOKENS, 0)
-        earliest = max(len(visible) - _HELD_LIMIT, 0)
-        while start > earliest and self._decode(visible[start:]).startswith("\ufffd"):
-            start -= 1
-        self._ids = visible[start:]
+        self._ids = visible[start_on_a_character(self._decode, visible, max(len(visible) - _CONTEXT_TOKENS, 0)) :]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdec.runtime.vocab import TextMirror, VocabBridge, token_keys
 from tests.helpers import real_tokenizer
-from tests.tiny_models import build_tokenizer
+from tests.tiny_models import build_byte_fallback_tokenizer, build_tokenizer
 
 TEXT = (
     'def fibonacci(n: int) -> int:\n    """Return the n-th number (naïve recursion)."""\n'
@@ -82,6 +82,21 @@ def test_the_mirror_keeps_the_committed_text_and_the_drafts_tokens(
             mirror.update(committed, [])
     assert mirror.text == TEXT * 2 and mirror.pending == 0
     assert mirror.draft_ids == smollm.encode(TEXT * 2)  # word boundaries: the same as tokenizing at once
+
+
+@pytest.mark.parametrize("per_round", [1, 2, 5])
+def test_the_mirror_spells_a_byte_fallback_target_s_characters_whole(per_round: int) -> None:
+    """A target whose tokenizer spells characters as UTF-8 byte tokens (SentencePiece byte
+    fallback, decoded a run at a time): the mirror's text, which the draft tokenizes, is the
+    decode of the committed ids, not U+FFFD from a window that starts inside a run."""
+    target, draft = build_byte_fallback_tokenizer(), build_tokenizer()
+    mirror = TextMirror(VocabBridge(draft, target, len(draft), "slem"))
+    text = "hello 字测试 world 测试的字hello 中文"
+    ids = target(text, add_special_tokens=False)["input_ids"]
+    for start in range(0, len(ids), per_round):
+        mirror.update(start, ids[start : start + per_round])
+        assert mirror.text == target.decode(ids[: mirror.clean])
+    assert mirror.text == text and mirror.pending == 0
 
 
 def test_the_mirror_starts_over_when_the_history_changes(bridge: VocabBridge, qwen: PreTrainedTokenizerBase) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -99,3 +99,14 @@ def unpack_tokens(data: bytes) -> list[int]:
     if sys.byteorder == "big":
         arr.byteswap()
     return arr.tolist()
+
+
+def start_on_a_character(decode: Callable[[Sequence[int]], str], token_ids: Sequence[int], start: int) -> int:
+    """``start`` moved back (by at most 16 tokens) to where the text of ``token_ids[start:]`` does
+    not begin with U+FFFD: a decode window that starts inside a character, or inside a run of
+    byte tokens (which SentencePiece byte fallback decodes as a whole), turns it, and the rest of
+    the run, into U+FFFD."""
+    earliest = max(start - 16, 0)
+    while start > earliest and decode(token_ids[start:]).startswith("\ufffd"):
+        start -= 1
+    return start

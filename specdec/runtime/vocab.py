@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdec.runtime.tokens import common_prefix_len, prefix_hash
+from specdec.runtime.tokens import common_prefix_len, prefix_hash, start_on_a_character
 
 VocabMethod = Literal["tli", "slem"]
 
@@ -151,10 +151,11 @@ class TextMirror:
     """One session's committed target ids, their text, and the draft's tokenization of it.
 
     The coordinator syncs target ids (a prefix it can prove by hash, then a tail). The text grows
-    by decoding the new ids with a few tokens of left context; ids that end inside a character
-    wait (``clean`` < len) until the character is complete. The draft's tokens are re-made from
-    the text's end: tokens ending more than a margin before the old end are kept, the rest of
-    the text is tokenized again (so a word split by a round boundary is tokenized whole).
+    by decoding the new ids with a few tokens of left context (starting on a character); ids that
+    end inside a character wait (``clean`` < len) until the character is complete. The draft's
+    tokens are re-made from the text's end: tokens ending more than a margin before the old end
+    are kept, the rest of the text is tokenized again (so a word split by a round boundary is
+    tokenized whole).
     """
 
     bridge: VocabBridge
@@ -188,7 +189,7 @@ class TextMirror:
         ids, clean = self.target_ids, self.clean
         if clean == len(ids):
             return
-        context = max(0, clean - _DECODE_CONTEXT_TOKENS)
+        context = start_on_a_character(self.bridge.decode_target, ids[:clean], max(0, clean - _DECODE_CONTEXT_TOKENS))
         for end in range(len(ids), clean, -1):
             piece = self.bridge.decode_target(ids[context:end])
             if not piece.endswith(_REPLACEMENT):
