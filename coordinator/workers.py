@@ -35,7 +35,15 @@ _TOO_LARGE = (
     "prompt_logprobs / top_logprobs, send a shorter prompt, or raise the coordinator's --max-message-bytes"
 )
 # Codes after which another replica may succeed; anything else is the worker failing the request.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# CANCELLED: the replica (or a proxy on the way) ended the call, as a replica that stops does with
+# the calls still arriving; a worker never answers a request's own error with it, and the
+# coordinator's own cancellations end its calls with CancelledError, not a status.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+}
 # Codes that say the worker (or the way to it) is unavailable, not that one request was bad.
 _WORKER_FAULTS = {
     grpc.StatusCode.UNAVAILABLE,
