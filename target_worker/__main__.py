@@ -1,5 +1,5 @@
 import sys
 
-from target_worker.main import main
+from specdec.tools.cli import serve_role
 
-main(sys.argv[1:])
+sys.exit(serve_role("target", sys.argv[1:]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -25,7 +26,7 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import HUGE_TEXT, fault_cluster, loop_stall_during, metric, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
-from tests.reference import make_request, reference_greedy, worker_info
+from tests.reference import make_request, read_session, reference_greedy, worker_info
 from tests.tiny_models import TinyModels
 
 PROMPT = [5, 17, 99, 3]
@@ -285,8 +286,9 @@ def test_sigterm_drains_gracefully(
     role: str, tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
 ) -> None:
     """SIGTERM: health NOT_SERVING at once, new RPCs refused, the in-flight stream completes
-    correctly, the process exits 0 with its last log event written. (With two target replicas, a
-    draining one hands over.)"""
+    correctly, the process exits 0 with its last log event written, and its whole log (model
+    loading, library warnings, health checks in flight at the stop) is JSON lines. (With two
+    target replicas, a draining one hands over.)"""
     expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 100, ignore_eos=True)
     targets = 2 if role.startswith("target") else 1
     with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, targets=targets, route=routes(0.01)) as cluster:
@@ -301,24 +303,85 @@ def test_sigterm_drains_gracefully(
                     n for n in ("target-0", "target-1") if worker_info(cluster.processes[n].address, n).active_sessions
                 ]
                 process = cluster.processes[holders[0]]
-                tokens += _drain_during(process, stream)
+                rest, exited = _drain_during(process, stream)
         else:
             with grpc.insecure_channel(cluster.address) as channel:
                 stub = coordinator_pb2_grpc.GenerationStub(channel)
                 stream = stub.GenerateStream(make_request(PROMPT, max_new=100, ignore_eos=True))
                 tokens = list(next(stream).token_ids)
-                tokens += _drain_during(process, stream, refuse=role == "coordinator", stub=stub)
-        assert tokens == expected
-        exited = wait_for(lambda: process.proc.poll() is not None, 10)
+                rest, exited = _drain_during(process, stream, refuse=role == "coordinator", stub=stub)
+        assert tokens + rest == expected
         assert process.proc.returncode == 0
-        # its log is complete, nothing lost at exit: the last event is "stopped" (grpc may still log
-        # a health check it cancelled at the stop, as plain text)
-        events = [json.loads(line) for line in process.log_file.read_text().splitlines() if line.startswith("{")]
+        # its log is complete, nothing lost at exit, and every line is one JSON event
+        lines = process.log_file.read_text().splitlines()
+        assert [line for line in lines if not line.startswith("{")] == []
+        events = [json.loads(line) for line in lines]
         assert (events[-1]["event"], events[-1]["exit_code"]) == ("stopped", 0)
+    # so is every other process's, which saw it go (grpc's own lines included) and then stopped
+    for other in cluster.processes.values():
+        assert [line for line in other.log_file.read_text().splitlines() if not line.startswith("{")] == [], other.role
     fault_report[f"SIGTERM {role.removesuffix('-0')} mid-stream"] = {
         "in_flight_completed": True,
         "exit_code": 0,
         "exited_after_stream_s": round(exited, 2),
+    }
+
+
+def _log_problems(process) -> list[str]:  # type: ignore[no-untyped-def]
+    """Lines of a service's log that are not JSON events, and its error events."""
+    lines = process.log_file.read_text().splitlines()
+    return [line for line in lines if not line.startswith("{") or json.loads(line)["level"] in ("error", "critical")]
+
+
+def test_calls_outliving_the_grace_period_end_unavailable(
+    tmp_path: Path,
+    tiny_models: TinyModels,
+    redis_server: RedisServer,
+    routes: Callable[..., ProxyRoutes],
+    fault_report: dict,
+) -> None:
+    """SIGTERM with calls that outlive the grace period: the draft's Propose stream of a running
+    turn is ended (the turn goes on target-only, its tokens unchanged), and a client's stream on the
+    coordinator ends UNAVAILABLE saying why, its turn rolled back. Each process exits 0 and logs no
+    error for it (grpc logs a handler it has to cancel itself as an error with a traceback)."""
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 150, ignore_eos=True)
+    with fault_cluster(
+        tmp_path,
+        tiny_models.target,
+        tiny_models.noisy,
+        state_url=redis_server.url,
+        route=routes(0.01),
+        coordinator_args=["--grace-period-s", "0.5"],
+        draft_args=["--grace-period-s", "0.3"],
+    ) as cluster:
+        draft, coordinator = cluster.processes["draft"], cluster.processes["coordinator"]
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            stream = stub.GenerateStream(make_request(PROMPT, max_new=150, ignore_eos=True))
+            tokens = list(next(stream).token_ids)
+            os.kill(draft.proc.pid, signal.SIGTERM)
+            tokens += [t for m in stream for t in m.token_ids]
+            assert tokens == expected
+            assert wait_for(lambda: draft.proc.poll() is not None, 10) >= 0 and draft.proc.returncode == 0
+
+            first = stub.Generate(make_request(PROMPT, max_new=4, ignore_eos=True, session_id="cut"))
+            stream = stub.GenerateStream(make_request([7], max_new=150, ignore_eos=True, session_id="cut"))
+            assert next(stream).token_ids
+            os.kill(coordinator.proc.pid, signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stream:
+                    pass
+            took = wait_for(lambda: coordinator.proc.poll() is not None, 10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "grace period" in (err.value.details() or "")
+        assert coordinator.proc.returncode == 0
+        session = read_session(redis_server.url, "cut")  # as the first turn left it, the lease free
+        assert (session.tokens, session.owner) == ([*PROMPT, *first.token_ids], "")
+        assert _log_problems(draft) == [] and _log_problems(coordinator) == []
+    fault_report["SIGTERM, a call outliving the grace period"] = {
+        "draft_stream": "ended; the turn went on target-only with identical output",
+        "client_stream": "UNAVAILABLE (grace period), turn rolled back",
+        "coordinator_exited_after_s": round(took, 2),
     }
 
 
@@ -330,14 +393,35 @@ def _not_serving(process) -> bool:  # type: ignore[no-untyped-def]
         return exc.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def _drain_during(process, stream, refuse: bool = False, stub=None) -> list[int]:  # type: ignore[no-untyped-def]
-    os.kill(process.proc.pid, signal.SIGTERM)
-    wait_for(lambda: _not_serving(process), 1)
-    if refuse:
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Generate(make_request(PROMPT, max_new=2))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
-    return [t for m in stream for t in m.token_ids]
+def _drain_during(process, stream, refuse: bool = False, stub=None) -> tuple[list[int], float]:  # type: ignore[no-untyped-def]
+    """Stops ``process`` while its health is probed without pause (as a kubelet's probes may
+    be when the stop comes); returns the rest of ``stream`` and how long the process took to
+    exit after it."""
+    stopped = threading.Event()
+
+    def probe() -> None:
+        with grpc.insecure_channel(process.address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            while not stopped.is_set() and process.proc.poll() is None:
+                with contextlib.suppress(grpc.RpcError):
+                    check(health_pb2.HealthCheckRequest(), timeout=0.3)
+
+    probes = [threading.Thread(target=probe) for _ in range(4)]
+    for thread in probes:
+        thread.start()
+    try:
+        os.kill(process.proc.pid, signal.SIGTERM)
+        wait_for(lambda: _not_serving(process), 1)
+        if refuse:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(make_request(PROMPT, max_new=2))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+        tokens = [t for m in stream for t in m.token_ids]
+        return tokens, wait_for(lambda: process.proc.poll() is not None, 10)
+    finally:
+        stopped.set()
+        for thread in probes:
+            thread.join()
 
 
 def test_a_cancellation_swallowed_by_a_library_call_still_ends_the_turn(cluster_same: LocalCluster) -> None:

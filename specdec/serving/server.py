@@ -34,17 +34,29 @@ LIVENESS = "specdec.liveness"  # SERVING while the process works, model loading 
 READINESS = "specdec.readiness"  # SERVING while it takes requests: model loaded and not draining
 STARTUP = "specdec.startup"  # SERVING once start-up (model loading) has finished
 
+# After the drain: how long calls still in flight (health checks) get to finish; a Watch stream
+# is the only call that would use it all.
+_STOP_GRACE_S = 0.5
+# Once the grace period has run out: how long the cancelled calls get to undo their work (a turn's
+# rollback, a cache release) and end.
+_CANCEL_WAIT_S = 2.0
+
 
 class ServerControl:
-    """Process lifecycle: in-flight RPC count, draining, and a stop request with an exit code."""
+    """Process lifecycle: in-flight RPCs, draining, and a stop request with an exit code."""
 
     def __init__(self) -> None:
         self.stop_requested = asyncio.Event()
         self.exit_code = 0
         self.draining = False
-        self.inflight = 0
+        self.grace_expired = False  # the drain's grace period ran out: in-flight RPCs were cancelled
+        self._calls: set[asyncio.Task[Any]] = set()  # the tasks of in-flight RPCs (health excepted)
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._calls)
 
     def request_stop(self, exit_code: int = 0, reason: str = "signal") -> None:
         """Begins a graceful shutdown (idempotent; a non-zero code wins)."""
@@ -53,24 +65,50 @@ class ServerControl:
         self.stop_requested.set()
 
     def enter(self) -> None:
+        """Counts the current task's RPC in (NotServing while draining)."""
         if self.draining:
             raise NotServing("the server is shutting down; retry on another replica")
-        self.inflight += 1
+        self._calls.add(_current_task())
         self._idle.clear()
 
     def exit(self) -> None:
-        self.inflight -= 1
-        if self.inflight == 0:
+        self._calls.discard(_current_task())
+        if not self._calls:
             self._idle.set()
 
     async def drain(self, grace_s: float) -> bool:
-        """Refuses new RPCs and waits for in-flight ones; False when the grace period ran out."""
+        """Refuses new RPCs and waits for in-flight ones; when the grace period runs out, cancels
+        them (each ends UNAVAILABLE, its work undone as for a cancelled call) and waits up to
+        ``_CANCEL_WAIT_S`` for them to end. False when the grace period ran out."""
         self.draining = True
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)
             return True
         except TimeoutError:
-            return False
+            pass
+        self.grace_expired = True
+        log.warning("grace_period_expired", cancelling=len(self._calls))
+        for task in self._calls:
+            task.cancel()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), _CANCEL_WAIT_S)
+        return False
+
+
+def _current_task() -> asyncio.Task[Any]:
+    task = asyncio.current_task()
+    assert task is not None, "an RPC handler runs in a task"
+    return task
+
+
+async def _end_cut_off(context: grpc.aio.ServicerContext) -> None:
+    """Ends a call the drain cancelled (its grace period ran out) UNAVAILABLE, saying so (grpc would
+    log a handler it has to cancel itself as an error with a traceback)."""
+    _current_task().uncancel()
+    await context.abort(
+        grpc.StatusCode.UNAVAILABLE,
+        "the server is shutting down and this call outlived its grace period (--grace-period-s); retry",
+    )
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -100,6 +138,10 @@ def _wrap_unary(
                     return await fn(request, context)
                 finally:
                     control.exit()
+            except asyncio.CancelledError:
+                if not control.grace_expired:
+                    raise  # the client went away
+                await _end_cut_off(context)
             except Exception as exc:
                 await _abort(context, exc)
 
@@ -139,6 +181,10 @@ def _wrap_stream(
                             await _write(context, item, write_timeout_s)
                 finally:
                     control.exit()
+            except asyncio.CancelledError:
+                if not control.grace_expired:
+                    raise  # the client went away
+                await _end_cut_off(context)
             except Exception as exc:
                 await _abort(context, exc)
 
@@ -352,13 +398,13 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
         log.info("shutting_down", grace_period_s=settings.grace_period_s, inflight=control.inflight)
         await health_state.set(False)
         drained = await control.drain(settings.grace_period_s)
-        log.info("drained" if drained else "grace_period_expired", inflight=control.inflight)
+        log.info("drained" if drained else "calls_cancelled", still_running=control.inflight)
     finally:
-        await server.stop(0)
-        if local is not None:
-            await local.stop(0)
-        if probes is not None:
-            await probes.stop(0)
+        # the drain has ended every call but health checks; those still in flight get to answer
+        # (stopping with no grace cancels them, and grpc logs each as an error with a traceback)
+        for stopping in (server, local, probes):
+            if stopping is not None:
+                await stopping.stop(_STOP_GRACE_S)
         await spec.stop()
     log.info("stopped", exit_code=control.exit_code)
     return control.exit_code

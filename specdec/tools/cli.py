@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -16,7 +17,12 @@ if TYPE_CHECKING:
 SERVE_HELP = "run one service: coordinator | draft | target (flags: specdec serve ROLE --help)"
 
 
-def _serve(role: str, argv: Sequence[str]) -> int:
+def serve_role(role: str, argv: Sequence[str]) -> int:
+    """Runs one service; call it before anything imports grpc (see below)."""
+    # grpc's C core reads its log level once, when grpc loads, and by default writes INFO lines
+    # (a peer's GOAWAY when a worker stops, ...) as plain text into the service's JSON log; its
+    # errors still come through, and GRPC_VERBOSITY set by the operator wins
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if role == "coordinator":
         from coordinator.main import main as run
     elif role == "draft":
@@ -358,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "serve":
-        return _serve(argv[1], argv[2:])
+        return serve_role(argv[1], argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
