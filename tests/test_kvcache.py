@@ -16,7 +16,7 @@ from specdec.runtime import kvcache
 from specdec.runtime import tokens as tokens_module
 from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
-from specdec.runtime.tokens import PrefixHashes, prefix_hash
+from specdec.runtime.tokens import PrefixHashes, common_prefix_len, prefix_hash
 from tests.tiny_models import TinyModels, build_sliding
 
 
@@ -177,6 +177,16 @@ def test_prefix_hashes_equal_the_hash_of_the_prefix(operations: list[tuple[str, 
     hashes, tokens = PrefixHashes(), [1]
     with mock.patch.object(tokens_module, "_CHECKPOINT_TOKENS", 4):  # checkpoints within these lengths
         _apply(hashes, tokens, operations)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=30), st.lists(st.integers(0, 3), max_size=30), st.booleans())
+def test_common_prefix_len_is_the_first_difference(a: list[int], b: list[int], as_tuple: bool) -> None:
+    """Compared a chunk at a time (chunks of 4 here, so that these lengths span several), whatever
+    the sequence types: the index of the first difference, else the shorter length."""
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    with mock.patch.object(tokens_module, "_COMPARE_CHUNK", 4):
+        assert common_prefix_len(a, tuple(b) if as_tuple else b) == first
 
 
 def _apply(hashes: PrefixHashes, tokens: list[int], operations: list[tuple[str, int]]) -> None:

@@ -4,11 +4,15 @@ text mirror a draft of another vocabulary keeps, and SLEM's re-tokenization."""
 from __future__ import annotations
 
 import random
+import sys
+from collections.abc import Callable
+from types import FrameType
 
 import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specdec.runtime.tokens import common_prefix_len, prefix_hash
 from specdec.runtime.vocab import TextMirror, VocabBridge, token_keys
 from tests.helpers import real_tokenizer
 from tests.tiny_models import build_byte_fallback_tokenizer, build_tokenizer
@@ -103,9 +107,12 @@ def test_the_mirror_starts_over_when_the_history_changes(bridge: VocabBridge, qw
     ids = qwen.encode(TEXT)
     mirror = TextMirror(bridge)
     mirror.update(0, ids)
+    assert mirror.holds(len(ids), prefix_hash(ids))
     other = qwen.encode(" a different story")
     mirror.update(5, other)
-    assert mirror.text == qwen.decode([*ids[:5], *other])
+    now = [*ids[:5], *other]
+    assert mirror.text == qwen.decode(now) and mirror.target_ids == now
+    assert mirror.holds(len(now), prefix_hash(now)) and not mirror.holds(len(now), prefix_hash(ids[: len(now)]))
 
 
 def test_slem_tokenizes_the_drafts_text_as_the_target_would(
@@ -133,3 +140,51 @@ def test_slem_waits_while_the_text_ends_inside_a_character(
     assert mirror.pending > 0 and mirror.slem_targets(smollm.encode(" the"), 4) == []
     mirror.update(partial, ids[partial:])
     assert mirror.pending == 0 and mirror.slem_targets(smollm.encode(" the"), 4) == qwen.encode(" the")
+
+
+def _opcodes(call: Callable[[], object]) -> int:
+    """Python bytecode instructions ``call`` executes (a measure of work that does not depend on
+    the machine's speed or load; the tokenizers' Rust code is not counted)."""
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Callable[..., object]:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        count += event == "opcode"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_a_round_of_the_mirror_costs_the_same_in_a_long_session(
+    bridge: VocabBridge, qwen: PreTrainedTokenizerBase
+) -> None:
+    """A round (the hash check of the committed prefix, 4 new ids, the draft's tokens compared with
+    its cache) does work for what changed, not for the whole session: a cross-vocabulary draft's
+    model thread was spending 33 ms a round on a 16,000-id session (scans from the start), 60 s
+    over 32,000 ids."""
+    ids = qwen.encode(TEXT * 400)
+    assert len(ids) > 16_004
+    work = []
+    for length in (1_000, 16_000):
+        mirror = TextMirror(bridge)
+        for start in range(0, length, 500):
+            mirror.update(start, ids[start : min(start + 500, length)])
+        expected = prefix_hash(ids[:length])
+        cache = [*mirror.draft_ids, 1, 2]  # the draft's cache: the mirrored tokens and a block drafted after them
+
+        def round_at(
+            mirror: TextMirror = mirror, length: int = length, expected: int = expected, cache: list[int] = cache
+        ) -> None:
+            assert mirror.holds(length, expected)
+            mirror.update(length, ids[length : length + 4])
+            common_prefix_len(cache, mirror.draft_ids)
+
+        work.append(_opcodes(round_at))
+        assert mirror.text == qwen.decode(ids[: mirror.clean])
+    assert work[1] < 2 * work[0], work

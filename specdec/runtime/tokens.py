@@ -75,12 +75,17 @@ def block_hashes(token_ids: Sequence[int], block: int, salt: str = "") -> list[s
     return hashes
 
 
+_COMPARE_CHUNK = 1024  # common_prefix_len compares this many tokens at a time (at C speed)
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Length of the longest common prefix of two token sequences (chunk by chunk, then token
+    by token inside the first chunk that differs)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
+    for start in range(0, n, _COMPARE_CHUNK):
+        end = min(start + _COMPARE_CHUNK, n)
+        if list(a[start:end]) != list(b[start:end]):
+            return next(i for i in range(start, end) if a[i] != b[i])
     return n
 
 

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdec.runtime.tokens import common_prefix_len, prefix_hash, start_on_a_character
+from specdec.runtime.tokens import PrefixHashes, common_prefix_len, start_on_a_character
 
 VocabMethod = Literal["tli", "slem"]
 
@@ -164,10 +164,11 @@ class TextMirror:
     text: str = ""
     draft_ids: list[int] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # each draft token's characters in `text`
+    _hashes: PrefixHashes = field(default_factory=PrefixHashes, repr=False)  # of `target_ids`, kept as they grow
 
     def holds(self, length: int, expected_hash: int) -> bool:
         """Whether the mirror holds ``length`` committed ids whose hash is ``expected_hash``."""
-        return length <= len(self.target_ids) and prefix_hash(self.target_ids[:length]) == expected_hash
+        return length <= len(self.target_ids) and self._hashes.of(self.target_ids, length) == expected_hash
 
     @property
     def pending(self) -> int:
@@ -175,11 +176,19 @@ class TextMirror:
         return len(self.target_ids) - self.clean
 
     def update(self, base_len: int, tail: Sequence[int]) -> None:
-        """The committed ids are now the first ``base_len`` held ones followed by ``tail``."""
-        ids = [*self.target_ids[:base_len], *tail]
-        if common_prefix_len(self.target_ids, ids) < self.clean:  # the text itself changed: start over
+        """The committed ids are now the first ``base_len`` held ones followed by ``tail``.
+
+        Works on what changed (the lists are cut and extended in place), so that a round costs the
+        same in a long session as in a short one."""
+        ids = self.target_ids
+        base_len = min(base_len, len(ids))
+        same = base_len + common_prefix_len(ids[base_len:], tail)
+        if same < len(ids):
+            del ids[same:]
+            self._hashes.cut(same)
+        ids.extend(tail[same - base_len :])
+        if same < self.clean:  # the text itself changed: start over
             self.clean, self.text, self.draft_ids, self.spans = 0, "", [], []
-        self.target_ids = ids
         old_len = len(self.text)
         self._extend_text()
         if len(self.text) != old_len or not self.draft_ids:
@@ -211,16 +220,17 @@ class TextMirror:
         self.clean = end
 
     def _retokenize(self, old_len: int) -> None:
-        keep = 0
         limit = old_len - _RETOKENIZE_MARGIN_CHARS
-        while keep < len(self.spans) and self.spans[keep][1] <= limit:
-            keep += 1
+        keep = len(self.spans)  # the tokens that end by the limit (the spans' ends never decrease)
+        while keep and self.spans[keep - 1][1] > limit:
+            keep -= 1
         while 0 < keep < len(self.spans) and self.spans[keep][0] != self.spans[keep - 1][1]:
             keep -= 1  # never restart inside a character split across tokens
         start = self.spans[keep - 1][1] if keep else 0
         ids, spans = self.bridge.encode_draft(self.text[start:])
-        self.draft_ids = [*self.draft_ids[:keep], *ids]
-        self.spans = [*self.spans[:keep], *((a + start, b + start) for a, b in spans)]
+        del self.draft_ids[keep:], self.spans[keep:]
+        self.draft_ids.extend(ids)
+        self.spans.extend((a + start, b + start) for a, b in spans)
 
     def draft_text(self, drafted: Sequence[int]) -> str:
         """The text the draft's ``drafted`` ids add after the mirrored text (a trailing partial
