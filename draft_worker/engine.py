@@ -197,7 +197,7 @@ def _index_committed(entry: SessionCache, tail: list[int], params: DraftParams) 
 def _processed(entry: SessionCache, logits: torch.Tensor, params: DraftParams, position: int) -> torch.Tensor:
     """The logits of the token at ``position`` (after ``entry.tokens[:position]``) processed as
     the target will process them, restricted to the ids the target can verify."""
-    row = process_logits(logits[None], entry.tokens, position, params.processing)[0]
+    row = process_logits(logits[None], entry.tokens, position, params.processing, entry.counts)[0]
     return _proposable(row, params)
 
 

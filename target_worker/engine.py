@@ -75,7 +75,7 @@ def verify_job(
 
     earlier = EarlierLogits(prompt_rows, score_prompt) if prompt_rows else None
     raw = yield Extend(entry, [*tail, *drafts.tolist()], k + 1, meter, earlier)
-    logits = process_logits(raw, entry.tokens, committed_len, processing)
+    logits = process_logits(raw, entry.tokens, committed_len, processing, entry.counts)
     generators = None
     if not warp.greedy:  # row i decides the token at position committed_len + i
         generators = [position_generator(seed, committed_len + i, "target", loaded.device) for i in range(k + 1)]

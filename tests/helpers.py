@@ -8,10 +8,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TypeVar
 
 import pytest
@@ -150,3 +152,22 @@ def in_two_processes(work: Callable[[range], T], n: int) -> tuple[T, T]:
     if status != 0 or not data:
         raise AssertionError(f"the forked half of the work failed (wait status {status}; its traceback is above)")
     return pickle.loads(data), mine
+
+
+def opcodes(call: Callable[[], object]) -> int:
+    """Python bytecode instructions ``call`` executes: a measure of work that does not depend on
+    the machine's speed or load (code in C or Rust, torch's and the tokenizers', is not counted)."""
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Callable[..., object]:
+        nonlocal count
+        frame.f_trace_opcodes = True
+        count += event == "opcode"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return count

@@ -365,10 +365,10 @@ def penalties(banned: int) -> Processing:
     )
 
 
-def _stale_history(logits: torch.Tensor, tokens, first_position: int, processing: Processing) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _stale_history(logits, tokens, first_position, processing, kept=None):  # type: ignore[no-untyped-def]
     """The planted bug: every row of a verify pass is processed with the committed history only
     (the drafts before the row are not counted), as a processor that ignores speculation does."""
-    rows = [process_logits(logits[r : r + 1], tokens, first_position, processing) for r in range(logits.shape[0])]
+    rows = [process_logits(logits[r : r + 1], tokens, first_position, processing, kept) for r in range(logits.shape[0])]
     return torch.cat(rows)
 
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import MinPLogitsWarper
 
 from specdec.runtime.logprobs import token_logprobs
-from specdec.runtime.processing import Processing, process_logits
+from specdec.runtime.processing import Processing, TokenCounts, process_logits
 from specdec.runtime.sampling import Warp, warped_probs
+from tests.helpers import opcodes
 from tests.spec_oracle import reference_processing
 
 VOCAB = 12
@@ -71,3 +75,50 @@ def test_token_logprobs_are_the_raw_log_softmax() -> None:
     assert entries[1].logprob == pytest.approx(float(logp[1, 8]), abs=1e-6)
     top = [t.token_id for t in entries[0].top]
     assert top == torch.topk(logp[0], 3).indices.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["extend", "cut", "process", "next turn"]), st.integers(0, 30), st.integers(1, 5)),
+        max_size=30,
+    )
+)
+def test_counts_kept_with_a_session_equal_counting_afresh(operations: list[tuple[str, int, int]]) -> None:
+    """A session cache's tokens grow, are cut back (rejected drafts) and are processed at any
+    position, turn after turn (the reply's start moves): processing with the counts the cache keeps
+    gives exactly what counting the history afresh gives."""
+    tokens: list[int] = [*PROMPT]
+    kept = TokenCounts()
+    reply_start = len(tokens)
+    for operation, n, rows in operations:
+        if operation == "extend":
+            tokens.extend((n * 7 + i) % (VOCAB + 2) for i in range(n % 6 + 1))  # ids past the vocabulary too
+        elif operation == "cut":
+            length = min(n, len(tokens))
+            kept.cut(tokens, length)  # as SessionCache.truncate reports it, before the tokens go
+            del tokens[length:]
+        elif operation == "next turn":
+            reply_start = len(tokens)
+        rows = min(rows, len(tokens) + 1)
+        first = min(n, len(tokens) - rows + 1)
+        processing = dataclasses.replace(PROCESSING, reply_start=min(reply_start, first))
+        logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(n))
+        assert torch.equal(
+            process_logits(logits, tokens, first, processing, kept), process_logits(logits, tokens, first, processing)
+        )
+
+
+def test_a_penalised_step_costs_the_same_in_a_long_session() -> None:
+    """With the counts a session cache keeps, a verify pass's processing does Python work for the
+    tokens that changed, not for the history: at 16,000 tokens as at 1,000 (a list of the whole
+    history was built for every pass, and for every token the draft proposed)."""
+    work = []
+    for length in (1_000, 16_000):
+        tokens = [(i * 7919) % VOCAB for i in range(length)]
+        kept = TokenCounts()
+        process_logits(torch.zeros(1, VOCAB), tokens, length - 10, PROCESSING, kept)  # earlier rounds
+        tokens += [1, 2, 3, 4, 5]  # this round's tail and drafts
+        logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+        work.append(opcodes(lambda t=tokens, k=kept, x=logits: process_logits(x, t, len(t) - 5, PROCESSING, k)))
+    assert work[1] < 2 * work[0], work

@@ -4,9 +4,6 @@ text mirror a draft of another vocabulary keeps, and SLEM's re-tokenization."""
 from __future__ import annotations
 
 import random
-import sys
-from collections.abc import Callable
-from types import FrameType
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specdec.runtime.tokens import common_prefix_len, prefix_hash
 from specdec.runtime.vocab import TextMirror, VocabBridge, token_keys
-from tests.helpers import real_tokenizer
+from tests.helpers import opcodes, real_tokenizer
 from tests.tiny_models import build_byte_fallback_tokenizer, build_tokenizer
 
 TEXT = (
@@ -142,25 +139,6 @@ def test_slem_waits_while_the_text_ends_inside_a_character(
     assert mirror.pending == 0 and mirror.slem_targets(smollm.encode(" the"), 4) == qwen.encode(" the")
 
 
-def _opcodes(call: Callable[[], object]) -> int:
-    """Python bytecode instructions ``call`` executes (a measure of work that does not depend on
-    the machine's speed or load; the tokenizers' Rust code is not counted)."""
-    count = 0
-
-    def trace(frame: FrameType, event: str, arg: object) -> Callable[..., object]:
-        nonlocal count
-        frame.f_trace_opcodes = True
-        count += event == "opcode"
-        return trace
-
-    sys.settrace(trace)
-    try:
-        call()
-    finally:
-        sys.settrace(None)
-    return count
-
-
 def test_a_round_of_the_mirror_costs_the_same_in_a_long_session(
     bridge: VocabBridge, qwen: PreTrainedTokenizerBase
 ) -> None:
@@ -185,6 +163,6 @@ def test_a_round_of_the_mirror_costs_the_same_in_a_long_session(
             mirror.update(length, ids[length : length + 4])
             common_prefix_len(cache, mirror.draft_ids)
 
-        work.append(_opcodes(round_at))
+        work.append(opcodes(round_at))
         assert mirror.text == qwen.decode(ids[: mirror.clean])
     assert work[1] < 2 * work[0], work

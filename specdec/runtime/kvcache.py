@@ -21,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.runtime.lookup import GuessIndex
 from specdec.runtime.modeling import LoadedModel
+from specdec.runtime.processing import TokenCounts
 from specdec.runtime.tokens import PrefixHashes
 from specdec.runtime.vocab import TextMirror
 
@@ -86,12 +87,14 @@ class SessionCache:
     mirror: TextMirror | None = None
     guesses: GuessIndex | None = None
     hashes: PrefixHashes = field(default_factory=PrefixHashes)  # of ``tokens``, kept up to date below
+    counts: TokenCounts = field(default_factory=TokenCounts)  # of ``tokens``, for penalties; likewise
 
     def truncate(self, length: int) -> None:
         """Rolls back to the first ``length`` tokens (an index of more of them is dropped)."""
         excess = len(self.tokens) - length
         if excess > 0:
             self.cache.crop(-excess)
+            self.counts.cut(self.tokens, length)
             del self.tokens[length:]
             self.hashes.cut(length)
         if self.guesses is not None and len(self.guesses) > length:

@@ -52,12 +52,58 @@ class Processing:
 NO_PROCESSING = Processing()
 
 
+class TokenCounts:
+    """Occurrence counts of ``tokens[start:length]`` for one token list that changes only at its
+    end (a session cache's), kept between calls: a call costs the tokens added or removed since the
+    last one, not the session's length. A cut must be reported (``cut``) before the tokens go.
+    Counts are kept for the two latest ``start`` values (the whole history, and the reply), and
+    only once a processing that needs them has run (int32, a vocabulary's worth each)."""
+
+    _KEPT = 2
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[int, int], tuple[int, Tensor]] = {}  # (start, vocab) -> (length, counts)
+
+    def of(self, tokens: Sequence[int], start: int, length: int, vocab: int) -> Tensor:
+        """The [vocab] counts of the ids below ``vocab`` in ``tokens[start:length]`` (do not modify)."""
+        key = (start, vocab)
+        kept, counts = self._kept.pop(key, (start, None))
+        if counts is None:
+            counts = torch.zeros(vocab, dtype=torch.int32)
+        length = max(length, start)
+        _add(counts, tokens[kept:length], vocab, 1)
+        _add(counts, tokens[length:kept], vocab, -1)
+        self._kept[key] = (length, counts)
+        while len(self._kept) > self._KEPT:
+            del self._kept[next(iter(self._kept))]
+        return counts
+
+    def cut(self, tokens: Sequence[int], length: int) -> None:
+        """``tokens`` are about to lose everything from ``length`` on."""
+        for key, (kept, counts) in list(self._kept.items()):
+            if kept > length:
+                end = max(length, key[0])
+                _add(counts, tokens[end:kept], key[1], -1)
+                self._kept[key] = (end, counts)
+
+
+def _add(counts: Tensor, token_ids: Sequence[int], vocab: int, sign: int) -> None:
+    ids = torch.tensor([t for t in token_ids if t < vocab], dtype=torch.long)
+    if len(ids):
+        counts.index_add_(0, ids, torch.full(ids.shape, sign, dtype=counts.dtype))
+
+
 def _counts(
-    tokens: Sequence[int], start: int, first_position: int, rows: int, vocab: int, device: torch.device
+    tokens: Sequence[int],
+    start: int,
+    first_position: int,
+    rows: int,
+    vocab: int,
+    device: torch.device,
+    kept: TokenCounts,
 ) -> Tensor:
     """[rows, V] occurrence counts: row r counts tokens[start : first_position + r]."""
-    before = [t for t in tokens[start:first_position] if t < vocab]
-    base = torch.bincount(torch.tensor(before, dtype=torch.long), minlength=vocab)[:vocab].to(device).float()
+    base = kept.of(tokens, start, first_position, vocab).to(device).float()
     counts = base.expand(rows, vocab).clone()
     for r in range(1, rows):
         position = first_position + r - 1  # the token row r sees that row r - 1 did not
@@ -67,21 +113,25 @@ def _counts(
     return counts
 
 
-def process_logits(logits: Tensor, tokens: Sequence[int], first_position: int, processing: Processing) -> Tensor:
+def process_logits(
+    logits: Tensor, tokens: Sequence[int], first_position: int, processing: Processing, kept: TokenCounts | None = None
+) -> Tensor:
     """``logits`` [R, V] -> processed float32 logits [R, V]; row r decides the token at position
-    ``first_position + r`` and sees ``tokens[:first_position + r]`` (``tokens`` must reach that far)."""
+    ``first_position + r`` and sees ``tokens[:first_position + r]`` (``tokens`` must reach that far).
+    ``kept``: the token list's counts kept between calls (a session cache's); None counts afresh."""
     if not processing.active:
         return logits
+    kept = kept or TokenCounts()
     rows, vocab = logits.shape
     if len(tokens) < first_position + rows - 1:
         raise ValueError(f"{rows} rows from position {first_position} need {first_position + rows - 1} tokens")
     p, out = processing, logits.float().clone()
     if p.repetition_penalty != 1.0:
-        seen = _counts(tokens, 0, first_position, rows, vocab, out.device) > 0
+        seen = _counts(tokens, 0, first_position, rows, vocab, out.device, kept) > 0
         penalised = torch.where(out < 0, out * p.repetition_penalty, out / p.repetition_penalty)
         out = torch.where(seen, penalised, out)
     if p.presence_penalty or p.frequency_penalty:
-        counts = _counts(tokens, p.reply_start, first_position, rows, vocab, out.device)
+        counts = _counts(tokens, p.reply_start, first_position, rows, vocab, out.device, kept)
         out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
     for token, bias in p.logit_bias:
         if token < vocab:
