@@ -346,7 +346,10 @@ class Turn:
         found = NO_DRAFT
         if self._index is not None:
             k = min(limits.lookup_max_tokens, budget)
-            found = lookup_draft(self._index, self.deps.replies, self._scope, self._committed, k)
+            # fixed K drafts from the session's own tokens only: what other requests replied must
+            # not change what a seed replays (rejection sampling's tokens depend on the proposal)
+            replies = self.deps.replies if self.adaptive else None
+            found = lookup_draft(self._index, replies, self._scope, self._committed, k)
         lookup = found.token_ids
         model = 0
         if req.method != NGRAM and self.workers.draft_usable:

@@ -200,13 +200,13 @@ def test_lookup_methods_with_pipelining_are_exact(
     assert reply.stats.lookup_rounds > 0
 
 
-@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "adaptive"])
 def test_a_reply_given_before_is_drafted_from_the_reply_index(
-    cluster_replies: LocalCluster, tiny_models: TinyModels, fixed: bool
+    cluster_replies: LocalCluster, tiny_models: TinyModels
 ) -> None:
     """The same prompt again (a new one-shot request) is drafted the earlier reply from its first
-    token, only for the caller who got it; the tokens are the target's either way."""
-    prompt = [33, 150, 8, 61, 2 + fixed]  # a prompt of its own per case: the index is the cluster's
+    token, only for the caller who got it; the tokens are the target's either way. (Adaptive K:
+    `fixed` K drafts from the session's own tokens only, see the next test.)"""
+    prompt, fixed = [33, 150, 8, 61, 2], False  # a prompt of its own: the index is the cluster's
     expected = reference_greedy(str(tiny_models.target), tuple(prompt), MAX_NEW, True)
     before = metric(cluster_replies, "coordinator", "specdec_reply_lookup_rounds_total")
     with grpc.insecure_channel(cluster_replies.address) as channel:
@@ -230,6 +230,20 @@ def test_a_reply_given_before_is_drafted_from_the_reply_index(
     after = metric(cluster_replies, "coordinator", "specdec_reply_lookup_rounds_total")
     assert after - before == s.reply_lookup_rounds
     assert metric(cluster_replies, "coordinator", "specdec_reply_index_tokens") >= 3 * MAX_NEW
+
+
+def test_a_seeded_request_replays_with_the_reply_index_on(cluster_replies: LocalCluster) -> None:
+    """The same seed, prompt and `fixed` K give the same sampled tokens (README, Seeds), also once
+    the reply index holds the first reply: what other requests replied must not change a replay."""
+    prompt = [77, 3, 190, 45, 12]
+    seeded = request(prompt, "ngram")
+    seeded.sampling.temperature, seeded.sampling.seed = 1.0, 4321
+    metadata = [("authorization", f"Bearer {CALLERS['alice']}")]
+    with grpc.insecure_channel(cluster_replies.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        replies = [stub.Generate(seeded, metadata=metadata) for _ in range(4)]
+    assert [list(r.token_ids) for r in replies[1:]] == [list(replies[0].token_ids)] * 3
+    assert all(r.stats.reply_lookup_rounds == 0 for r in replies)
 
 
 def test_the_reply_index_is_off_by_default(cluster_lookup: LocalCluster, tiny_models: TinyModels) -> None:
