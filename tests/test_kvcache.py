@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -14,7 +15,7 @@ from transformers import DynamicCache
 
 from specdec.runtime import kvcache
 from specdec.runtime import tokens as tokens_module
-from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches
+from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches, cache_argument
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.tokens import PrefixHashes, common_prefix_len, prefix_hash
 from tests.tiny_models import TinyModels, build_sliding
@@ -257,3 +258,20 @@ def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedM
     torch.testing.assert_close(logits, full_logits(loaded, seq)[-2:], atol=1e-4, rtol=1e-4)
     assert caches.sync("donor", 8, prefix_hash(donor_seq)).tokens == donor_seq
     assert caches.extend(caches.sync("donor", 8, prefix_hash(donor_seq)), [2], 1).shape[0] == 1
+
+
+def test_the_cache_goes_by_the_keyword_the_model_takes(loaded: LoadedModel) -> None:
+    """transformers 5 models take ``cache`` (``past_key_values`` warns there, and goes in 5.40);
+    transformers 4 models and model code shipped with a model take ``past_key_values``."""
+
+    class Shipped(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: object = None, use_cache: bool = False) -> None:
+            return None
+
+    cache = DynamicCache(config=loaded.model.config)
+    assert cache_argument(loaded.model, cache) == {"cache": cache, "use_cache": True}
+    assert cache_argument(Shipped(), cache) == {"past_key_values": cache, "use_cache": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation warning on the way
+        loaded.model(input_ids=torch.tensor([[1, 2]]), **cache_argument(loaded.model, cache))
+    assert cache.get_seq_length() == 2

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from specdec.runtime import modeling
+from specdec.runtime.kvcache import cache_argument
 from specdec.runtime.modeling import (
     LoadOptions,
     PackedLinear,
@@ -115,7 +116,7 @@ def test_load_options_choose_the_kernel(tiny_models: TinyModels) -> None:
 
 def _verify_block_argmax(model: torch.nn.Module, ids: torch.Tensor, prefix: int) -> torch.Tensor:
     out = model(ids[:, :prefix], use_cache=True)
-    return model(ids[:, prefix:], past_key_values=out.past_key_values).logits.argmax(-1)
+    return model(ids[:, prefix:], **cache_argument(model, out.past_key_values)).logits.argmax(-1)
 
 
 def test_packed_and_torch_kernels_agree_on_a_verify_block(tiny_models: TinyModels) -> None:

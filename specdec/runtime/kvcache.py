@@ -6,6 +6,8 @@ Not thread-safe: a worker calls it from its single model thread only.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import os
 import time
 from collections import OrderedDict
@@ -43,11 +45,24 @@ class EarlierLogits:
 CACHE_MEMORY_SHARE = 0.5  # of the memory free after loading, what an automatic token budget may fill
 
 
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    """The forward() keyword of a model class's KV cache: ``cache`` from transformers 5 on
+    (``past_key_values`` still works there, with a deprecation warning, until 5.40 removes it),
+    ``past_key_values`` in transformers 4 and in model code shipped with a model."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_argument(model: torch.nn.Module, cache: DynamicCache) -> dict[str, object]:
+    """The keyword arguments that run ``model``'s forward pass on top of ``cache`` (and extend it)."""
+    return {_cache_keyword(type(model)): cache, "use_cache": True}
+
+
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """The KV-cache bytes one token takes in this model (measured on a 2-token pass)."""
     cache = DynamicCache(config=loaded.model.config)
     with torch.inference_mode():
-        loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), past_key_values=cache, use_cache=True)
+        loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), **cache_argument(loaded.model, cache))
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
     return max(1, sum(t.numel() * t.element_size() for t in tensors) // 2)
 
@@ -189,8 +204,7 @@ class SessionCaches:
         with torch.inference_mode(), _final_hidden(self._loaded.model, hidden, on=apart):
             out = self._loaded.model(
                 input_ids=ids,
-                past_key_values=entry.cache,
-                use_cache=True,
+                **cache_argument(self._loaded.model, entry.cache),
                 logits_to_keep=num_logits + (0 if apart else rows),
             )
         entry.tokens.extend(token_ids)
@@ -250,8 +264,7 @@ class SessionCaches:
                 input_ids=batch.input_ids,
                 attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids,
-                past_key_values=batch.cache,
-                use_cache=True,
+                **cache_argument(self._loaded.model, batch.cache),
             )
         results = []
         for row, (entry, token_ids, num_logits) in enumerate(ops):
