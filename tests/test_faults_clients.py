@@ -342,8 +342,9 @@ def test_calls_outliving_the_grace_period_end_unavailable(
 ) -> None:
     """SIGTERM with calls that outlive the grace period: the draft's Propose stream of a running
     turn is ended (the turn goes on target-only, its tokens unchanged), and a client's stream on the
-    coordinator ends UNAVAILABLE saying why, its turn rolled back. Each process exits 0 and logs no
-    error for it (grpc logs a handler it has to cancel itself as an error with a traceback)."""
+    coordinator ends UNAVAILABLE saying why, its turn rolled back (an engine-API stream likewise).
+    Each process exits 0 and logs no error for it (grpc logs a handler it has to cancel itself as an
+    error with a traceback)."""
     expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 150, ignore_eos=True)
     with fault_cluster(
         tmp_path,
@@ -367,13 +368,25 @@ def test_calls_outliving_the_grace_period_end_unavailable(
             first = stub.Generate(make_request(PROMPT, max_new=4, ignore_eos=True, session_id="cut"))
             stream = stub.GenerateStream(make_request([7], max_new=150, ignore_eos=True, session_id="cut"))
             assert next(stream).token_ids
+            params = vllm_pb2.SamplingParams(max_tokens=150, ignore_eos=True)
+            engine = vllm_grpc.VllmEngineStub(channel).Generate(
+                vllm_pb2.GenerateRequest(
+                    request_id="cut", tokenized=vllm_pb2.TokenizedInput(input_ids=PROMPT), sampling_params=params,
+                    stream=True,
+                )
+            )  # fmt: skip
+            assert next(engine).chunk.token_ids
             os.kill(coordinator.proc.pid, signal.SIGTERM)
-            with pytest.raises(grpc.RpcError) as err:
-                for _ in stream:
-                    pass
+            errors = []
+            for call in (stream, engine):
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in call:
+                        pass
+                errors.append(err.value)
             took = wait_for(lambda: coordinator.proc.poll() is not None, 10)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
-        assert "grace period" in (err.value.details() or "")
+        for error in errors:  # the native turn and the engine API's alike
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+            assert "grace period" in (error.details() or "")
         assert coordinator.proc.returncode == 0
         session = read_session(redis_server.url, "cut")  # as the first turn left it, the lease free
         assert (session.tokens, session.owner) == ([*PROMPT, *first.token_ids], "")
