@@ -106,12 +106,14 @@ def unpack_tokens(data: bytes) -> list[int]:
     return arr.tolist()
 
 
-def start_on_a_character(decode: Callable[[Sequence[int]], str], token_ids: Sequence[int], start: int) -> int:
-    """``start`` moved back (by at most 16 tokens) to where the text of ``token_ids[start:]`` does
-    not begin with U+FFFD: a decode window that starts inside a character, or inside a run of
+def start_on_a_character(
+    decode: Callable[[Sequence[int]], str], token_ids: Sequence[int], start: int, end: int | None = None
+) -> int:
+    """``start`` moved back (by at most 16 tokens) to where the text of ``token_ids[start:end]``
+    does not begin with U+FFFD: a decode window that starts inside a character, or inside a run of
     byte tokens (which SentencePiece byte fallback decodes as a whole), turns it, and the rest of
     the run, into U+FFFD."""
     earliest = max(start - 16, 0)
-    while start > earliest and decode(token_ids[start:]).startswith("\ufffd"):
+    while start > earliest and decode(token_ids[start:end]).startswith("\ufffd"):
         start -= 1
     return start

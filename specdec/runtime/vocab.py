@@ -198,7 +198,7 @@ class TextMirror:
         ids, clean = self.target_ids, self.clean
         if clean == len(ids):
             return
-        context = start_on_a_character(self.bridge.decode_target, ids[:clean], max(0, clean - _DECODE_CONTEXT_TOKENS))
+        context = start_on_a_character(self.bridge.decode_target, ids, max(0, clean - _DECODE_CONTEXT_TOKENS), clean)
         for end in range(len(ids), clean, -1):
             piece = self.bridge.decode_target(ids[context:end])
             if not piece.endswith(_REPLACEMENT):
