@@ -9,12 +9,26 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.tools import launch
 from specdec.tools.launch import LocalCluster
+from tests.forkserver import ForkServer
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
 from tests.tiny_models import TinyModels, build_tiny_models
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
+    """Service processes are forked from a server that has torch and transformers loaded (see
+    tests/forkserver.py); what those imports wrote to stderr, a service's log would have held."""
+    server = ForkServer(tmp_path_factory.mktemp("forkserver") / "stderr.log")
+    launch.use_starter(server.start)
+    yield server
+    launch.use_starter(None)
+    written = server.close()
+    assert not written, f"the fork server's imports wrote to stderr:\n{written[-2000:]}"
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.forkserver import ForkServer
 from tests.tiny_models import TinyModels
 
 
@@ -474,7 +475,9 @@ def _children() -> dict[int, str]:
     return children
 
 
-def test_bench_refuses_to_report_when_a_service_process_died(tiny_models: TinyModels, tmp_path: Path) -> None:
+def test_bench_refuses_to_report_when_a_service_process_died(
+    tiny_models: TinyModels, tmp_path: Path, fork_server: ForkServer
+) -> None:
     """A worker killed mid-run (the out-of-memory killer did this to an early-exit draft worker)
     leaves its rows decoding target-only: the bench ends with an error instead of a report."""
     from specdec.tools.bench import BenchConfig, service
@@ -482,6 +485,7 @@ def test_bench_refuses_to_report_when_a_service_process_died(tiny_models: TinyMo
     cfg = BenchConfig(model=str(tiny_models.target), draft_model=str(tiny_models.same), methods=("service model K",))
     with pytest.raises(RuntimeError, match=r"exited during the benchmark: \{'draft': -9\}"), service(cfg, tmp_path):
         # this bench's draft worker (a session-scoped test cluster may have one of its own running)
-        (draft,) = [pid for pid, cmd in _children().items() if " serve draft " in f" {cmd} " and str(tmp_path) in cmd]
+        running = fork_server.running()  # the suite's service processes (see tests/forkserver.py)
+        (draft,) = [p.pid for p in running if p.argv[:2] == ["serve", "draft"] and str(tmp_path) in " ".join(p.argv)]
         os.kill(draft, signal.SIGKILL)
         time.sleep(1)

@@ -11,6 +11,50 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+
+class ServiceProc(Protocol):
+    """What the launcher needs of a started process (subprocess.Popen has it)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class ProcessStarter(Protocol):
+    """Starts `specdec <argv>` as a process of its own with stdout and stderr appended to
+    ``log_file`` and ``env`` as its whole environment."""
+
+    def __call__(self, argv: Sequence[str], log_file: Path, env: dict[str, str]) -> ServiceProc: ...
+
+
+def start_process(argv: Sequence[str], log_file: Path, env: dict[str, str]) -> ServiceProc:
+    """The default starter: a fresh `python -m specdec <argv>`."""
+    with log_file.open("ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "specdec", *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+_starter: ProcessStarter = start_process
+
+
+def use_starter(starter: ProcessStarter | None) -> None:
+    """Makes spawn() start processes with ``starter`` (None: the default), e.g. a test suite's fork
+    server that has the heavy imports done once."""
+    global _starter
+    _starter = starter or start_process
 
 
 class LaunchError(RuntimeError):
@@ -22,7 +66,7 @@ class ServiceProcess:
     """A running `specdec serve <role>` process."""
 
     role: str
-    proc: subprocess.Popen[bytes]
+    proc: ServiceProc
     ready_file: Path
     log_file: Path
     args: Sequence[str]
@@ -92,10 +136,9 @@ def spawn(
     ready = workdir / f"{name}.ready.json"
     ready.unlink(missing_ok=True)
     log_file = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "specdec", "serve", role, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--metrics-port", "0", "--ready-file", str(ready), *args]
-    with log_file.open("ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    argv = ["serve", role, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--metrics-port", "0", "--ready-file", str(ready), *args]
+    proc = _starter(argv, log_file, {**os.environ, **(env or {})})
     return ServiceProcess(role=role, proc=proc, ready_file=ready, log_file=log_file, args=list(args), env=env)
 
 
