@@ -30,6 +30,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from coordinator.engine import Engine
+from coordinator.servicer import reply_room, reply_too_large, round_bytes
 from coordinator.turn import Finish, RoundOutput, Turn, tokenize
 from coordinator.validation import check_prompt_chars, parse_request
 from specdec.serving.errors import InvalidRequest, Unsupported
@@ -176,6 +177,7 @@ class _Completion:
     logprobs: list[common_pb2.TokenLogprob]
     prompt_logprobs: list[common_pb2.TokenLogprob]
     first: bool = True
+    size: int = 0  # what a non-streaming reply has grown to (round_bytes)
 
 
 _ABORTED = object()
@@ -255,6 +257,10 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                 completion.prompt_logprobs += item.prompt_logprobs
                 if request.stream:
                     yield self._chunk(completion, index, item)
+                else:  # the completion's one message must fit the message limit: end it before it cannot
+                    completion.size += round_bytes(item)
+                    if item.finish is None and completion.size > reply_room(completion.turn, engine):
+                        raise reply_too_large(engine, "a streaming request (stream = true)")
                 if item.finish is not None:
                     pending -= 1
                     yield self._complete(completion, index, _FINISH[item.finish], item.token_ids, request.stream)

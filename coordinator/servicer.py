@@ -76,7 +76,7 @@ def _entry_bytes(entries: Sequence[common_pb2.TokenLogprob]) -> int:
     return sum(entry.ByteSize() + 4 for entry in entries)  # + its tag and length in the reply
 
 
-def _round_bytes(out: RoundOutput) -> int:
+def round_bytes(out: RoundOutput) -> int:
     """What one round adds to a unary reply."""
     text = len(out.text.encode())
     return _entry_bytes(out.logprobs) + _entry_bytes(out.prompt_logprobs) + 5 * len(out.token_ids) + text
@@ -93,6 +93,21 @@ def _round_reserve(turn: Turn, limits: Limits) -> int:
         )
         entry = sample.ByteSize() + 4
     return tokens * (entry + 5 + _TEXT_PER_TOKEN) + _REPLY_OVERHEAD
+
+
+def reply_room(turn: Turn, engine: Engine) -> int:
+    """How large a unary reply may grow (by round_bytes) and still have room for one more round
+    under the coordinator's message limit."""
+    return engine.settings.max_message_bytes - _round_reserve(turn, engine.limits)
+
+
+def reply_too_large(engine: Engine, streaming: str) -> ReplyTooLarge:
+    """The error of a unary reply past reply_room; ``streaming``: how this API streams instead."""
+    return ReplyTooLarge(
+        f"the reply would be larger than the coordinator's message limit ({engine.settings.max_message_bytes:,} "
+        f"bytes, --max-message-bytes): use {streaming} (a message per round), ask for fewer top_logprobs or "
+        "tokens, or raise the limit"
+    )
 
 
 class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
@@ -117,7 +132,7 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
         # One message carries every round: past what leaves room for one more round under the
         # message limit, the turn ends unfinished (rolled back) rather than finishing into a reply
         # that cannot be sent.
-        room = self._engine.settings.max_message_bytes - _round_reserve(turn, self._engine.limits)
+        room = reply_room(turn, self._engine)
         size = 0
         async with self._engine.admitted(), contextlib.aclosing(turn.rounds()) as rounds:
             async for out in rounds:
@@ -126,13 +141,9 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
                 logprobs += out.logprobs
                 prompt_logprobs += out.prompt_logprobs
                 finish = out.finish
-                size += _round_bytes(out)
+                size += round_bytes(out)
                 if finish is None and size > room:
-                    raise ReplyTooLarge(
-                        f"the reply would be larger than the coordinator's message limit "
-                        f"({self._engine.settings.max_message_bytes:,} bytes, --max-message-bytes): use "
-                        "GenerateStream (a message per round), ask for fewer top_logprobs or tokens, or raise the limit"
-                    )
+                    raise reply_too_large(self._engine, "GenerateStream")
         reply = coordinator_pb2.GenerateResponse(
             session_id=request.session_id,
             token_ids=token_ids,

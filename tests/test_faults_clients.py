@@ -570,7 +570,9 @@ def test_a_unary_reply_over_the_message_limit_rolls_the_turn_back(tmp_path: Path
     ends the turn with RESOURCE_EXHAUSTED before it finishes, so the session is rolled back like
     any failed turn. Before, the turn finished and committed, and then the reply could not be
     sent: the caller got an error for a turn its session had kept. A stream (a message per
-    round) serves the same request."""
+    round) serves the same request. The engine API's non-streaming reply (a message per
+    completion; 240 tokens at top 20 are about 31,000 bytes in its packed form) likewise ends with RESOURCE_EXHAUSTED that says what to do; before, its send
+    failed with grpc's own "Sent message larger than max"."""
     args = ["--max-message-bytes", "20000"]
     with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, coordinator_args=args) as cluster:
         with grpc.insecure_channel(cluster.address) as channel:
@@ -583,6 +585,19 @@ def test_a_unary_reply_over_the_message_limit_rolls_the_turn_back(tmp_path: Path
             after = stub.Generate(make_request([9], max_new=4, session_id="limit", ignore_eos=True), timeout=30)
             big.session_id = "limit-stream"
             streamed = list(stub.GenerateStream(big, timeout=30))
+            engine = vllm_pb2.GenerateRequest(
+                request_id="big", tokenized=vllm_pb2.TokenizedInput(input_ids=PROMPT),
+                sampling_params=vllm_pb2.SamplingParams(max_tokens=240, ignore_eos=True, logprobs=20),
+            )  # fmt: skip
+            with pytest.raises(grpc.RpcError) as engine_error:
+                list(vllm_grpc.VllmEngineStub(channel).Generate(engine, timeout=30))
+            engine.stream = True
+            chunks = list(vllm_grpc.VllmEngineStub(channel).Generate(engine, timeout=30))
+        assert engine_error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-message-bytes" in (engine_error.value.details() or ""), engine_error.value.details()
+        assert "stream" in (engine_error.value.details() or "")
+        assert sum(len(c.chunk.token_ids) for c in chunks) == 240
+        assert sum(len(c.chunk.output_logprobs.token_ids) for c in chunks) == 240
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # the big turn left nothing behind: the session goes on from its first turn
         assert list(after.token_ids) == reference_greedy(str(tiny_models.target), tuple(history), 4, ignore_eos=True)
