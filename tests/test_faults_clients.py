@@ -571,8 +571,9 @@ def test_a_unary_reply_over_the_message_limit_rolls_the_turn_back(tmp_path: Path
     any failed turn. Before, the turn finished and committed, and then the reply could not be
     sent: the caller got an error for a turn its session had kept. A stream (a message per
     round) serves the same request. The engine API's non-streaming reply (a message per
-    completion; 240 tokens at top 20 are about 31,000 bytes in its packed form) likewise ends with RESOURCE_EXHAUSTED that says what to do; before, its send
-    failed with grpc's own "Sent message larger than max"."""
+    completion; 240 tokens at top 20 are 29,579 bytes in its packed form) likewise ends with
+    RESOURCE_EXHAUSTED that says what to do; before, its send failed with grpc's own "Sent
+    message larger than max"."""
     args = ["--max-message-bytes", "20000"]
     with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, coordinator_args=args) as cluster:
         with grpc.insecure_channel(cluster.address) as channel:
