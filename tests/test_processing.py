@@ -109,6 +109,60 @@ def test_counts_kept_with_a_session_equal_counting_afresh(operations: list[tuple
         )
 
 
+def _penalised_over_the_whole_row(logits: torch.Tensor, tokens: list[int], first: int, p: Processing) -> torch.Tensor:
+    """The penalties applied elementwise to every column (the formula before only the seen ids'
+    columns were touched)."""
+    rows, vocab = logits.shape
+
+    def counts(start: int) -> torch.Tensor:
+        table = torch.zeros(rows, vocab)
+        for r in range(rows):
+            for token in tokens[start : first + r]:
+                if token < vocab:
+                    table[r, token] += 1
+        return table
+
+    out = logits.float().clone()
+    if p.repetition_penalty != 1.0:
+        penalised = torch.where(out < 0, out * p.repetition_penalty, out / p.repetition_penalty)
+        out = torch.where(counts(0) > 0, penalised, out)
+    if p.presence_penalty or p.frequency_penalty:
+        reply = counts(p.reply_start)
+        out = out - p.frequency_penalty * reply - p.presence_penalty * (reply > 0).float()
+    return out
+
+
+_LOGIT = st.one_of(st.floats(-50, 50, width=32), st.sampled_from([-math.inf, math.inf, -0.0, 0.0, 3e38, -3e38, 1e-40]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, VOCAB + 1), min_size=1, max_size=20),  # ids past the vocabulary too
+    st.data(),
+    st.sampled_from([1.0, 0.6, 1.7]),
+    st.sampled_from([0.0, 0.4, -1.3]),
+    st.sampled_from([0.0, 0.9, -2.0]),
+)
+def test_penalties_change_the_seen_ids_columns_exactly_as_over_the_whole_row(
+    tokens: list[int], data: st.DataObject, repetition: float, presence: float, frequency: float
+) -> None:
+    """A pass touches only the columns of ids the history holds (a 151,936-id vocabulary was
+    processed whole for every row): every value, infinities and zeros included, equals the
+    whole-row formula's exactly."""
+    rows = data.draw(st.integers(1, min(5, len(tokens) + 1)))
+    first = data.draw(st.integers(0, len(tokens) - rows + 1))
+    reply_start = data.draw(st.integers(0, first))
+    processing = Processing(
+        repetition_penalty=repetition, presence_penalty=presence, frequency_penalty=frequency, reply_start=reply_start
+    )
+    logits = torch.tensor(data.draw(st.lists(_LOGIT, min_size=rows * VOCAB, max_size=rows * VOCAB))).view(rows, VOCAB)
+    kept = TokenCounts()
+    if first:
+        process_logits(logits[:1], tokens, first - 1, processing, kept)  # counts kept from an earlier pass
+    out = process_logits(logits, tokens, first, processing, kept)
+    assert torch.equal(out, _penalised_over_the_whole_row(logits, tokens, first, processing))
+
+
 def test_a_penalised_step_costs_the_same_in_a_long_session() -> None:
     """With the counts a session cache keeps, a verify pass's processing does Python work for the
     tokens that changed, not for the history: at 16,000 tokens as at 1,000 (a list of the whole

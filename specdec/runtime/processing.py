@@ -101,16 +101,20 @@ def _counts(
     vocab: int,
     device: torch.device,
     kept: TokenCounts,
-) -> Tensor:
-    """[rows, V] occurrence counts: row r counts tokens[start : first_position + r]."""
-    base = kept.of(tokens, start, first_position, vocab).to(device).float()
-    counts = base.expand(rows, vocab).clone()
-    for r in range(1, rows):
-        position = first_position + r - 1  # the token row r sees that row r - 1 did not
-        token = tokens[position]
-        if position >= start and token < vocab:
-            counts[r:, token] += 1
-    return counts
+) -> tuple[Tensor, Tensor]:
+    """The ids below ``vocab`` that occur in tokens[start : first_position + rows - 1] (sorted, [S])
+    and their float counts [rows, S]: row r counts tokens[start : first_position + r]. Only those
+    columns can be penalised, so a pass costs the ids seen, not the vocabulary."""
+    base = kept.of(tokens, start, first_position, vocab)
+    # the token row r sees that row r - 1 did not
+    later = [(r, tokens[first_position + r - 1]) for r in range(1, rows) if first_position + r - 1 >= start]
+    later = [(r, token) for r, token in later if token < vocab]
+    added = torch.tensor([token for _, token in later], dtype=torch.long)
+    ids = torch.cat([base.nonzero().squeeze(1), added]).unique()  # sorted
+    counts = base[ids].float().expand(rows, len(ids)).clone()
+    for (r, _), column in zip(later, torch.searchsorted(ids, added).tolist(), strict=True):
+        counts[r:, column] += 1
+    return ids.to(device), counts.to(device)
 
 
 def process_logits(
@@ -126,13 +130,16 @@ def process_logits(
     if len(tokens) < first_position + rows - 1:
         raise ValueError(f"{rows} rows from position {first_position} need {first_position + rows - 1} tokens")
     p, out = processing, logits.float().clone()
+    # each penalty changes only the columns of the ids it counts, elementwise as over the whole row
     if p.repetition_penalty != 1.0:
-        seen = _counts(tokens, 0, first_position, rows, vocab, out.device, kept) > 0
-        penalised = torch.where(out < 0, out * p.repetition_penalty, out / p.repetition_penalty)
-        out = torch.where(seen, penalised, out)
+        ids, counts = _counts(tokens, 0, first_position, rows, vocab, out.device, kept)
+        picked = out[:, ids]
+        penalised = torch.where(picked < 0, picked * p.repetition_penalty, picked / p.repetition_penalty)
+        out[:, ids] = torch.where(counts > 0, penalised, picked)
     if p.presence_penalty or p.frequency_penalty:
-        counts = _counts(tokens, p.reply_start, first_position, rows, vocab, out.device, kept)
-        out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        ids, counts = _counts(tokens, p.reply_start, first_position, rows, vocab, out.device, kept)
+        picked = out[:, ids]
+        out[:, ids] = picked - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
     for token, bias in p.logit_bias:
         if token < vocab:
             out[:, token] += bias
