@@ -193,9 +193,14 @@ class Engine:
                 effect="sessions longer than the draft's context decode target-only",
             )
         pipelined = choose_pipelined(s.speculation_mode, target_info, draft_info)
+        # the prefill rates the workers timed at start-up (the slowest replica's), until calls are measured
+        costs = StepCosts(
+            prefill_per_token=max((r.info.prefill_ms_per_token for r in self.targets.replicas), default=0.0) or None,
+            draft_prefill_per_token=(draft_info.prefill_ms_per_token or None) if draft_info is not None else None,
+        )
         self._deps = TurnDeps(
             self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
-            StepCosts(), pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
+            costs, pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
             prefix_block=s.prefix_block_tokens, prefix_ttl_s=prefix_ttl_s(s.session_ttl_s, target_info),
             ngram=(s.ngram_min, s.ngram_max),
             replies=ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None,

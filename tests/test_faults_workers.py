@@ -335,7 +335,9 @@ def test_a_long_prefill_is_not_taken_for_a_hung_worker(tmp_path: Path, fault_rep
     compute a long prompt gets, on top, 4x the time the worker's measured prefill rate says those
     tokens take. Before: a prompt whose target prefill outlasted the timeout failed UNAVAILABLE
     "retry later" on every attempt (the target computing it each time), and one whose draft prefill
-    outlasted the draft's patience marked the draft down for every session for --draft-retry-s."""
+    outlasted the draft's patience marked the draft down for every session for --draft-retry-s.
+    The very first request, before any rate was measured, uses the rate each worker measured on a
+    warm-up pass at start-up (reported in Info); before, it had the bare timeouts and failed."""
     model = build_model(tmp_path / "model", seed=5, hidden=384, layers=4, vocab=260, context=4096)
     timeouts = ["--worker-timeout-s", "0.4", "--draft-timeout-s", "0.3", "--draft-retry-s", "30"]
     with (
@@ -343,6 +345,10 @@ def test_a_long_prefill_is_not_taken_for_a_hung_worker(tmp_path: Path, fault_rep
         grpc.insecure_channel(cluster.address) as channel,
     ):
         stub = coordinator_pb2_grpc.GenerationStub(channel)
+        first_long = [5 + (13 * i) % 250 for i in range(3500)]
+        started = time.monotonic()
+        first = stub.Generate(make_request(first_long, max_new=8, ignore_eos=True), timeout=60)
+        first_took = time.monotonic() - started
         short = [5 + (7 * i) % 250 for i in range(200)]
         stub.Generate(make_request(short, max_new=8, ignore_eos=True), timeout=60)  # the rates are measured
         long = [5 + (11 * i) % 250 for i in range(3500)]
@@ -351,12 +357,15 @@ def test_a_long_prefill_is_not_taken_for_a_hung_worker(tmp_path: Path, fault_rep
         took = time.monotonic() - started
         after = stub.Generate(make_request([9, 8, 7, 6], max_new=8, ignore_eos=True), timeout=60)
         draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    assert list(first.token_ids) == reference_greedy(str(model), tuple(first_long), 8, ignore_eos=True)
     assert list(reply.token_ids) == reference_greedy(str(model), tuple(long), 8, ignore_eos=True)
-    assert took > 0.4  # the prefills did outlast both timeouts
+    assert took > 0.4 and first_took > 0.4  # the prefills did outlast both timeouts
+    assert first.stats.target_only_rounds == 0
     assert reply.stats.target_only_rounds == 0 and after.stats.draft_tokens_proposed > 0
     assert draft_failures == 0
     fault_report["a prefill longer than the worker and draft timeouts"] = {
         "prompt_tokens": 3500,
         "served_after_s": round(took, 2),
+        "first_request_served_after_s": round(first_took, 2),
         "draft_failures": draft_failures,
     }

@@ -67,6 +67,26 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     return max(1, sum(t.numel() * t.element_size() for t in tensors) // 2)
 
 
+PREFILL_PROBE_TOKENS = 256  # the start-up pass that prefill_ms_per_token times
+
+
+def prefill_ms_per_token(loaded: LoadedModel) -> float:
+    """Milliseconds per token of a prefill pass, timed on PREFILL_PROBE_TOKENS tokens (fewer if the
+    context is shorter) after a short pass that takes the one-time costs of a first forward pass.
+    The passes run on fresh caches, which are then dropped."""
+    tokens = max(1, min(PREFILL_PROBE_TOKENS, loaded.max_context_len - 1))
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=loaded.device)  # a pass's cost is not the ids'
+    with torch.inference_mode():
+        for length in (min(tokens, 8), tokens):
+            cache = DynamicCache(config=loaded.model.config)
+            started = time.perf_counter()
+            loaded.model(input_ids=ids[:, :length], logits_to_keep=1, **cache_argument(loaded.model, cache))
+            if loaded.device.type == "cuda":
+                torch.cuda.synchronize(loaded.device)
+            took = time.perf_counter() - started
+    return took * 1000 / tokens
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Memory free now on ``device``: the GPU's free memory, else the host's available memory."""
     if device.type == "cuda":

@@ -12,7 +12,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec.runtime.kvcache import SessionCaches, auto_token_budget
+from specdec.runtime.kvcache import SessionCaches, auto_token_budget, prefill_ms_per_token
 from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
 from specdec.serving.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable, WrongModel
@@ -47,6 +47,7 @@ class WorkerCore:
         self._loaded: LoadedModel | None = None
         self._caches: SessionCaches | None = None
         self._background: set[asyncio.Future[bool]] = set()
+        self.prefill_ms_per_token = 0.0  # measured once the model is loaded
 
     async def load(self) -> None:
         """Loads the model in the model thread (the server answers health checks meanwhile)."""
@@ -60,6 +61,8 @@ class WorkerCore:
         self.metrics.cached_sessions.set_function(lambda: len(caches))
         self.metrics.cached_tokens.set_function(lambda: caches.cached_tokens)
         self.metrics.cache_budget_tokens.set(budget)
+        self.prefill_ms_per_token = await self.scheduler.call(prefill_ms_per_token, self._loaded)
+        log.info("prefill_measured", ms_per_token=round(self.prefill_ms_per_token, 3))
         self.scheduler.attach(caches)
         self._caches = caches
 
@@ -155,6 +158,7 @@ class WorkerCore:
             batched_requests=self.scheduler.batched_requests,
             reused_tokens_total=self.caches.reused_tokens_total,
             cache_idle_s=self.settings.session_idle_s,
+            prefill_ms_per_token=self.prefill_ms_per_token,
         )
 
     def check_request(
