@@ -165,6 +165,7 @@ class Engine:
         if draft_info is not None and self.draft is not None:
             check_compatible(target_info, draft_info)
             self.draft.vocab_limit = target_info.vocab_size
+            self.draft.tokenizer_hash = target_info.tokenizer_hash
         await self.store.start()
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:

@@ -259,7 +259,8 @@ class WorkerSession:
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
                 warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
-                vocab_limit=self._draft.vocab_limit, processing=processing_to_proto(decoding.processing),
+                vocab_limit=self._draft.vocab_limit, tokenizer_hash=self._draft.tokenizer_hash,
+                processing=processing_to_proto(decoding.processing),
                 min_confidence=decoding.stop.token, min_block_confidence=decoding.stop.block,
             )  # fmt: skip
             sent = time.monotonic()

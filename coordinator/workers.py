@@ -227,6 +227,9 @@ class DraftStream:
         self.cancel()
         if isinstance(exc, grpc.aio.AioRpcError):
             fault = exc.code() in _WORKER_FAULTS
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it serves another model (WrongModel)
+                log.error("draft_serves_another_model", details=exc.details())
+                fault = True  # no session can use it: skipped for --draft-retry-s
         else:  # a timeout: the draft is hung, unless the caller's deadline was the shorter one
             fault = not (isinstance(exc, asyncio.TimeoutError) and caller_limited)
         return WorkerCallFailed(f"draft propose failed: {exc!r}", worker_fault=fault)
@@ -253,6 +256,7 @@ class DraftClient:
         self._latency_s: float | None = None
         self.info = common_pb2.WorkerInfo()
         self.vocab_limit = 0  # the target's vocabulary size, sent with every proposal request
+        self.tokenizer_hash = ""  # the target's tokenizer, likewise: the draft refuses requests for another
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._channel, self.address, timeout_s)

@@ -225,6 +225,43 @@ def test_a_target_replica_that_comes_back_with_another_model_is_not_used(
     fault_report["target replica back with another model"] = {"identical_output": True, "refused_verifies": refused}
 
 
+def test_a_draft_that_comes_back_with_another_model_is_not_used(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """The draft is restarted on its port with a model of another tokenizer (a rollout gone wrong).
+    Main checked the draft's tokenizer only at start-up, so the draft went on drafting with ids of
+    its own tokenizer: no error anywhere, its compute spent on blocks the target rejected. Now every
+    proposal request names the tokenizer the coordinator serves and the draft refuses it before
+    computing anything (FAILED_PRECONDITION); the coordinator logs `draft_serves_another_model`
+    and decodes target-only (identical output) until the draft serves the right model again."""
+    other = _other_vocabulary_model(tmp_path / "other-vocabulary")
+    prompts = [[5 + i, 17, 99, 3 + i] for i in range(6)]
+    expected = [reference_greedy(str(tiny_models.target), tuple(p), 6) for p in prompts]
+    with fault_cluster(tmp_path / "run", tiny_models.target, tiny_models.same) as cluster:
+        draft = cluster.processes["draft"]
+        right_args = list(draft.args)
+        draft.args = ["--model", str(other), *right_args[2:]]
+        draft.restart()
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            stub.Generate(make_request([9, 8, 7], max_new=2), timeout=60)  # finds the old draft gone
+            time.sleep(1.5)  # past --draft-retry-s: the coordinator tries the draft again
+            replies = [stub.Generate(make_request(p, max_new=6), timeout=60) for p in prompts]
+            computed = worker_info(draft.address, "draft").prefill_tokens_total
+            draft.args = right_args
+            draft.restart()
+            stub.Generate(make_request([9, 8, 7], max_new=2), timeout=60)
+            time.sleep(1.5)
+            again = [stub.Generate(make_request(p, max_new=6), timeout=60) for p in prompts]
+        log = cluster.processes["coordinator"].log_file.read_text()
+    assert [list(r.token_ids) for r in replies] == expected
+    assert [list(r.token_ids) for r in again] == expected
+    assert computed == 0, f"the draft of another tokenizer computed {computed} tokens"
+    assert '"draft_serves_another_model"' in log
+    assert sum(r.stats.draft_tokens_proposed for r in again) > 0
+    fault_report["draft back with another model"] = {"identical_output": True, "draft_tokens_computed": computed}
+
+
 def test_only_target_down_is_unavailable_within_a_second_and_leaves_no_state(
     tmp_path: Path, tiny_models: TinyModels, redis_server: RedisServer, fault_report: dict
 ) -> None:

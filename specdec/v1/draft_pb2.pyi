@@ -18,7 +18,7 @@ class DraftInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "round_id", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead", "vocab_limit", "sync", "processing", "min_confidence", "min_block_confidence")
+    __slots__ = ("session_id", "round_id", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead", "vocab_limit", "sync", "processing", "min_confidence", "min_block_confidence", "tokenizer_hash")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class ProposeRequest(_message.Message):
     PROCESSING_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     MIN_BLOCK_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round_id: int
     num_tokens: int
@@ -43,7 +44,8 @@ class ProposeRequest(_message.Message):
     processing: _common_pb2.LogitsParams
     min_confidence: float
     min_block_confidence: float
-    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ..., vocab_limit: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., min_block_confidence: _Optional[float] = ...) -> None: ...
+    tokenizer_hash: str
+    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ..., vocab_limit: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., min_block_confidence: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms", "lookahead", "base_len", "assumed_token_ids", "ends_unsure")
