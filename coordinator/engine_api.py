@@ -176,6 +176,7 @@ class _Completion:
     tokens: list[int]
     logprobs: list[common_pb2.TokenLogprob]
     prompt_logprobs: list[common_pb2.TokenLogprob]
+    room: int  # how large its non-streaming reply may grow (reply_room)
     first: bool = True
     size: int = 0  # what a non-streaming reply has grown to (round_bytes)
 
@@ -219,7 +220,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
             except InvalidRequest as exc:
                 raise _in_engine_terms(exc) from None
             turn = engine.new_turn(parsed, deadline)
-            completions.append(_Completion(turn, [], [], []))
+            completions.append(_Completion(turn, [], [], [], reply_room(turn, engine)))
         queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         # Completion 0 runs first; the others start once its first round is done, from its caches
         # (the prompt is computed once, as vLLM's parallel sampling does).
@@ -259,7 +260,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
                     yield self._chunk(completion, index, item)
                 else:  # the completion's one message must fit the message limit: end it before it cannot
                     completion.size += round_bytes(item)
-                    if item.finish is None and completion.size > reply_room(completion.turn, engine):
+                    if item.finish is None and completion.size > completion.room:
                         raise reply_too_large(engine, "a streaming request (stream = true)")
                 if item.finish is not None:
                     pending -= 1

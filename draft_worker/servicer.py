@@ -17,7 +17,7 @@ from specdec.runtime.proposals import encode_block, warp_from_proto
 from specdec.runtime.scheduler import Job
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.runtime.vocab import VocabBridge
-from specdec.serving.errors import InvalidRequest, WrongModel
+from specdec.serving.errors import InvalidRequest
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -119,12 +119,8 @@ class _ProposeStream:
             raise InvalidRequest("every message of a Propose stream must name the same session_id")
         self._session = request.session_id
         structlog.contextvars.bind_contextvars(session_id=self._session)
-        if request.tokenizer_hash and request.tokenizer_hash != self._wire_tokenizer_hash:
-            raise WrongModel(
-                f"this draft proposes ids of tokenizer {self._wire_tokenizer_hash} but the caller serves tokenizer "
-                f"{request.tokenizer_hash}: deploy the draft model the coordinator started with (or pass the target's "
-                "tokenizer as --target-tokenizer), or restart the coordinator after changing the models"
-            )
+        # the vocabulary size may differ (a differently padded output layer): the tokenizer may not
+        self._core.check_vocabulary(request.tokenizer_hash, 0, self._wire_tokenizer_hash)
         if request.adopt_lookahead:
             if self._last is None or not self._last.assumed:
                 raise InvalidRequest("adopt_lookahead needs a lookahead block sent on this stream")

@@ -129,15 +129,18 @@ class WorkerCore:
             raise WorkerUnavailable("the model is still loading; retry when health reports SERVING")
         return self._caches
 
-    def check_vocabulary(self, tokenizer_hash: str, vocab_size: int) -> None:
-        """Refuses a caller that serves another vocabulary than this worker's model (empty / 0:
-        the caller did not say)."""
+    def check_vocabulary(self, tokenizer_hash: str, vocab_size: int, wire_tokenizer_hash: str = "") -> None:
+        """Refuses a caller that serves another vocabulary than the ids this worker speaks: its
+        model's, or ``wire_tokenizer_hash`` (a draft that translates to the target's ids). Empty / 0:
+        the caller did not say."""
         m = self.loaded
-        if (tokenizer_hash and tokenizer_hash != m.tokenizer_hash) or (vocab_size and vocab_size != m.vocab_size):
+        speaks = wire_tokenizer_hash or m.tokenizer_hash
+        if (tokenizer_hash and tokenizer_hash != speaks) or (vocab_size and vocab_size != m.vocab_size):
             raise WrongModel(
-                f"this worker serves {m.model_id!r} (tokenizer {m.tokenizer_hash}, {m.vocab_size} ids) but the "
-                f"caller serves tokenizer {tokenizer_hash or '?'} with {vocab_size or '?'} ids: deploy one model on "
-                "every replica, or restart the coordinator after changing the model"
+                f"this worker serves {m.model_id!r} (tokenizer {speaks}, {m.vocab_size} ids) but the caller serves "
+                f"tokenizer {tokenizer_hash or '?'} with {vocab_size or '?'} ids: every worker must serve the models "
+                "the coordinator started with (one model on every target replica); restart the coordinator after "
+                "changing them"
             )
 
     def info(self) -> common_pb2.WorkerInfo:
