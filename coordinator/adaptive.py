@@ -1,32 +1,37 @@
 """Adaptive K, the choice of proposer per round, and automatic fallback to target-only decoding.
 
-``StepCosts`` (one per coordinator) learns what a round costs on the deployed hardware: draft
-time per token, verification time by the number of tokens in the pass, and the per-round
-overhead (with and without a call to the draft worker). ``KController`` (one per turn) learns the
-session's acceptance rate of each proposer and picks, each round, the proposer and K with the best
-expected tokens per second (Leviathan et al.: a round with per-token acceptance a yields
-(1 - a^(K+1)) / (1 - a) tokens; with the draft's confidence stop, which ends a block early, K is a
-cap and the rate c at which the draft goes on after a token enters too: the block holds on average
-1 + c + ... + c^(K-1) tokens. Under a stop the tokens the draft went on after (it was sure of them)
-and the token a stop ended the block on are taken at different rates, a_s and a_u, so position i
-adds (c a_s)^(i-1) (c a_s + (1 - c) a_u): a long run of sure tokens is worth what it is, where one
-pooled rate would price every position after the first at the unsure tokens' odds too). The
-proposers: ``model`` (the draft worker; costs draft time per token) and ``ngram`` (lookup in the
-session's own tokens; free to draft, only where the suffix matches). K = 0 is target-only
-decoding; it is chosen whenever speculation would be slower; then cheap probes (first after 4
-target-only rounds, the gap doubling up to ``probe_every``) keep the acceptance estimate fresh. A
-lookup draft needs no probes: it costs nothing to make, so a round that did not use it still
-scores it against the tokens the target committed (``lookup_score``), and a lookup that keeps
+``StepCosts`` (one per coordinator) learns what a round costs on the deployed hardware: draft time
+per token, verification time by the number of tokens in the pass, and the per-round overhead (with
+and without a call to the draft worker), each the median of its last samples. ``KController`` (one
+per turn) learns the session's acceptance rate of each proposer and picks, each round, the proposer
+and K with the best expected tokens per second (Leviathan et al.: a round with per-token acceptance
+a yields (1 - a^(K+1)) / (1 - a) tokens; with the draft's confidence stop, which ends a block
+early, K is a cap and the rate c at which the draft goes on after a token enters too: the block
+holds on average 1 + c + ... + c^(K-1) tokens. Under a stop the tokens the draft went on after (it
+was sure of them) and the token a stop ended the block on are taken at different rates, a_s and
+a_u, so position i adds (c a_s)^(i-1) (c a_s + (1 - c) a_u): a long run of sure tokens is worth
+what it is, where one pooled rate would price every position after the first at the unsure tokens'
+odds too). The proposers: ``model`` (the draft worker; costs draft time per token) and ``ngram``
+(lookup in the session's own tokens; free to draft, only where the suffix matches). K = 0 is
+target-only decoding; it is chosen whenever speculation would be slower; then cheap probes (first
+after 4 target-only rounds, the gap doubling up to ``probe_every``) keep the acceptance estimate
+fresh. A lookup draft needs no probes: it costs nothing to make, so a round that did not use it
+still scores it against the tokens the target committed (``lookup_score``), and a lookup that keeps
 failing is not tried at all.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import median_low
 
 _EWMA = 0.2
+# A round's costs are the lower median of their last samples: a call that stalled (a throttled
+# CPU, a paused process, a busy host) is one sample, not the cost; a lasting change moves it
+# after 4 samples of its own.
+_COST_SAMPLES = 7
 _POOL_DECAY = 0.98  # per round: the global acceptance remembers roughly the last 50 rounds
 _FIRST_PROBE = 4  # rounds a proposer stays unused before the first probe; the gap doubles up to probe_every
 _MAX_TOKENS = 64
@@ -48,6 +53,16 @@ _UNSURE_MARGIN = 0.9
 def ewma(old: float | None, new: float) -> float:
     """Exponentially weighted moving average with weight 0.2 for ``new`` (``new`` itself at first)."""
     return new if old is None else old + _EWMA * (new - old)
+
+
+def typical(samples: deque[float], new: float) -> float:
+    """Adds ``new`` to ``samples`` (a window of the last ones) and returns their lower median."""
+    samples.append(new)
+    return median_low(samples)
+
+
+def _cost_window() -> deque[float]:
+    return deque(maxlen=_COST_SAMPLES)
 
 
 @dataclass
@@ -124,6 +139,8 @@ class StepCosts:
     # token a confidence stop ended a block on (unsure; counted where the target got to it).
     sure: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
     unsure: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
+    # The last samples behind draft_per_token, verify and the overheads (see ``typical``).
+    _samples: dict[str | int, deque[float]] = field(default_factory=lambda: defaultdict(_cost_window), repr=False)
 
     @property
     def alpha(self) -> float | None:
@@ -135,11 +152,11 @@ class StepCosts:
 
     def observe_draft(self, tokens: int, ms: float) -> None:
         if tokens > 0:
-            self.draft_per_token = ewma(self.draft_per_token, ms / tokens)
+            self.draft_per_token = typical(self._samples["draft"], ms / tokens)
 
     def observe_verify(self, tokens: int, ms: float) -> None:
         if 0 < tokens <= _MAX_TOKENS:
-            self.verify[tokens] = ewma(self.verify.get(tokens), ms)
+            self.verify[tokens] = typical(self._samples[tokens], ms)
 
     def observe_prefill(self, tokens: int, ms: float, draft: bool = False) -> None:
         """A pass of the target (or the draft) that computed ``tokens`` with a prefix among them
@@ -154,9 +171,9 @@ class StepCosts:
     def observe_overhead(self, ms: float, drafted: bool = True) -> None:
         """A round's time besides model time; ``drafted``: the round called the draft worker."""
         if drafted:
-            self.overhead = ewma(self.overhead, max(ms, 0.0))
+            self.overhead = typical(self._samples["overhead"], max(ms, 0.0))
         else:
-            self.local_overhead = ewma(self.local_overhead, max(ms, 0.0))
+            self.local_overhead = typical(self._samples["local_overhead"], max(ms, 0.0))
 
     def overhead_ms(self, drafted: bool) -> float:
         own = self.overhead if drafted else self.local_overhead

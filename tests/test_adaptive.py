@@ -246,6 +246,35 @@ def test_rounds_without_a_draft_call_have_their_own_overhead() -> None:
     assert (c.overhead_ms(drafted=True), c.overhead_ms(drafted=False)) == (30.0, 5.0)
 
 
+def test_one_stalled_call_is_not_a_cost_but_a_lasting_change_is() -> None:
+    """Each cost is the lower median of its last 7 samples: a stall (50x) leaves it where it was;
+    four samples at a new level move it there."""
+    c = StepCosts()
+    for _ in range(6):
+        c.observe_draft(4, 10.0)
+        c.observe_verify(5, 3.0)
+        c.observe_overhead(4.0)
+        c.observe_overhead(2.0, drafted=False)
+    c.observe_draft(4, 500.0)
+    c.observe_verify(5, 150.0)
+    c.observe_overhead(200.0)
+    c.observe_overhead(100.0, drafted=False)
+    assert (c.draft_per_token, c.verify[5], c.overhead, c.local_overhead) == (2.5, 3.0, 4.0, 2.0)
+    first = StepCosts()
+    first.observe_draft(1, 90.0)  # the very first call stalled: it stands until the next one
+    assert first.draft_per_token == 90.0
+    first.observe_draft(1, 3.0)
+    assert first.draft_per_token == 3.0
+    steady = StepCosts()
+    for _ in range(7):
+        steady.observe_draft(1, 2.5)
+    for _ in range(3):
+        steady.observe_draft(2, 12.0)
+        assert steady.draft_per_token == 2.5
+    steady.observe_draft(2, 12.0)
+    assert steady.draft_per_token == 6.0
+
+
 def test_the_confidence_stop_is_dropped_when_the_draft_is_right_where_it_is_unsure() -> None:
     """Blocks the draft ended on an unsure token that the target took anyway, round after round
     (a badly calibrated draft): the stop only loses tokens and is dropped for the turn. Where the

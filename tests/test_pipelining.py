@@ -12,7 +12,7 @@ from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric
 from tests.reference import make_request, reference_greedy, worker_info
-from tests.tiny_models import TinyModels
+from tests.tiny_models import TinyModels, build_stalling
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0], [9, 9, 9], [77, 66, 55, 44, 33]]
 
@@ -96,3 +96,29 @@ def test_adaptive_k_keeps_speculating_with_a_good_draft(
     assert stats.acceptance_rate == 1.0
     assert stats.target_only_rounds <= 2 and stats.rounds - stats.target_only_rounds >= 10
     assert stats.mean_k >= 2.0 and stats.mean_accepted_length >= 3.0
+
+
+def test_one_stalled_draft_call_does_not_turn_speculation_off(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """A draft that is always right but stalls once (a CPU throttled for 0.3 s, a pause of the
+    process: some 50x its usual time for one block) keeps speculating: one slow call is not the
+    draft's cost. An average that one sample moves priced the draft as slow for the rest of the
+    turn (speculation off, re-measured only by the short probes)."""
+    stalling = build_stalling(tiny_models.target, tmp_path / "stalling", stall_call=12, stall_s=0.3)
+    with fault_cluster(tmp_path / "run", tiny_models.target, stalling, worker_args=["--trust-remote-code"]) as cluster:
+        request = make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True)
+        request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+        reply = generate(cluster, request)
+        log = cluster.processes["draft"].log_tail(400)
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), 60, ignore_eos=True)
+    stats = reply.stats
+    assert stats.draft_ms >= 300  # the stall happened inside the turn's draft calls
+    assert stats.acceptance_rate == 1.0
+    assert stats.target_only_rounds <= 2 and stats.rounds - stats.target_only_rounds >= 10, (stats, log)
+    fault_report["draft stalls once"] = {
+        "identical_output": True,
+        "draft_ms": round(stats.draft_ms),
+        "rounds": stats.rounds,
+        "target_only_rounds": stats.target_only_rounds,
+    }

@@ -156,25 +156,67 @@ class CrashyLlamaForCausalLM(LlamaForCausalLM):
 '''
 
 
-def build_crashy(source: Path, path: Path, crash_token_id: int) -> Path:
-    """A copy of ``source`` (same weights and tokenizer) whose forward raises on ``crash_token_id``."""
+_STALLING_CODE = '''
+"""A Llama whose forward pass sleeps once, on its Nth one-token call (a draft worker's CPU stalled)."""
+import time
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class StallingConfig(LlamaConfig):
+    model_type = "stalling_llama"
+
+    def __init__(self, stall_call=10, stall_s=0.3, **kwargs):
+        self.stall_call = stall_call
+        self.stall_s = stall_s
+        super().__init__(**kwargs)
+
+
+class StallingLlamaForCausalLM(LlamaForCausalLM):
+    config_class = StallingConfig
+    one_token_calls = 0
+
+    def forward(self, input_ids=None, **kwargs):
+        if input_ids is not None and input_ids.shape[-1] == 1:
+            StallingLlamaForCausalLM.one_token_calls += 1
+            if StallingLlamaForCausalLM.one_token_calls == self.config.stall_call:
+                time.sleep(self.config.stall_s)
+        return super().forward(input_ids=input_ids, **kwargs)
+'''
+
+
+def _with_code(source: Path, path: Path, code: str, name: str, **config_values: object) -> Path:
+    """A copy of ``source`` (same weights and tokenizer) whose model class is ``name`` Llama, defined
+    by ``code`` (loaded with --trust-remote-code)."""
     import json
     import shutil
 
     shutil.copytree(source, path)
-    (path / "modeling_crashy.py").write_text(_CRASHY_CODE)
+    module = f"modeling_{name}"
+    (path / f"{module}.py").write_text(code)
     config = json.loads((path / "config.json").read_text())
+    title = name.capitalize()
     config.update(
-        model_type="crashy_llama",
-        architectures=["CrashyLlamaForCausalLM"],
-        crash_token_id=crash_token_id,
+        model_type=f"{name}_llama",
+        architectures=[f"{title}LlamaForCausalLM"],
         auto_map={
-            "AutoConfig": "modeling_crashy.CrashyConfig",
-            "AutoModelForCausalLM": "modeling_crashy.CrashyLlamaForCausalLM",
+            "AutoConfig": f"{module}.{title}Config",
+            "AutoModelForCausalLM": f"{module}.{title}LlamaForCausalLM",
         },
+        **config_values,
     )
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def build_crashy(source: Path, path: Path, crash_token_id: int) -> Path:
+    """A copy of ``source`` whose forward raises on ``crash_token_id``."""
+    return _with_code(source, path, _CRASHY_CODE, "crashy", crash_token_id=crash_token_id)
+
+
+def build_stalling(source: Path, path: Path, stall_call: int, stall_s: float) -> Path:
+    """A copy of ``source`` whose forward sleeps ``stall_s`` once, on its ``stall_call``-th one-token call."""
+    return _with_code(source, path, _STALLING_CODE, "stalling", stall_call=stall_call, stall_s=stall_s)
 
 
 def build_resized(source: Path, path: Path, vocab: int, extra_scale: float | None = None) -> Path:
