@@ -1,8 +1,8 @@
 """A fork server for the suite's service processes.
 
-The suite starts about 400 service processes (a cluster per fault scenario), and each spent about
-5 s of this 2-core machine's CPU importing torch and transformers before it served: most of the
-suite's time. This server (``python -m tests.forkserver``, started once by ForkServer) imports them
+The suite starts about 400 service processes (a cluster per fault scenario), and each took a
+median 4.5-6 s from its start to serving on this 2-core machine, almost all of it importing torch
+and transformers: most of the suite's time. This server (``python -m tests.forkserver``, started once by ForkServer) imports them
 once and forks a child per service. The child is a process of its own: it gets its own argv,
 environment, working directory, stdin (/dev/null) and log (stdout and stderr), resets the signal
 handling to a fresh interpreter's and runs the production entry point, ``specdec.tools.cli.main``,
