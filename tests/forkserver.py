@@ -1,15 +1,16 @@
 """A fork server for the suite's service processes.
 
-The suite starts about 400 service processes (a cluster per fault scenario), and each took a
-median 4.5-6 s from its start to serving on this 2-core machine, almost all of it importing torch
-and transformers: most of the suite's time. This server (``python -m tests.forkserver``, started once by ForkServer) imports them
-once and forks a child per service. The child is a process of its own: it gets its own argv,
-environment, working directory, stdin (/dev/null) and log (stdout and stderr), resets the signal
-handling to a fresh interpreter's and runs the production entry point, ``specdec.tools.cli.main``,
-exactly as ``python -m specdec`` does; its exit status is its own. Neither grpc nor specdec's
-servers are loaded before the fork (serve_role still sets GRPC_VERBOSITY before grpc
-loads), and the server checks that it runs no thread of its own (numpy's and scipy's OpenBLAS
-thread pools are fork-safe: they are re-created in the child, as in a PyTorch DataLoader worker).
+The suite starts about 400 service processes (a cluster per fault scenario), and each took a median
+4.5-6 s from its start to serving on this 2-core machine, almost all of it importing torch and
+transformers: most of the suite's time. This server (``python -m tests.forkserver``, started once
+by ForkServer) imports them once and forks a child per service. The child is a process of its own:
+it gets its own argv, environment, working directory, stdin (/dev/null) and log (stdout and
+stderr), resets the signal handling to a fresh interpreter's and runs the production entry point,
+``specdec.tools.cli.main``, exactly as ``python -m specdec`` does; its exit status is its own.
+Neither grpc nor specdec's servers are loaded before the fork (serve_role still sets GRPC_VERBOSITY
+before grpc loads), and the server checks that it runs no thread of its own (numpy's and scipy's
+OpenBLAS thread pools are fork-safe: they are re-created in the child, as in a PyTorch DataLoader
+worker).
 
 Whatever the imports write to stderr (a warning a fresh service would have written to its log) goes
 to the server's stderr file, which the suite checks is empty at the end.
