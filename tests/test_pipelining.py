@@ -102,7 +102,7 @@ def test_one_stalled_draft_call_does_not_turn_speculation_off(
     tmp_path: Path, tiny_models: TinyModels, fault_report: dict
 ) -> None:
     """A draft that is always right but stalls once (a CPU throttled for 0.3 s, a pause of the
-    process: some 50x its usual time for one block) keeps speculating: one slow call is not the
+    process: some 20x its usual time for one block, about 15 ms here) keeps speculating: one slow call is not the
     draft's cost. An average that one sample moves priced the draft as slow for the rest of the
     turn (speculation off, re-measured only by the short probes)."""
     stalling = build_stalling(tiny_models.target, tmp_path / "stalling", stall_call=12, stall_s=0.3)
