@@ -323,3 +323,44 @@ def test_the_gateway_sidecar_reaches_the_coordinator_on_the_pod_loopback() -> No
     assert service_ports["openai"] == 8443
     assert '".[gateway]"' in (ROOT / "Dockerfile").read_text()
     assert 'gateway = ["smg==1.13.0"]' in (ROOT / "pyproject.toml").read_text()
+
+
+def _keys_the_pods_read() -> dict[str, set[str]]:
+    """Secret name -> the keys some pod mounts or reads from it."""
+    keys: dict[str, set[str]] = {}
+    for workload in _workloads():
+        pod = workload["spec"]["template"]["spec"]
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                items = volume["secret"]["items"]
+                keys.setdefault(volume["secret"]["secretName"], set()).update(i["key"] for i in items)
+        for container in pod["containers"] + pod.get("initContainers", []):
+            for item in container.get("env", []):
+                ref = item.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    keys.setdefault(ref["name"], set()).add(ref["key"])
+    return keys
+
+
+def _readme_secret_commands() -> dict[str, set[str]]:
+    """Secret name -> the keys the README's `kubectl create secret generic` commands put in it
+    (`--from-file=KEY=PATH` names KEY, `--from-file=PATH` the file's name)."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    created: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        found = re.search(r"kubectl .*create secret generic (\S+)(.*)", line)
+        if found:
+            sources = re.findall(r"--from-file=(\S+)", found[2])
+            created[found[1]] = {source.split("=")[0] if "=" in source else Path(source).name for source in sources}
+    return created
+
+
+def test_the_readme_creates_every_secret_key_the_pods_read() -> None:
+    """Following the README's Configure step leaves no pod waiting for a key nobody created."""
+    read = _keys_the_pods_read()
+    created = _readme_secret_commands()
+    assert set(read) == {"specdec-auth", "specdec-tls"}
+    for name, keys in read.items():
+        assert keys <= created.get(name, set()), f"{name}: the README does not create {sorted(keys - created[name])}"
+    annotated = _one("Secret", "specdec-auth")["metadata"]["annotations"]["specdec.dev/keys"]
+    assert all(key in annotated for key in read["specdec-auth"])
