@@ -469,3 +469,32 @@ def test_the_automatic_kv_budget_is_half_the_free_memory(robust_cluster: LocalCl
     budget = metric(robust_cluster, "target-0", "specdec_worker_cache_budget_tokens")
     available = int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
     assert 0.25 * available / 512 < budget < 1.0 * available / 512
+
+
+@pytest.mark.parametrize("port_flag", ["--port", "--health-port", "--local-port", "--metrics-port"])
+def test_a_port_another_service_holds_stops_start_up(tmp_path: Path, tiny_models: TinyModels, port_flag: str) -> None:
+    """A second service told to use a port the first one serves on fails to start and says so.
+    gRPC servers bind with SO_REUSEPORT unless told not to, so the second one would share the port:
+    the kernel would hand it some of the first one's connections (another worker's KV caches,
+    another process answering its health probes), and nobody would be told."""
+    from specdec.tools.launch import LaunchError, spawn
+
+    ports = ["--health-port", "0", "--local-port", "0"]
+    args = ["--model", str(tiny_models.target), "--device", "cpu", "--torch-threads", "1"]
+    first = spawn("target", [*args, *ports], tmp_path, name="first")
+    try:
+        first.wait_ready(60)
+        held = {"--port": first.port, "--health-port": first.health_port, "--local-port": first.local_port,
+                "--metrics-port": first.metrics_port}[port_flag]  # fmt: skip
+        assert held > 0
+        second_ports = [*ports, port_flag, str(held)] if port_flag != "--port" else ports
+        second = spawn("target", [*args, *second_ports], tmp_path, port=held if port_flag == "--port" else 0,
+                       name="second")  # fmt: skip
+        try:
+            with pytest.raises(LaunchError, match=rf"exited with code \d+:[\s\S]*{held}[\s\S]*in use"):
+                second.wait_ready(60)
+        finally:
+            second.stop()
+        assert first.proc.poll() is None
+    finally:
+        first.stop()

@@ -134,3 +134,8 @@ class Unsupported(SpecdecError):
     """An RPC this server does not offer."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class PortUnavailable(Exception):
+    """A port the service was told to serve on cannot be bound (another process has it, or the
+    address is not this host's); the service does not start."""

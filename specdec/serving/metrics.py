@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from specdec.serving.errors import PortUnavailable
 from specdec.serving.settings import ServiceSettings
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -13,7 +14,11 @@ def start_metrics(settings: ServiceSettings, registry: CollectorRegistry) -> dic
     """Serves /metrics when a port is set; returns {"metrics_port": bound port} (or {})."""
     if settings.metrics_port is None:
         return {}
-    server, _thread = start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
+    try:
+        server, _thread = start_http_server(settings.metrics_port, addr=settings.host, registry=registry)
+    except OSError as exc:
+        where = f"{settings.host}:{settings.metrics_port}"
+        raise PortUnavailable(f"could not bind {where} for /metrics ({exc.strerror}); is the port in use?") from exc
     return {"metrics_port": int(server.server_port)}
 
 

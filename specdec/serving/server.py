@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specdec.serving.errors import ClientStalled, NotServing, SpecdecError
+from specdec.serving.errors import ClientStalled, NotServing, PortUnavailable, SpecdecError
 from specdec.serving.metrics import start_metrics
 from specdec.serving.security import Authenticator, ServerTls, caller_identity, load_tokens
 from specdec.serving.settings import ServiceSettings
@@ -244,6 +244,17 @@ def channel_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
     ]
 
 
+# gRPC servers bind with SO_REUSEPORT unless told not to: a second process given a port another
+# one serves on would bind it too and take some of its connections. Off, that bind fails.
+_EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+def _grpc_server(settings: ServiceSettings | None, interceptor: ErrorInterceptor | None) -> grpc.aio.Server:
+    """A server whose ports are its own; with ``settings``, the channel options of the API."""
+    options = [*(channel_options(settings) if settings else []), _EXCLUSIVE_PORT]
+    return grpc.aio.server(interceptors=[interceptor] if interceptor else None, options=options)
+
+
 @dataclass
 class ServiceSpec:
     """What a service adds to the shared server."""
@@ -309,12 +320,12 @@ def _server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | N
     return ServerTls(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file).credentials()
 
 
-def _bind(server: grpc.aio.Server, settings: ServiceSettings, port: int, tls: grpc.ServerCredentials | None) -> int:
-    address = f"{settings.host}:{port}"
-    bound = server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
-    if bound == 0:
-        raise RuntimeError(f"could not bind {address}; is the port in use?")
-    return bound
+def _bind(server: grpc.aio.Server, address: str, tls: grpc.ServerCredentials | None = None) -> int:
+    """Binds ``address`` (port 0: any free port); returns the port bound."""
+    try:
+        return server.add_secure_port(address, tls) if tls else server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc's own message only says to turn on its debug log
+        raise PortUnavailable(f"could not bind {address}; is the port in use?") from exc
 
 
 def _local_server(
@@ -326,24 +337,17 @@ def _local_server(
     if settings.local_port is None:
         return None
     interceptor = ErrorInterceptor(control, stream_write_timeout_s=settings.stream_write_timeout_s)
-    local = grpc.aio.server(interceptors=[interceptor], options=channel_options(settings))
+    local = _grpc_server(settings, interceptor)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, local)
     spec.register(local)
     return local
-
-
-def _bind_local(server: grpc.aio.Server, port: int) -> int:
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind 127.0.0.1:{port}; is the port in use?")
-    return bound
 
 
 def _health_server(health_state: Health, settings: ServiceSettings) -> grpc.aio.Server | None:
     """A plaintext server with only grpc.health.v1 on ``health_port`` (probes need no TLS or token)."""
     if settings.health_port is None:
         return None
-    probes = grpc.aio.server()
+    probes = _grpc_server(None, None)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, probes)
     return probes
 
@@ -362,27 +366,32 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
         log.error("invalid_security_settings", error=str(exc))
         return 2
     interceptor = ErrorInterceptor(control, auth, settings.stream_write_timeout_s)
-    server = grpc.aio.server(interceptors=[interceptor], options=channel_options(settings))
+    server = _grpc_server(settings, interceptor)
     health_state = Health(spec.service_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     spec.register(server)
     reflection.enable_server_reflection([*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = _bind(server, settings, settings.port, credentials)
-    ports: dict[str, int] = {"port": port}
     local = _local_server(spec, settings, control, health_state)
-    if local is not None and settings.local_port is not None:
-        ports["local_port"] = _bind_local(local, settings.local_port)
     probes = _health_server(health_state, settings)
+    try:  # every port is bound before any is served
+        ports = {"port": _bind(server, f"{settings.host}:{settings.port}", credentials)}
+        if local is not None and settings.local_port is not None:
+            ports["local_port"] = _bind(local, f"127.0.0.1:{settings.local_port}")
+        if probes is not None:
+            ports["health_port"] = _bind(probes, f"{settings.host}:{settings.health_port or 0}")
+        ports.update(start_metrics(settings, spec.registry))
+    except PortUnavailable as exc:
+        log.error("startup_failed", error=str(exc))
+        for unused in (server, local, probes):
+            if unused is not None:
+                await unused.stop(None)
+        return 1
     await health_state.set(False)
     await health_state.set_probe(STARTUP, False)
     await health_state.set_probe(LIVENESS, True)
-    await server.start()
-    if local is not None:
-        await local.start()
-    ports.update(start_metrics(settings, spec.registry))
-    if probes is not None:
-        ports["health_port"] = _bind(probes, settings, settings.health_port or 0, None)
-        await probes.start()
+    for serving in (server, local, probes):
+        if serving is not None:
+            await serving.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, control.request_stop)
