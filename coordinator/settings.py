@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from coordinator.adaptive import drafting_method
 from specdec.serving.security import read_secret_file
@@ -132,6 +132,22 @@ class CoordinatorSettings(ServiceSettings):
         if self.state_password_file:
             return read_secret_file(self.state_password_file, "state password").decode().strip()
         return self.state_password.get_secret_value() if self.state_password else None
+
+    @field_validator("target_addresses")
+    @classmethod
+    def _one_entry_per_replica(cls, addresses: list[str]) -> list[str]:
+        stripped = [address.strip() for address in addresses]
+        if "" in stripped:
+            raise ValueError(f"{','.join(addresses)!r} has an empty entry (a trailing or doubled comma?)")
+        repeated = sorted({address for address in stripped if stripped.count(address) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed twice: list each target replica once")
+        return stripped
+
+    @field_validator("draft_address")
+    @classmethod
+    def _blank_is_none(cls, address: str | None) -> str | None:
+        return (address or "").strip() or None
 
     @model_validator(mode="after")
     def _worker_tls_complete(self) -> CoordinatorSettings:

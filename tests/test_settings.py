@@ -35,6 +35,25 @@ def test_invalid_settings_stop_start_up(argv: list[str]) -> None:
         load_settings(CoordinatorSettings, argv, "c")
 
 
+@pytest.mark.parametrize("addresses", ["a:1,", "", "a:1,,b:2", " ", "a:1,a:1"])
+def test_target_addresses_without_a_blank_or_repeated_entry(addresses: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A trailing or doubled comma made an empty address the coordinator waited for until its
+    start-up timeout (600 s); a repeated one made one worker two replicas to fail over between."""
+    with pytest.raises(SystemExit):
+        load_settings(CoordinatorSettings, ["--target-addresses", addresses], "c")
+    assert "target_addresses (--target-addresses / SPECDEC_TARGET_ADDRESSES)" in capsys.readouterr().err
+
+
+def test_addresses_are_stripped_and_a_blank_draft_address_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECDEC_DRAFT_ADDRESS="" (a ConfigMap's way to say none) is target-only decoding, not a
+    draft at the address "" waited for at start-up."""
+    monkeypatch.setenv("SPECDEC_DRAFT_ADDRESS", " ")
+    settings = load_settings(CoordinatorSettings, ["--target-addresses", "a:1, b:2 "], "c")
+    assert settings.target_addresses == ["a:1", "b:2"] and settings.draft_address is None
+    settings = load_settings(CoordinatorSettings, ["--target-addresses", "a:1", "--draft-address", " d:3"], "c")
+    assert settings.draft_address == "d:3"
+
+
 def test_bad_device_is_rejected() -> None:
     with pytest.raises(SystemExit):
         load_settings(TargetSettings, ["--model", "m", "--device", "tpu"], "t")
