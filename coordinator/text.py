@@ -137,16 +137,21 @@ class ReplyText:
             self._tokens += 1
             if self._tokens < self._min_tokens:
                 continue
-            hit = self._find(max(0, before - self._longest + 1))
+            hit = self._find(before)
             if hit is not None:
                 position, self.matched = hit
                 self._text = self._text[: position + len(self.matched) if self._include else position]
                 return taken
         return len(token_ids)
 
-    def _find(self, start: int) -> tuple[int, str] | None:
-        """The earliest stop string in the text from ``start`` on."""
-        hits = [(position, stop) for stop in self._stops if (position := self._text.find(stop, start)) >= 0]
+    def _find(self, before: int) -> tuple[int, str] | None:
+        """The earliest stop string that ends after the first ``before`` characters: one the new
+        token completed (any that ended earlier either matched then or came before min_tokens)."""
+        hits = [
+            (position, stop)
+            for stop in self._stops
+            if (position := self._text.find(stop, max(0, before - len(stop) + 1))) >= 0
+        ]
         return min(hits) if hits else None
 
     def take(self, final: bool) -> str:

@@ -520,6 +520,39 @@ def test_stop_strings_end_the_reply_inside_a_block(
     assert [t for m in messages for t in m.token_ids] == expected[:cut]
 
 
+def test_a_stop_string_met_before_min_tokens_does_not_end_the_reply_later(
+    same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    """min_tokens 6 with a stop string of one character the reply has at its start and a long one
+    it never has (which widens the window searched for each new token): the reply ends at the
+    first token from the 6th on whose text completes the short one, as target-only decoding with
+    that rule gives, and the text is cut there. Before, the reply ended at the 6th token, its text
+    cut back to the occurrence before min_tokens (text the stream had already sent)."""
+    prompt = tuple(PROMPTS[1])
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.target))
+    expected = reference_greedy(str(tiny_models.target), prompt, MAX_NEW, ignore_eos=True)
+    texts = [tokenizer.decode(expected[:n], skip_special_tokens=True) for n in range(len(expected) + 1)]
+    min_tokens = 6
+    short = next(c for c in texts[min_tokens - 1] if c.isascii() and c.isprintable())
+    stops = [short, "never-there-at-all"]
+
+    def completed_by(n: int) -> int:  # where a `short` that token n completes starts, or -1
+        return texts[n].find(short, len(texts[n - 1]) - len(short) + 1)
+
+    cut = next((n for n in range(min_tokens, len(expected) + 1) if completed_by(n) >= 0), None)
+    for k in (1, 8):
+        req = request(list(prompt), k=k, ignore_eos=True, stop=stops, min_tokens=min_tokens)
+        reply = same.Generate(req)
+        streamed = list(same.GenerateStream(req))
+        if cut is None:
+            assert list(reply.token_ids) == expected and reply.text == texts[-1]
+        else:
+            assert list(reply.token_ids) == expected[:cut] and reply.stop_string == short
+            assert reply.text == texts[cut][: completed_by(cut)]
+        assert "".join(m.text for m in streamed) == reply.text
+        assert [t for m in streamed for t in m.token_ids] == list(reply.token_ids)
+
+
 def test_a_stop_token_is_reported(same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
     expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), MAX_NEW, ignore_eos=True)
     reply = same.Generate(request(PROMPTS[1], k=8, stop_token_ids=[expected[5]], ignore_eos=True))

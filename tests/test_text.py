@@ -199,3 +199,21 @@ def test_stop_strings_do_not_match_before_min_tokens() -> None:
         assert reply.matched == "ab"
     reply = ReplyText(tok, [], ["ab"], False, 8)
     assert reply.push(ids) == len(ids) and reply.matched is None
+
+
+def test_a_stop_string_completed_before_min_tokens_never_matches_later() -> None:
+    """A longer stop string widens the window searched for each new token; a shorter one that
+    lies wholly in text completed before min_tokens must not match in it once the reply reaches
+    min_tokens (it did, and cut the reply's text back into tokens already sent)."""
+    from coordinator.text import ReplyText
+
+    tok = build_tokenizer()
+    ids = tok("abxyzab!")["input_ids"]  # one token per byte
+    for min_tokens in (3, 4):
+        reply = ReplyText(tok, [], ["ab", "never-there"], False, min_tokens)
+        assert reply.push(ids) == 7 and reply.matched == "ab"
+        assert reply.text == "abxyz" and reply.take(final=True) == "abxyz"
+    reply = ReplyText(tok, [], ["ab", "never-there"], True, 3)
+    assert reply.push(ids) == 7 and reply.text == "abxyzab"
+    reply = ReplyText(tok, [], ["b!", "a", "never"], False, 7)  # "a" at token 6, "b!" ends at token 8
+    assert reply.push(ids) == 8 and reply.matched == "b!" and reply.text == "abxyza"
