@@ -26,7 +26,9 @@ def _skipped_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas that add up to the decode of the whole.
+    """Turns a growing list of token ids into text deltas that add up to the decode of the whole
+    (but where a run of byte tokens turns invalid after characters of it were released: those
+    stand), taking the tokens one at a time, so the text does not depend on how they are grouped.
 
     Decodes a window from the previous release point (after a few context tokens at first) and
     emits the text after what was already released; holds back output that ends in an
@@ -48,15 +50,31 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_ids: Sequence[int]) -> str:
-        """Adds tokens; returns the text they complete (possibly empty)."""
-        self._ids.extend(i for i in token_ids if i not in self._skipped)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
+        """Adds tokens; returns the text they complete (possibly empty). The tokens are taken one
+        at a time, so the text is the same whatever rounds they come in."""
+        return "".join(self._push_one(i) for i in token_ids if i not in self._skipped)
+
+    def _push_one(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text, new_text = self._window()
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             return self._release(len(self._ids), prefix_text, new_text)
         if len(self._ids) - self._read_offset > _HELD_LIMIT:
             return self._unblock(prefix_text, new_text)
         return ""
+
+    def _window(self) -> tuple[str, str]:
+        """The text of the window's released tokens, and of the window with the held ones after.
+        A token that goes on with a run of byte tokens can change how the run's released
+        characters decode (SentencePiece byte fallback decodes a run that is not valid UTF-8 as a
+        whole to U+FFFD throughout); the released text stands, and the window then starts after
+        it (inside the run: what follows is byte tokens, whose decode has no leading space)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if not new_text.startswith(prefix_text):
+            self._prefix_offset = self._read_offset
+            prefix_text, new_text = "", self._decode(self._ids[self._read_offset :])
+        return prefix_text, new_text
 
     def _release(self, end: int, prefix_text: str, text: str) -> str:
         """Releases the text of the tokens up to ``end``; the next window starts where this one read."""
@@ -85,8 +103,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever text is still held back (at the end of generation)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
+        prefix_text, new_text = self._window()
         self._read_offset = len(self._ids)
         return new_text[len(prefix_text) :]
 

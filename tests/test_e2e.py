@@ -26,10 +26,10 @@ from specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from tests.clusters import metric
+from tests.clusters import fault_cluster, metric
 from tests.helpers import RedisServer
 from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
-from tests.tiny_models import TinyModels, build_model
+from tests.tiny_models import TinyModels, build_byte_fallback_tokenizer, build_model
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
 MAX_NEW = 24
@@ -551,6 +551,39 @@ def test_a_stop_string_met_before_min_tokens_does_not_end_the_reply_later(
             assert reply.text == texts[cut][: completed_by(cut)]
         assert "".join(m.text for m in streamed) == reply.text
         assert [t for m in streamed for t in m.token_ids] == list(reply.token_ids)
+
+
+def test_a_byte_fallback_reply_has_one_text_whatever_blocks_speculation_accepted(tmp_path: Path) -> None:
+    """A Llama-2-style tokenizer (SentencePiece byte fallback) and a random model, which writes
+    runs of byte tokens that are often not valid UTF-8, drafted by its own copy: the same greedy
+    tokens in blocks of 1 and of 8 tokens, streamed and not, and with a stop string that never
+    matches, give one text, the tokens' own (fed to the detokenizer one at a time). Before, a run
+    that one round brought whole decoded to U+FFFD throughout while the same run split between
+    rounds kept its characters: 5 of these 6 replies had two or three texts."""
+    from coordinator.text import IncrementalDetokenizer
+
+    tokenizer = build_byte_fallback_tokenizer()
+    target = build_model(tmp_path / "bf", seed=3, hidden=64, layers=2, vocab=len(tokenizer), init_range=0.2,
+                         tokenizer=tokenizer)  # fmt: skip
+    with fault_cluster(tmp_path / "cluster", target, target) as cluster, grpc.insecure_channel(cluster.address) as ch:
+        stub = coordinator_pb2_grpc.GenerationStub(ch)
+        for seed in range(6):
+            prompt = [(seed * 37 + j * 11) % 265 + 3 for j in range(5)]
+            replies = set()
+            for k, stream, stop in [(1, False, []), (8, False, []), (8, True, []), (1, True, ["\n\n\n"])]:
+                req = request(prompt, k=k, max_new=48, ignore_eos=True, stop=stop)
+                req.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+                if stream:
+                    messages = list(stub.GenerateStream(req))
+                    ids, text = [t for m in messages for t in m.token_ids], "".join(m.text for m in messages)
+                else:
+                    reply = stub.Generate(req)
+                    ids, text = list(reply.token_ids), reply.text
+                replies.add((tuple(ids), text))
+            assert len(replies) == 1, (seed, replies)
+            ((ids, text),) = replies
+            detok = IncrementalDetokenizer(tokenizer, prompt)
+            assert text == "".join(detok.push([i]) for i in ids) + detok.flush()
 
 
 def test_a_stop_token_is_reported(same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:

@@ -94,6 +94,35 @@ def test_a_reply_that_goes_on_with_the_prompt_s_byte_tokens_is_not_garbled(per_p
         assert _streamed(tok, context, reply, [per_push]) == _after(tok, context, reply) == text[cut // 3 :]
 
 
+@pytest.mark.parametrize("sizes", [[1], [2], [5], [7], [3, 1]])
+def test_a_byte_run_that_turns_invalid_keeps_the_characters_already_complete(sizes: list[int]) -> None:
+    """The tokenizer's own decode turns every byte of a run of byte tokens that is not valid UTF-8
+    as a whole into U+FFFD, the valid characters in it too: 中, a stray continuation byte, A and
+    another stray byte are six U+FFFD. A stream has sent 中 by the time the stray byte comes and
+    cannot take it back, so the reply keeps it, in whatever rounds the tokens come; the rest of
+    the run is decoded as the tokenizer decodes it (the README says so)."""
+    tok = build_byte_fallback_tokenizer()
+    ids = tok.convert_tokens_to_ids(["<0xE4>", "<0xB8>", "<0xAD>", "<0x85>", "<0x41>", "<0x85>", "▁a"])
+    assert tok.decode(ids) == "\ufffd" * 6 + " a"
+    assert _streamed(tok, [], ids, sizes) == "中" + "\ufffd" * 3 + " a"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(3, 267), max_size=60),
+    st.integers(0, 8),
+    st.lists(st.integers(1, 12), min_size=1, max_size=6),
+)
+def test_any_byte_fallback_ids_give_one_text_whatever_the_rounds(ids: list[int], cut: int, sizes: list[int]) -> None:
+    """Any byte-fallback ids (runs of byte tokens that are not valid UTF-8 included) give the same
+    text in any rounds as one token at a time: the text is the tokens', not the blocks' in which
+    speculation happened to accept them (it was not: a run decoded in one window came out as
+    U+FFFD where the same run split between rounds kept its characters)."""
+    tok = build_byte_fallback_tokenizer()
+    context, reply = ids[:cut], ids[cut:]
+    assert _streamed(tok, context, reply, sizes) == _streamed(tok, context, reply, [1])
+
+
 @pytest.mark.parametrize(
     ("tokenizer", "piece"),
     [
