@@ -268,6 +268,8 @@ class KController:
     _stop_dropped: bool = field(default=False, init=False)  # only whole blocks paid: the turn drafts without it
     _since_probe: int = field(default=0, init=False)  # rounds since the model was last used or probed
     _probe_gap: int = field(default=_FIRST_PROBE, init=False)
+    _since_widest: int = field(default=0, init=False)  # model rounds below the longest block allowed
+    _widest_gap: int = field(default=_FIRST_PROBE, init=False)
 
     def __post_init__(self) -> None:
         self._seen = defaultdict(lambda: Acceptance(self.decay))
@@ -398,6 +400,8 @@ class KController:
         # often changes within a response), then backing off (a useless draft costs ever less).
         if best.method == NONE and limits[MODEL] and (probe := self._probe(limits[MODEL])):
             return probe
+        if best.method == MODEL and (widest := self._remeasure(best.k, limits[MODEL])):
+            return widest
         return best
 
     @property
@@ -439,6 +443,20 @@ class KController:
     def _reset(self, method: str) -> None:
         if method == MODEL:
             self._since_probe, self._probe_gap = 0, min(_FIRST_PROBE, self.probe_every)
+
+    def _remeasure(self, k: int, upper: int) -> Plan | None:
+        """Model blocks shorter than the longest allowed: now and then the longest again (after 4
+        such rounds, then the gap doubling up to ``probe_every``). Only a round at a width
+        measures its cost, so one slow sample there (a busy host) would otherwise stand for good,
+        and shorter blocks, over which a call's fixed cost is spread less, look no cheaper."""
+        if k >= upper:
+            self._since_widest, self._widest_gap = 0, _FIRST_PROBE
+            return None
+        self._since_widest += 1
+        if self._since_widest < self._widest_gap:
+            return None
+        self._since_widest, self._widest_gap = 0, min(self._widest_gap * 2, self.probe_every)
+        return Plan(MODEL, upper)
 
     def _probe(self, upper: int) -> Plan | None:
         self._since_probe += 1

@@ -99,7 +99,12 @@ class CoordinatorSettings(ServiceSettings):
         "with neither, blocks of K (num_speculative_tokens); 0 = off",
     )
     adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")
-    probe_every: int = Field(32, gt=0, description="with speculation off for a session, probe it every N rounds")
+    probe_every: int = Field(
+        32,
+        gt=0,
+        description="with speculation off for a session, probe it every N rounds (with K below the longest block "
+        "allowed, draft that block every N rounds to measure it again)",
+    )
     prefix_block_tokens: int = Field(
         16,
         ge=0,

@@ -275,6 +275,32 @@ def test_one_stalled_call_is_not_a_cost_but_a_lasting_change_is() -> None:
     assert steady.draft_per_token == 6.0
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_slow_first_block_does_not_hold_k_below_the_best_for_good(pipelined: bool) -> None:
+    """A draft that is always right, costs with a fixed part per call (draft 6 + 1 ms a token,
+    verify 5 + 1 ms a row, 3 ms a round): K 4 is the best. The first block at K 4 took three
+    times its cost (a busy host), and the controller moved to shorter blocks; the wide pass is
+    re-measured now and then (after 4 rounds, the gap doubling), so K comes back to 4. Before, its
+    one slow sample stood for good (K 4 was never chosen again to replace it) and short blocks
+    measured a higher cost per draft token (the fixed part over fewer tokens): K stayed at 2 for
+    the rest of the turn, and of every later turn of the coordinator."""
+    costs = StepCosts()
+    ks = []
+    for _turn in range(2):  # two turns of one coordinator
+        controller = KController(k_max=4, costs=costs, pipelined=pipelined)
+        for _ in range(24):
+            k = controller.choose(100)
+            slow = 3.0 if k and not any(ks) else 1.0
+            ks.append(k)
+            if k:
+                costs.observe_draft(k, slow * (6.0 + k))
+                controller.observe(k, k, asked=k)
+            costs.observe_verify(k + 1, slow * (5.0 + (k + 1)))
+            costs.observe_overhead(3.0, drafted=bool(k))
+    assert ks[:2] == [0, 4]
+    assert ks[-30:].count(4) >= 27, ks  # the second turn and the end of the first: K 4 but for re-measuring
+
+
 def test_the_confidence_stop_is_dropped_when_the_draft_is_right_where_it_is_unsure() -> None:
     """Blocks the draft ended on an unsure token that the target took anyway, round after round
     (a badly calibrated draft): the stop only loses tokens and is dropped for the turn. Where the
