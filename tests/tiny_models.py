@@ -157,7 +157,7 @@ class CrashyLlamaForCausalLM(LlamaForCausalLM):
 
 
 _STALLING_CODE = '''
-"""A Llama whose forward pass sleeps once, on its Nth one-token call (a draft worker's CPU stalled)."""
+"""A Llama whose forward pass sleeps once, on its Nth call of a given width (a worker's CPU stalled)."""
 import time
 
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -166,20 +166,21 @@ from transformers import LlamaConfig, LlamaForCausalLM
 class StallingConfig(LlamaConfig):
     model_type = "stalling_llama"
 
-    def __init__(self, stall_call=10, stall_s=0.3, **kwargs):
+    def __init__(self, stall_call=10, stall_s=0.3, stall_width=1, **kwargs):
         self.stall_call = stall_call
         self.stall_s = stall_s
+        self.stall_width = stall_width
         super().__init__(**kwargs)
 
 
 class StallingLlamaForCausalLM(LlamaForCausalLM):
     config_class = StallingConfig
-    one_token_calls = 0
+    calls = 0  # of the stall width
 
     def forward(self, input_ids=None, **kwargs):
-        if input_ids is not None and input_ids.shape[-1] == 1:
-            StallingLlamaForCausalLM.one_token_calls += 1
-            if StallingLlamaForCausalLM.one_token_calls == self.config.stall_call:
+        if input_ids is not None and input_ids.shape[-1] == self.config.stall_width:
+            StallingLlamaForCausalLM.calls += 1
+            if StallingLlamaForCausalLM.calls == self.config.stall_call:
                 time.sleep(self.config.stall_s)
         return super().forward(input_ids=input_ids, **kwargs)
 '''
@@ -214,9 +215,12 @@ def build_crashy(source: Path, path: Path, crash_token_id: int) -> Path:
     return _with_code(source, path, _CRASHY_CODE, "crashy", crash_token_id=crash_token_id)
 
 
-def build_stalling(source: Path, path: Path, stall_call: int, stall_s: float) -> Path:
-    """A copy of ``source`` whose forward sleeps ``stall_s`` once, on its ``stall_call``-th one-token call."""
-    return _with_code(source, path, _STALLING_CODE, "stalling", stall_call=stall_call, stall_s=stall_s)
+def build_stalling(source: Path, path: Path, stall_call: int, stall_s: float, width: int = 1) -> Path:
+    """A copy of ``source`` whose forward sleeps ``stall_s`` once, on its ``stall_call``-th call of
+    ``width`` tokens (1: a draft's one-token steps; K + 1: a target's verify pass of a K block)."""
+    return _with_code(
+        source, path, _STALLING_CODE, "stalling", stall_call=stall_call, stall_s=stall_s, stall_width=width
+    )
 
 
 def build_resized(source: Path, path: Path, vocab: int, extra_scale: float | None = None) -> Path:
