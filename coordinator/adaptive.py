@@ -453,7 +453,7 @@ class KController:
             self._since_widest, self._widest_gap = 0, _FIRST_PROBE
             return None
         self._since_widest += 1
-        if self._since_widest < self._widest_gap:
+        if self._since_widest < min(self._widest_gap, self.probe_every):
             return None
         self._since_widest, self._widest_gap = 0, min(self._widest_gap * 2, self.probe_every)
         return Plan(MODEL, upper)

@@ -301,6 +301,18 @@ def test_a_slow_first_block_does_not_hold_k_below_the_best_for_good(pipelined: b
     assert ks[-30:].count(4) >= 27, ks  # the second turn and the end of the first: K 4 but for re-measuring
 
 
+def test_the_longest_block_is_drafted_again_after_4_rounds_below_it_then_ever_more_rarely() -> None:
+    """Where shorter blocks are truly best (a draft right half the time), the longest block is
+    drafted again after 4 rounds below it, then after 8, 16, ... rounds, up to ``probe_every``
+    (a smaller ``probe_every`` caps the first gap too)."""
+    for probe_every, expected in [(32, [3, 11, 27, 59, 91]), (2, [1, 3, 5, 7, 9])]:  # gaps 4, 8, 16, 32, 32
+        controller = KController(k_max=4, costs=costs(10, {1: 100, 2: 110, 5: 400}), probe_every=probe_every)
+        for _ in range(20):
+            controller.observe(4, 1)
+        choices = [controller.choose(100) for _ in range(100)]
+        assert set(choices) == {1, 4} and [i for i, k in enumerate(choices) if k == 4][:5] == expected, choices
+
+
 def test_the_confidence_stop_is_dropped_when_the_draft_is_right_where_it_is_unsure() -> None:
     """Blocks the draft ended on an unsure token that the target took anyway, round after round
     (a badly calibrated draft): the stop only loses tokens and is dropped for the turn. Where the
