@@ -103,6 +103,26 @@ class ConfidenceStop:
 NO_STOP = ConfidenceStop()
 
 
+@dataclass
+class _Backoff:
+    """Rounds until something is due again: first after ``_FIRST_PROBE``, then the gap doubling
+    up to a cap (the controller's ``probe_every``)."""
+
+    since: int = 0
+    gap: int = _FIRST_PROBE
+
+    def due(self, cap: int) -> bool:
+        """Counts a round; True (and the gap doubles) when it is the one due."""
+        self.since += 1
+        if self.since < min(self.gap, cap):
+            return False
+        self.since, self.gap = 0, min(self.gap * 2, cap)
+        return True
+
+    def reset(self) -> None:
+        self.since, self.gap = 0, _FIRST_PROBE
+
+
 @dataclass(frozen=True)
 class Plan:
     """A round's proposer (``model``, ``ngram`` or ``none``) and its K (0 with ``none``)."""
@@ -266,10 +286,8 @@ class KController:
     _sure_runs: Acceptance = field(init=False)  # block-stop blocks: the draft's sure run taken whole?
     _unsure_seen: Acceptance = field(init=False)  # of the token a stop ended a block on, where reached
     _stop_dropped: bool = field(default=False, init=False)  # only whole blocks paid: the turn drafts without it
-    _since_probe: int = field(default=0, init=False)  # rounds since the model was last used or probed
-    _probe_gap: int = field(default=_FIRST_PROBE, init=False)
-    _since_widest: int = field(default=0, init=False)  # model rounds below the longest block allowed
-    _widest_gap: int = field(default=_FIRST_PROBE, init=False)
+    _probes: _Backoff = field(default_factory=_Backoff, init=False)  # rounds since the model was used or probed
+    _widest: _Backoff = field(default_factory=_Backoff, init=False)  # model rounds below the longest block allowed
 
     def __post_init__(self) -> None:
         self._seen = defaultdict(lambda: Acceptance(self.decay))
@@ -442,7 +460,7 @@ class KController:
 
     def _reset(self, method: str) -> None:
         if method == MODEL:
-            self._since_probe, self._probe_gap = 0, min(_FIRST_PROBE, self.probe_every)
+            self._probes.reset()
 
     def _remeasure(self, k: int, upper: int) -> Plan | None:
         """Model blocks shorter than the longest allowed: now and then the longest again (after 4
@@ -450,18 +468,9 @@ class KController:
         measures its cost, so one slow sample there (a busy host) would otherwise stand for good,
         and shorter blocks, over which a call's fixed cost is spread less, look no cheaper."""
         if k >= upper:
-            self._since_widest, self._widest_gap = 0, _FIRST_PROBE
+            self._widest.reset()
             return None
-        self._since_widest += 1
-        if self._since_widest < min(self._widest_gap, self.probe_every):
-            return None
-        self._since_widest, self._widest_gap = 0, min(self._widest_gap * 2, self.probe_every)
-        return Plan(MODEL, upper)
+        return Plan(MODEL, upper) if self._widest.due(self.probe_every) else None
 
     def _probe(self, upper: int) -> Plan | None:
-        self._since_probe += 1
-        if self._since_probe >= min(self._probe_gap, self.probe_every):
-            self._since_probe = 0
-            self._probe_gap = min(self._probe_gap * 2, self.probe_every)
-            return Plan(MODEL, min(2, upper))
-        return None
+        return Plan(MODEL, min(2, upper)) if self._probes.due(self.probe_every) else None
