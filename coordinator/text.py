@@ -45,6 +45,7 @@ class IncrementalDetokenizer:
         self._ids = visible[start_on_a_character(self._decode, visible, max(len(visible) - _CONTEXT_TOKENS, 0)) :]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._prefix_text: str | None = None  # the decode of ids[prefix_offset:read_offset], once needed
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -69,16 +70,17 @@ class IncrementalDetokenizer:
         characters decode (SentencePiece byte fallback decodes a run that is not valid UTF-8 as a
         whole to U+FFFD throughout); the released text stands, and the window then starts after
         it (inside the run: what follows is byte tokens, whose decode has no leading space)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset :])
+        if self._prefix_text is None:  # changes only when the window moves, not with every token
+            self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_text, new_text = self._prefix_text, self._decode(self._ids[self._prefix_offset :])
         if not new_text.startswith(prefix_text):
-            self._prefix_offset = self._read_offset
+            self._prefix_offset, self._prefix_text = self._read_offset, ""
             prefix_text, new_text = "", self._decode(self._ids[self._read_offset :])
         return prefix_text, new_text
 
     def _release(self, end: int, prefix_text: str, text: str) -> str:
         """Releases the text of the tokens up to ``end``; the next window starts where this one read."""
-        self._prefix_offset, self._read_offset = self._read_offset, end
+        self._prefix_offset, self._read_offset, self._prefix_text = self._read_offset, end, None
         return text[len(prefix_text) :]
 
     def _unblock(self, prefix_text: str, new_text: str) -> str:
@@ -104,7 +106,7 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Whatever text is still held back (at the end of generation)."""
         prefix_text, new_text = self._window()
-        self._read_offset = len(self._ids)
+        self._read_offset, self._prefix_text = len(self._ids), None
         return new_text[len(prefix_text) :]
 
 
