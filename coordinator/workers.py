@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ from specdec.serving.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+_WAITING_LOG_EVERY_S = 10.0  # start-up's "waiting_for_worker" lines
 
 # A worker that went away is retried quickly once it is back (gRPC's default backoff grows to 2 min).
 _RECONNECT_OPTIONS = [
@@ -69,10 +72,11 @@ class WorkerCallFailed(Exception):
         self.worker_fault = worker_fault
 
 
-async def wait_until_serving(channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
-    """Polls grpc.health.v1 until the worker reports SERVING."""
+async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str, timeout_s: float) -> None:
+    """Polls grpc.health.v1 until the worker reports SERVING; logs every 10 s what it waits for."""
     stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout_s
+    began = time.monotonic()
+    deadline, next_log = began + timeout_s, began + _WAITING_LOG_EVERY_S
     last = "no answer"
     while time.monotonic() < deadline:
         try:
@@ -82,6 +86,13 @@ async def wait_until_serving(channel: grpc.aio.Channel, address: str, timeout_s:
             last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         except grpc.aio.AioRpcError as exc:
             last = exc.code().name
+        if time.monotonic() >= next_log:
+            waited = time.monotonic() - began
+            log.warning(
+                "waiting_for_worker", role=role, address=address, status=last, waited_s=round(waited, 1),
+                gives_up_in_s=round(timeout_s - waited, 1),
+            )  # fmt: skip
+            next_log += _WAITING_LOG_EVERY_S
         await asyncio.sleep(0.2)
     raise RuntimeError(f"worker {address} not serving after {timeout_s:.0f}s (last status: {last})")
 
@@ -112,6 +123,13 @@ class _Breaker:
     def trip(self) -> None:
         self._down_until = time.monotonic() + self._retry_s
 
+    def hold(self) -> None:
+        """Down until ``reset``: a worker that has not answered yet."""
+        self._down_until = math.inf
+
+    def reset(self) -> None:
+        self._down_until = 0.0
+
 
 class TargetClient:
     """One target worker replica."""
@@ -125,7 +143,7 @@ class TargetClient:
         self.vocabulary = ("", 0)  # (tokenizer hash, vocab size) the coordinator serves; every verify names it
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
-        await wait_until_serving(self._channel, self.address, timeout_s)
+        await wait_until_serving(self._channel, "target", self.address, timeout_s)
         self.info = (await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=10.0, metadata=self._metadata)).info
         return self.info
 
@@ -172,22 +190,45 @@ class TargetPool:
 
     def __init__(self, addresses: Sequence[str], settings: CoordinatorSettings, retry_s: float) -> None:
         self.replicas = [TargetClient(address, settings, retry_s) for address in addresses]
+        self._joining: set[asyncio.Task[common_pb2.WorkerInfo | None]] = set()
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
-        """Waits for the replicas; needs at least one, and all that answer must share a vocabulary."""
-        results = await asyncio.gather(*(r.connect(timeout_s) for r in self.replicas), return_exceptions=True)
-        infos = [r for r in results if isinstance(r, common_pb2.WorkerInfo)]
-        for replica, result in zip(self.replicas, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning("target_not_ready", address=replica.address, error=str(result))
-                replica.breaker.trip()
+        """Waits until a replica serves and returns its Info. Replicas that have not answered yet
+        are not used; each is waited for in the background (up to ``timeout_s``) and joins when it
+        serves. Replicas that answer together must share a vocabulary; one that joins later with
+        another is not used (every verify names the vocabulary, and it would refuse them)."""
+        for replica in self.replicas:
+            replica.breaker.hold()
+        pending = {asyncio.create_task(self._join(r, timeout_s)) for r in self.replicas}
+        infos: list[common_pb2.WorkerInfo] = []
+        while pending and not infos:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            infos = [info for task in done if (info := task.result()) is not None]
+        self._joining = pending
         if not infos:
-            raise RuntimeError(f"no target worker is serving: {results[0]}")
+            raise RuntimeError(f"no target worker is serving: {', '.join(r.address for r in self.replicas)}")
         if len({(i.vocab_size, i.tokenizer_hash) for i in infos}) > 1:
             raise RuntimeError("target replicas serve models with different vocabularies; deploy one model")
         for replica in self.replicas:  # also those not up yet, and any restarted with another model
             replica.vocabulary = (infos[0].tokenizer_hash, infos[0].vocab_size)
         return infos[0]
+
+    async def _join(self, replica: TargetClient, timeout_s: float) -> common_pb2.WorkerInfo | None:
+        """Waits for one replica; from then on it is used, or, if it never served, retried like a
+        replica that failed."""
+        try:
+            info = await replica.connect(timeout_s)
+        except (RuntimeError, grpc.aio.AioRpcError) as exc:
+            log.warning("target_not_ready", address=replica.address, error=str(exc))
+            replica.breaker.trip()
+            return None
+        if replica.vocabulary[1] and replica.vocabulary != (info.tokenizer_hash, info.vocab_size):
+            log.error("target_serves_another_model", address=replica.address, model=info.model_id)
+            replica.breaker.trip()
+            return None
+        replica.breaker.reset()
+        log.info("target_joined", address=replica.address, model=info.model_id)
+        return info
 
     def candidates(self, session_id: str, current: str | None) -> list[TargetClient]:
         """Replicas to try in order: the current one, then the rest by rendezvous hash; up ones first."""
@@ -195,6 +236,8 @@ class TargetPool:
         return sorted(ordered, key=lambda r: not r.breaker.up)
 
     async def close(self) -> None:
+        for join in self._joining:
+            join.cancel()
         await asyncio.gather(*(r.close() for r in self.replicas))
 
 
@@ -259,7 +302,7 @@ class DraftClient:
         self.tokenizer_hash = ""  # the target's tokenizer, likewise: the draft refuses requests for another
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
-        await wait_until_serving(self._channel, self.address, timeout_s)
+        await wait_until_serving(self._channel, "draft", self.address, timeout_s)
         self.info = (await self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=10.0, metadata=self._metadata)).info
         return self.info
 

@@ -17,8 +17,8 @@ import pytest
 from specdec.serving.server import INTERNAL_MESSAGE
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
-from tests.helpers import RedisServer
-from tests.netproxy import ProxyRoutes
+from tests.helpers import RedisServer, free_port
+from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import make_request, read_session, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_crashy, build_model, build_tokenizer
 
@@ -181,6 +181,56 @@ def test_session_moves_to_a_second_target_replica(
         "identical_output": True,
         "client_errors": 0,
         "longest_stall_s": round(gap, 3),
+    }
+
+
+def test_a_target_replica_down_at_start_up_does_not_hold_the_coordinator_back(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """Two replicas, the second unreachable when the coordinator starts (a node lost, a model still
+    loading). Main waited for every replica up to --worker-startup-timeout-s (600 s by default)
+    before serving at all, though one served. Now the coordinator serves once one replica does; the
+    other is not used while it is not serving and joins when it comes up."""
+    links: dict[str, TcpProxy] = {}
+
+    def route(name: str, address: str) -> str:
+        if name != "target-1":
+            return address
+        links[name] = TcpProxy(address)
+        links[name].retarget(f"127.0.0.1:{free_port()}")  # nothing listens there yet
+        return links[name].address
+
+    def joined(log: str) -> bool:
+        return any("target_joined" in line and links["target-1"].address in line for line in log.splitlines())
+
+    prompts = [[5 + i, 17, 99, 3 + i] for i in range(12)]
+    expected = [reference_greedy(str(tiny_models.target), tuple(p), 6) for p in prompts]
+    began = time.monotonic()
+    flags = ["--worker-startup-timeout-s", "60"]
+    try:
+        with fault_cluster(
+            tmp_path, tiny_models.target, None, targets=2, route=route, coordinator_args=flags
+        ) as cluster:
+            started = time.monotonic() - began
+            assert started < 40, f"the coordinator took {started:.0f} s to serve with one replica up"
+            late = cluster.processes["target-1"]
+            with grpc.insecure_channel(cluster.address) as channel:
+                stub = coordinator_pb2_grpc.GenerationStub(channel)
+                replies = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
+                assert replies == expected
+                assert metric(cluster, "coordinator", "specdec_target_failovers_total") == 0
+                links["target-1"].retarget(late.address)  # the replica comes up
+                wait_for(lambda: joined(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
+                again = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
+                assert again == expected
+                assert worker_info(late.address, "target").prefill_tokens_total > 0
+    finally:
+        for link in links.values():
+            link.close()
+    fault_report["a target replica down at start-up (2 replicas)"] = {
+        "coordinator_ready_s": round(started, 1),
+        "identical_output": True,
+        "late_replica_used_once_up": True,
     }
 
 

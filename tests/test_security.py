@@ -8,6 +8,7 @@ shared token; the state store is a password-protected, TLS-only redis-server.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from specdec.serving.security import Authenticator, load_tokens, scoped_session_
 from specdec.state import Commit, open_store
 from specdec.tools.launch import LaunchError, LocalCluster, spawn
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.clusters import wait_for
 from tests.helpers import RedisServer, free_port
 from tests.reference import make_request, reference_greedy
 from tests.tiny_models import TinyModels
@@ -403,8 +405,10 @@ def test_redis_acl_user_is_supported(tmp_path: Path) -> None:
         redis.stop()
 
 
-def test_readiness_stays_false_while_starting_up(tmp_path: Path) -> None:
-    """A coordinator waiting for its workers: alive, not started, not ready (k8s keeps it out)."""
+def test_a_coordinator_waiting_for_its_workers_is_not_ready_and_says_why(tmp_path: Path) -> None:
+    """A coordinator waiting for its workers: alive, not started, not ready (k8s keeps it out), and
+    its log says every 10 s which worker it waits for and what that worker last answered (main
+    waited up to --worker-startup-timeout-s, 600 s, without a line)."""
     port = free_port()
     args = ["--target-addresses", "127.0.0.1:1", "--health-port", str(port), "--worker-startup-timeout-s", "60"]
     process = spawn("coordinator", args, tmp_path)
@@ -419,5 +423,9 @@ def test_readiness_stays_false_while_starting_up(tmp_path: Path) -> None:
             assert status("specdec.liveness") == health_pb2.HealthCheckResponse.SERVING
             assert status("specdec.startup") == health_pb2.HealthCheckResponse.NOT_SERVING
             assert status("specdec.readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
+        waited = wait_for(lambda: "waiting_for_worker" in process.log_tail(), 30, 0.2)
+        line = next(json.loads(x) for x in process.log_tail().splitlines() if "waiting_for_worker" in x)
+        assert line["role"] == "target" and line["address"] == "127.0.0.1:1" and line["status"] == "UNAVAILABLE"
+        assert line["level"] == "warning" and 5 < line["waited_s"] <= 15 and waited < 20
     finally:
         process.stop()
