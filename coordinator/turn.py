@@ -383,7 +383,9 @@ class Turn:
         start = len(self._committed)
         tokens, finish = self._cut(list(verdict.token_ids))
         assert self._reply is not None
-        taken = self._reply.push(tokens)  # a stop string can end the reply inside the block
+        # a stop string can end the reply inside the block; a stop token's text is shown only on request
+        shown = tokens[:-1] if finish is Finish.STOP and not self.request.include_stop_str else tokens
+        taken = self._reply.push(shown)
         if self._reply.matched is not None:
             tokens, finish = tokens[:taken], Finish.STOP
         elif finish is Finish.STOP:

@@ -593,6 +593,37 @@ def test_a_stop_token_is_reported(same: coordinator_pb2_grpc.GenerationStub, tin
     assert list(reply.token_ids) == expected[: expected.index(expected[5]) + 1]
 
 
+def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(
+    same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    """A stop token that ends the reply stays in `token_ids`, but its text is left out of `text`
+    unless `include_stop_str_in_output`, and is then not searched for stop strings (vLLM's rule, and
+    what the gateway's OpenAI replies give). Before, the native `text` had the stop token's text,
+    and a stop string that text completed ended the reply in its place."""
+    prompt = tuple(PROMPTS[1])
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.target))
+    expected = reference_greedy(str(tiny_models.target), prompt, MAX_NEW, ignore_eos=True)
+    texts = [tokenizer.decode(expected[:n], skip_special_tokens=True) for n in range(len(expected) + 1)]
+    cut = next(n for n in range(6, len(expected) + 1) if texts[n][len(texts[n - 1]) :].strip())
+    stop, own = expected[cut - 1], texts[cut][len(texts[cut - 1]) :]
+    assert expected.index(stop) == cut - 1 and own not in texts[cut - 1], (expected, texts)
+    for k in (1, 8):
+        for include in (False, True):
+            for stops in ([], [own]):
+                req = request(list(prompt), k=k, ignore_eos=True, stop_token_ids=[stop], stop=stops)
+                req.sampling.include_stop_str_in_output = include
+                reply = same.Generate(req)
+                streamed = list(same.GenerateStream(req))
+                assert list(reply.token_ids) == expected[:cut]
+                assert reply.text == (texts[cut] if include else texts[cut - 1])
+                if include and stops:
+                    assert reply.WhichOneof("matched_stop") == "stop_string" and reply.stop_string == own
+                else:
+                    assert reply.WhichOneof("matched_stop") == "stop_token_id" and reply.stop_token_id == stop
+                assert "".join(m.text for m in streamed) == reply.text
+                assert [t for m in streamed for t in m.token_ids] == list(reply.token_ids)
+
+
 @pytest.mark.parametrize(
     ("stops", "message"),
     [([""], "1 to 256 characters"), (["x" * 257], "1 to 256 characters"), (["s"] * 17, "at most 16")],
