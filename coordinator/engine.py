@@ -7,7 +7,9 @@ import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import grpc
 import structlog
+from transformers import PreTrainedTokenizerBase
 
 from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
@@ -26,6 +28,7 @@ from specdec.v1 import common_pb2, coordinator_pb2
 log = structlog.get_logger(__name__)
 
 MAX_PROMPT_CHARS = 1_000_000
+DRAFT_START_WAIT_S = 10.0  # start-up waits this long for the draft; one not serving by then joins later
 
 
 def prefix_ttl_s(session_ttl_s: float, target: common_pb2.WorkerInfo) -> float:
@@ -103,7 +106,7 @@ def server_info(
     pipelined: bool,
     chat_template: bool,
 ) -> coordinator_pb2.GetInfoResponse:
-    """What GetInfo answers (fixed once start-up has met the workers)."""
+    """What GetInfo answers (made at start-up, and again if a draft that was down then joins)."""
     return coordinator_pb2.GetInfoResponse(
         server_version=importlib.metadata.version("specdec"),
         target_model_id=target.model_id,
@@ -155,22 +158,70 @@ class Engine:
         )
         self._deps: TurnDeps | None = None
         self._info: coordinator_pb2.GetInfoResponse | None = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._draft_join: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+        self._replies = ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None
         self._active = 0
 
     async def start(self) -> None:
-        """Waits for the workers, checks that they fit together, loads the tokenizer."""
+        """Waits for a target replica and (up to 10 s) the draft, checks that they fit together,
+        loads the tokenizer. A draft that does not serve by then joins when it does; until then
+        the coordinator serves as one without a draft."""
         timeout = self.settings.worker_startup_timeout_s
         target_info = await self.targets.connect(timeout)
-        draft_info = await self.draft.connect(timeout) if self.draft is not None else None
-        if draft_info is not None and self.draft is not None:
-            check_compatible(target_info, draft_info)
-            self.draft.vocab_limit = target_info.vocab_size
-            self.draft.tokenizer_hash = target_info.tokenizer_hash
+        draft_info = None
+        if self.draft is not None:
+            draft = asyncio.create_task(self.draft.connect(timeout))
+            await asyncio.wait({draft}, timeout=min(DRAFT_START_WAIT_S, timeout))
+            if draft.done():
+                draft_info = draft.result()
+                self._fit_draft(target_info, draft_info)
+            else:
+                self._draft_join = asyncio.create_task(self._join_draft(draft, target_info, timeout))
         await self.store.start()
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
             raise RuntimeError("the coordinator's tokenizer differs from the target model's; fix --tokenizer")
-        s = self.settings
+        self._tokenizer = tokenizer
+        self._configure(target_info, draft_info, "coordinator_ready")
+        self._started.set()
+
+    def _fit_draft(self, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo) -> None:
+        """Raises when the draft cannot draft for the target; else tells it the target's vocabulary."""
+        assert self.draft is not None
+        check_compatible(target_info, draft_info)
+        self.draft.vocab_limit = target_info.vocab_size
+        self.draft.tokenizer_hash = target_info.tokenizer_hash
+
+    async def _join_draft(
+        self, connecting: asyncio.Task[common_pb2.WorkerInfo], target_info: common_pb2.WorkerInfo, timeout_s: float
+    ) -> None:
+        """Waits for a draft that was not serving at start-up (for as long as it takes), then
+        drafts with it: requests that start from then on see it."""
+        assert self.draft is not None
+        while True:
+            try:
+                draft_info = await connecting
+                break
+            except (RuntimeError, grpc.aio.AioRpcError) as exc:
+                log.warning("draft_not_ready", address=self.draft.address, error=str(exc))
+                connecting = asyncio.create_task(self.draft.connect(timeout_s))
+        try:
+            self._fit_draft(target_info, draft_info)
+        except RuntimeError as exc:
+            log.error("draft_not_used", address=self.draft.address, model=draft_info.model_id, error=str(exc))
+            return
+        await self._started.wait()  # start-up's own configuration comes first
+        self._configure(target_info, draft_info, "draft_joined")
+
+    def _configure(
+        self, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo | None, event: str
+    ) -> None:
+        """Limits, costs and GetInfo for the workers met so far (again when a late draft joins);
+        logs ``event`` with them."""
+        s, tokenizer = self.settings, self._tokenizer
+        assert tokenizer is not None
         max_k = largest_block(s.max_speculative_tokens, target_info, draft_info)
         limits = Limits(
             vocab_size=target_info.vocab_size,
@@ -181,7 +232,7 @@ class Engine:
             max_k=max_k,
             max_prompt_chars=MAX_PROMPT_CHARS,
             draft_context_len=draft_info.max_context_len if draft_info is not None else 0,
-            default_method=s.default_method(),
+            default_method=s.default_method(draft_info is not None),
             lookup_max_tokens=min(s.lookup_max_tokens, max_k),
             draft_confidence=s.draft_confidence,
             draft_block_confidence=s.draft_block_confidence,
@@ -199,23 +250,24 @@ class Engine:
             prefill_per_token=max((r.info.prefill_ms_per_token for r in self.targets.replicas), default=0.0) or None,
             draft_prefill_per_token=(draft_info.prefill_ms_per_token or None) if draft_info is not None else None,
         )
+        draft = self.draft if draft_info is not None else None
         self._deps = TurnDeps(
-            self.store, self.targets, self.draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
+            self.store, self.targets, draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
             costs, pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
             prefix_block=s.prefix_block_tokens, prefix_ttl_s=prefix_ttl_s(s.session_ttl_s, target_info),
             ngram=(s.ngram_min, s.ngram_max),
-            replies=ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None,
+            replies=self._replies,
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self._info = server_info(s, limits, target_info, draft_info, pipelined, has_template)
         log.info(
-            "coordinator_ready",
+            event,
             target=target_info.model_id,
             draft=draft_info.model_id if draft_info else None,
             draft_vocab_method=vocab_method(draft_info),
             mode="pipelined" if pipelined else "sequential",
             adaptive_k=s.adaptive_k,
-            draft_method=s.default_method(),
+            draft_method=limits.default_method,
         )
 
     @property
@@ -278,6 +330,8 @@ class Engine:
         return existed
 
     async def stop(self) -> None:
+        if self._draft_join is not None:
+            self._draft_join.cancel()
         await self.store.close()
         await self.targets.close()
         if self.draft is not None:

@@ -179,10 +179,10 @@ class CoordinatorSettings(ServiceSettings):
             raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
         return self
 
-    def default_method(self) -> str:
-        """The draft method of requests that do not choose one."""
+    def default_method(self, has_draft: bool) -> str:
+        """The draft method of requests that do not choose one (``has_draft``: a draft model serves)."""
         wanted = "hybrid" if self.draft_method == "auto" else self.draft_method
-        return drafting_method(wanted, self.draft_address is not None)
+        return drafting_method(wanted, has_draft)
 
     @model_validator(mode="after")
     def _k_within_max(self) -> CoordinatorSettings:

@@ -234,6 +234,59 @@ def test_a_target_replica_down_at_start_up_does_not_hold_the_coordinator_back(
     }
 
 
+def test_a_draft_down_at_start_up_joins_when_it_serves(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """The draft unreachable when the coordinator starts (its CPU node still coming up). Main waited
+    for it up to --worker-startup-timeout-s and then ended start-up: the whole service down for a
+    missing optimisation, against the failure model (a draft that is down means target-only). Now
+    the coordinator waits at most 10 s for it, serves without it (lookup drafts, as a coordinator
+    with no draft), and takes it on when it serves: GetInfo names it, and requests are drafted by it."""
+    links: dict[str, TcpProxy] = {}
+
+    def route(name: str, address: str) -> str:
+        if name != "draft":
+            return address
+        links[name] = TcpProxy(address)
+        links[name].retarget(f"127.0.0.1:{free_port()}")  # nothing listens there yet
+        return links[name].address
+
+    def joined(log: str) -> bool:
+        return any("draft_joined" in line for line in log.splitlines())
+
+    prompts = [[5 + i, 17, 99, 3 + i] for i in range(6)]
+    expected = [reference_greedy(str(tiny_models.target), tuple(p), 8, ignore_eos=True) for p in prompts]
+    flags = ["--worker-startup-timeout-s", "60"]
+    began = time.monotonic()
+    try:
+        with fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.same, route=route, coordinator_args=flags
+        ) as cluster:
+            started = time.monotonic() - began
+            assert started < 40, f"the coordinator took {started:.0f} s to serve without its draft"
+            with grpc.insecure_channel(cluster.address) as channel:
+                stub = coordinator_pb2_grpc.GenerationStub(channel)
+                assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id == ""
+                before = [stub.Generate(make_request(p, max_new=8, fixed=False, ignore_eos=True)) for p in prompts]
+                assert [list(r.token_ids) for r in before] == expected
+                assert all(r.stats.draft_tokens_proposed == r.stats.lookup_tokens_proposed for r in before)
+                links["draft"].retarget(cluster.processes["draft"].address)  # the draft comes up
+                wait_for(lambda: joined(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
+                assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id
+                after = [stub.Generate(make_request(p, max_new=8, ignore_eos=True)) for p in prompts]
+                assert [list(r.token_ids) for r in after] == expected
+                modelled = sum(r.stats.draft_tokens_proposed - r.stats.lookup_tokens_proposed for r in after)
+                assert modelled > 0
+    finally:
+        for link in links.values():
+            link.close()
+    fault_report["the draft down at start-up"] = {
+        "coordinator_ready_s": round(started, 1),
+        "identical_output": True,
+        "model_draft_tokens_once_up": modelled,
+    }
+
+
 def _other_vocabulary_model(path: Path) -> Path:
     """A random model whose tokenizer has one more token than the tiny models' (another hash)."""
     tokenizer = build_tokenizer()
