@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,12 +16,12 @@ from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
-from coordinator.workers import DraftClient, TargetPool, translates
+from coordinator.workers import WAITING_LOG_EVERY_S, DraftClient, TargetPool, translates
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.lookup import ReplyIndex
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
-from specdec.serving.errors import NotServing, Overloaded
+from specdec.serving.errors import NotServing, Overloaded, StateUnreachable
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import StateStore, open_store
 from specdec.v1 import common_pb2, coordinator_pb2
@@ -179,13 +180,34 @@ class Engine:
                 self._fit_draft(target_info, draft_info)
             else:
                 self._draft_join = asyncio.create_task(self._join_draft(draft, target_info, timeout))
-        await self.store.start()
+        await self._start_store(timeout)
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
             raise RuntimeError("the coordinator's tokenizer differs from the target model's; fix --tokenizer")
         self._tokenizer = tokenizer
         self._configure(target_info, draft_info, "coordinator_ready")
         self._started.set()
+
+    async def _start_store(self, timeout_s: float) -> None:
+        """Connects to the state store, waiting for it (as for a worker) while it cannot be reached;
+        a store that refuses the coordinator (a wrong password) ends start-up at once."""
+        began = time.monotonic()
+        next_log = began + WAITING_LOG_EVERY_S
+        while True:
+            try:
+                await self.store.start()
+                return
+            except StateUnreachable as exc:
+                waited = time.monotonic() - began
+                if waited >= timeout_s:
+                    raise
+                if time.monotonic() >= next_log:
+                    log.warning(
+                        "waiting_for_state_store", error=str(exc), waited_s=round(waited, 1),
+                        gives_up_in_s=round(timeout_s - waited, 1),
+                    )  # fmt: skip
+                    next_log += WAITING_LOG_EVERY_S
+                await asyncio.sleep(0.5)
 
     def _fit_draft(self, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo) -> None:
         """Raises when the draft cannot draft for the target; else tells it the target's vocabulary."""

@@ -23,7 +23,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 
 log = structlog.get_logger(__name__)
 
-_WAITING_LOG_EVERY_S = 10.0  # start-up's "waiting_for_worker" lines
+WAITING_LOG_EVERY_S = 10.0  # start-up's "waiting_for_..." lines
 
 # A worker that went away is retried quickly once it is back (gRPC's default backoff grows to 2 min).
 _RECONNECT_OPTIONS = [
@@ -76,7 +76,7 @@ async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str,
     """Polls grpc.health.v1 until the worker reports SERVING; logs every 10 s what it waits for."""
     stub = health_pb2_grpc.HealthStub(channel)
     began = time.monotonic()
-    deadline, next_log = began + timeout_s, began + _WAITING_LOG_EVERY_S
+    deadline, next_log = began + timeout_s, began + WAITING_LOG_EVERY_S
     last = "no answer"
     while time.monotonic() < deadline:
         try:
@@ -92,7 +92,7 @@ async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str,
                 "waiting_for_worker", role=role, address=address, status=last, waited_s=round(waited, 1),
                 gives_up_in_s=round(timeout_s - waited, 1),
             )  # fmt: skip
-            next_log += _WAITING_LOG_EVERY_S
+            next_log += WAITING_LOG_EVERY_S
         await asyncio.sleep(0.2)
     raise RuntimeError(f"worker {address} not serving after {timeout_s:.0f}s (last status: {last})")
 

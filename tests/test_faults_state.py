@@ -14,9 +14,10 @@ import grpc
 import pytest
 import redis
 
+from specdec.tools.launch import LaunchError
 from specdec.v1 import coordinator_pb2_grpc
 from tests.clusters import fault_cluster, wait_for
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, free_port
 from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import make_request, read_session, reference_greedy
 from tests.tiny_models import TinyModels
@@ -124,6 +125,55 @@ def test_redis_restarted_without_persistence_is_reported(
         "silent_restart": False,
         "new_sessions_work": True,
     }
+
+
+def test_redis_not_up_yet_at_start_up_is_waited_for(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """Redis comes up 20 s after the workers start, after the coordinator (`kubectl apply -f k8s/`
+    starts them together). Main ended start-up at once (startup_failed, exit 1: a crash loop in k8s, its restart
+    back-off growing). Now start-up waits for the state store as for a worker, up to
+    --worker-startup-timeout-s, not ready meanwhile, saying so every 10 s; then it serves."""
+    port = free_port()
+    servers: list[RedisServer] = []
+    later = threading.Timer(20.0, lambda: servers.append(RedisServer(tmp_path / "redis-data", port=port)))
+    url = f"redis://127.0.0.1:{port}/0"
+    began = time.monotonic()
+    later.start()
+    try:
+        with (
+            fault_cluster(tmp_path, tiny_models.target, None, state_url=url) as cluster,
+            grpc.insecure_channel(cluster.address) as channel,
+        ):
+            ready = time.monotonic() - began
+            assert ready >= 20
+            log = cluster.processes["coordinator"].log_tail(200)
+            assert "waiting_for_state_store" in log and "ConnectionError" in log
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            reply = stub.Generate(make_request(PROMPT, session_id="early", max_new=6))
+            assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPT), 6)
+            assert read_session(url, "early").tokens[-6:] == list(reply.token_ids)
+    finally:
+        later.cancel()
+        later.join()
+        for server in servers:
+            server.stop()
+    fault_report["Redis not up yet at start-up"] = {"coordinator_ready_s": round(ready, 1), "served_after": True}
+
+
+def test_a_wrong_redis_password_still_stops_start_up_at_once(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """A configuration error is not waited out: a wrong password ends start-up at once, naming it."""
+    server = RedisServer(tmp_path / "redis-data", password="right-Pa55word-0123")
+    began = time.monotonic()
+    try:
+        with (
+            pytest.raises(LaunchError, match="AuthenticationError"),
+            fault_cluster(tmp_path, tiny_models.target, None, state_url=f"redis://:wrong@127.0.0.1:{server.port}/0"),
+        ):
+            pass
+    finally:
+        server.stop()
+    assert time.monotonic() - began < 60
 
 
 @pytest.mark.parametrize("deadline", ["client", "worker-timeout"])

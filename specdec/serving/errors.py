@@ -58,6 +58,11 @@ class StateUnavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class StateUnreachable(StateUnavailable):
+    """No connection to the state store could be made or kept (refused, reset, timed out): it may
+    come up later, unlike a store that refuses the coordinator (a wrong password)."""
+
+
 class WorkerUnavailable(SpecdecError):
     """No model worker that can serve the request is reachable."""
 

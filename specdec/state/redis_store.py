@@ -10,12 +10,19 @@ import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError, ReadOnlyError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specdec.runtime.tokens import pack_tokens, unpack_tokens
-from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict, StateLost, StateUnavailable
+from specdec.serving.errors import (
+    SessionBusy,
+    SessionNotFound,
+    StateConflict,
+    StateLost,
+    StateUnavailable,
+    StateUnreachable,
+)
 from specdec.state.base import (
     RECENT_STEPS,
     TOMBSTONE_EXTRA_MS,
@@ -266,7 +273,10 @@ class RedisStateStore(StateStore):
                 await self._client.connection_pool.disconnect(inuse_connections=False)
                 return await fn()
         except RedisError as exc:
-            raise StateUnavailable(f"state store unavailable ({type(exc).__name__}); retry later") from exc
+            message = f"state store unavailable ({type(exc).__name__}); retry later"
+            if isinstance(exc, RedisConnectionError | RedisTimeoutError) and not isinstance(exc, AuthenticationError):
+                raise StateUnreachable(message) from exc
+            raise StateUnavailable(message) from exc
 
     async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
         args = [self._epoch, owner, int(create), self._lease_ms, self._ttl_ms]
