@@ -121,7 +121,8 @@ class _Breaker:
         return time.monotonic() >= self._down_until
 
     def trip(self) -> None:
-        self._down_until = time.monotonic() + self._retry_s
+        """Down for ``retry_s`` (a worker held until it answers stays held)."""
+        self._down_until = max(self._down_until, time.monotonic() + self._retry_s)
 
     def hold(self) -> None:
         """Down until ``reset``: a worker that has not answered yet."""
@@ -220,13 +221,14 @@ class TargetPool:
             info = await replica.connect(timeout_s)
         except (RuntimeError, grpc.aio.AioRpcError) as exc:
             log.warning("target_not_ready", address=replica.address, error=str(exc))
+            replica.breaker.reset()
             replica.breaker.trip()
             return None
+        replica.breaker.reset()
         if replica.vocabulary[1] and replica.vocabulary != (info.tokenizer_hash, info.vocab_size):
             log.error("target_serves_another_model", address=replica.address, model=info.model_id)
             replica.breaker.trip()
             return None
-        replica.breaker.reset()
         log.info("target_joined", address=replica.address, model=info.model_id)
         return info
 

@@ -3,13 +3,16 @@ may serve the request) or this request's."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from coordinator.settings import CoordinatorSettings
-from coordinator.workers import TargetClient
+from coordinator.workers import TargetClient, TargetPool
 from specdec.serving.errors import WorkerFailed, WorkerUnavailable
-from specdec.v1 import target_pb2
+from specdec.v1 import common_pb2, target_pb2
 
 
 async def _verify_answering(code: grpc.StatusCode) -> None:
@@ -46,3 +49,45 @@ async def test_a_call_the_replica_ended_is_the_replica_s_fault(code: grpc.Status
 async def test_an_error_of_the_request_is_not_failed_over() -> None:
     with pytest.raises(WorkerFailed):
         await _verify_answering(grpc.StatusCode.INVALID_ARGUMENT)
+
+
+@pytest.mark.asyncio
+async def test_a_replica_that_has_not_served_is_tried_last_until_it_joins() -> None:
+    """Two replicas, one serving (a real health and Info server) and one unreachable: start-up
+    returns with the first, and the other stays behind it in every session's order, also after a
+    failed call tripped it (a trip does not cut its wait short); one that did not serve within the
+    start-up timeout is then retried like a replica that failed."""
+
+    async def info(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return target_pb2.TargetInfoResponse(info=common_pb2.WorkerInfo(model_id="m", vocab_size=9)).SerializeToString()
+
+    server = grpc.aio.server()
+    checks = health.aio.HealthServicer()
+    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    handler = grpc.unary_unary_rpc_method_handler(info)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("specdec.v1.TargetWorker", {"Info": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    addresses = ["127.0.0.1:1", f"127.0.0.1:{port}"]
+    pool = TargetPool(addresses, CoordinatorSettings(target_addresses=addresses), retry_s=0.01)
+    try:
+        assert (await asyncio.wait_for(pool.connect(60), 10)).model_id == "m"
+        down, up = pool.replicas
+        assert up.breaker.up and not down.breaker.up
+        down.breaker.trip()
+        await asyncio.sleep(0.05)  # past retry_s
+        assert not down.breaker.up
+        assert [r.address for r in pool.candidates("s", current=None)] == [up.address, down.address]
+    finally:
+        await pool.close()
+    pool = TargetPool(addresses, CoordinatorSettings(target_addresses=addresses), retry_s=0.01)
+    try:  # a replica that never served within the start-up timeout is retried like one that failed
+        await pool.connect(0.5)
+        await asyncio.sleep(1.0)
+        assert all(r.breaker.up for r in pool.replicas)
+    finally:
+        await pool.close()
+        await server.stop(None)
