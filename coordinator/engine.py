@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -16,7 +15,7 @@ from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
-from coordinator.workers import WAITING_LOG_EVERY_S, DraftClient, TargetPool, translates
+from coordinator.workers import DraftClient, StartupWait, TargetPool, translates
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.lookup import ReplyIndex
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
@@ -191,22 +190,15 @@ class Engine:
     async def _start_store(self, timeout_s: float) -> None:
         """Connects to the state store, waiting for it (as for a worker) while it cannot be reached;
         a store that refuses the coordinator (a wrong password) ends start-up at once."""
-        began = time.monotonic()
-        next_log = began + WAITING_LOG_EVERY_S
+        wait = StartupWait("waiting_for_state_store", timeout_s)
         while True:
             try:
                 await self.store.start()
                 return
             except StateUnreachable as exc:
-                waited = time.monotonic() - began
-                if waited >= timeout_s:
+                if wait.over:
                     raise
-                if time.monotonic() >= next_log:
-                    log.warning(
-                        "waiting_for_state_store", error=str(exc), waited_s=round(waited, 1),
-                        gives_up_in_s=round(timeout_s - waited, 1),
-                    )  # fmt: skip
-                    next_log += WAITING_LOG_EVERY_S
+                wait.tick(error=str(exc))
                 await asyncio.sleep(0.5)
 
     def _fit_draft(self, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo) -> None:

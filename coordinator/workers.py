@@ -23,7 +23,33 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 
 log = structlog.get_logger(__name__)
 
-WAITING_LOG_EVERY_S = 10.0  # start-up's "waiting_for_..." lines
+
+class StartupWait:
+    """Start-up's wait for something it needs: the time left, and a warning every 10 s that says
+    what is awaited (``event`` with ``fields`` and whatever ``tick`` adds)."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, event: str, timeout_s: float, **fields: object) -> None:
+        self._event, self._timeout_s, self._fields = event, timeout_s, fields
+        self._began = time.monotonic()
+        self._next_log = self._began + self.EVERY_S
+
+    @property
+    def over(self) -> bool:
+        return time.monotonic() - self._began >= self._timeout_s
+
+    def tick(self, **fields: object) -> None:
+        """Logs the warning when it is due."""
+        now = time.monotonic()
+        if now >= self._next_log:
+            waited = now - self._began
+            log.warning(
+                self._event, **self._fields, **fields, waited_s=round(waited, 1),
+                gives_up_in_s=round(self._timeout_s - waited, 1),
+            )  # fmt: skip
+            self._next_log += self.EVERY_S
+
 
 # A worker that went away is retried quickly once it is back (gRPC's default backoff grows to 2 min).
 _RECONNECT_OPTIONS = [
@@ -75,10 +101,9 @@ class WorkerCallFailed(Exception):
 async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str, timeout_s: float) -> None:
     """Polls grpc.health.v1 until the worker reports SERVING; logs every 10 s what it waits for."""
     stub = health_pb2_grpc.HealthStub(channel)
-    began = time.monotonic()
-    deadline, next_log = began + timeout_s, began + WAITING_LOG_EVERY_S
+    wait = StartupWait("waiting_for_worker", timeout_s, role=role, address=address)
     last = "no answer"
-    while time.monotonic() < deadline:
+    while not wait.over:
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -86,13 +111,7 @@ async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str,
             last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         except grpc.aio.AioRpcError as exc:
             last = exc.code().name
-        if time.monotonic() >= next_log:
-            waited = time.monotonic() - began
-            log.warning(
-                "waiting_for_worker", role=role, address=address, status=last, waited_s=round(waited, 1),
-                gives_up_in_s=round(timeout_s - waited, 1),
-            )  # fmt: skip
-            next_log += WAITING_LOG_EVERY_S
+        wait.tick(status=last)
         await asyncio.sleep(0.2)
     raise RuntimeError(f"worker {address} not serving after {timeout_s:.0f}s (last status: {last})")
 
