@@ -270,11 +270,17 @@ def test_a_draft_down_at_start_up_joins_when_it_serves(
                 before = [stub.Generate(make_request(p, max_new=8, fixed=False, ignore_eos=True)) for p in prompts]
                 assert [list(r.token_ids) for r in before] == expected
                 assert all(r.stats.draft_tokens_proposed == r.stats.lookup_tokens_proposed for r in before)
+                turn1 = stub.Generate(make_request(PROMPT, session_id="across", max_new=8, ignore_eos=True))
                 links["draft"].retarget(cluster.processes["draft"].address)  # the draft comes up
                 wait_for(lambda: joined(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
                 assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id
                 after = [stub.Generate(make_request(p, max_new=8, ignore_eos=True)) for p in prompts]
                 assert [list(r.token_ids) for r in after] == expected
+                # a session begun without the draft goes on with it (the draft computes its history)
+                turn2 = stub.Generate(make_request([8, 9], session_id="across", max_new=8, ignore_eos=True))
+                history = (*PROMPT, *turn1.token_ids, 8, 9)
+                assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), history, 8, ignore_eos=True)
+                assert turn2.stats.draft_tokens_proposed > turn2.stats.lookup_tokens_proposed
                 modelled = sum(r.stats.draft_tokens_proposed - r.stats.lookup_tokens_proposed for r in after)
                 assert modelled > 0
     finally:
