@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
-from coordinator.turn import Turn, TurnDeps
+from coordinator.turn import CLEANUP_TIMEOUT_S, Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
 from coordinator.workers import DraftClient, StartupWait, TargetPool, translates
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
@@ -334,12 +334,13 @@ class Engine:
         return Turn(self.deps, request, deadline)
 
     async def close_session(self, session_id: str) -> bool:
-        """Deletes the session and frees its caches in every worker (idempotent)."""
+        """Deletes the session and frees its caches in every worker (idempotent). Freeing is best
+        effort, as after a failed turn (workers also free idle caches): a hung worker gets
+        ``CLEANUP_TIMEOUT_S``, not --worker-timeout-s."""
         existed = await self.store.delete(session_id)
-        timeout = self.settings.worker_timeout_s
-        calls = [replica.release(session_id, timeout) for replica in self.targets.replicas]
+        calls = [replica.release(session_id, CLEANUP_TIMEOUT_S) for replica in self.targets.replicas]
         if self.draft is not None:
-            calls.append(self.draft.release(session_id, timeout))
+            calls.append(self.draft.release(session_id, CLEANUP_TIMEOUT_S))
         await asyncio.gather(*calls, return_exceptions=True)
         return existed
 

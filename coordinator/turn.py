@@ -102,6 +102,9 @@ class RoundOutput:
     prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
+CLEANUP_TIMEOUT_S = 2.0  # freeing a session's worker caches is best effort: a hung worker gets this long
+
+
 @dataclass
 class TurnDeps:
     """What a turn needs from the coordinator."""
@@ -118,7 +121,7 @@ class TurnDeps:
     pipelined: bool = False
     adaptive_k: bool = True
     probe_every: int = 32
-    cleanup_timeout_s: float = 2.0
+    cleanup_timeout_s: float = CLEANUP_TIMEOUT_S
     lease_s: float = 90.0
     prefix_block: int = 0  # prefix reuse in blocks of this many tokens; 0 = off
     prefix_ttl_s: float = 900.0  # how long a prefix record is kept: as long as a worker keeps an unused cache

@@ -84,6 +84,34 @@ def test_draft_lost_mid_stream_falls_back_then_resumes(
     }
 
 
+@pytest.mark.parametrize("role", ["draft", "target"])
+def test_close_session_with_a_hung_worker_answers_at_once(
+    role: str, tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """CloseSession while a worker is hung (SIGSTOP). The session is deleted from the state store
+    first; freeing the workers' caches is best effort (they also free idle ones themselves). Main
+    waited for each worker's ReleaseSession up to --worker-timeout-s (60 s): a client's CloseSession
+    with a 10 s deadline got DEADLINE_EXCEEDED though the session was gone. Now the releases get the
+    same 2 s a failed turn's clean-up gets."""
+    with (
+        fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(make_request(PROMPT, session_id="hung", max_new=6))
+        process = cluster.processes["target-0" if role == "target" else role]
+        os.kill(process.proc.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            closed = stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="hung"), timeout=10)
+            took = time.monotonic() - began
+        finally:
+            os.kill(process.proc.pid, signal.SIGCONT)
+        assert closed.existed and took < 4, took
+        assert not stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="hung"), timeout=10).existed
+    fault_report[f"CloseSession with the {role} hung"] = {"answered_s": round(took, 2), "existed": True}
+
+
 def test_draft_model_error_falls_back_to_target_only(
     tmp_path: Path, tiny_models: TinyModels, fault_report: dict
 ) -> None:
