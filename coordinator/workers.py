@@ -203,6 +203,10 @@ def _rendezvous(session_id: str, address: str) -> bytes:
     return hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest()
 
 
+# What replicas of one deployment share besides the vocabulary (the verify names that).
+_ALIKE_FIELDS = ("model_id", "max_context_len", "max_draft_tokens")
+
+
 class TargetPool:
     """Target replicas. A session sticks to the replica holding its cache; when that one fails it
     moves to the next by rendezvous hashing (so every coordinator picks the same one) and is
@@ -211,6 +215,7 @@ class TargetPool:
     def __init__(self, addresses: Sequence[str], settings: CoordinatorSettings, retry_s: float) -> None:
         self.replicas = [TargetClient(address, settings, retry_s) for address in addresses]
         self._joining: set[asyncio.Task[common_pb2.WorkerInfo | None]] = set()
+        self._first: common_pb2.WorkerInfo | None = None  # the Info of the first replica that served
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         """Waits until a replica serves and returns its Info. Replicas that have not answered yet
@@ -231,7 +236,24 @@ class TargetPool:
             raise RuntimeError("target replicas serve models with different vocabularies; deploy one model")
         for replica in self.replicas:  # also those not up yet, and any restarted with another model
             replica.vocabulary = (infos[0].tokenizer_hash, infos[0].vocab_size)
+        self._first = infos[0]
+        for replica in self.replicas:
+            if replica.breaker.up:  # joined with the first
+                self._compare(replica)
         return infos[0]
+
+    def _compare(self, replica: TargetClient) -> None:
+        """Warns when a replica serves another model than the first one that served (one vocabulary
+        does not make one model: greedy tokens would depend on the replica a session lands on)."""
+        assert self._first is not None
+        differ = [f for f in _ALIKE_FIELDS if getattr(replica.info, f) != getattr(self._first, f)]
+        if differ:
+            log.warning(
+                "target_replicas_differ", address=replica.address, fields=differ,
+                replica={f: getattr(replica.info, f) for f in differ},
+                first={f: getattr(self._first, f) for f in differ},
+                effect="replies depend on the replica a session is verified on; deploy one model everywhere",
+            )  # fmt: skip
 
     async def _join(self, replica: TargetClient, timeout_s: float) -> common_pb2.WorkerInfo | None:
         """Waits for one replica; from then on it is used, or, if it never served, retried like a
@@ -249,6 +271,8 @@ class TargetPool:
             replica.breaker.trip()
             return None
         log.info("target_joined", address=replica.address, model=info.model_id)
+        if self._first is not None:
+            self._compare(replica)
         return info
 
     def candidates(self, session_id: str, current: str | None) -> list[TargetClient]:

@@ -4,10 +4,12 @@ may serve the request) or this request's."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from coordinator.settings import CoordinatorSettings
 from coordinator.workers import TargetClient, TargetPool
@@ -51,6 +53,23 @@ async def test_an_error_of_the_request_is_not_failed_over() -> None:
         await _verify_answering(grpc.StatusCode.INVALID_ARGUMENT)
 
 
+async def _serving_target(info: common_pb2.WorkerInfo, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """A real gRPC server that reports SERVING and answers Info with ``info``; its port."""
+
+    async def answer(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return target_pb2.TargetInfoResponse(info=info).SerializeToString()
+
+    server = grpc.aio.server()
+    checks = health.aio.HealthServicer()
+    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    handlers = {"Info": grpc.unary_unary_rpc_method_handler(answer)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specdec.v1.TargetWorker", handlers),))
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
 @pytest.mark.asyncio
 async def test_a_replica_that_has_not_served_is_tried_last_until_it_joins() -> None:
     """Two replicas, one serving (a real health and Info server) and one unreachable: start-up
@@ -58,19 +77,7 @@ async def test_a_replica_that_has_not_served_is_tried_last_until_it_joins() -> N
     failed call tripped it (a trip does not cut its wait short); one that did not serve within the
     start-up timeout is then retried like a replica that failed."""
 
-    async def info(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return target_pb2.TargetInfoResponse(info=common_pb2.WorkerInfo(model_id="m", vocab_size=9)).SerializeToString()
-
-    server = grpc.aio.server()
-    checks = health.aio.HealthServicer()
-    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    handler = grpc.unary_unary_rpc_method_handler(info)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("specdec.v1.TargetWorker", {"Info": handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await _serving_target(common_pb2.WorkerInfo(model_id="m", vocab_size=9))
     addresses = ["127.0.0.1:1", f"127.0.0.1:{port}"]
     pool = TargetPool(addresses, CoordinatorSettings(target_addresses=addresses), retry_s=0.01)
     try:
@@ -91,3 +98,45 @@ async def test_a_replica_that_has_not_served_is_tried_last_until_it_joins() -> N
     finally:
         await pool.close()
         await server.stop(None)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("late", [False, True], ids=["at-start", "joining-later"])
+async def test_replicas_serving_different_models_of_one_vocabulary_are_reported(late: bool) -> None:
+    """Qwen2.5-Coder 0.5B and 1.5B share a tokenizer and a vocabulary size, so a verify naming the
+    vocabulary does not tell them apart, and a session's greedy tokens would depend on the replica
+    it lands on (a rollout gone wrong, or under way). Every replica that joins is compared with the
+    first: a `target_replicas_differ` warning names the fields that differ."""
+    first, first_port = await _serving_target(common_pb2.WorkerInfo(model_id="qwen-0.5b", vocab_size=9))
+    other, other_port = await _serving_target(
+        common_pb2.WorkerInfo(model_id="qwen-1.5b", vocab_size=9, max_context_len=64)
+    )
+    addresses = [f"127.0.0.1:{first_port}", f"127.0.0.1:{other_port}"]
+    pool = TargetPool(addresses, CoordinatorSettings(target_addresses=addresses), retry_s=0.01)
+    try:
+        with capture_logs() as logs:
+            if late:
+                await other.stop(None)
+                await pool.connect(30)
+                other, _ = await _serving_target(
+                    common_pb2.WorkerInfo(model_id="qwen-1.5b", vocab_size=9, max_context_len=64), other_port
+                )
+                await _until(lambda: pool.replicas[1].breaker.up)
+            else:
+                await pool.connect(30)
+                await asyncio.sleep(0.5)  # the second replica answers too
+        warnings = [e for e in logs if e["event"] == "target_replicas_differ"]
+        assert len(warnings) == 1, logs
+        assert warnings[0]["fields"] == ["model_id", "max_context_len"]
+    finally:
+        await pool.close()
+        await first.stop(None)
+        await other.stop(None)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(400):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise TimeoutError("condition not met within 20 s")
