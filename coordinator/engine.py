@@ -219,7 +219,9 @@ class Engine:
                 draft_info = await connecting
                 break
             except (RuntimeError, grpc.aio.AioRpcError) as exc:
-                log.warning("draft_not_ready", address=self.draft.address, error=str(exc))
+                error = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                log.warning("draft_not_ready", address=self.draft.address, error=error)
+                await asyncio.sleep(self.settings.draft_retry_s)  # an Info call can fail at once
                 connecting = asyncio.create_task(self.draft.connect(timeout_s))
         try:
             self._fit_draft(target_info, draft_info)
