@@ -9,6 +9,8 @@ import asyncio
 import threading
 from concurrent.futures import Future
 
+from tests.helpers import free_port
+
 
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``upstream`` ("host:port")."""
@@ -107,3 +109,39 @@ class ProxyRoutes:
     def close(self) -> None:
         for proxy in self.proxies.values():
             proxy.close()
+
+
+class LateLink:
+    """A LocalCluster ``route`` that puts a TcpProxy on the coordinator's link to one service
+    (``name``: "draft", "target-1", ...) and leads it nowhere, so that the service is unreachable
+    when the coordinator starts, until ``come_up`` sends new connections to it. A context manager
+    that closes the proxy."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proxy: TcpProxy | None = None
+        self._upstream = ""
+
+    def __call__(self, name: str, address: str) -> str:
+        if name != self.name:
+            return address
+        self.proxy, self._upstream = TcpProxy(address), address
+        self.proxy.retarget(f"127.0.0.1:{free_port()}")  # nothing listens there
+        return self.proxy.address
+
+    @property
+    def address(self) -> str:
+        """The address the coordinator was given for the service."""
+        assert self.proxy is not None, "the cluster has not been started with this route"
+        return self.proxy.address
+
+    def come_up(self) -> None:
+        assert self.proxy is not None, "the cluster has not been started with this route"
+        self.proxy.retarget(self._upstream)
+
+    def __enter__(self) -> LateLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proxy is not None:
+            self.proxy.close()

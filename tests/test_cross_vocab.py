@@ -18,8 +18,8 @@ from specdec.tools.launch import LaunchError, LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
-from tests.helpers import RedisServer, free_port, real_tokenizer
-from tests.netproxy import TcpProxy
+from tests.helpers import RedisServer, real_tokenizer
+from tests.netproxy import LateLink
 from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
 from tests.tiny_models import build_text_bigram
 
@@ -154,36 +154,24 @@ def test_a_draft_of_another_tokenizer_that_joins_late_is_not_used(tmp_path: Path
     the coordinator logs `draft_not_used` naming the fix and goes on without it (greedy output the
     target's, GetInfo without a draft) instead of drafting ids of another tokenizer."""
     target, draft = pair
-    links: dict[str, TcpProxy] = {}
-
-    def route(name: str, address: str) -> str:
-        if name != "draft":
-            return address
-        links[name] = TcpProxy(address)
-        links[name].retarget(f"127.0.0.1:{free_port()}")  # nothing listens there yet
-        return links[name].address
+    link = LateLink("draft")
 
     def refused(log: str) -> bool:
         return any("draft_not_used" in line and "--target-tokenizer" in line for line in log.splitlines())
 
     cluster = LocalCluster(
         str(target), str(draft), tmp_path, worker_args=CLUSTER_WORKER_ARGS, coordinator_args=CLUSTER_COORDINATOR_ARGS,
-        startup_timeout_s=120, route=route,
+        startup_timeout_s=120, route=link,
     )  # fmt: skip
-    try:
-        with cluster:
-            links["draft"].retarget(cluster.processes["draft"].address)
-            wait_for(lambda: refused(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
-            with grpc.insecure_channel(cluster.address) as channel:
-                stub = coordinator_pb2_grpc.GenerationStub(channel)
-                assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id == ""
-                reply = stub.Generate(make_request([5, 17, 99, 3], k=4, max_new=8, ignore_eos=True))
-                assert list(reply.token_ids) == reference_greedy(str(target), (5, 17, 99, 3), 8, ignore_eos=True)
-                assert reply.stats.draft_tokens_proposed == reply.stats.lookup_tokens_proposed
-                assert worker_info(cluster.processes["draft"].address, "draft").prefill_tokens_total == 0
-    finally:
-        for link in links.values():
-            link.close()
+    with link, cluster, grpc.insecure_channel(cluster.address) as channel:
+        link.come_up()
+        wait_for(lambda: refused(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id == ""
+        reply = stub.Generate(make_request([5, 17, 99, 3], k=4, max_new=8, ignore_eos=True))
+        assert list(reply.token_ids) == reference_greedy(str(target), (5, 17, 99, 3), 8, ignore_eos=True)
+        assert reply.stats.draft_tokens_proposed == reply.stats.lookup_tokens_proposed
+        assert worker_info(cluster.processes["draft"].address, "draft").prefill_tokens_total == 0
 
 
 def test_bench_measures_drafts_of_another_tokenizer(pair: tuple[Path, Path], tmp_path: Path) -> None:

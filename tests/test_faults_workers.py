@@ -17,8 +17,8 @@ import pytest
 from specdec.serving.server import INTERNAL_MESSAGE
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
-from tests.helpers import RedisServer, free_port
-from tests.netproxy import ProxyRoutes, TcpProxy
+from tests.helpers import RedisServer
+from tests.netproxy import LateLink, ProxyRoutes
 from tests.reference import make_request, read_session, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_crashy, build_model, build_tokenizer
 
@@ -219,42 +219,32 @@ def test_a_target_replica_down_at_start_up_does_not_hold_the_coordinator_back(
     loading). Main waited for every replica up to --worker-startup-timeout-s (600 s by default)
     before serving at all, though one served. Now the coordinator serves once one replica does; the
     other is not used while it is not serving and joins when it comes up."""
-    links: dict[str, TcpProxy] = {}
-
-    def route(name: str, address: str) -> str:
-        if name != "target-1":
-            return address
-        links[name] = TcpProxy(address)
-        links[name].retarget(f"127.0.0.1:{free_port()}")  # nothing listens there yet
-        return links[name].address
+    link = LateLink("target-1")
 
     def joined(log: str) -> bool:
-        return any("target_joined" in line and links["target-1"].address in line for line in log.splitlines())
+        return any("target_joined" in line and link.address in line for line in log.splitlines())
 
     prompts = [[5 + i, 17, 99, 3 + i] for i in range(12)]
     expected = [reference_greedy(str(tiny_models.target), tuple(p), 6) for p in prompts]
     began = time.monotonic()
     flags = ["--worker-startup-timeout-s", "60"]
-    try:
-        with fault_cluster(
-            tmp_path, tiny_models.target, None, targets=2, route=route, coordinator_args=flags
-        ) as cluster:
-            started = time.monotonic() - began
-            assert started < 40, f"the coordinator took {started:.0f} s to serve with one replica up"
-            late = cluster.processes["target-1"]
-            with grpc.insecure_channel(cluster.address) as channel:
-                stub = coordinator_pb2_grpc.GenerationStub(channel)
-                replies = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
-                assert replies == expected
-                assert metric(cluster, "coordinator", "specdec_target_failovers_total") == 0
-                links["target-1"].retarget(late.address)  # the replica comes up
-                wait_for(lambda: joined(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
-                again = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
-                assert again == expected
-                assert worker_info(late.address, "target").prefill_tokens_total > 0
-    finally:
-        for link in links.values():
-            link.close()
+    with (
+        link,
+        fault_cluster(tmp_path, tiny_models.target, None, targets=2, route=link, coordinator_args=flags) as cluster,
+    ):
+        started = time.monotonic() - began
+        assert started < 40, f"the coordinator took {started:.0f} s to serve with one replica up"
+        late = cluster.processes["target-1"]
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            replies = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
+            assert replies == expected
+            assert metric(cluster, "coordinator", "specdec_target_failovers_total") == 0
+            link.come_up()
+            wait_for(lambda: joined(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
+            again = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
+            assert again == expected
+            assert worker_info(late.address, "target").prefill_tokens_total > 0
     fault_report["a target replica down at start-up (2 replicas)"] = {
         "coordinator_ready_s": round(started, 1),
         "identical_output": True,
@@ -270,14 +260,6 @@ def test_a_draft_down_at_start_up_joins_when_it_serves(
     missing optimisation, against the failure model (a draft that is down means target-only). Now
     the coordinator waits at most 10 s for it, serves without it (lookup drafts, as a coordinator
     with no draft), and takes it on when it serves: GetInfo names it, and requests are drafted by it."""
-    links: dict[str, TcpProxy] = {}
-
-    def route(name: str, address: str) -> str:
-        if name != "draft":
-            return address
-        links[name] = TcpProxy(address)
-        links[name].retarget(f"127.0.0.1:{free_port()}")  # nothing listens there yet
-        return links[name].address
 
     def joined(log: str) -> bool:
         return any("draft_joined" in line for line in log.splitlines())
@@ -286,34 +268,31 @@ def test_a_draft_down_at_start_up_joins_when_it_serves(
     expected = [reference_greedy(str(tiny_models.target), tuple(p), 8, ignore_eos=True) for p in prompts]
     flags = ["--worker-startup-timeout-s", "60"]
     began = time.monotonic()
-    try:
-        with fault_cluster(
-            tmp_path, tiny_models.target, tiny_models.same, route=route, coordinator_args=flags
-        ) as cluster:
-            started = time.monotonic() - began
-            assert started < 40, f"the coordinator took {started:.0f} s to serve without its draft"
-            with grpc.insecure_channel(cluster.address) as channel:
-                stub = coordinator_pb2_grpc.GenerationStub(channel)
-                assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id == ""
-                before = [stub.Generate(make_request(p, max_new=8, fixed=False, ignore_eos=True)) for p in prompts]
-                assert [list(r.token_ids) for r in before] == expected
-                assert all(r.stats.draft_tokens_proposed == r.stats.lookup_tokens_proposed for r in before)
-                turn1 = stub.Generate(make_request(PROMPT, session_id="across", max_new=8, ignore_eos=True))
-                links["draft"].retarget(cluster.processes["draft"].address)  # the draft comes up
-                wait_for(lambda: joined(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
-                assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id
-                after = [stub.Generate(make_request(p, max_new=8, ignore_eos=True)) for p in prompts]
-                assert [list(r.token_ids) for r in after] == expected
-                # a session begun without the draft goes on with it (the draft computes its history)
-                turn2 = stub.Generate(make_request([8, 9], session_id="across", max_new=8, ignore_eos=True))
-                history = (*PROMPT, *turn1.token_ids, 8, 9)
-                assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), history, 8, ignore_eos=True)
-                assert turn2.stats.draft_tokens_proposed > turn2.stats.lookup_tokens_proposed
-                modelled = sum(r.stats.draft_tokens_proposed - r.stats.lookup_tokens_proposed for r in after)
-                assert modelled > 0
-    finally:
-        for link in links.values():
-            link.close()
+    with (
+        LateLink("draft") as link,
+        fault_cluster(tmp_path, tiny_models.target, tiny_models.same, route=link, coordinator_args=flags) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        started = time.monotonic() - began
+        assert started < 40, f"the coordinator took {started:.0f} s to serve without its draft"
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id == ""
+        before = [stub.Generate(make_request(p, max_new=8, fixed=False, ignore_eos=True)) for p in prompts]
+        assert [list(r.token_ids) for r in before] == expected
+        assert all(r.stats.draft_tokens_proposed == r.stats.lookup_tokens_proposed for r in before)
+        turn1 = stub.Generate(make_request(PROMPT, session_id="across", max_new=8, ignore_eos=True))
+        link.come_up()
+        wait_for(lambda: joined(cluster.processes["coordinator"].log_tail(200)), 30, 0.2)
+        assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id
+        after = [stub.Generate(make_request(p, max_new=8, ignore_eos=True)) for p in prompts]
+        assert [list(r.token_ids) for r in after] == expected
+        # a session begun without the draft goes on with it (the draft computes its history)
+        turn2 = stub.Generate(make_request([8, 9], session_id="across", max_new=8, ignore_eos=True))
+        history = (*PROMPT, *turn1.token_ids, 8, 9)
+        assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), history, 8, ignore_eos=True)
+        assert turn2.stats.draft_tokens_proposed > turn2.stats.lookup_tokens_proposed
+        modelled = sum(r.stats.draft_tokens_proposed - r.stats.lookup_tokens_proposed for r in after)
+        assert modelled > 0
     fault_report["the draft down at start-up"] = {
         "coordinator_ready_s": round(started, 1),
         "identical_output": True,
