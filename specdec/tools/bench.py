@@ -413,6 +413,38 @@ def check_methods(cfg: BenchConfig) -> None:
         raise ValueError(f"no row named '{name}' in this run; --method takes one of: {known}")
 
 
+def check_paths(cfg: BenchConfig) -> None:
+    """Every model, the draft vocabulary and the report's place can be used; raises ValueError
+    naming the flag, before anything loads (a bad --out would otherwise fail after the whole run)."""
+    from specdec.runtime.tokenizer import check_source
+
+    models = {"--model": cfg.model, "--draft-model": cfg.draft_model, "--cross-draft-model": cfg.cross_draft_model}
+    for flag, source in models.items():
+        if source:
+            try:
+                check_source(source)
+            except ValueError as e:
+                raise ValueError(f"{flag} {e}") from None
+    if cfg.draft_vocab:
+        try:
+            with open(cfg.draft_vocab, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise ValueError(f"cannot read --draft-vocab {cfg.draft_vocab}: {e}") from None
+    if cfg.out.is_dir():
+        raise ValueError(f"--out {cfg.out} is a directory; give the JSON report's file name (the plots go beside it)")
+    try:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot write --out {cfg.out}: {e}") from None
+    if not os.access(cfg.out.parent, os.W_OK):
+        raise ValueError(f"cannot write --out {cfg.out}: its directory is not writable")
+
+
+class ServiceExited(RuntimeError):
+    """A service process of the benchmark exited while it ran: its rows measured something else."""
+
+
 @contextmanager
 def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
     """Target + draft workers and the coordinator with default settings (K = cfg.k); for the
@@ -467,7 +499,7 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
         # failing over: numbers, but not of the method the row names.
         dead = {name: p.proc.returncode for name, p in processes.items() if p.proc.poll() is not None}
         if dead:
-            raise RuntimeError(
+            raise ServiceExited(
                 f"service processes exited during the benchmark: {dead} (exit code -9 is usually the "
                 "out-of-memory killer: free memory or run fewer rows); the report was not written"
             )
@@ -796,6 +828,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     check_methods(cfg)
+    check_paths(cfg)
     prompts = tokenize_prompts(cfg)
     per_repeat = len(prompts) * ((0 if cfg.skip_hf else len(hf_methods(cfg))) + len(service_methods(cfg)))
     with tqdm(total=per_repeat * cfg.repeats + len(cfg.concurrency), unit="run", desc="bench") as bar:

