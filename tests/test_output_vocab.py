@@ -112,6 +112,9 @@ def test_the_corpus_is_read_from_files_and_directories(tmp_path: Path) -> None:
         list(corpus_texts([tmp_path / "nope"], ["**/*"], 100))
     with pytest.raises(ValueError, match=r"no UTF-8 text .* \(files matching \*\*/\*.rs or \*.go\)"):
         list(corpus_texts([tmp_path / "d"], ["**/*.rs", "*.go"], 100))
+    for nothing in (0, -1):  # read no text at all: a vocabulary of the lowest ids, not of the corpus
+        with pytest.raises(ValueError, match=f"--max-bytes must be at least 1, got {nothing}"):
+            list(corpus_texts([tmp_path / "d"], ["**/*.py"], nothing))
 
 
 def test_the_command_writes_a_file_the_draft_worker_loads(tiny_models: TinyModels, tmp_path: Path) -> None:
@@ -124,3 +127,16 @@ def test_the_command_writes_a_file_the_draft_worker_loads(tiny_models: TinyModel
     loaded = load_model(str(tiny_models.target), LoadOptions(device="cpu", cpu_kernel="torch", output_vocab=str(out)))
     assert isinstance(loaded.model.get_output_embeddings(), RestrictedHead)
     assert main(["draft-vocab", str(tmp_path / "nope"), "--model", str(tiny_models.target), "--out", str(out)]) == 2
+
+
+def test_the_command_checks_its_out_before_it_counts(
+    tiny_models: TinyModels, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An --out it cannot write is refused naming the flag before the corpus (up to 200 MB) is counted."""
+    (tmp_path / "corpus.txt").write_text("x = 1\n")
+    (tmp_path / "a-file").write_text("")
+    for out, expected in ((tmp_path, "is a directory"), (tmp_path / "a-file" / "v.json", "cannot write --out")):
+        args = ["draft-vocab", str(tmp_path / "corpus.txt"), "--model", str(tiny_models.target), "--out", str(out)]
+        assert main(args) == 2
+        error = capsys.readouterr().err
+        assert f"--out {out}" in error and expected in error, error

@@ -417,6 +417,7 @@ def check_paths(cfg: BenchConfig) -> None:
     """Every model, the draft vocabulary and the report's place can be used; raises ValueError
     naming the flag, before anything loads (a bad --out would otherwise fail after the whole run)."""
     from specdec.runtime.tokenizer import check_source
+    from specdec.tools.paths import check_output_file
 
     models = {"--model": cfg.model, "--draft-model": cfg.draft_model, "--cross-draft-model": cfg.cross_draft_model}
     for flag, source in models.items():
@@ -431,14 +432,7 @@ def check_paths(cfg: BenchConfig) -> None:
                 f.read(1)
         except OSError as e:
             raise ValueError(f"cannot read --draft-vocab {cfg.draft_vocab}: {e}") from None
-    if cfg.out.is_dir():
-        raise ValueError(f"--out {cfg.out} is a directory; give the JSON report's file name (the plots go beside it)")
-    try:
-        cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot write --out {cfg.out}: {e}") from None
-    if not os.access(cfg.out.parent, os.W_OK):
-        raise ValueError(f"cannot write --out {cfg.out}: its directory is not writable")
+    check_output_file(cfg.out, "--out", " (the JSON report; the plots go beside it)")
 
 
 class ServiceExited(RuntimeError):

@@ -10,6 +10,7 @@ import structlog
 
 from specdec.runtime.output_vocab import build_output_vocab, write_output_vocab
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
+from specdec.tools.paths import check_output_file
 
 log = structlog.get_logger(__name__)
 
@@ -18,6 +19,8 @@ def corpus_texts(paths: Sequence[Path], patterns: Sequence[str], max_bytes: int)
     """The UTF-8 text of ``paths`` (files, and the files under directories that match any of
     ``patterns``), in a stable order, up to ``max_bytes`` in all; files that are not UTF-8 text are
     skipped. Raises ValueError for a path that does not exist or a corpus with no text."""
+    if max_bytes < 1:
+        raise ValueError(f"--max-bytes must be at least 1, got {max_bytes}")
     read = 0
     for path in paths:
         if not path.exists():
@@ -49,6 +52,7 @@ def make_draft_vocab(
     max_bytes: int = 200_000_000,
 ) -> list[int]:
     """Builds the draft vocabulary of ``model``'s tokenizer from ``corpus`` and writes it to ``out``."""
+    check_output_file(out, "--out", " (the draft vocabulary's JSON)")
     tokenizer = load_tokenizer(model)
     ids = build_output_vocab(tokenizer, corpus_texts(corpus, patterns, max_bytes), size)
     source = f"{size} tokens of {', '.join(map(str, corpus))} ({' or '.join(patterns)})"
