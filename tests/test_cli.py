@@ -334,6 +334,30 @@ def test_bench_says_what_is_wrong_with_a_path_before_it_runs(tmp_path: Path, cas
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+        (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be in [1, 16], got 0"),
+        (["--num-speculative-tokens", "17"], "--num-speculative-tokens must be in [1, 16], got 17"),
+        (["--max-prompts", "-1"], "--max-prompts must be at least 0 (0 = all), got -1"),
+        (["--early-exit-layers", "-1"], "--early-exit-layers must be at least 0 (0 = no such rows), got -1"),
+        (["--reply-index-tokens", "-1"], "--reply-index-tokens must be at least 0 (0 = no such row), got -1"),
+        (["--concurrency", "1,0"], "--concurrency takes request counts of at least 1 such as 1,2,4, got '1,0'"),
+        (["--concurrency", "x"], "--concurrency takes request counts of at least 1 such as 1,2,4, got 'x'"),
+        (["--device", "nope"], "--device nope is not a device torch knows"),
+    ],
+)
+def test_bench_says_what_is_wrong_with_a_number_before_it_runs(flags: list[str], expected: str) -> None:
+    """Numbers the bench cannot run with are refused before anything loads (they loaded the models
+    and then ran no repeat, asked the server for K it refuses, or failed on a parse error's words)."""
+    result = run("bench", "--model", "no-such-model", "--draft-model", "no-such-draft", *flags, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"specdec bench: error: {expected}" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
 def test_bench_says_which_service_did_not_start(tiny_models: TinyModels, tmp_path: Path) -> None:
     """A model that a worker cannot load ends the bench with that worker's log, not a traceback."""
     import shutil

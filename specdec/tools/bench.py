@@ -139,6 +139,9 @@ HF_DEFAULT = "hf assisted default"
 _REFERENCES = (HF_TARGET, "service target-only")
 
 
+MAX_K = 16  # the bench's coordinators take blocks up to this long (--max-speculative-tokens)
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     model: str
@@ -413,6 +416,35 @@ def check_methods(cfg: BenchConfig) -> None:
         raise ValueError(f"no row named '{name}' in this run; --method takes one of: {known}")
 
 
+def check_numbers(cfg: BenchConfig) -> None:
+    """Every count and the device can be run with; raises ValueError naming the flag."""
+    import torch
+
+    bounds = {
+        "--repeats": (cfg.repeats, 1, ""),
+        "--max-new-tokens": (cfg.max_new_tokens, 1, ""),
+        "--early-exit-layers": (cfg.early_exit_layers, 0, " (0 = no such rows)"),
+        "--reply-index-tokens": (cfg.reply_index_tokens, 0, " (0 = no such row)"),
+    }
+    for flag, (value, least, meaning) in bounds.items():
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}{meaning}, got {value}")
+    if not 1 <= cfg.k <= MAX_K:
+        raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_K}], got {cfg.k}")
+    try:
+        torch.device(cfg.device)
+    except RuntimeError:
+        raise ValueError(f"--device {cfg.device} is not a device torch knows (cpu, cuda, cuda:1, ...)") from None
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """The run can start: its rows, numbers and paths (see each check); raises ValueError saying
+    what to change, before anything loads."""
+    check_methods(cfg)
+    check_numbers(cfg)
+    check_paths(cfg)
+
+
 def check_paths(cfg: BenchConfig) -> None:
     """Every model, the draft vocabulary and the report's place can be used; raises ValueError
     naming the flag, before anything loads (a bad --out would otherwise fail after the whole run)."""
@@ -446,10 +478,10 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
     and the same target (only those some chosen row uses). Yields the coordinators' addresses."""
     from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
 
-    k = str(max(cfg.k, 1))
+    k = str(cfg.k)
     # Prefix reuse off: every row sends the same prompts, and a row that found the prompt cached by
     # the row before it would skip the prefill that HF's generate (and a new prompt) pays.
-    common = ["--max-speculative-tokens", "16", "--num-speculative-tokens", k, "--default-max-new-tokens", "1024",
+    common = ["--max-speculative-tokens", str(MAX_K), "--num-speculative-tokens", k, "--default-max-new-tokens", "1024",
               "--prefix-block-tokens", "0"]  # fmt: skip
     cluster = LocalCluster(
         cfg.model, cfg.draft_model, workdir, worker_args=["--device", cfg.device],
@@ -821,8 +853,7 @@ def interleave(*sources: Iterator[T]) -> Iterator[T]:
 def run(cfg: BenchConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
-    check_methods(cfg)
-    check_paths(cfg)
+    check_config(cfg)
     prompts = tokenize_prompts(cfg)
     per_repeat = len(prompts) * ((0 if cfg.skip_hf else len(hf_methods(cfg))) + len(service_methods(cfg)))
     with tqdm(total=per_repeat * cfg.repeats + len(cfg.concurrency), unit="run", desc="bench") as bar:
@@ -857,13 +888,22 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part)
+    """``--concurrency``'s request counts ('' = none); raises ValueError for anything else."""
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part)
+    except ValueError:
+        counts = (0,)
+    if any(count < 1 for count in counts):
+        raise ValueError(f"--concurrency takes request counts of at least 1 such as 1,2,4, got {text!r}")
+    return counts
 
 
 def workloads_from(path: Path | None, max_prompts: int = 0) -> dict[str, tuple[str, ...]]:
     """The built-in workloads, or one workload ``file`` of the prompts in a file (separated by
     lines holding only '---'); ``max_prompts`` > 0 keeps the first that many of each. Raises
     ValueError for a file that cannot be read or holds no prompt."""
+    if max_prompts < 0:
+        raise ValueError(f"--max-prompts must be at least 0 (0 = all), got {max_prompts}")
     if path is None:
         workloads = dict(WORKLOADS)
     else:

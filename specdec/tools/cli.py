@@ -357,8 +357,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         cfg = bench_config(args)
-        bench.check_methods(cfg)
-        bench.check_paths(cfg)
+        bench.check_config(cfg)
     except ValueError as e:
         sys.stderr.write(f"specdec bench: error: {e}\n")
         return 2
