@@ -6,6 +6,7 @@ import importlib.util
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -288,6 +289,41 @@ def test_generate_with_penalties_and_logprobs_prints_one_line_per_token(tiny_mod
     for line in table:
         token, logprob, *alternatives = line.split()
         assert int(token) >= 0 and float(logprob) <= 0 and len(alternatives) == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--logit-bias", "x"], "--logit-bias takes ID=BIAS (a token id, a number), got 'x'"),
+        (["--logit-bias", "5=abc"], "--logit-bias takes ID=BIAS (a token id, a number), got '5=abc'"),
+        (["--device", "nope"], "--device nope is not a device torch knows"),
+    ],
+)
+def test_generate_says_what_is_wrong_with_a_flag_without_a_traceback(
+    tiny_models: TinyModels, flags: list[str], expected: str
+) -> None:
+    result = run("generate", "--model", str(tiny_models.target), "--prompt", "hi", *flags, timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert expected in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_gives_up_on_a_state_store_it_cannot_reach(tiny_models: TinyModels) -> None:
+    """A --state-url where nothing listens: the coordinator waits for a store as a service does
+    (10 minutes by default), and `generate` said nothing all that time. It now gives up after 30 s
+    with the coordinator's log, which names the store's error."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    result = run(
+        "generate", "--model", str(tiny_models.target), "--prompt", "hi", "--device", "cpu",
+        "--state-url", f"redis://127.0.0.1:{port}/0", timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "specdec generate: coordinator exited with code 1" in result.stderr, result.stderr[-3000:]
+    assert "waiting_for_state_store" in result.stderr and f"127.0.0.1:{port}" in result.stderr
+    assert time.monotonic() - started < 90
 
 
 def test_generate_chat_without_a_template_says_so(tiny_models: TinyModels) -> None:

@@ -125,12 +125,16 @@ def release_freed_memory() -> None:
 
 
 def resolve_device(spec: str) -> torch.device:
-    """``auto`` picks the first CUDA device when there is one, else the CPU."""
+    """``auto`` picks the first CUDA device when there is one, else the CPU. Raises ValueError
+    (starting with ``spec``) for a device torch does not know or CUDA where there is none."""
     if spec == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"{spec} is not a device torch knows (auto, cpu, cuda, cuda:1, ...)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {spec!r} requested but CUDA is not available; use --device cpu")
+        raise ValueError(f"{spec} requested but CUDA is not available; use --device cpu")
     return device
 
 

@@ -418,7 +418,7 @@ def check_methods(cfg: BenchConfig) -> None:
 
 def check_numbers(cfg: BenchConfig) -> None:
     """Every count and the device can be run with; raises ValueError naming the flag."""
-    import torch
+    from specdec.runtime.modeling import resolve_device
 
     bounds = {
         "--repeats": (cfg.repeats, 1, ""),
@@ -432,9 +432,9 @@ def check_numbers(cfg: BenchConfig) -> None:
     if not 1 <= cfg.k <= MAX_K:
         raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_K}], got {cfg.k}")
     try:
-        torch.device(cfg.device)
-    except RuntimeError:
-        raise ValueError(f"--device {cfg.device} is not a device torch knows (cpu, cuda, cuda:1, ...)") from None
+        resolve_device(cfg.device)
+    except ValueError as e:
+        raise ValueError(f"--device {e}") from None
 
 
 def check_config(cfg: BenchConfig) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from specdec.tools.bench import BenchConfig
 
+GENERATE_STORE_WAIT_S = 30  # how long `generate`'s coordinator waits for a state store it cannot reach
 SERVE_HELP = "run one service: coordinator | draft | target (flags: specdec serve ROLE --help)"
 
 
@@ -35,6 +36,14 @@ def serve_role(role: str, argv: Sequence[str]) -> int:
         return 2
     run(argv)
     return 0
+
+
+def _logit_bias(item: str) -> tuple[int, float]:
+    token, _, bias = item.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias takes ID=BIAS (a token id, a number), got {item!r}") from None
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -71,8 +80,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty [-2, 2]")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p filter [0, 1]")
     p.add_argument(
-        "--logit-bias", action="append", default=[], metavar="ID=BIAS", help="add BIAS to token ID's logit (repeat)"
-    )
+        "--logit-bias", action="append", default=[], type=_logit_bias, metavar="ID=BIAS",
+        help="add BIAS to token ID's logit (repeat)",
+    )  # fmt: skip
     p.add_argument("--logprobs", type=int, metavar="N", help="print each token's logprob and N alternatives (0-20)")
     p.add_argument("--state-url", default="memory://", help="memory:// or redis://host:port/db")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:n] for both workers")
@@ -95,9 +105,8 @@ def _generate_request(args: argparse.Namespace) -> Any:
         sampling.repetition_penalty = args.repetition_penalty
     sampling.presence_penalty, sampling.frequency_penalty = args.presence_penalty, args.frequency_penalty
     sampling.min_p = args.min_p
-    for item in args.logit_bias:
-        token, _, bias = item.partition("=")
-        sampling.logit_bias[int(token)] = float(bias)
+    for token, bias in args.logit_bias:
+        sampling.logit_bias[token] = bias
     if args.logprobs is not None:
         sampling.logprobs, sampling.top_logprobs = True, args.logprobs
     request = coordinator_pb2.GenerateRequest(
@@ -159,11 +168,18 @@ def _generate(args: argparse.Namespace) -> int:
     from specdec.runtime.modeling import resolve_device
     from specdec.tools.launch import LaunchError, LocalCluster
 
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        sys.stderr.write(f"specdec generate: error: --device {e}\n")
+        return 2
     worker_args = ["--device", args.device, "--dtype", args.dtype]
     # the draft translates only if its tokenizer differs from the target's
     draft_args = ["--quantize", args.draft_quantize, "--target-tokenizer", args.model]
     draft_args += ["--vocab-method", args.draft_vocab_method]
-    coordinator_args = ["--state-url", args.state_url]
+    # the workers serve before the coordinator starts: its start-up waits only for the state store,
+    # which a local run does not wait 10 minutes for
+    coordinator_args = ["--state-url", args.state_url, "--worker-startup-timeout-s", str(GENERATE_STORE_WAIT_S)]
     if args.num_speculative_tokens is not None:  # asked for by the request; the server must allow it
         coordinator_args += ["--max-speculative-tokens", str(max(args.num_speculative_tokens, 16))]
     with tempfile.TemporaryDirectory(prefix="specdec-") as tmp:
@@ -175,7 +191,7 @@ def _generate(args: argparse.Namespace) -> int:
             worker_args,
             draft_args,
             coordinator_args=coordinator_args,
-            share_cpu=resolve_device(args.device).type == "cpu",
+            share_cpu=device.type == "cpu",
         )
         try:
             with cluster:
