@@ -22,7 +22,7 @@ from specdec.runtime.sampling import GREEDY_TEMPERATURE
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.serving.errors import NotServing, Overloaded, StateUnreachable
 from specdec.serving.metrics import CoordinatorMetrics
-from specdec.state import StateStore, open_store
+from specdec.state import StateStore, open_store, store_location
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -190,7 +190,7 @@ class Engine:
     async def _start_store(self, timeout_s: float) -> None:
         """Connects to the state store, waiting for it (as for a worker) while it cannot be reached;
         a store that refuses the coordinator (a wrong password) ends start-up at once."""
-        wait = StartupWait("waiting_for_state_store", timeout_s)
+        wait = StartupWait("waiting_for_state_store", timeout_s, store=store_location(self.settings.state_url))
         while True:
             try:
                 await self.store.start()
@@ -198,7 +198,7 @@ class Engine:
             except StateUnreachable as exc:
                 if wait.over:
                     raise
-                wait.tick(error=str(exc))
+                wait.tick(error=str(exc), cause=str(exc.__cause__ or exc))
                 await asyncio.sleep(0.5)
 
     def _fit_draft(self, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo) -> None:

@@ -322,7 +322,10 @@ def test_generate_gives_up_on_a_state_store_it_cannot_reach(tiny_models: TinyMod
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
     assert "specdec generate: coordinator exited with code 1" in result.stderr, result.stderr[-3000:]
-    assert "waiting_for_state_store" in result.stderr and f"127.0.0.1:{port}" in result.stderr
+    waiting = [line for line in result.stderr.splitlines() if "waiting_for_state_store" in line]
+    assert waiting, result.stderr[-3000:]
+    for line in waiting:  # the store it waits for and why it cannot reach it (it said "ConnectionError")
+        assert f'"store": "redis://127.0.0.1:{port}/0"' in line and f"connecting to 127.0.0.1:{port}" in line, line
     assert time.monotonic() - started < 90
 
 

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from specdec.runtime.tokens import pack_tokens
 from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict, StateLost
-from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store
+from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store, store_location
 from specdec.state.redis_store import RedisStateStore
 from tests.helpers import RedisServer
 
@@ -469,3 +469,11 @@ async def test_an_open_turn_that_another_writer_moved_past_is_kept(
     record = await store.acquire(session, c, create=False)
     assert record.tokens == [1, 2, 3, 4] and record.version == version + 2
     assert not await client.hexists(store.key(session), "undo_tokens")
+
+
+def test_a_store_is_named_in_logs_without_its_credentials() -> None:
+    """Start-up's waiting_for_state_store names the store it waits for: never a password."""
+    assert store_location("rediss://user:s3cret@redis.specdec:6380/2?password=s4") == "rediss://redis.specdec:6380/2"
+    assert store_location("redis://:s3cret@127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert store_location("unix:///run/redis.sock?password=s3cret") == "unix:///run/redis.sock"
+    assert store_location("memory://") == "memory://"

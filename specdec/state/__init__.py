@@ -31,7 +31,14 @@ __all__ = [
     "SessionRecord",
     "StateStore",
     "open_store",
+    "store_location",
 ]
+
+
+def store_location(url: str) -> str:
+    """``url`` without its credentials and options (user, password, query): fit for a log."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 
 
 def open_store(
