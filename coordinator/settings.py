@@ -8,7 +8,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 
 from coordinator.adaptive import drafting_method
 from specdec.serving.security import read_secret_file
-from specdec.serving.settings import ServiceSettings
+from specdec.serving.settings import ServiceSettings, StringList
 
 
 class CoordinatorSettings(ServiceSettings):
@@ -18,7 +18,7 @@ class CoordinatorSettings(ServiceSettings):
     max_message_bytes: int = Field(
         8 * 1024 * 1024, gt=0, description="largest request accepted (RESOURCE_EXHAUSTED above)"
     )
-    target_addresses: list[str] = Field(min_length=1, description="target worker host:port list (comma separated)")
+    target_addresses: StringList = Field(min_length=1, description="target worker host:port list (comma separated)")
     draft_address: str | None = Field(None, description="draft worker host:port; unset = target-only decoding")
     tokenizer: str | None = Field(None, description="tokenizer path or hub id (default: the target's model id)")
     served_model_name: str | None = Field(

@@ -44,6 +44,34 @@ def test_target_addresses_without_a_blank_or_repeated_entry(addresses: str, caps
     assert "target_addresses (--target-addresses / SPECDEC_TARGET_ADDRESSES)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [('["a:1","b:2"]', ["a:1", "b:2"]), ("a:1,b:2", ["a:1", "b:2"]), ("a:1", ["a:1"]), (' [ "a:1" ] ', ["a:1"])],
+)
+def test_a_list_in_the_environment_is_json_or_comma_separated(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: list[str]
+) -> None:
+    """SPECDEC_TARGET_ADDRESSES=t0:50051 (written as the flag takes it) ended start-up with
+    pydantic's traceback ("error parsing value for field"): the environment took JSON lists only."""
+    monkeypatch.setenv("SPECDEC_TARGET_ADDRESSES", value)
+    monkeypatch.setenv("SPECDEC_TLS_ALLOWED_CLIENT_NAMES", value)
+    for name in ("CERT", "KEY", "CLIENT_CA"):  # read when the server starts, not here
+        monkeypatch.setenv(f"SPECDEC_TLS_{name}_FILE", f"/etc/specdec/{name.lower()}.pem")
+    settings = load_settings(CoordinatorSettings, [], "c")
+    assert settings.target_addresses == expected and settings.tls_allowed_client_names == expected
+
+
+def test_a_list_in_the_environment_that_is_broken_json_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SPECDEC_TARGET_ADDRESSES", '["a:1",')
+    with pytest.raises(SystemExit):
+        load_settings(CoordinatorSettings, [], "c")
+    error = capsys.readouterr().err
+    assert "invalid setting target_addresses (--target-addresses / SPECDEC_TARGET_ADDRESSES)" in error
+    assert "a JSON list of strings or comma-separated" in error
+
+
 def test_addresses_are_stripped_and_a_blank_draft_address_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """SPECDEC_DRAFT_ADDRESS="" (a ConfigMap's way to say none) is target-only decoding, not a
     draft at the address "" waited for at start-up."""

@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
 
-from pydantic import Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, NoDecode, SettingsConfigDict
 
 if TYPE_CHECKING:
     from specdec.runtime.modeling import LoadOptions
 
 S = TypeVar("S", bound="ServiceSettings")
+
+
+def _list_of_strings(value: object) -> object:
+    """A list setting given as one string (an environment variable, a flag): a JSON list, or
+    values separated by commas ("" = none)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if not text.startswith("["):
+        return text.split(",") if text else []
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"expected a JSON list of strings or comma-separated values ({exc})") from None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise ValueError("expected a JSON list of strings or comma-separated values")
+    return items
+
+
+# A list of strings, from flags and the environment alike: a JSON list or comma separated.
+StringList = Annotated[list[str], NoDecode, BeforeValidator(_list_of_strings)]
 
 
 class ServiceSettings(BaseSettings):
@@ -55,7 +77,7 @@ class ServiceSettings(BaseSettings):
     tls_client_ca_file: str | None = Field(
         None, description="PEM CA bundle: require client certificates signed by it (mTLS)"
     )
-    tls_allowed_client_names: list[str] = Field(
+    tls_allowed_client_names: StringList = Field(
         default_factory=list,
         description="with mTLS: only client certificates with one of these CN/SAN names (comma separated)",
     )
