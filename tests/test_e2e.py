@@ -26,7 +26,7 @@ from specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
-from tests.clusters import fault_cluster, metric
+from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer
 from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_byte_fallback_tokenizer, build_model
@@ -242,6 +242,50 @@ def test_eos_ends_a_reply_unless_ignored(
     assert ignored.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
     after = finished()
     assert after["eos"] == before["eos"] + 1 and after["length"] == before["length"] + 1
+
+
+def test_every_rpc_is_counted_by_method_and_status_code_and_timed(
+    cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub
+) -> None:
+    """An operator's error rate and latency: every RPC is counted by method and status code
+    (`specdec_rpcs_total`) and timed (`specdec_rpc_seconds`; a stream also to its first message,
+    the first tokens of GenerateStream). There were no such metrics: failed requests and request
+    latency could not be alerted on."""
+    generate, stream = "specdec.v1.Generation/Generate", "specdec.v1.Generation/GenerateStream"
+    verify = "specdec.v1.TargetWorker/Verify"
+
+    def counts() -> dict[str, float]:
+        rpcs = "specdec_rpcs_total"
+        return {
+            "ok": metric(cluster_other, "coordinator", rpcs, f'code="OK",method="{generate}"'),
+            "invalid": metric(cluster_other, "coordinator", rpcs, f'code="INVALID_ARGUMENT",method="{generate}"'),
+            "stream ok": metric(cluster_other, "coordinator", rpcs, f'code="OK",method="{stream}"'),
+            "stream cancelled": metric(cluster_other, "coordinator", rpcs, f'code="CANCELLED",method="{stream}"'),
+            "stream timed": metric(cluster_other, "coordinator", "specdec_rpc_seconds_count", f'method="{stream}"'),
+            "stream seconds": metric(cluster_other, "coordinator", "specdec_rpc_seconds_sum", f'method="{stream}"'),
+            "first": metric(cluster_other, "coordinator", "specdec_rpc_first_message_seconds_count", stream),
+            "first seconds": metric(cluster_other, "coordinator", "specdec_rpc_first_message_seconds_sum", stream),
+            "verify ok": metric(cluster_other, "target-0", rpcs, f'code="OK",method="{verify}"'),
+        }
+
+    before = counts()
+    other.Generate(request(PROMPTS[0], max_new=4))
+    bad = request(PROMPTS[0], max_new=4)
+    bad.sampling.top_p = 2.0
+    with pytest.raises(grpc.RpcError) as refused:
+        other.Generate(bad)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    list(other.GenerateStream(request(PROMPTS[1], max_new=6, ignore_eos=True)))
+    cancelled = other.GenerateStream(request(PROMPTS[1], max_new=200, ignore_eos=True))
+    next(cancelled)
+    cancelled.cancel()
+    wait_for(lambda: counts()["stream cancelled"] == before["stream cancelled"] + 1, 10)
+    after = counts()
+    for key in ("ok", "invalid", "stream ok", "stream timed", "first"):
+        assert after[key] - before[key] == {"stream timed": 2, "first": 2}.get(key, 1), key
+    assert after["verify ok"] > before["verify ok"]
+    # a stream's first message comes before its end
+    assert 0 < after["first seconds"] - before["first seconds"] < after["stream seconds"] - before["stream seconds"]
 
 
 def target_info(cluster: LocalCluster) -> common_pb2.WorkerInfo:

@@ -86,6 +86,13 @@ def test_cancelled_streams_free_everything(
         client.close()
         fd_growth = open_fds(coordinator_pid) - baseline
         assert fd_growth <= 2
+        # A cancel that lands between two messages failed the next write inside grpc: it was
+        # logged as a crash (rpc_crashed, error level, a traceback) and counted INTERNAL.
+        crashes = cluster.processes["coordinator"].log_tail(100_000).count("rpc_crashed")
+        internal = metric(cluster, "coordinator", "specdec_rpcs_total", 'code="INTERNAL"')
+        cancelled = metric(cluster, "coordinator", "specdec_rpcs_total", 'code="CANCELLED"')
+        assert crashes == 0 and internal == 0, (crashes, internal, cancelled)
+        assert cancelled >= 150  # the rest ended before the cancel reached them, or never began
     cleanup.sort()
     fault_report["client cancels mid-stream (x200)"] = {
         "caches_freed_p50_s": round(cleanup[100], 3),
@@ -93,6 +100,7 @@ def test_cancelled_streams_free_everything(
         "live_requests_after": 0,
         "keys_without_ttl": 0,
         "coordinator_fd_growth": fd_growth,
+        "logged_as_crashes": crashes,
     }
 
 

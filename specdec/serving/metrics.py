@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import time
+
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from specdec.serving.errors import PortUnavailable
 from specdec.serving.settings import ServiceSettings
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# a whole generation can take minutes
+_RPC_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 def start_metrics(settings: ServiceSettings, registry: CollectorRegistry) -> dict[str, int]:
@@ -20,6 +25,31 @@ def start_metrics(settings: ServiceSettings, registry: CollectorRegistry) -> dic
         where = f"{settings.host}:{settings.metrics_port}"
         raise PortUnavailable(f"could not bind {where} for /metrics ({exc.strerror}); is the port in use?") from exc
     return {"metrics_port": int(server.server_port)}
+
+
+class RpcMetrics:
+    """Every service's RPCs (health checks aside): counted by method and status code, and timed."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.calls = Counter(
+            "specdec_rpcs", "RPCs served, by method (service/method) and status code", ["method", "code"],
+            registry=registry,
+        )  # fmt: skip
+        self.seconds = Histogram(
+            "specdec_rpc_seconds", "RPC duration, by method", ["method"], buckets=_RPC_BUCKETS, registry=registry
+        )
+        self.first_message_seconds = Histogram(
+            "specdec_rpc_first_message_seconds",
+            "Streaming RPCs: time to the first message sent (GenerateStream: to the first tokens)",
+            ["method"], buckets=_RPC_BUCKETS, registry=registry,
+        )  # fmt: skip
+
+    def first_message(self, method: str, began: float) -> None:
+        self.first_message_seconds.labels(method).observe(time.monotonic() - began)
+
+    def ended(self, method: str, code: grpc.StatusCode, began: float) -> None:
+        self.calls.labels(method, code.name).inc()
+        self.seconds.labels(method).observe(time.monotonic() - began)
 
 
 class WorkerMetrics:

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,13 @@ from typing import Any, NoReturn
 
 import grpc
 import structlog
+from grpc._cython import cygrpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from specdec.serving.errors import ClientStalled, NotServing, PortUnavailable, SpecdecError
-from specdec.serving.metrics import start_metrics
+from specdec.serving.metrics import RpcMetrics, start_metrics
 from specdec.serving.security import Authenticator, ServerTls, caller_identity, load_tokens
 from specdec.serving.settings import ServiceSettings
 
@@ -126,67 +128,104 @@ def _authenticate(auth: Authenticator, context: grpc.aio.ServicerContext) -> Non
         caller_identity.set(auth.authenticate(context.invocation_metadata() or (), context.auth_context()))
 
 
-def _wrap_unary(
-    fn: Callable[[Any, Any], Awaitable[Any]], method: str, control: ServerControl, auth: Authenticator
-) -> Callable[[Any, Any], Awaitable[Any]]:
+@dataclass(frozen=True)
+class _Rpc:
+    """What a wrapped handler needs besides the handler: its names, the server's state, the checks."""
+
+    path: str  # "service/method", the metrics' label
+    name: str  # the method, the log's
+    control: ServerControl
+    auth: Authenticator
+    metrics: RpcMetrics | None
+
+    def ended(self, context: grpc.aio.ServicerContext, began: float, client_left: bool) -> None:
+        if self.metrics is not None:
+            code = grpc.StatusCode.CANCELLED if client_left else context.code() or grpc.StatusCode.OK
+            self.metrics.ended(self.path, code, began)
+
+
+def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]], rpc: _Rpc) -> Callable[[Any, Any], Awaitable[Any]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        with structlog.contextvars.bound_contextvars(rpc=method):
+        began, client_left = time.monotonic(), False
+        with structlog.contextvars.bound_contextvars(rpc=rpc.name):
             try:
-                _authenticate(auth, context)
-                control.enter()
+                _authenticate(rpc.auth, context)
+                rpc.control.enter()
                 try:
                     return await fn(request, context)
                 finally:
-                    control.exit()
+                    rpc.control.exit()
             except asyncio.CancelledError:
-                if not control.grace_expired:
+                if not rpc.control.grace_expired:
+                    client_left = True
                     raise  # the client went away
                 await _end_cut_off(context)
             except Exception as exc:
                 await _abort(context, exc)
+            finally:
+                rpc.ended(context, began, client_left)
 
     return handler
 
 
+class _ClientLeft(Exception):
+    """The call ended (the client cancelled, its deadline passed, its connection broke) before a
+    message could be sent."""
+
+
+# What a write raises when grpc's core has ended the call but Python was not told yet (a cancel
+# that lands between two messages): the call is gone, so it is no crash of ours.
+_SEND_FAILED = cygrpc.ExecuteBatchError
+
+
 async def _write(context: grpc.aio.ServicerContext, item: Any, timeout_s: float) -> None:
     """Sends one stream message; a client that takes none of it within ``timeout_s`` (it stopped
-    reading, and flow control holds the write) is ClientStalled."""
-    if not timeout_s:
-        await context.write(item)
-        return
+    reading, and flow control holds the write) is ClientStalled. A write that fails because the
+    call has ended (the client cancelled between two messages) is _ClientLeft, not a crash."""
     try:
+        if not timeout_s:
+            await context.write(item)
+            return
         await asyncio.wait_for(context.write(item), timeout_s)
     except TimeoutError:
         raise ClientStalled(
             f"the client took no message of this stream for {timeout_s:g} s (it stopped reading); the call was ended"
         ) from None
+    except _SEND_FAILED:
+        raise _ClientLeft from None
 
 
 def _wrap_stream(
-    fn: Callable[[Any, Any], AsyncIterator[Any]],
-    method: str,
-    control: ServerControl,
-    auth: Authenticator,
-    write_timeout_s: float,
+    fn: Callable[[Any, Any], AsyncIterator[Any]], rpc: _Rpc, write_timeout_s: float
 ) -> Callable[[Any, Any], Awaitable[None]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
-        with structlog.contextvars.bound_contextvars(rpc=method):
+        began, client_left = time.monotonic(), False
+        with structlog.contextvars.bound_contextvars(rpc=rpc.name):
             try:
-                _authenticate(auth, context)
-                control.enter()
+                _authenticate(rpc.auth, context)
+                rpc.control.enter()
                 try:
                     # closed at once on any way out, so the work behind the stream (a turn) ends now
                     async with contextlib.aclosing(fn(request, context)) as items:
+                        first = True
                         async for item in items:
                             await _write(context, item, write_timeout_s)
+                            if first and rpc.metrics is not None:
+                                rpc.metrics.first_message(rpc.path, began)
+                            first = False
                 finally:
-                    control.exit()
+                    rpc.control.exit()
             except asyncio.CancelledError:
-                if not control.grace_expired:
+                if not rpc.control.grace_expired:
+                    client_left = True
                     raise  # the client went away
                 await _end_cut_off(context)
+            except _ClientLeft:
+                client_left = True
             except Exception as exc:
                 await _abort(context, exc)
+            finally:
+                rpc.ended(context, began, client_left)
 
     return handler
 
@@ -199,11 +238,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """
 
     def __init__(
-        self, control: ServerControl, auth: Authenticator | None = None, stream_write_timeout_s: float = 0.0
+        self,
+        control: ServerControl,
+        auth: Authenticator | None = None,
+        stream_write_timeout_s: float = 0.0,
+        metrics: RpcMetrics | None = None,
     ) -> None:
         self._control = control
         self._auth = auth or Authenticator()
         self._write_timeout_s = stream_write_timeout_s
+        self._metrics = metrics
 
     async def intercept_service(
         self,
@@ -214,21 +258,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method
         if handler is None or method.startswith(f"/{health.SERVICE_NAME}/"):
             return handler
-        name, control, auth = method.rsplit("/", 1)[-1], self._control, self._auth
+        rpc = _Rpc(method.lstrip("/"), method.rsplit("/", 1)[-1], self._control, self._auth, self._metrics)
         codec = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
-            wrapped = _wrap_unary(handler.unary_unary, name, control, auth)
-            return grpc.unary_unary_rpc_method_handler(wrapped, **codec)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, rpc), **codec)
         if handler.unary_stream:
-            wrapped = _wrap_stream(handler.unary_stream, name, control, auth, self._write_timeout_s)
+            wrapped = _wrap_stream(handler.unary_stream, rpc, self._write_timeout_s)
             return grpc.unary_stream_rpc_method_handler(wrapped, **codec)
         if handler.stream_unary:
-            wrapped = _wrap_unary(handler.stream_unary, name, control, auth)
-            return grpc.stream_unary_rpc_method_handler(wrapped, **codec)
-        wrapped = _wrap_stream(handler.stream_stream, name, control, auth, self._write_timeout_s)
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, rpc), **codec)
+        wrapped = _wrap_stream(handler.stream_stream, rpc, self._write_timeout_s)
         return grpc.stream_stream_rpc_method_handler(wrapped, **codec)
 
 
@@ -329,14 +371,14 @@ def _bind(server: grpc.aio.Server, address: str, tls: grpc.ServerCredentials | N
 
 
 def _local_server(
-    spec: ServiceSpec, settings: ServiceSettings, control: ServerControl, health_state: Health
+    spec: ServiceSpec, settings: ServiceSettings, control: ServerControl, health_state: Health, metrics: RpcMetrics
 ) -> grpc.aio.Server | None:
     """The same services on a loopback-only plaintext port (``local_port``), for a sidecar in
     the same pod: only processes sharing the network namespace reach it, so its callers need no
     token (they share the anonymous session namespace)."""
     if settings.local_port is None:
         return None
-    interceptor = ErrorInterceptor(control, stream_write_timeout_s=settings.stream_write_timeout_s)
+    interceptor = ErrorInterceptor(control, stream_write_timeout_s=settings.stream_write_timeout_s, metrics=metrics)
     local = _grpc_server(settings, interceptor)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, local)
     spec.register(local)
@@ -365,13 +407,14 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
     except ValueError as exc:
         log.error("invalid_security_settings", error=str(exc))
         return 2
-    interceptor = ErrorInterceptor(control, auth, settings.stream_write_timeout_s)
+    metrics = RpcMetrics(spec.registry)
+    interceptor = ErrorInterceptor(control, auth, settings.stream_write_timeout_s, metrics)
     server = _grpc_server(settings, interceptor)
     health_state = Health(spec.service_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     spec.register(server)
     reflection.enable_server_reflection([*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    local = _local_server(spec, settings, control, health_state)
+    local = _local_server(spec, settings, control, health_state, metrics)
     probes = _health_server(health_state, settings)
     try:  # every port is bound before any is served
         ports = {"port": _bind(server, f"{settings.host}:{settings.port}", credentials)}
