@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import enum
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -148,6 +149,7 @@ class Turn:
     _decoding: Decoding | None = None
     _index: NgramIndex | None = None  # the committed tokens' n-grams (lookup drafts)
     _scope: str = ""  # the caller's identity: the reply index's scope
+    _reason: str | None = None  # why the reply ended (the finished_requests label), once it has
     _reply_start: int = 0  # where this turn's reply begins in the committed tokens
     _generated: int = 0
     _round: int = 0
@@ -193,7 +195,7 @@ class Turn:
         cancel arrives just as the reply does; Python 3.11's ``wait_for`` likewise) is still
         counted by the task: the next round does not start.
         """
-        finished = False
+        finished, began = False, time.monotonic()
         with structlog.contextvars.bound_contextvars(session_id=self.session_id):
             try:
                 await self._begin()
@@ -203,7 +205,19 @@ class Turn:
                     finished = out.finish is not None
                     yield out
             finally:
+                self._log_end(finished, time.monotonic() - began)
                 await asyncio.shield(self._end(finished))
+
+    def _log_end(self, finished: bool, seconds: float) -> None:
+        """One line per turn (what a request cost; never its text): finished, or rolled back (its
+        error, if any, is the RPC's own line)."""
+        stats = self.stats
+        log.info(
+            "turn_ended", finished=finished, reason=self._reason, prompt_tokens=stats.prompt_tokens,
+            completion_tokens=stats.completion_tokens, cached_tokens=stats.cached_tokens, rounds=stats.rounds,
+            acceptance_rate=round(stats.acceptance_rate, 3), seconds=round(seconds, 3),
+            **({"caller": self._scope} if self._scope else {}),
+        )  # fmt: skip
 
     async def _begin(self) -> None:
         store = self.deps.store
@@ -416,7 +430,8 @@ class Turn:
         if finish is not None and self.deps.replies is not None:  # later requests may give this reply again
             self._remember_reply(self.deps.replies)
         if finish is not None:
-            self.deps.metrics.finished_requests.labels(self._finish_reason(finish, tokens)).inc()
+            self._reason = self._finish_reason(finish, tokens)
+            self.deps.metrics.finished_requests.labels(self._reason).inc()
         return RoundOutput(
             token_ids=tokens,
             text=text,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -286,6 +287,30 @@ def test_every_rpc_is_counted_by_method_and_status_code_and_timed(
     assert after["verify ok"] > before["verify ok"]
     # a stream's first message comes before its end
     assert 0 < after["first seconds"] - before["first seconds"] < after["stream seconds"] - before["stream seconds"]
+
+
+def test_every_turn_leaves_one_log_line_of_what_it_cost(
+    cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub
+) -> None:
+    """`turn_ended` (info): the session, whether it finished and why, tokens, rounds, acceptance
+    and seconds, never the text; a cancelled turn's line says it did not finish."""
+    reply = other.Generate(request(PROMPTS[0], session_id="logged-turn", max_new=5, ignore_eos=True))
+    cancelled = other.GenerateStream(request(PROMPTS[1], session_id="logged-cancel", max_new=200, ignore_eos=True))
+    next(cancelled)
+    cancelled.cancel()
+
+    def ended(session: str) -> list[dict]:
+        lines = cluster_other.processes["coordinator"].log_tail(2000).splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] == "turn_ended" and e["session_id"] == session]
+
+    wait_for(lambda: bool(ended("logged-cancel")), 10)
+    (done,) = ended("logged-turn")
+    assert done["finished"] is True and done["reason"] == "length" and done["level"] == "info"
+    assert done["completion_tokens"] == len(reply.token_ids) == 5 and done["prompt_tokens"] == len(PROMPTS[0])
+    assert done["rounds"] == reply.stats.rounds and 0 < done["seconds"] < 30
+    (gone,) = ended("logged-cancel")
+    assert gone["finished"] is False and gone["reason"] is None
+    assert not {"text", "prompt", "prompt_token_ids", "token_ids"} & done.keys()
 
 
 def target_info(cluster: LocalCluster) -> common_pb2.WorkerInfo:
