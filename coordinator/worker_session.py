@@ -293,9 +293,10 @@ class WorkerSession:
         if exc.worker_fault:
             self._metrics.draft_failures.inc()
             self._draft.mark_failed(str(exc))
-        else:
-            self._metrics.draft_request_errors.inc()
-            log.warning("draft_request_failed", reason=str(exc))
+        else:  # only this request: a deadline its caller set tells nothing of the draft
+            if not exc.caller_deadline:
+                self._metrics.draft_request_errors.inc()
+                log.warning("draft_request_failed", reason=str(exc))
             self._draft_refused = True
         self.close_stream()
         self.draft_len = 0

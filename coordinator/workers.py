@@ -91,11 +91,13 @@ class WorkerCallFailed(Exception):
     ``worker_fault``: the draft is unreachable, hung or refusing service (every session should
     stop asking it for a while); False when only this request failed (a deterministic error of
     its input, or the caller's own deadline), which must not affect other sessions.
+    ``caller_deadline``: the caller's deadline ran out during the call (nothing of the draft's).
     """
 
-    def __init__(self, message: str, worker_fault: bool = True) -> None:
+    def __init__(self, message: str, worker_fault: bool = True, caller_deadline: bool = False) -> None:
         super().__init__(message)
-        self.worker_fault = worker_fault
+        self.worker_fault = worker_fault and not caller_deadline
+        self.caller_deadline = caller_deadline
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str, timeout_s: float) -> None:
@@ -318,8 +320,10 @@ class DraftStream:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it serves another model (WrongModel)
                 log.error("draft_serves_another_model", details=exc.details())
                 fault = True  # no session can use it: skipped for --draft-retry-s
-        else:  # a timeout: the draft is hung, unless the caller's deadline was the shorter one
-            fault = not (isinstance(exc, asyncio.TimeoutError) and caller_limited)
+        elif isinstance(exc, asyncio.TimeoutError) and caller_limited:  # the caller's deadline, not the draft
+            return WorkerCallFailed("the caller's deadline ran out during the draft call", caller_deadline=True)
+        else:  # the draft is hung
+            fault = True
         return WorkerCallFailed(f"draft propose failed: {exc!r}", worker_fault=fault)
 
     def cancel(self) -> None:

@@ -104,6 +104,36 @@ def test_cancelled_streams_free_everything(
     }
 
 
+def test_callers_short_deadlines_are_not_counted_against_the_draft(cluster_same: LocalCluster) -> None:
+    """A caller whose deadline runs out while the draft drafts ends the draft call early: that is
+    the caller's doing. It was counted as a draft request error (the metric says "by their own
+    input") with a draft_request_failed warning each time, so short client deadlines looked like
+    a sick draft."""
+    names = ("specdec_draft_request_errors_total", "specdec_draft_failures_total")
+    before = {name: metric(cluster_same, "coordinator", name) for name in names}
+    lines_before = len(cluster_same.processes["coordinator"].log_tail(100_000).splitlines())
+    codes: dict[str, int] = {}
+    with grpc.insecure_channel(cluster_same.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        for i in range(40):
+            request = make_request([200, 1, 42, 42, 7, 130, 64, 11, 250, 0], max_new=200, ignore_eos=True)
+            try:
+                for _ in stub.GenerateStream(request, timeout=(0.01, 0.03, 0.06, 0.1)[i % 4]):
+                    pass
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            codes[code] = codes.get(code, 0) + 1
+        time.sleep(0.5)
+        assert codes.get("DEADLINE_EXCEEDED", 0) >= 30, codes
+        after = {name: metric(cluster_same, "coordinator", name) for name in names}
+        assert after == before
+        new_lines = cluster_same.processes["coordinator"].log_tail(100_000).splitlines()[lines_before:]
+        assert not [line for line in new_lines if "draft_request_failed" in line]
+        reply = stub.Generate(make_request(PROMPT, k=4, fixed=True, max_new=12, ignore_eos=True))
+        assert reply.stats.draft_tokens_accepted > 0  # the draft still drafts for everyone
+
+
 CLIENT_SCRIPT = """
 import sys, grpc
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
