@@ -420,6 +420,19 @@ def test_bench_says_which_service_did_not_start(tiny_models: TinyModels, tmp_pat
     assert "specdec/tools/cli.py" not in result.stderr  # the command's own traceback
 
 
+def test_bench_says_which_request_the_service_refused(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """More new tokens than the model's context holds: the service refuses the request, and the
+    bench says so in one line instead of a traceback (it cannot know the context before loading)."""
+    result = run(
+        "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.same), "--skip-hf",
+        "--max-prompts", "1", "--repeats", "1", "--concurrency", "", "--method", "service target-only",
+        "--max-new-tokens", "5000", "--out", str(tmp_path / "b.json"),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "specdec bench: a request failed (INVALID_ARGUMENT: " in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "b.json").exists()
+
+
 def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
     """With --skip-hf the ratios over HF rows are left out, not NaN (the table printed "nanx" and
     the JSON report held NaN, which is no JSON)."""

@@ -368,6 +368,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import grpc
+
     from specdec.tools import bench
     from specdec.tools.launch import LaunchError
 
@@ -381,6 +383,10 @@ def _bench(args: argparse.Namespace) -> int:
         report = bench.run(cfg)
     except (LaunchError, bench.ServiceExited) as e:
         sys.stderr.write(f"specdec bench: {e}\n")
+        return 1
+    except grpc.RpcError as e:
+        code, details = e.code().name, e.details()
+        sys.stderr.write(f"specdec bench: a request failed ({code}: {details}); the report was not written\n")
         return 1
     plots = "".join(f"\nplot: {p}" for p in report.get("plots", []))
     sys.stdout.write(bench.format_table(report) + f"\n\nJSON report: {cfg.out}{plots}\n")
