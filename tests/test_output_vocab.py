@@ -17,7 +17,7 @@ from specdec.runtime.output_vocab import (
 )
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.tools.cli import main
-from specdec.tools.draft_vocab import corpus_texts
+from specdec.tools.draft_vocab import corpus_texts, make_draft_vocab
 from tests.helpers import draft_vocab_file
 from tests.tiny_models import TinyModels, build_tokenizer
 
@@ -129,14 +129,13 @@ def test_the_command_writes_a_file_the_draft_worker_loads(tiny_models: TinyModel
     assert main(["draft-vocab", str(tmp_path / "nope"), "--model", str(tiny_models.target), "--out", str(out)]) == 2
 
 
-def test_the_command_checks_its_out_before_it_counts(
-    tiny_models: TinyModels, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """An --out it cannot write is refused naming the flag before the corpus (up to 200 MB) is counted."""
+def test_the_command_checks_its_out_before_it_counts(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """An --out it cannot write is refused naming the flag before the corpus (up to 200 MB) is
+    counted (the command prints the error; its main in this process would bind the log to this
+    test's captured stderr)."""
     (tmp_path / "corpus.txt").write_text("x = 1\n")
     (tmp_path / "a-file").write_text("")
     for out, expected in ((tmp_path, "is a directory"), (tmp_path / "a-file" / "v.json", "cannot write --out")):
-        args = ["draft-vocab", str(tmp_path / "corpus.txt"), "--model", str(tiny_models.target), "--out", str(out)]
-        assert main(args) == 2
-        error = capsys.readouterr().err
-        assert f"--out {out}" in error and expected in error, error
+        with pytest.raises(ValueError, match=expected) as refused:
+            make_draft_vocab(str(tiny_models.target), [tmp_path / "corpus.txt"], 40, out)
+        assert f"--out {out}" in str(refused.value)
