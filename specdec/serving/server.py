@@ -136,12 +136,11 @@ class _Rpc:
     name: str  # the method, the log's
     control: ServerControl
     auth: Authenticator
-    metrics: RpcMetrics | None
+    metrics: RpcMetrics
 
     def ended(self, context: grpc.aio.ServicerContext, began: float, client_left: bool) -> None:
-        if self.metrics is not None:
-            code = grpc.StatusCode.CANCELLED if client_left else context.code() or grpc.StatusCode.OK
-            self.metrics.ended(self.path, code, began)
+        code = grpc.StatusCode.CANCELLED if client_left else context.code() or grpc.StatusCode.OK
+        self.metrics.ended(self.path, code, began)
 
 
 def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]], rpc: _Rpc) -> Callable[[Any, Any], Awaitable[Any]]:
@@ -212,7 +211,7 @@ def _wrap_stream(
                         first = True
                         async for item in items:
                             await _write(context, item, write_timeout_s)
-                            if first and rpc.metrics is not None:
+                            if first:
                                 rpc.metrics.first_message(rpc.path, began)
                             first = False
                 finally:
@@ -242,9 +241,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(
         self,
         control: ServerControl,
+        metrics: RpcMetrics,
         auth: Authenticator | None = None,
         stream_write_timeout_s: float = 0.0,
-        metrics: RpcMetrics | None = None,
     ) -> None:
         self._control = control
         self._auth = auth or Authenticator()
@@ -380,7 +379,7 @@ def _local_server(
     token (they share the anonymous session namespace)."""
     if settings.local_port is None:
         return None
-    interceptor = ErrorInterceptor(control, stream_write_timeout_s=settings.stream_write_timeout_s, metrics=metrics)
+    interceptor = ErrorInterceptor(control, metrics, stream_write_timeout_s=settings.stream_write_timeout_s)
     local = _grpc_server(settings, interceptor)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, local)
     spec.register(local)
@@ -410,7 +409,7 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
         log.error("invalid_security_settings", error=str(exc))
         return 2
     metrics = RpcMetrics(spec.registry)
-    interceptor = ErrorInterceptor(control, auth, settings.stream_write_timeout_s, metrics)
+    interceptor = ErrorInterceptor(control, metrics, auth, settings.stream_write_timeout_s)
     server = _grpc_server(settings, interceptor)
     health_state = Health(spec.service_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)

@@ -880,8 +880,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         adapts = hf_assisted_default_adapts()
         report["hf"] = {"transformers": transformers.__version__, "assisted_default_adapts_threshold": adapts}
     report["runs"] = [asdict(r) for r in runs]
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(json.dumps(report, indent=2))
+    cfg.out.write_text(json.dumps(report, indent=2))  # check_config made its directory
     if cfg.plots:
         report["plots"] = [str(p) for p in write_plots(report, cfg.out.parent)]
     return report
