@@ -85,6 +85,20 @@ def test_models_fetch_says_what_failed_without_a_traceback(tmp_path: Path, case:
     assert "Traceback" not in result.stderr
 
 
+def test_fetching_a_tokenizer_leaves_the_environment_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fetch_tokenizer` (also what `specdec bench` and the tests call in-process) set HF_HUB_OFFLINE
+    in the caller's environment for good: every process it started afterwards inherited it, and
+    the test suite's fork server, loaded before it, refused to start services (2 errors in a run of
+    the fault and cross-vocabulary tests together)."""
+    from specdec.tools.model_fetch import fetch_tokenizer
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    before = dict(os.environ)
+    folder = fetch_tokenizer("smollm2-135m", tmp_path)
+    assert (folder / "tokenizer_config.json").exists()
+    assert dict(os.environ) == before
+
+
 def test_generate_reports_bad_input_without_a_traceback(tiny_models: TinyModels) -> None:
     result = run("generate", "--model", str(tiny_models.target), "--prompt", "hi", "--top-p", "2", "--device", "cpu")
     assert result.returncode == 1

