@@ -166,18 +166,18 @@ class Engine:
 
     async def start(self) -> None:
         """Waits for a target replica and (up to 10 s) the draft, checks that they fit together,
-        loads the tokenizer. A draft that does not serve by then joins when it does; until then
-        the coordinator serves as one without a draft."""
+        loads the tokenizer. A draft that does not serve by then, or whose Info call fails, joins
+        when it serves; until then the coordinator serves as one without a draft."""
         timeout = self.settings.worker_startup_timeout_s
         target_info = await self.targets.connect(timeout)
         draft_info = None
         if self.draft is not None:
             draft = asyncio.create_task(self.draft.connect(timeout))
             await asyncio.wait({draft}, timeout=min(DRAFT_START_WAIT_S, timeout))
-            if draft.done():
+            if draft.done() and draft.exception() is None:
                 draft_info = draft.result()
                 self._fit_draft(target_info, draft_info)
-            else:
+            else:  # not serving yet, or its Info failed: it is retried, as a late draft
                 self._draft_join = asyncio.create_task(self._join_draft(draft, target_info, timeout))
         await self._start_store(timeout)
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)

@@ -113,12 +113,13 @@ class ProxyRoutes:
 
 class LateLink:
     """A LocalCluster ``route`` that puts a TcpProxy on the coordinator's link to one service
-    (``name``: "draft", "target-1", ...) and leads it nowhere, so that the service is unreachable
-    when the coordinator starts, until ``come_up`` sends new connections to it. A context manager
-    that closes the proxy."""
+    (``name``: "draft", "target-1", ...) and leads it nowhere (or to ``first``, another server), so
+    that the service is unreachable when the coordinator starts, until ``come_up`` sends new
+    connections to it. A context manager that closes the proxy."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, first: str = "") -> None:
         self.name = name
+        self.first = first
         self.proxy: TcpProxy | None = None
         self._upstream = ""
 
@@ -126,7 +127,7 @@ class LateLink:
         if name != self.name:
             return address
         self.proxy, self._upstream = TcpProxy(address), address
-        self.proxy.retarget(f"127.0.0.1:{free_port()}")  # nothing listens there
+        self.proxy.retarget(self.first or f"127.0.0.1:{free_port()}")  # by default nothing listens there
         return self.proxy.address
 
     @property
@@ -138,6 +139,7 @@ class LateLink:
     def come_up(self) -> None:
         assert self.proxy is not None, "the cluster has not been started with this route"
         self.proxy.retarget(self._upstream)
+        self.proxy.reset_connections()  # connections to ``first`` end
 
     def __enter__(self) -> LateLink:
         return self

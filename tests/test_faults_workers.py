@@ -300,6 +300,44 @@ def test_a_draft_down_at_start_up_joins_when_it_serves(
     }
 
 
+def test_a_draft_whose_info_fails_at_start_up_does_not_end_it(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """The draft's address answers health checks SERVING but its Info call fails (the draft died
+    between the two, or the address leads to another gRPC service for now). Main ended start-up
+    with the Info call's error, so the whole service crash-looped on its draft; now the
+    coordinator serves without it, as with a draft that does not answer at all, and takes it on
+    when its Info answers."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    decoy = grpc.server(futures.ThreadPoolExecutor(max_workers=2))  # health only: Info is UNIMPLEMENTED
+    checks = health.HealthServicer()
+    checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, decoy)
+    port = decoy.add_insecure_port("127.0.0.1:0")
+    decoy.start()
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
+    try:
+        with (
+            LateLink("draft", first=f"127.0.0.1:{port}") as link,
+            fault_cluster(tmp_path, tiny_models.target, tiny_models.same, route=link) as cluster,
+            grpc.insecure_channel(cluster.address) as channel,
+        ):
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id == ""
+            reply = stub.Generate(make_request(PROMPT, max_new=8, ignore_eos=True))
+            assert list(reply.token_ids) == expected
+            log = cluster.processes["coordinator"].log_tail(200)
+            assert "draft_not_ready" in log and "UNIMPLEMENTED" in log
+            link.come_up()
+            wait_for(lambda: "draft_joined" in cluster.processes["coordinator"].log_tail(200), 30, 0.2)
+            reply = stub.Generate(make_request(PROMPT, max_new=8, ignore_eos=True))
+            assert list(reply.token_ids) == expected
+            assert reply.stats.draft_tokens_proposed > reply.stats.lookup_tokens_proposed
+    finally:
+        decoy.stop(None)
+
+
 def _other_vocabulary_model(path: Path) -> Path:
     """A random model whose tokenizer has one more token than the tiny models' (another hash)."""
     tokenizer = build_tokenizer()
