@@ -17,7 +17,7 @@ from coordinator.settings import CoordinatorSettings
 from specdec.serving.logging import configure_logging
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.serving.server import ServerControl, ServiceSpec, run_service, serve
-from specdec.serving.settings import load_settings
+from specdec.serving.settings import load_settings, log_unknown_environment
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -45,4 +45,5 @@ async def run(settings: CoordinatorSettings) -> int:
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(CoordinatorSettings, argv, "specdec serve coordinator")
     configure_logging(settings.log_level, settings.log_format)
+    log_unknown_environment()
     run_service(run(settings))

@@ -11,7 +11,7 @@ from draft_worker.servicer import DraftServicer, Vocabulary
 from draft_worker.settings import DraftSettings
 from specdec.serving.logging import configure_logging
 from specdec.serving.server import ServerControl, ServiceSpec, run_service, serve
-from specdec.serving.settings import load_settings
+from specdec.serving.settings import load_settings, log_unknown_environment
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -40,4 +40,5 @@ async def run(settings: DraftSettings) -> int:
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(DraftSettings, argv, "specdec serve draft")
     configure_logging(settings.log_level, settings.log_format)
+    log_unknown_environment()
     run_service(run(settings))

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from specdec.serving.logging import configure_logging
 from specdec.serving.server import ServerControl, ServiceSpec, run_service, serve
-from specdec.serving.settings import load_settings
+from specdec.serving.settings import load_settings, log_unknown_environment
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import target_pb2, target_pb2_grpc
 from target_worker.servicer import TargetServicer
@@ -35,4 +35,5 @@ async def run(settings: TargetSettings) -> int:
 def main(argv: Sequence[str]) -> None:
     settings = load_settings(TargetSettings, argv, "specdec serve target")
     configure_logging(settings.log_level, settings.log_format)
+    log_unknown_environment()
     run_service(run(settings))

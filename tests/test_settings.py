@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from coordinator.settings import CoordinatorSettings
@@ -85,3 +91,42 @@ def test_addresses_are_stripped_and_a_blank_draft_address_means_none(monkeypatch
 def test_bad_device_is_rejected() -> None:
     with pytest.raises(SystemExit):
         load_settings(TargetSettings, ["--model", "m", "--device", "tpu"], "t")
+
+
+def test_a_specdec_variable_that_no_service_reads_is_reported() -> None:
+    """A typo in a variable's name (SPECDEC_NUM_SPECULATIVE_TOKEN) was ignored without a word, so
+    the service ran with the default the operator meant to change. Variables that another role
+    reads (the shared ConfigMap sets coordinator settings on the workers too) are not reported,
+    nor SPECDEC_MODELS (`specdec models fetch`'s folder); names are matched as pydantic-settings
+    matches them, whatever their case."""
+    from specdec.serving.settings import unknown_environment
+
+    environ = {
+        "SPECDEC_NUM_SPECULATIVE_TOKEN": "8",  # one letter short
+        "specdec_max_sessions": "4",  # a target setting, in lower case
+        "SPECDEC_TARGET_ADDRESSES": "t:1",  # the coordinator's, seen by a worker
+        "SPECDEC_DRAFT_LAYERS": "2",  # the draft's
+        "SPECDEC_MODELS": "/models",
+        "SPECDEC_GPU": "yes",  # nothing like any setting
+        "PATH": "/bin",
+    }
+    assert unknown_environment(environ) == [
+        ("SPECDEC_NUM_SPECULATIVE_TOKEN", "SPECDEC_NUM_SPECULATIVE_TOKENS"),
+        ("SPECDEC_GPU", None),
+    ]
+
+
+def test_a_service_logs_the_specdec_variables_no_service_reads(tmp_path: Path) -> None:
+    """A real coordinator process: one `unknown_setting` warning per such variable, with the setting
+    it resembles, at start-up (without the value, which may be a secret)."""
+    env = {**os.environ, "SPECDEC_DRAFT_ADRESS": "secret-value", "SPECDEC_TARGET_ADDRESSES": "127.0.0.1:1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec", "serve", "coordinator", "--port", "0", "--worker-startup-timeout-s", "1"],
+        capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in done.stdout.splitlines() + done.stderr.splitlines() if line.startswith("{")]
+    unknown = [line for line in lines if line["event"] == "unknown_setting"]
+    assert len(unknown) == 1, done.stderr[-2000:]
+    assert unknown[0]["variable"] == "SPECDEC_DRAFT_ADRESS" and unknown[0]["did_you_mean"] == "SPECDEC_DRAFT_ADDRESS"
+    assert unknown[0]["level"] == "warning"
+    assert "secret-value" not in done.stdout + done.stderr

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
 
+import structlog
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, NoDecode, SettingsConfigDict
 
@@ -14,6 +18,17 @@ if TYPE_CHECKING:
     from specdec.runtime.modeling import LoadOptions
 
 S = TypeVar("S", bound="ServiceSettings")
+log = structlog.get_logger()
+
+ENV_PREFIX = "SPECDEC_"
+# every service's settings (named, not imported: the roles build on this module); one
+# environment often serves them all (k8s/'s shared ConfigMap)
+ROLE_SETTINGS = (
+    "coordinator.settings:CoordinatorSettings",
+    "draft_worker.settings:DraftSettings",
+    "target_worker.settings:TargetSettings",
+)
+OTHER_VARIABLES = frozenset({"SPECDEC_MODELS"})  # `specdec models fetch`'s folder
 
 
 def _list_of_strings(value: object) -> object:
@@ -41,7 +56,7 @@ class ServiceSettings(BaseSettings):
     """Network, logging and lifecycle settings common to all services (env prefix SPECDEC_)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="SPECDEC_",
+        env_prefix=ENV_PREFIX,
         cli_kebab_case=True,
         cli_implicit_flags=True,
         extra="ignore",
@@ -155,3 +170,29 @@ def load_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:
             where = f" {name} (--{name.replace('_', '-')} / SPECDEC_{name.upper()})" if name else "s"
             sys.stderr.write(f"{prog}: invalid setting{where}: {error['msg']}\n")
         raise SystemExit(2) from None
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """The SPECDEC_* variables in ``environ`` that no service reads (matched without regard to
+    case, as pydantic-settings matches them), each with the variable it most resembles, if any."""
+    known = {name.removeprefix(ENV_PREFIX) for name in OTHER_VARIABLES}
+    for ref in ROLE_SETTINGS:
+        module, name = ref.split(":")
+        settings: type[BaseSettings] = getattr(importlib.import_module(module), name)
+        known |= {field.upper() for field in settings.model_fields}
+    unknown = [name for name in environ if name.upper().startswith(ENV_PREFIX)]
+    unknown = [name for name in unknown if name.upper().removeprefix(ENV_PREFIX) not in known]
+
+    def near(name: str) -> str | None:  # the names after the prefix, which every one shares
+        close = difflib.get_close_matches(name.upper().removeprefix(ENV_PREFIX), known, n=1, cutoff=0.75)
+        return ENV_PREFIX + close[0] if close else None
+
+    return [(name, near(name)) for name in unknown]
+
+
+def log_unknown_environment() -> None:
+    """Warns of each SPECDEC_* variable that no service reads (a misspelt setting is otherwise
+    ignored, and the service runs with the default the operator meant to change); never logs
+    a value."""
+    for name, near in unknown_environment(os.environ):
+        log.warning("unknown_setting", variable=name, did_you_mean=near, effect="ignored: no specdec service reads it")
