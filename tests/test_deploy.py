@@ -191,6 +191,15 @@ def test_pods_are_restricted_and_bounded(workload: dict[str, Any]) -> None:
     )
 
 
+@pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
+def test_pods_take_no_service_link_variables(workload: dict[str, Any]) -> None:
+    """Kubernetes gives every pod variables for each Service of its namespace; the coordinator's
+    Service is named `specdec`, so they are SPECDEC_PORT=tcp://IP:PORT and a dozen more, which the
+    services read as settings (one that SPECDEC_PORT did not override would end start-up) or
+    report as unknown. The pods find each other by DNS name and take none."""
+    assert workload["spec"]["template"]["spec"]["enableServiceLinks"] is False
+
+
 @pytest.mark.parametrize("role", ["coordinator", "draft", "target"])
 def test_probes_use_grpc_health_on_the_plaintext_port(role: str) -> None:
     (container, _pod) = next((c, p) for r, c, p in _specdec_containers() if r == role)

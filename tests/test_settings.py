@@ -130,3 +130,43 @@ def test_a_service_logs_the_specdec_variables_no_service_reads(tmp_path: Path) -
     assert unknown[0]["variable"] == "SPECDEC_DRAFT_ADRESS" and unknown[0]["did_you_mean"] == "SPECDEC_DRAFT_ADDRESS"
     assert unknown[0]["level"] == "warning"
     assert "secret-value" not in done.stdout + done.stderr
+
+
+# What Kubernetes puts in the environment of every pod for each Service of its namespace (unless
+# the pod sets enableServiceLinks: false): here for k8s/'s Service `specdec` and `specdec-redis`.
+SERVICE_LINKS = {
+    "SPECDEC_SERVICE_HOST": "10.96.0.10",
+    "SPECDEC_SERVICE_PORT": "50051",
+    "SPECDEC_SERVICE_PORT_GRPC": "50051",
+    "SPECDEC_PORT": "tcp://10.96.0.10:50051",
+    "SPECDEC_PORT_50051_TCP": "tcp://10.96.0.10:50051",
+    "SPECDEC_PORT_50051_TCP_PROTO": "tcp",
+    "SPECDEC_PORT_50051_TCP_PORT": "50051",
+    "SPECDEC_PORT_50051_TCP_ADDR": "10.96.0.10",
+    "SPECDEC_REDIS_SERVICE_HOST": "10.96.0.11",
+    "SPECDEC_REDIS_PORT": "tcp://10.96.0.11:6379",
+}
+
+
+def test_kubernetes_service_links_are_not_reported_as_unknown_settings() -> None:
+    """A deployment that keeps Kubernetes' service links (its own manifests) gets a dozen
+    SPECDEC_* variables per Service; they are no typo of the operator's and are not reported."""
+    from specdec.serving.settings import unknown_environment
+
+    assert unknown_environment({**SERVICE_LINKS, "SPECDEC_NUM_SPECULATIVE_TOKEN": "8"}) == [
+        ("SPECDEC_NUM_SPECULATIVE_TOKEN", "SPECDEC_NUM_SPECULATIVE_TOKENS")
+    ]
+
+
+def test_a_service_link_in_place_of_a_setting_says_what_set_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Service named `specdec` (k8s/'s coordinator Service) makes Kubernetes set
+    SPECDEC_PORT=tcp://IP:PORT in every pod of the namespace that does not set SPECDEC_PORT itself;
+    the error said only that the port is not an integer."""
+    for name, value in SERVICE_LINKS.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit):
+        load_settings(CoordinatorSettings, ["--target-addresses", "a:1"], "c")
+    error = capsys.readouterr().err
+    assert "SPECDEC_PORT" in error and "service link" in error and "enableServiceLinks: false" in error

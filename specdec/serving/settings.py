@@ -6,6 +6,7 @@ import difflib
 import importlib
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
@@ -154,6 +155,19 @@ class ModelWorkerSettings(ServiceSettings):
         return LoadOptions(self.device, self.dtype, self.quantize, self.cpu_kernel, self.trust_remote_code)
 
 
+# the variables Kubernetes sets in a pod for each Service of its namespace (unless the pod sets
+# enableServiceLinks: false): NAME_SERVICE_HOST, NAME_SERVICE_PORT[_PORTNAME], NAME_PORT=tcp://IP:PORT,
+# NAME_PORT_<port>_<protocol>[_PROTO|_PORT|_ADDR]
+_SERVICE_LINK_NAME = re.compile(r".+_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
+_SERVICE_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://\S+:\d+")
+
+
+def _service_link(name: str, value: str) -> bool:
+    """``name`` is a variable Kubernetes set for a Service (a Service named ``specdec`` makes
+    SPECDEC_PORT=tcp://IP:PORT and SPECDEC_SERVICE_HOST, ...)."""
+    return bool(_SERVICE_LINK_NAME.fullmatch(name.upper()) or _SERVICE_LINK_VALUE.fullmatch(value))
+
+
 def load_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:
     """Builds settings from CLI flags (kebab-case), then SPECDEC_* env, then defaults.
 
@@ -168,8 +182,21 @@ def load_settings(cls: type[S], argv: Sequence[str], prog: str) -> S:
         for error in exc.errors(include_url=False, include_input=False):
             name = ".".join(str(part) for part in error["loc"])
             where = f" {name} (--{name.replace('_', '-')} / SPECDEC_{name.upper()})" if name else "s"
-            sys.stderr.write(f"{prog}: invalid setting{where}: {error['msg']}\n")
+            sys.stderr.write(f"{prog}: invalid setting{where}: {error['msg']}{_link_hint(name)}\n")
         raise SystemExit(2) from None
+
+
+def _link_hint(setting: str) -> str:
+    """Who set the setting's variable, where it looks like Kubernetes' link to a Service."""
+    variable = f"{ENV_PREFIX}{setting.upper()}"
+    value = next((v for k, v in os.environ.items() if k.upper() == variable), "")
+    if not setting or not variable.endswith("_PORT") or not _SERVICE_LINK_VALUE.fullmatch(value):
+        return ""
+    service = variable.removesuffix("_PORT").lower().replace("_", "-")
+    return (
+        f"; {variable}={value} is what Kubernetes sets in every pod of a namespace with a Service named "
+        f"{service!r} (a service link): set enableServiceLinks: false in the pod spec, or set {variable} yourself"
+    )
 
 
 def unknown_environment(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
@@ -180,7 +207,9 @@ def unknown_environment(environ: Mapping[str, str]) -> list[tuple[str, str | Non
         module, name = ref.split(":")
         settings: type[BaseSettings] = getattr(importlib.import_module(module), name)
         known |= {field.upper() for field in settings.model_fields}
-    unknown = [name for name in environ if name.upper().startswith(ENV_PREFIX)]
+    unknown = [
+        name for name in environ if name.upper().startswith(ENV_PREFIX) and not _service_link(name, environ[name])
+    ]
     unknown = [name for name in unknown if name.upper().removeprefix(ENV_PREFIX) not in known]
 
     def near(name: str) -> str | None:  # the names after the prefix, which every one shares
