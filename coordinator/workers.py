@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
 from specdec.serving.errors import ReplyTooLarge, WorkerFailed, WorkerTimedOut, WorkerUnavailable
-from specdec.serving.security import ClientSecurity
+from specdec.serving.security import CallMetadata, ClientSecurity
 from specdec.serving.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -118,7 +118,7 @@ async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str,
     raise RuntimeError(f"worker {address} not serving after {timeout_s:.0f}s (last status: {last})")
 
 
-def _connect(address: str, settings: CoordinatorSettings) -> tuple[grpc.aio.Channel, tuple[tuple[str, str], ...]]:
+def _connect(address: str, settings: CoordinatorSettings) -> tuple[grpc.aio.Channel, CallMetadata]:
     """A channel to a worker (TLS/mTLS as configured) and the metadata every call carries."""
     security = ClientSecurity(
         ca_file=settings.worker_tls_ca_file,
@@ -166,17 +166,19 @@ class TargetClient:
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._channel, "target", self.address, timeout_s)
-        self.info = (await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=10.0, metadata=self._metadata)).info
+        self.info = (
+            await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=10.0, metadata=self._metadata())
+        ).info
         return self.info
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
         request.tokenizer_hash, request.vocab_size = self.vocabulary
-        return await self._call(self._stub.Verify(request, timeout=timeout_s, metadata=self._metadata))
+        return await self._call(self._stub.Verify(request, timeout=timeout_s, metadata=self._metadata()))
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
         request = target_pb2.TargetReleaseSessionRequest(session_id=session_id)
         return (
-            await self._call(self._stub.ReleaseSession(request, timeout=timeout_s, metadata=self._metadata))
+            await self._call(self._stub.ReleaseSession(request, timeout=timeout_s, metadata=self._metadata()))
         ).existed
 
     async def _call(self, call: Any) -> Any:
@@ -352,7 +354,7 @@ class DraftClient:
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._channel, "draft", self.address, timeout_s)
-        self.info = (await self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=10.0, metadata=self._metadata)).info
+        self.info = (await self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=10.0, metadata=self._metadata())).info
         return self.info
 
     @property
@@ -379,12 +381,12 @@ class DraftClient:
         self._breaker.trip()
 
     def open_stream(self) -> DraftStream:
-        return DraftStream(self._stub.Propose(metadata=self._metadata))
+        return DraftStream(self._stub.Propose(metadata=self._metadata()))
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
         request = draft_pb2.DraftReleaseSessionRequest(session_id=session_id)
         try:
-            return (await self._stub.ReleaseSession(request, timeout=timeout_s, metadata=self._metadata)).existed
+            return (await self._stub.ReleaseSession(request, timeout=timeout_s, metadata=self._metadata())).existed
         except grpc.aio.AioRpcError as exc:
             log.warning("draft_release_failed", address=self.address, code=exc.code().name)
             return False

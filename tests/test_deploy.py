@@ -200,6 +200,18 @@ def test_pods_take_no_service_link_variables(workload: dict[str, Any]) -> None:
     assert workload["spec"]["template"]["spec"]["enableServiceLinks"] is False
 
 
+@pytest.mark.parametrize("workload", _workloads(), ids=lambda w: w["metadata"]["name"])
+def test_secrets_are_mounted_as_volumes_that_kubernetes_updates(workload: dict[str, Any]) -> None:
+    """The services read rotated tokens and certificates from their files; Kubernetes never
+    updates a Secret mounted with subPath."""
+    pod = workload["spec"]["template"]["spec"]
+    secret_volumes = {v["name"] for v in pod.get("volumes", []) if "secret" in v or "projected" in v}
+    assert secret_volumes
+    for container in pod["containers"]:
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] not in secret_volumes or "subPath" not in mount, (container["name"], mount)
+
+
 @pytest.mark.parametrize("role", ["coordinator", "draft", "target"])
 def test_probes_use_grpc_health_on_the_plaintext_port(role: str) -> None:
     (container, _pod) = next((c, p) for r, c, p in _specdec_containers() if r == role)

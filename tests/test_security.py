@@ -284,6 +284,110 @@ def test_unreadable_credentials_stop_start_up_with_a_clear_message(tmp_path: Pat
     assert "cannot read the auth tokens file '/nonexistent'" in process.log_file.read_text()
 
 
+def _replace(path: Path, data: bytes) -> None:
+    """Writes ``path`` in one step (a Secret volume's update swaps in complete files)."""
+    staged = path.with_name(path.name + ".new")
+    staged.write_bytes(data)
+    staged.replace(path)
+
+
+def test_credentials_are_rotated_without_a_restart(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Tokens and the server certificate are replaced in place, as a Secret update or
+    cert-manager's renewal does: every service read them once at start, so a leaked token stayed
+    valid and a renewed certificate went unused (its predecessor expired under the running pods)
+    until a restart. Now the API tokens, the workers' tokens, the token the coordinator sends to
+    the workers and the server certificates are read again when their files change; a file that
+    does not parse, or a key that does not fit its certificate, leaves the credentials in use as
+    they are (with a warning)."""
+    pki = Pki(trustme.CA(), tmp_path)
+    server_cert, server_key = pki.write("server", pki.ca.issue_cert("localhost", "127.0.0.1"))
+    client_cert, client_key = pki.write("coordinator", pki.ca.issue_cert("coordinator.specdec"))
+    carol = "carol-token-0123456789abcdef"
+    new_worker_token = "worker-token-next-0123456789abcdef"
+    tokens = _write(tmp_path / "api-tokens", f"alice:{ALICE}\n")
+    worker_tokens = _write(tmp_path / "worker-tokens", f"coordinator:{WORKER_TOKEN}\n")
+    worker_token = _write(tmp_path / "worker-token", WORKER_TOKEN + "\n")
+    tls = ["--tls-cert-file", str(server_cert), "--tls-key-file", str(server_key)]
+    worker_args = [
+        "--device", "cpu", "--torch-threads", "1", *tls, "--tls-client-ca-file", str(pki.ca_file),
+        "--tls-allowed-client-names", "coordinator.specdec", "--auth-tokens-file", str(worker_tokens),
+    ]  # fmt: skip
+    coordinator_args = [
+        *tls, "--auth-tokens-file", str(tokens), "--worker-tls-ca-file", str(pki.ca_file),
+        "--worker-tls-cert-file", str(client_cert), "--worker-tls-key-file", str(client_key),
+        "--worker-token-file", str(worker_token), "--state-url", "memory://",
+    ]  # fmt: skip
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
+    cluster = LocalCluster(
+        str(tiny_models.target), str(tiny_models.same), tmp_path, worker_args, coordinator_args=coordinator_args
+    )
+
+    def generate(token: str, ca_file: Path) -> coordinator_pb2.GenerateResponse:
+        credentials = grpc.ssl_channel_credentials(ca_file.read_bytes())
+        with grpc.secure_channel(cluster.address, credentials) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            request = make_request(PROMPT, max_new=8, ignore_eos=True)
+            return stub.Generate(request, metadata=[("authorization", f"Bearer {token}")], timeout=60)
+
+    def refused(token: str, ca_file: Path) -> grpc.StatusCode | None:
+        try:
+            generate(token, ca_file)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+        return None
+
+    with cluster:
+        ca1 = pki.ca_file.rename(tmp_path / "ca1.pem")
+        assert list(generate(ALICE, ca1).token_ids) == expected
+        # API tokens: alice's revoked, carol's issued
+        _replace(tokens, f"carol:{carol}\n".encode())
+        wait_for(lambda: refused(ALICE, ca1) == grpc.StatusCode.UNAUTHENTICATED, 10, 0.2)
+        assert list(generate(carol, ca1).token_ids) == expected
+        # a broken tokens file leaves the tokens in use
+        _replace(tokens, b"carol\n")
+        time.sleep(1.5)
+        assert list(generate(carol, ca1).token_ids) == expected
+        # the workers' token: both accepted, the coordinator switches, the old one is revoked
+        _replace(worker_tokens, f"coordinator:{WORKER_TOKEN}\ncoordinator:{new_worker_token}\n".encode())
+        time.sleep(1.5)
+        _replace(worker_token, (new_worker_token + "\n").encode())
+        time.sleep(1.5)
+        _replace(worker_tokens, f"coordinator:{new_worker_token}\n".encode())
+        time.sleep(1.5)
+        reply = generate(carol, ca1)
+        assert list(reply.token_ids) == expected
+        assert reply.stats.draft_tokens_proposed > reply.stats.lookup_tokens_proposed  # the draft took it too
+        # the server certificate: renewed by another CA; new connections get the new one
+        ca2 = trustme.CA()
+        renewed = ca2.issue_cert("localhost", "127.0.0.1")
+        _replace(server_key, renewed.private_key_pem.bytes())  # the key first: for a moment it fits no certificate
+        time.sleep(1.5)
+        assert list(generate(carol, ca1).token_ids) == expected  # a mismatched pair is not taken
+        _replace(server_cert, b"".join(blob.bytes() for blob in renewed.cert_chain_pems))
+        ca2_file = _write(tmp_path / "ca2.pem", ca2.cert_pem.bytes().decode())
+        wait_for(lambda: refused(carol, ca2_file) is None, 10, 0.2)
+        assert refused(carol, ca1) == grpc.StatusCode.UNAVAILABLE
+        log = cluster.processes["coordinator"].log_tail(400)
+        assert "auth_tokens_reloaded" in log and "auth_tokens_not_reloaded" in log
+        assert "tls_certificate_reloaded" in log and "tls_certificate_not_reloaded" in log
+        for secret in (ALICE, carol, WORKER_TOKEN, new_worker_token):
+            assert secret not in log
+
+
+def test_a_key_that_does_not_fit_its_certificate_stops_start_up_saying_so(tmp_path: Path) -> None:
+    """Main said "could not bind 0.0.0.0:PORT; is the port in use?" (grpc refuses the port)."""
+    pki = Pki(trustme.CA(), tmp_path)
+    cert, _ = pki.write("one", pki.ca.issue_cert("localhost"))
+    _, other_key = pki.write("two", pki.ca.issue_cert("localhost"))
+    args = ["--target-addresses", "127.0.0.1:1", "--tls-cert-file", str(cert), "--tls-key-file", str(other_key)]
+    process = spawn("coordinator", args, tmp_path)
+    with pytest.raises(LaunchError):
+        process.wait_ready(60)
+    assert process.proc.returncode == 2
+    log = process.log_file.read_text()
+    assert f"the TLS key '{other_key}' does not fit the certificate '{cert}'" in log and "port in use" not in log
+
+
 # Unit checks of the pieces.
 
 

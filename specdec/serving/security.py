@@ -13,20 +13,62 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
+import os
+import ssl
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import structlog
 
 from specdec.serving.errors import PermissionDenied, Unauthenticated
+
+log = structlog.get_logger(__name__)
 
 # The authenticated caller of the RPC being handled ("" when authentication is off).
 caller_identity: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_caller_identity", default="")
 
 _AUTH_HEADER = "authorization"
 _CERT_NAME_KEYS = ("x509_common_name", "x509_subject_alternative_name")
+_RECHECK_S = 1.0  # credential files are looked at (stat) at most this often
+
+
+class FileWatch:
+    """Tells when any of some files has changed (another inode, size or modification time: a
+    Secret volume's update swaps in new files), looking at most once per ``every_s``."""
+
+    def __init__(self, paths: Sequence[str], every_s: float = _RECHECK_S) -> None:
+        self._paths = tuple(paths)
+        self._every_s = every_s
+        self._next = time.monotonic() + every_s
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[tuple[int, int, int] | None, ...]:
+        stamps: list[tuple[int, int, int] | None] = []
+        for path in self._paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                stamps.append(None)
+                continue
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(stamps)
+
+    def changed(self) -> bool:
+        """True once after each change (each caller's own reload follows)."""
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._every_s
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return False
+        self._seen = stamp
+        return True
 
 
 def read_secret_file(path: str, what: str) -> bytes:
@@ -70,19 +112,69 @@ class ServerTls:
     key_file: str
     client_ca_file: str | None = None
 
-    def credentials(self) -> grpc.ServerCredentials:
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
+        """The files as they are now; ValueError when one cannot be read or the key does not fit
+        the certificate (say, a renewal that has written one file and not yet the other)."""
         key = read_secret_file(self.key_file, "TLS key")
         cert = read_secret_file(self.cert_file, "TLS certificate")
         ca = read_secret_file(self.client_ca_file, "TLS client CA") if self.client_ca_file else None
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert_file, self.key_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(
+                f"the TLS key {self.key_file!r} does not fit the certificate {self.cert_file!r}, or one of them "
+                f"is not PEM ({exc.__class__.__name__}: {getattr(exc, 'reason', None) or exc})"
+            ) from None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """Credentials that read the files again, for the connections that follow, once they
+        change (a renewed certificate is served without a restart); files that cannot be read or
+        do not fit together leave the ones in use."""
+        watch = FileWatch([f for f in (self.cert_file, self.key_file, self.client_ca_file) if f])
+        lock = threading.Lock()  # grpc asks on each new connection, from its own threads
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:
+            with lock:
+                if not watch.changed():
+                    return None
+                try:
+                    configuration = self._configuration()
+                except ValueError as exc:
+                    log.warning("tls_certificate_not_reloaded", error=str(exc), effect="the certificate in use stays")
+                    return None
+                log.info("tls_certificate_reloaded", cert_file=self.cert_file, client_ca_file=self.client_ca_file)
+                return configuration
+
+        return grpc.dynamic_ssl_server_credentials(
+            self._configuration(), fetch, require_client_authentication=self.client_ca_file is not None
+        )
 
 
 class Authenticator:
     """Decides who is calling: a bearer token from the table, and/or an allowed client certificate."""
 
-    def __init__(self, tokens: dict[str, str] | None = None, allowed_cert_names: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokens: dict[str, str] | None = None,
+        allowed_cert_names: Sequence[str] = (),
+        tokens_file: str | None = None,
+    ) -> None:
+        """``tokens_file``: where ``tokens`` came from; read again when it changes."""
         self._tokens = tokens or {}
         self._allowed = frozenset(allowed_cert_names)
+        self._tokens_file = tokens_file
+        self._watch = FileWatch([tokens_file]) if tokens_file else None
+
+    def _reload(self) -> None:
+        """The tokens file changed: its tokens replace the table, unless it does not parse."""
+        assert self._tokens_file is not None
+        try:
+            self._tokens = load_tokens(self._tokens_file)
+        except ValueError as exc:
+            log.warning("auth_tokens_not_reloaded", error=str(exc), effect="the tokens in use stay")
+            return
+        log.info("auth_tokens_reloaded", file=self._tokens_file, identities=len(set(self._tokens.values())))
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +185,8 @@ class Authenticator:
 
         ``metadata`` is the call's invocation metadata, ``peer`` its auth context.
         """
+        if self._watch is not None and self._watch.changed():
+            self._reload()
         identity = ""
         if self._allowed:
             names = {n.decode(errors="replace") for key in _CERT_NAME_KEYS for n in peer.get(key, [])}
@@ -138,12 +232,9 @@ class ClientSecurity:
     server_name: str | None = None
     token_file: str | None = None
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
+    def metadata(self) -> CallMetadata:
         """Metadata to send with every call: the bearer token, when there is one."""
-        if not self.token_file:
-            return ()
-        token = read_secret_file(self.token_file, "worker token").decode().strip()
-        return ((_AUTH_HEADER, f"Bearer {token}"),)
+        return CallMetadata(self.token_file)
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
         """A channel to ``address``: TLS (mTLS with a client certificate) when a CA is set."""
@@ -160,3 +251,28 @@ class ClientSecurity:
             else None,
         )
         return grpc.aio.secure_channel(address, credentials, options=opts)
+
+
+class CallMetadata:
+    """What a client sends with every call (``metadata()``): the bearer token from its file,
+    read again when the file changes (the workers' token is rotated without a restart); a file
+    that can no longer be read or is empty leaves the token in use."""
+
+    def __init__(self, token_file: str | None) -> None:
+        self._file = token_file
+        self._metadata = self._read() if token_file else ()
+        self._watch = FileWatch([token_file]) if token_file else None
+
+    def _read(self) -> tuple[tuple[str, str], ...]:
+        assert self._file is not None
+        token = read_secret_file(self._file, "worker token").decode().strip()
+        return ((_AUTH_HEADER, f"Bearer {token}"),)
+
+    def __call__(self) -> tuple[tuple[str, str], ...]:
+        if self._watch is not None and self._watch.changed():
+            try:
+                self._metadata = self._read()
+                log.info("worker_token_reloaded", file=self._file)
+            except ValueError as exc:
+                log.warning("worker_token_not_reloaded", error=str(exc), effect="the token in use stays")
+        return self._metadata

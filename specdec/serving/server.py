@@ -354,7 +354,7 @@ async def _start_or_stop(spec: ServiceSpec, control: ServerControl) -> bool:
 
 def _authenticator(settings: ServiceSettings) -> Authenticator:
     tokens = load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
-    return Authenticator(tokens, settings.tls_allowed_client_names)
+    return Authenticator(tokens, settings.tls_allowed_client_names, settings.auth_tokens_file)
 
 
 def _server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
