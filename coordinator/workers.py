@@ -7,8 +7,8 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import grpc
 import structlog
@@ -17,11 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
 from specdec.serving.errors import ReplyTooLarge, WorkerFailed, WorkerTimedOut, WorkerUnavailable
-from specdec.serving.security import CallMetadata, ClientSecurity
+from specdec.serving.security import ClientSecurity, FileWatch
 from specdec.serving.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = structlog.get_logger(__name__)
+S = TypeVar("S")
 
 
 class StartupWait:
@@ -118,16 +119,57 @@ async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str,
     raise RuntimeError(f"worker {address} not serving after {timeout_s:.0f}s (last status: {last})")
 
 
-def _connect(address: str, settings: CoordinatorSettings) -> tuple[grpc.aio.Channel, CallMetadata]:
-    """A channel to a worker (TLS/mTLS as configured) and the metadata every call carries."""
-    security = ClientSecurity(
-        ca_file=settings.worker_tls_ca_file,
-        cert_file=settings.worker_tls_cert_file,
-        key_file=settings.worker_tls_key_file,
-        server_name=settings.worker_tls_server_name,
-        token_file=settings.worker_token_file,
-    )
-    return security.channel(address, [*channel_options(settings), *_RECONNECT_OPTIONS]), security.metadata()
+RETIRE_GRACE_S = 300.0  # calls on a channel replaced by one with renewed credentials get this long to end
+
+
+class WorkerLink(Generic[S]):
+    """The channel to one worker (TLS/mTLS as configured) and the metadata every call carries.
+    When the coordinator's TLS files for the workers (CA, client certificate, key) change, the
+    calls that follow go over a new channel made with them (grpc's Python channels keep the
+    credentials they were made with); calls already made end on the old one, which closes after
+    ``RETIRE_GRACE_S``. Files that cannot be read, or a key that does not fit its certificate,
+    leave the channel in use."""
+
+    def __init__(self, address: str, settings: CoordinatorSettings, stub_type: Callable[[grpc.aio.Channel], S]) -> None:
+        self.address = address
+        self._security = ClientSecurity(
+            ca_file=settings.worker_tls_ca_file,
+            cert_file=settings.worker_tls_cert_file,
+            key_file=settings.worker_tls_key_file,
+            server_name=settings.worker_tls_server_name,
+            token_file=settings.worker_token_file,
+        )
+        self._options = [*channel_options(settings), *_RECONNECT_OPTIONS]
+        self._stub_type = stub_type
+        self.metadata = self._security.metadata()
+        self.channel = self._security.channel(address, self._options)
+        self._stub = stub_type(self.channel)
+        files = [f for f in (self._security.ca_file, self._security.cert_file, self._security.key_file) if f]
+        self._watch = FileWatch(files) if files else None
+        self._retired: list[tuple[grpc.aio.Channel, asyncio.Task[None]]] = []
+
+    def stub(self) -> S:
+        """The stub for the next call (on a new channel once the TLS files changed)."""
+        if self._watch is not None and self._watch.changed():
+            self._renew()
+        return self._stub
+
+    def _renew(self) -> None:
+        try:
+            channel = self._security.channel(self.address, self._options)
+        except ValueError as exc:
+            log.warning("worker_tls_not_reloaded", address=self.address, error=str(exc), effect="the channel stays")
+            return
+        old, self.channel, self._stub = self.channel, channel, self._stub_type(channel)
+        self._retired = [(c, t) for c, t in self._retired if not t.done()]
+        self._retired.append((old, asyncio.get_running_loop().create_task(old.close(grace=RETIRE_GRACE_S))))
+        log.info("worker_tls_reloaded", address=self.address)
+
+    async def close(self) -> None:
+        for old, closing in self._retired:
+            closing.cancel()
+            await old.close()
+        await self.channel.close()
 
 
 class _Breaker:
@@ -158,27 +200,28 @@ class TargetClient:
 
     def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float) -> None:
         self.address = address
-        self._channel, self._metadata = _connect(address, settings)
-        self._stub = target_pb2_grpc.TargetWorkerStub(self._channel)
+        self._link = WorkerLink(address, settings, target_pb2_grpc.TargetWorkerStub)
         self.breaker = _Breaker(retry_s)
         self.info = common_pb2.WorkerInfo()
         self.vocabulary = ("", 0)  # (tokenizer hash, vocab size) the coordinator serves; every verify names it
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
-        await wait_until_serving(self._channel, "target", self.address, timeout_s)
+        await wait_until_serving(self._link.channel, "target", self.address, timeout_s)
         self.info = (
-            await self._stub.Info(target_pb2.TargetInfoRequest(), timeout=10.0, metadata=self._metadata())
+            await self._link.stub().Info(target_pb2.TargetInfoRequest(), timeout=10.0, metadata=self._link.metadata())
         ).info
         return self.info
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
         request.tokenizer_hash, request.vocab_size = self.vocabulary
-        return await self._call(self._stub.Verify(request, timeout=timeout_s, metadata=self._metadata()))
+        return await self._call(self._link.stub().Verify(request, timeout=timeout_s, metadata=self._link.metadata()))
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
         request = target_pb2.TargetReleaseSessionRequest(session_id=session_id)
         return (
-            await self._call(self._stub.ReleaseSession(request, timeout=timeout_s, metadata=self._metadata()))
+            await self._call(
+                self._link.stub().ReleaseSession(request, timeout=timeout_s, metadata=self._link.metadata())
+            )
         ).existed
 
     async def _call(self, call: Any) -> Any:
@@ -200,7 +243,7 @@ class TargetClient:
             raise WorkerFailed("the target worker failed while processing the request") from exc
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._link.close()
 
 
 def _rendezvous(session_id: str, address: str) -> bytes:
@@ -344,8 +387,7 @@ class DraftClient:
     def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel, self._metadata = _connect(address, settings)
-        self._stub = draft_pb2_grpc.DraftWorkerStub(self._channel)
+        self._link = WorkerLink(address, settings, draft_pb2_grpc.DraftWorkerStub)
         self._breaker = _Breaker(retry_s)
         self._latency_s: float | None = None
         self.info = common_pb2.WorkerInfo()
@@ -353,8 +395,10 @@ class DraftClient:
         self.tokenizer_hash = ""  # the target's tokenizer, likewise: the draft refuses requests for another
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
-        await wait_until_serving(self._channel, "draft", self.address, timeout_s)
-        self.info = (await self._stub.Info(draft_pb2.DraftInfoRequest(), timeout=10.0, metadata=self._metadata())).info
+        await wait_until_serving(self._link.channel, "draft", self.address, timeout_s)
+        self.info = (
+            await self._link.stub().Info(draft_pb2.DraftInfoRequest(), timeout=10.0, metadata=self._link.metadata())
+        ).info
         return self.info
 
     @property
@@ -381,15 +425,17 @@ class DraftClient:
         self._breaker.trip()
 
     def open_stream(self) -> DraftStream:
-        return DraftStream(self._stub.Propose(metadata=self._metadata()))
+        return DraftStream(self._link.stub().Propose(metadata=self._link.metadata()))
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
         request = draft_pb2.DraftReleaseSessionRequest(session_id=session_id)
         try:
-            return (await self._stub.ReleaseSession(request, timeout=timeout_s, metadata=self._metadata())).existed
+            return (
+                await self._link.stub().ReleaseSession(request, timeout=timeout_s, metadata=self._link.metadata())
+            ).existed
         except grpc.aio.AioRpcError as exc:
             log.warning("draft_release_failed", address=self.address, code=exc.code().name)
             return False
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._link.close()

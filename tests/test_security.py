@@ -31,6 +31,7 @@ from specdec.tools.launch import LaunchError, LocalCluster, spawn
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.clusters import wait_for
 from tests.helpers import RedisServer, free_port
+from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy
 from tests.tiny_models import TinyModels
 
@@ -291,36 +292,52 @@ def _replace(path: Path, data: bytes) -> None:
     staged.replace(path)
 
 
+def _pem(*blobs: trustme.Blob) -> bytes:
+    return b"".join(blob.bytes() for blob in blobs)
+
+
 def test_credentials_are_rotated_without_a_restart(tmp_path: Path, tiny_models: TinyModels) -> None:
-    """Tokens and the server certificate are replaced in place, as a Secret update or
-    cert-manager's renewal does: every service read them once at start, so a leaked token stayed
-    valid and a renewed certificate went unused (its predecessor expired under the running pods)
-    until a restart. Now the API tokens, the workers' tokens, the token the coordinator sends to
-    the workers and the server certificates are read again when their files change; a file that
+    """Tokens and certificates replaced in place, as a Secret update or cert-manager's renewal
+    does: every service read them once at start, so a revoked token stayed valid and renewed
+    certificates went unused (their predecessors expired under the running pods) until a
+    restart. Now the API tokens, the workers' tokens, the token the coordinator sends to the
+    workers, each server's certificate, key and client CA, and the coordinator's client
+    certificate, key and CA for the workers are read again when their files change; a file that
     does not parse, or a key that does not fit its certificate, leaves the credentials in use as
     they are (with a warning)."""
-    pki = Pki(trustme.CA(), tmp_path)
-    server_cert, server_key = pki.write("server", pki.ca.issue_cert("localhost", "127.0.0.1"))
-    client_cert, client_key = pki.write("coordinator", pki.ca.issue_cert("coordinator.specdec"))
+    ca1 = trustme.CA()
+    ca1_file = _write(tmp_path / "ca1.pem", ca1.cert_pem.bytes().decode())
+    files = {  # name -> the certificate whose key and chain the files hold at first (all CA1's)
+        "coordinator": ca1.issue_cert("localhost", "127.0.0.1"),
+        "worker": ca1.issue_cert("localhost", "127.0.0.1"),
+        "client": ca1.issue_cert("coordinator.specdec"),
+    }
+    for name, leaf in files.items():
+        _write(tmp_path / f"{name}.crt", _pem(*leaf.cert_chain_pems).decode())
+        _write(tmp_path / f"{name}.key", leaf.private_key_pem.bytes().decode())
+    worker_ca, client_ca = (_write(tmp_path / f"{n}-ca.pem", ca1_file.read_text()) for n in ("worker", "client"))
     carol = "carol-token-0123456789abcdef"
     new_worker_token = "worker-token-next-0123456789abcdef"
     tokens = _write(tmp_path / "api-tokens", f"alice:{ALICE}\n")
     worker_tokens = _write(tmp_path / "worker-tokens", f"coordinator:{WORKER_TOKEN}\n")
     worker_token = _write(tmp_path / "worker-token", WORKER_TOKEN + "\n")
-    tls = ["--tls-cert-file", str(server_cert), "--tls-key-file", str(server_key)]
     worker_args = [
-        "--device", "cpu", "--torch-threads", "1", *tls, "--tls-client-ca-file", str(pki.ca_file),
+        "--device", "cpu", "--torch-threads", "1", "--tls-cert-file", str(tmp_path / "worker.crt"),
+        "--tls-key-file", str(tmp_path / "worker.key"), "--tls-client-ca-file", str(client_ca),
         "--tls-allowed-client-names", "coordinator.specdec", "--auth-tokens-file", str(worker_tokens),
     ]  # fmt: skip
     coordinator_args = [
-        *tls, "--auth-tokens-file", str(tokens), "--worker-tls-ca-file", str(pki.ca_file),
-        "--worker-tls-cert-file", str(client_cert), "--worker-tls-key-file", str(client_key),
+        "--tls-cert-file", str(tmp_path / "coordinator.crt"), "--tls-key-file", str(tmp_path / "coordinator.key"),
+        "--auth-tokens-file", str(tokens), "--worker-tls-ca-file", str(worker_ca),
+        "--worker-tls-cert-file", str(tmp_path / "client.crt"), "--worker-tls-key-file", str(tmp_path / "client.key"),
         "--worker-token-file", str(worker_token), "--state-url", "memory://",
     ]  # fmt: skip
     expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
+    links = ProxyRoutes(roles=("target", "draft"))  # to make the coordinator connect to the workers anew
     cluster = LocalCluster(
-        str(tiny_models.target), str(tiny_models.same), tmp_path, worker_args, coordinator_args=coordinator_args
-    )
+        str(tiny_models.target), str(tiny_models.same), tmp_path, worker_args, coordinator_args=coordinator_args,
+        route=links,
+    )  # fmt: skip
 
     def generate(token: str, ca_file: Path) -> coordinator_pb2.GenerateResponse:
         credentials = grpc.ssl_channel_credentials(ca_file.read_bytes())
@@ -336,42 +353,71 @@ def test_credentials_are_rotated_without_a_restart(tmp_path: Path, tiny_models: 
             return exc.code()  # type: ignore[no-any-return]
         return None
 
-    with cluster:
-        ca1 = pki.ca_file.rename(tmp_path / "ca1.pem")
-        assert list(generate(ALICE, ca1).token_ids) == expected
-        # API tokens: alice's revoked, carol's issued
-        _replace(tokens, f"carol:{carol}\n".encode())
-        wait_for(lambda: refused(ALICE, ca1) == grpc.StatusCode.UNAUTHENTICATED, 10, 0.2)
-        assert list(generate(carol, ca1).token_ids) == expected
-        # a broken tokens file leaves the tokens in use
-        _replace(tokens, b"carol\n")
+    def settle() -> None:  # the services look at their files once a second
         time.sleep(1.5)
-        assert list(generate(carol, ca1).token_ids) == expected
-        # the workers' token: both accepted, the coordinator switches, the old one is revoked
-        _replace(worker_tokens, f"coordinator:{WORKER_TOKEN}\ncoordinator:{new_worker_token}\n".encode())
-        time.sleep(1.5)
-        _replace(worker_token, (new_worker_token + "\n").encode())
-        time.sleep(1.5)
-        _replace(worker_tokens, f"coordinator:{new_worker_token}\n".encode())
-        time.sleep(1.5)
-        reply = generate(carol, ca1)
-        assert list(reply.token_ids) == expected
-        assert reply.stats.draft_tokens_proposed > reply.stats.lookup_tokens_proposed  # the draft took it too
-        # the server certificate: renewed by another CA; new connections get the new one
-        ca2 = trustme.CA()
-        renewed = ca2.issue_cert("localhost", "127.0.0.1")
-        _replace(server_key, renewed.private_key_pem.bytes())  # the key first: for a moment it fits no certificate
-        time.sleep(1.5)
-        assert list(generate(carol, ca1).token_ids) == expected  # a mismatched pair is not taken
-        _replace(server_cert, b"".join(blob.bytes() for blob in renewed.cert_chain_pems))
-        ca2_file = _write(tmp_path / "ca2.pem", ca2.cert_pem.bytes().decode())
-        wait_for(lambda: refused(carol, ca2_file) is None, 10, 0.2)
-        assert refused(carol, ca1) == grpc.StatusCode.UNAVAILABLE
-        log = cluster.processes["coordinator"].log_tail(400)
-        assert "auth_tokens_reloaded" in log and "auth_tokens_not_reloaded" in log
-        assert "tls_certificate_reloaded" in log and "tls_certificate_not_reloaded" in log
-        for secret in (ALICE, carol, WORKER_TOKEN, new_worker_token):
-            assert secret not in log
+
+    try:
+        with cluster:
+            assert list(generate(ALICE, ca1_file).token_ids) == expected
+            # API tokens: alice's revoked, carol's issued; then a file that does not parse
+            _replace(tokens, f"carol:{carol}\n".encode())
+            wait_for(lambda: refused(ALICE, ca1_file) == grpc.StatusCode.UNAUTHENTICATED, 10, 0.2)
+            assert list(generate(carol, ca1_file).token_ids) == expected
+            _replace(tokens, b"carol\n")
+            settle()
+            assert list(generate(carol, ca1_file).token_ids) == expected
+            # the workers' token: both accepted, the coordinator switches, the old one is revoked
+            _replace(worker_tokens, f"coordinator:{WORKER_TOKEN}\ncoordinator:{new_worker_token}\n".encode())
+            settle()
+            _replace(worker_token, (new_worker_token + "\n").encode())
+            settle()
+            _replace(worker_tokens, f"coordinator:{new_worker_token}\n".encode())
+            settle()
+            reply = generate(carol, ca1_file)
+            assert list(reply.token_ids) == expected
+            assert reply.stats.draft_tokens_proposed > reply.stats.lookup_tokens_proposed  # the draft took it too
+            # the coordinator's certificate, renewed by another CA: the key first, fitting no certificate yet
+            ca2 = trustme.CA()
+            renewed = ca2.issue_cert("localhost", "127.0.0.1")
+            _replace(tmp_path / "coordinator.key", renewed.private_key_pem.bytes())
+            settle()
+            assert list(generate(carol, ca1_file).token_ids) == expected  # the pair in use stays
+            _replace(tmp_path / "coordinator.crt", _pem(*renewed.cert_chain_pems))
+            ca2_file = _write(tmp_path / "ca2.pem", ca2.cert_pem.bytes().decode())
+            wait_for(lambda: refused(carol, ca2_file) is None, 10, 0.2)
+            assert refused(carol, ca1_file) == grpc.StatusCode.UNAVAILABLE
+            # the hop to the workers moves to CA3: both sides trust both CAs, then both take CA3's
+            # certificates, then trust CA3 alone; new connections need the new certificates
+            ca3 = trustme.CA()
+            for path in (worker_ca, client_ca):
+                _replace(path, _pem(ca1.cert_pem, ca3.cert_pem))
+            settle()
+            for name, leaf in (
+                ("worker", ca3.issue_cert("localhost", "127.0.0.1")),
+                ("client", ca3.issue_cert("coordinator.specdec")),
+            ):
+                _replace(tmp_path / f"{name}.key", leaf.private_key_pem.bytes())
+                _replace(tmp_path / f"{name}.crt", _pem(*leaf.cert_chain_pems))
+            settle()
+            for path in (worker_ca, client_ca):
+                _replace(path, ca3.cert_pem.bytes())
+            settle()
+            for proxy in links.proxies.values():
+                proxy.reset_connections()
+            reply = generate(carol, ca2_file)
+            assert list(reply.token_ids) == expected
+            assert reply.stats.draft_tokens_proposed > reply.stats.lookup_tokens_proposed
+            coordinator = cluster.processes["coordinator"].log_tail(400)
+            worker = cluster.processes["target-0"].log_tail(400)
+    finally:
+        links.close()
+    for event in ("auth_tokens_reloaded", "auth_tokens_not_reloaded", "tls_certificate_reloaded"):
+        assert event in coordinator, event
+    assert "tls_certificate_not_reloaded" in coordinator and "worker_token_reloaded" in coordinator
+    assert "worker_tls_reloaded" in coordinator
+    assert "auth_tokens_reloaded" in worker and "tls_certificate_reloaded" in worker
+    for secret in (ALICE, carol, WORKER_TOKEN, new_worker_token):
+        assert secret not in coordinator + worker
 
 
 def test_a_key_that_does_not_fit_its_certificate_stops_start_up_saying_so(tmp_path: Path) -> None:

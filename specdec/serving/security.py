@@ -104,6 +104,18 @@ def load_tokens(path: str) -> dict[str, str]:
     return tokens
 
 
+def check_key_pair(cert_file: str, key_file: str) -> None:
+    """ValueError unless the key fits the certificate (a renewal may have written one file and
+    not yet the other)."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(
+            f"the TLS key {key_file!r} does not fit the certificate {cert_file!r}, or one of them "
+            f"is not PEM ({exc.__class__.__name__}: {getattr(exc, 'reason', None) or exc})"
+        ) from None
+
+
 @dataclass(frozen=True)
 class ServerTls:
     """A server's certificate and key, and the CA its clients' certificates must chain to (mTLS)."""
@@ -114,17 +126,11 @@ class ServerTls:
 
     def _configuration(self) -> grpc.ServerCertificateConfiguration:
         """The files as they are now; ValueError when one cannot be read or the key does not fit
-        the certificate (say, a renewal that has written one file and not yet the other)."""
+        the certificate."""
         key = read_secret_file(self.key_file, "TLS key")
         cert = read_secret_file(self.cert_file, "TLS certificate")
         ca = read_secret_file(self.client_ca_file, "TLS client CA") if self.client_ca_file else None
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert_file, self.key_file)
-        except (ssl.SSLError, OSError) as exc:
-            raise ValueError(
-                f"the TLS key {self.key_file!r} does not fit the certificate {self.cert_file!r}, or one of them "
-                f"is not PEM ({exc.__class__.__name__}: {getattr(exc, 'reason', None) or exc})"
-            ) from None
+        check_key_pair(self.cert_file, self.key_file)
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def credentials(self) -> grpc.ServerCredentials:
@@ -243,6 +249,8 @@ class ClientSecurity:
         opts = list(options)
         if self.server_name:
             opts.append(("grpc.ssl_target_name_override", self.server_name))
+        if self.cert_file and self.key_file:
+            check_key_pair(self.cert_file, self.key_file)
         credentials = grpc.ssl_channel_credentials(
             root_certificates=read_secret_file(self.ca_file, "worker TLS CA"),
             private_key=read_secret_file(self.key_file, "worker TLS client key") if self.key_file else None,
