@@ -153,7 +153,8 @@ class Engine:
             s.session_lease_s,
             s.state_timeout_s,
             username=s.state_username,
-            password=s.redis_password(),
+            password=s.state_password.get_secret_value() if s.state_password else None,
+            password_file=s.state_password_file,
             tls_ca_file=s.state_tls_ca_file,
         )
         self._deps: TurnDeps | None = None

@@ -7,7 +7,6 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from coordinator.adaptive import drafting_method
-from specdec.serving.security import read_secret_file
 from specdec.serving.settings import ServiceSettings, StringList
 
 
@@ -131,12 +130,6 @@ class CoordinatorSettings(ServiceSettings):
     state_retry_s: float = Field(
         5.0, ge=0, description="keep retrying an unreachable state store this long (within the client deadline)"
     )
-
-    def redis_password(self) -> str | None:
-        """The Redis password from ``state_password`` or ``state_password_file`` (None = none)."""
-        if self.state_password_file:
-            return read_secret_file(self.state_password_file, "state password").decode().strip()
-        return self.state_password.get_secret_value() if self.state_password else None
 
     @field_validator("target_addresses")
     @classmethod

@@ -420,6 +420,38 @@ def test_credentials_are_rotated_without_a_restart(tmp_path: Path, tiny_models: 
         assert secret not in coordinator + worker
 
 
+def test_a_rotated_redis_password_is_used_for_new_connections(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """The Redis password changed (CONFIG SET requirepass, or a second ACL password) and its file
+    updated: connections made from then on authenticate with the new one. Main read the file once,
+    so once Redis dropped the coordinator's connections every request failed UNAVAILABLE until a
+    restart."""
+    import redis
+
+    old, new = "redis-old-Pa55word-0123", "redis-new-Pa55word-4567"
+    server = RedisServer(tmp_path / "redis", password=old)
+    password_file = _write(tmp_path / "redis-password", old + "\n")
+    args = ["--state-url", f"redis://127.0.0.1:{server.port}/0", "--state-password-file", str(password_file)]
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
+    cluster = LocalCluster(
+        str(tiny_models.target), None, tmp_path, ["--device", "cpu", "--torch-threads", "1"], coordinator_args=args
+    )
+    try:
+        with cluster, grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            request = make_request(PROMPT, max_new=8, ignore_eos=True)
+            assert list(stub.Generate(request, timeout=60).token_ids) == expected
+            admin = redis.Redis(port=server.port, password=old)
+            admin.config_set("requirepass", new)
+            _replace(password_file, (new + "\n").encode())
+            time.sleep(1.5)
+            admin.client_kill_filter(_type="normal", skipme=False)  # the coordinator's connections go
+            assert list(stub.Generate(request, timeout=60).token_ids) == expected
+            log = cluster.processes["coordinator"].log_tail(400)
+    finally:
+        server.stop()
+    assert "state_password_reloaded" in log and old not in log and new not in log
+
+
 def test_a_key_that_does_not_fit_its_certificate_stops_start_up_saying_so(tmp_path: Path) -> None:
     """Main said "could not bind 0.0.0.0:PORT; is the port in use?" (grpc refuses the port)."""
     pki = Pki(trustme.CA(), tmp_path)

@@ -16,7 +16,7 @@ from specdec.state.base import (
     StateStore,
 )
 from specdec.state.memory import MemoryStateStore
-from specdec.state.redis_store import RedisStateStore
+from specdec.state.redis_store import FileCredentials, RedisStateStore
 
 __all__ = [
     "RECENT_STEPS",
@@ -49,23 +49,29 @@ def open_store(
     *,
     username: str | None = None,
     password: str | None = None,
+    password_file: str | None = None,
     tls_ca_file: str | None = None,
 ) -> StateStore:
     """A store for ``url``: ``memory://``, ``redis://[user:password@]host:port/db`` or ``rediss://...``.
 
-    ``username``/``password`` (Redis ACL / AUTH) override those in the URL; ``tls_ca_file`` is the
-    CA that signed a ``rediss://`` server's certificate.
+    ``username``/``password`` (Redis ACL / AUTH) override those in the URL; ``password_file``
+    instead of ``password``: read again when it changes, for the connections that follow;
+    ``tls_ca_file`` is the CA that signed a ``rediss://`` server's certificate.
     """
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme == "memory":
         return MemoryStateStore(ttl_s=ttl_s, lease_s=lease_s)
-    if password is not None and parts.password:
-        raise ValueError("the Redis password is given twice (in state_url and as a setting); keep one")
+    if sum((password is not None, bool(password_file), bool(parts.password))) > 1:
+        raise ValueError(
+            "the Redis password is given twice (state_url, --state-password, --state-password-file); keep one"
+        )
     if tls_ca_file and scheme != "rediss":
         raise ValueError("state_tls_ca_file needs a rediss:// state_url")
     if scheme in ("redis", "rediss", "unix"):
-        auth = {"username": username, "password": password, "ssl_ca_certs": tls_ca_file}
+        auth: dict[str, object] = {"username": username, "password": password, "ssl_ca_certs": tls_ca_file}
+        if password_file:
+            auth |= {"credential_provider": FileCredentials(username, password_file), "username": None}
         extra = {key: value for key, value in auth.items() if value is not None}
         return RedisStateStore(url, ttl_s=ttl_s, lease_s=lease_s, timeout_s=timeout_s, **extra)
     raise ValueError(f"unsupported state_url scheme {scheme!r}: use memory://, redis://, rediss:// or unix://")

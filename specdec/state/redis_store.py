@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.credentials import CredentialProvider
 from redis.exceptions import AuthenticationError, ReadOnlyError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -23,6 +24,7 @@ from specdec.serving.errors import (
     StateUnavailable,
     StateUnreachable,
 )
+from specdec.serving.security import FileWatch, read_secret_file
 from specdec.state.base import (
     RECENT_STEPS,
     TOMBSTONE_EXTRA_MS,
@@ -205,6 +207,33 @@ def _record(session_id: str, fields: dict[bytes, bytes], tokens: bytes) -> Sessi
     )
 
 
+class FileCredentials(CredentialProvider):
+    """Redis AUTH with the password in a file, read again when the file changes: the connections
+    made from then on use the new one (a rotated password without a restart). A file that can no
+    longer be read, or is empty, leaves the password in use."""
+
+    def __init__(self, username: str | None, password_file: str) -> None:
+        self._username = username
+        self._file = password_file
+        self._password = self._read()
+        self._watch = FileWatch([password_file])
+
+    def _read(self) -> str:
+        return read_secret_file(self._file, "state password").decode().strip()
+
+    def get_credentials(self) -> tuple[str] | tuple[str, str]:
+        if self._watch.changed():
+            try:
+                self._password = self._read()
+                log.info("state_password_reloaded", file=self._file)
+            except ValueError as exc:
+                log.warning("state_password_not_reloaded", error=str(exc), effect="the password in use stays")
+        return (self._username, self._password) if self._username else (self._password,)
+
+    async def get_credentials_async(self) -> tuple[str] | tuple[str, str]:
+        return self.get_credentials()
+
+
 class RedisStateStore(StateStore):
     """Sessions as Redis hashes ``<prefix>session:<id>`` and their committed tokens as strings
     ``<prefix>tokens:<id>`` (appended to, so a round writes only what it adds), with one TTL."""
@@ -216,9 +245,10 @@ class RedisStateStore(StateStore):
         lease_s: float,
         timeout_s: float,
         key_prefix: str = "specdec:",
-        **connection: str,
+        **connection: Any,
     ) -> None:
-        """``connection``: extra redis-py connection settings (username, password, ssl_ca_certs)."""
+        """``connection``: extra redis-py connection settings (username, password or
+        credential_provider, ssl_ca_certs)."""
         self._client = aioredis.from_url(
             url,
             **connection,
