@@ -261,26 +261,35 @@ class ClientSecurity:
         return grpc.aio.secure_channel(address, credentials, options=opts)
 
 
+class SecretFile:
+    """A secret held in a file (a token, a password), read again when the file changes; a file
+    that can no longer be read, or is empty, leaves the value in use. Logs ``<event>_reloaded``
+    or ``<event>_not_reloaded``, never the value."""
+
+    def __init__(self, path: str, what: str, event: str) -> None:
+        self._path, self._what, self._event = path, what, event
+        self._value = self._read()
+        self._watch = FileWatch([path])
+
+    def _read(self) -> str:
+        return read_secret_file(self._path, self._what).decode().strip()
+
+    def value(self) -> str:
+        if self._watch.changed():
+            try:
+                self._value = self._read()
+                log.info(f"{self._event}_reloaded", file=self._path)
+            except ValueError as exc:
+                log.warning(f"{self._event}_not_reloaded", error=str(exc), effect=f"the {self._what} in use stays")
+        return self._value
+
+
 class CallMetadata:
     """What a client sends with every call (``metadata()``): the bearer token from its file,
-    read again when the file changes (the workers' token is rotated without a restart); a file
-    that can no longer be read or is empty leaves the token in use."""
+    read again when the file changes (the workers' token is rotated without a restart)."""
 
     def __init__(self, token_file: str | None) -> None:
-        self._file = token_file
-        self._metadata = self._read() if token_file else ()
-        self._watch = FileWatch([token_file]) if token_file else None
-
-    def _read(self) -> tuple[tuple[str, str], ...]:
-        assert self._file is not None
-        token = read_secret_file(self._file, "worker token").decode().strip()
-        return ((_AUTH_HEADER, f"Bearer {token}"),)
+        self._token = SecretFile(token_file, "worker token", "worker_token") if token_file else None
 
     def __call__(self) -> tuple[tuple[str, str], ...]:
-        if self._watch is not None and self._watch.changed():
-            try:
-                self._metadata = self._read()
-                log.info("worker_token_reloaded", file=self._file)
-            except ValueError as exc:
-                log.warning("worker_token_not_reloaded", error=str(exc), effect="the token in use stays")
-        return self._metadata
+        return () if self._token is None else ((_AUTH_HEADER, f"Bearer {self._token.value()}"),)

@@ -24,7 +24,7 @@ from specdec.serving.errors import (
     StateUnavailable,
     StateUnreachable,
 )
-from specdec.serving.security import FileWatch, read_secret_file
+from specdec.serving.security import SecretFile
 from specdec.state.base import (
     RECENT_STEPS,
     TOMBSTONE_EXTRA_MS,
@@ -209,26 +209,15 @@ def _record(session_id: str, fields: dict[bytes, bytes], tokens: bytes) -> Sessi
 
 class FileCredentials(CredentialProvider):
     """Redis AUTH with the password in a file, read again when the file changes: the connections
-    made from then on use the new one (a rotated password without a restart). A file that can no
-    longer be read, or is empty, leaves the password in use."""
+    made from then on use the new one (a rotated password without a restart)."""
 
     def __init__(self, username: str | None, password_file: str) -> None:
         self._username = username
-        self._file = password_file
-        self._password = self._read()
-        self._watch = FileWatch([password_file])
-
-    def _read(self) -> str:
-        return read_secret_file(self._file, "state password").decode().strip()
+        self._password = SecretFile(password_file, "state password", "state_password")
 
     def get_credentials(self) -> tuple[str] | tuple[str, str]:
-        if self._watch.changed():
-            try:
-                self._password = self._read()
-                log.info("state_password_reloaded", file=self._file)
-            except ValueError as exc:
-                log.warning("state_password_not_reloaded", error=str(exc), effect="the password in use stays")
-        return (self._username, self._password) if self._username else (self._password,)
+        password = self._password.value()
+        return (self._username, password) if self._username else (password,)
 
     async def get_credentials_async(self) -> tuple[str] | tuple[str, str]:
         return self.get_credentials()
