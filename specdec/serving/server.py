@@ -440,6 +440,7 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, control.request_stop)
     log.info("server_started", services=list(spec.service_names), tls=bool(settings.tls_cert_file), **ports)
+    going: list[asyncio.Task[None]] = []
     try:
         if await _start_or_stop(spec, control):
             await health_state.set_probe(STARTUP, True)
@@ -450,6 +451,16 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
             await control.stop_requested.wait()
         log.info("shutting_down", grace_period_s=settings.grace_period_s, inflight=control.inflight)
         await health_state.set(False)
+        # Clients are told to go (HTTP/2 GOAWAY on every connection): a call sent after it is
+        # refused by grpc before any handler runs, and the client sends it again over a new
+        # connection, which leads to another replica (gRPC channels keep their connection, so a
+        # Service or load balancer steers only new ones). The calls in flight go on, under the
+        # drain; grpc's own stop waits longer than the drain, which ends them first.
+        going += [
+            asyncio.create_task(serving.stop(settings.grace_period_s + _CANCEL_WAIT_S + _STOP_GRACE_S))
+            for serving in (server, local)
+            if serving is not None
+        ]
         drained = await control.drain(settings.grace_period_s)
         log.info("drained" if drained else "calls_cancelled", still_running=control.inflight)
     finally:
@@ -458,6 +469,7 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
         for stopping in (server, local, probes):
             if stopping is not None:
                 await stopping.stop(_STOP_GRACE_S)
+        await asyncio.gather(*going, return_exceptions=True)
         await spec.stop()
     log.info("stopped", exit_code=control.exit_code)
     return control.exit_code
