@@ -212,6 +212,21 @@ def test_secrets_are_mounted_as_volumes_that_kubernetes_updates(workload: dict[s
             assert mount["name"] not in secret_volumes or "subPath" not in mount, (container["name"], mount)
 
 
+@pytest.mark.parametrize("workload", ["specdec-coordinator", "specdec-draft", "specdec-target"])
+def test_pods_are_stopped_after_their_service_has_dropped_them(workload: str) -> None:
+    """On SIGTERM a service tells its clients to go and they reconnect through the Service; a
+    pod's deletion and its removal from the Service's endpoints happen at once, so reconnections
+    in the first moments can still be sent to the stopping pod, whose port is closed. Every
+    container waits a few seconds before its SIGTERM (a preStop sleep), and the pod's grace covers
+    the wait and the services' drain."""
+    (doc,) = [w for w in _workloads() if w["metadata"]["name"] == workload]
+    pod = doc["spec"]["template"]["spec"]
+    for container in pod["containers"]:
+        wait = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert 3 <= wait <= 10, container["name"]
+        assert pod["terminationGracePeriodSeconds"] >= wait + float(CONFIG["SPECDEC_GRACE_PERIOD_S"]) + 5
+
+
 @pytest.mark.parametrize("role", ["coordinator", "draft", "target"])
 def test_probes_use_grpc_health_on_the_plaintext_port(role: str) -> None:
     (container, _pod) = next((c, p) for r, c, p in _specdec_containers() if r == role)
