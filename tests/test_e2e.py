@@ -741,3 +741,31 @@ def test_another_coordinator_replica_finds_the_cached_prefix(
         second.stop()
     assert reply.usage.cached_tokens == 32  # two whole blocks of the 40-token prompt
     assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), 6, ignore_eos=True)
+
+
+def test_idle_connections_kept_alive_by_pings_stay_open(cluster_same: LocalCluster) -> None:
+    """A client that keeps its idle connection alive with HTTP/2 pings, as the coordinator keeps
+    its links to the workers (every 20 s) and many gRPC clients keep theirs: grpc's servers
+    allow one ping in 5 minutes by default, so after the third ping the coordinator and the
+    workers dropped the connection with GOAWAY "too_many_pings" (a probe with the coordinator's
+    own 20 s: dropped after 60 s idle, and grpc wrote an ERROR line, not JSON, into the client's
+    log). Pings 5 s apart or more are now allowed. Here, 6 s apart, on the coordinator's public
+    port and on a worker's: the connections stay open (main: dropped after 18 s)."""
+    from specdec.serving.server import channel_options
+    from specdec.serving.settings import ServiceSettings
+
+    options = [o for o in channel_options(ServiceSettings()) if o[0] != "grpc.keepalive_time_ms"]
+    options.append(("grpc.keepalive_time_ms", 6_000))
+    states: dict[str, list[grpc.ChannelConnectivity]] = {}
+    channels = []
+    try:
+        for role in ("coordinator", "target-0"):
+            channel = grpc.insecure_channel(cluster_same.processes[role].address, options=options)
+            channels.append(channel)
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            channel.subscribe(states.setdefault(role, []).append)
+        time.sleep(24)
+    finally:
+        for channel in channels:
+            channel.close()
+    assert states == {role: [grpc.ChannelConnectivity.READY] for role in ("coordinator", "target-0")}

@@ -290,11 +290,15 @@ def channel_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
 # gRPC servers bind with SO_REUSEPORT unless told not to: a second process given a port another
 # one serves on would bind it too and take some of its connections. Off, that bind fails.
 _EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+# Clients may keep an idle connection alive with pings this far apart (the coordinator pings its
+# workers every 20 s); grpc's servers allow one in 5 minutes by default and drop the connection
+# with GOAWAY "too_many_pings" after the third sooner one.
+_PERMITTED_PINGS = ("grpc.http2.min_ping_interval_without_data_ms", 5_000)
 
 
 def _grpc_server(settings: ServiceSettings | None, interceptor: ErrorInterceptor | None) -> grpc.aio.Server:
     """A server whose ports are its own; with ``settings``, the channel options of the API."""
-    options = [*(channel_options(settings) if settings else []), _EXCLUSIVE_PORT]
+    options = [*(channel_options(settings) if settings else []), _EXCLUSIVE_PORT, _PERMITTED_PINGS]
     return grpc.aio.server(interceptors=[interceptor] if interceptor else None, options=options)
 
 
