@@ -17,6 +17,13 @@ class CoordinatorSettings(ServiceSettings):
     max_message_bytes: int = Field(
         8 * 1024 * 1024, gt=0, description="largest request accepted (RESOURCE_EXHAUSTED above)"
     )
+    max_connection_age_s: float = Field(
+        300.0,
+        ge=0,
+        description="end each client connection after about this long (HTTP/2 GOAWAY; its calls in flight go on), "
+        "so clients reconnect through the Service and spread over the replicas there are then (the HPA's "
+        "new ones too); 0 = never",
+    )
     target_addresses: StringList = Field(min_length=1, description="target worker host:port list (comma separated)")
     draft_address: str | None = Field(None, description="draft worker host:port; unset = target-only decoding")
     tokenizer: str | None = Field(None, description="tokenizer path or hub id (default: the target's model id)")

@@ -417,6 +417,50 @@ def test_a_stopping_coordinator_hands_its_clients_to_another_replica(
             second.stop()
 
 
+def test_clients_spread_to_a_replica_added_after_they_connected(
+    tmp_path: Path, tiny_models: TinyModels, redis_server: RedisServer
+) -> None:
+    """A client's gRPC channel keeps its connection for ever, and a Service steers only new
+    connections: coordinator replicas that the HPA adds under load got no call from the clients
+    already connected, however long they ran. A coordinator now ends its connections after
+    `--max-connection-age-s` (HTTP/2 GOAWAY; calls in flight go on), so clients reconnect through
+    the Service and spread over the replicas there are then. Here the age is 2 s: a client that
+    connected when only the first replica served reaches the second one added afterwards
+    (main: every call stayed on the first)."""
+    from specdec.tools.launch import spawn
+    from tests.clusters import FAULT_COORDINATOR_ARGS
+    from tests.netproxy import TcpProxy
+
+    request = make_request(PROMPT, max_new=4, ignore_eos=True)
+    age = ["--max-connection-age-s", "2"]
+    with fault_cluster(
+        tmp_path, tiny_models.target, tiny_models.same, state_url=redis_server.url, coordinator_args=age
+    ) as cluster:
+        args = [
+            "--target-addresses", cluster.processes["target-0"].address, "--tokenizer", str(tiny_models.target),
+            "--draft-address", cluster.processes["draft"].address, *FAULT_COORDINATOR_ARGS,
+            "--state-url", redis_server.url, *age,
+        ]  # fmt: skip
+        second = spawn("coordinator", args, tmp_path / "second")
+        service = TcpProxy(cluster.address)
+        try:
+            second.wait_ready(60)
+            with grpc.insecure_channel(service.address) as channel:
+                stub = coordinator_pb2_grpc.GenerationStub(channel)
+                stub.Generate(request, timeout=30)  # connected to the first replica
+                service.retarget(second.address)  # new connections now go to the added replica
+                served = 0
+                deadline = time.monotonic() + 10
+                while served == 0 and time.monotonic() < deadline:
+                    stub.Generate(request, timeout=30)
+                    served = second.log_tail(200).count("turn_ended")
+                    time.sleep(0.2)
+            assert served > 0, "every call stayed on the first replica"
+        finally:
+            service.close()
+            second.stop()
+
+
 def _log_problems(process) -> list[str]:  # type: ignore[no-untyped-def]
     """Lines of a service's log that are not JSON events, and its error events."""
     lines = process.log_file.read_text().splitlines()

@@ -299,6 +299,8 @@ _PERMITTED_PINGS = ("grpc.http2.min_ping_interval_without_data_ms", 5_000)
 def _grpc_server(settings: ServiceSettings | None, interceptor: ErrorInterceptor | None) -> grpc.aio.Server:
     """A server whose ports are its own; with ``settings``, the channel options of the API."""
     options = [*(channel_options(settings) if settings else []), _EXCLUSIVE_PORT, _PERMITTED_PINGS]
+    if settings is not None and settings.max_connection_age_s > 0:  # grpc adds +-10% jitter; no grace limit
+        options.append(("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)))
     return grpc.aio.server(interceptors=[interceptor] if interceptor else None, options=options)
 
 

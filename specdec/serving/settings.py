@@ -75,6 +75,12 @@ class ServiceSettings(BaseSettings):
         description="a stream message the client takes none of for this long ends the call "
         "(it stopped reading; its turn is rolled back); 0 = wait for ever",
     )
+    max_connection_age_s: float = Field(
+        0.0,
+        ge=0,
+        description="end each client connection after about this long (HTTP/2 GOAWAY; its calls in flight go on), "
+        "so clients reconnect and spread over the replicas there are then; 0 = never",
+    )
     ready_file: str | None = Field(
         None, description='write {"port": N} to this file once serving (for launchers and tests)'
     )
