@@ -20,6 +20,7 @@ class CoordinatorSettings(ServiceSettings):
     max_connection_age_s: float = Field(
         300.0,
         ge=0,
+        le=7 * 24 * 3600,  # grpc takes milliseconds as a 32-bit int
         description="end each client connection after about this long (HTTP/2 GOAWAY; its calls in flight go on), "
         "so clients reconnect through the Service and spread over the replicas there are then (the HPA's "
         "new ones too); 0 = never",

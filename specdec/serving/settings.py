@@ -78,6 +78,7 @@ class ServiceSettings(BaseSettings):
     max_connection_age_s: float = Field(
         0.0,
         ge=0,
+        le=7 * 24 * 3600,  # grpc takes milliseconds as a 32-bit int
         description="end each client connection after about this long (HTTP/2 GOAWAY; its calls in flight go on), "
         "so clients reconnect and spread over the replicas there are then; 0 = never",
     )
