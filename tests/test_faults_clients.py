@@ -21,11 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
-from specdec.tools.launch import LocalCluster
+from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import HUGE_TEXT, fault_cluster, loop_stall_during, metric, wait_for
+from tests.clusters import FAULT_COORDINATOR_ARGS, HUGE_TEXT, fault_cluster, loop_stall_during, metric, wait_for
 from tests.helpers import RedisServer
-from tests.netproxy import ProxyRoutes
+from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import make_request, read_session, reference_greedy, worker_info
 from tests.tiny_models import TinyModels
 
@@ -365,6 +365,16 @@ def test_sigterm_drains_gracefully(
     }
 
 
+def _second_coordinator(cluster: LocalCluster, state_url: str, workdir: Path, *extra: str) -> ServiceProcess:
+    """Another coordinator replica on the cluster's workers and state store (not yet ready)."""
+    args = [
+        "--target-addresses", cluster.processes["target-0"].address, "--tokenizer", cluster.target_model,
+        "--draft-address", cluster.processes["draft"].address, *FAULT_COORDINATOR_ARGS,
+        "--state-url", state_url, *extra,
+    ]  # fmt: skip
+    return spawn("coordinator", args, workdir)
+
+
 def test_a_stopping_coordinator_hands_its_clients_to_another_replica(
     tmp_path: Path, tiny_models: TinyModels, redis_server: RedisServer, routes: Callable[..., ProxyRoutes]
 ) -> None:
@@ -376,10 +386,6 @@ def test_a_stopping_coordinator_hands_its_clients_to_another_replica(
     channels keep their connection; the Service only steers new ones). Now it tells its clients
     to go (HTTP/2 GOAWAY) as it starts to drain: their next calls open a connection to the other
     replica, while the stream in flight still completes where it runs."""
-    from specdec.tools.launch import spawn
-    from tests.clusters import FAULT_COORDINATOR_ARGS
-    from tests.netproxy import TcpProxy
-
     short = make_request(PROMPT, max_new=8, ignore_eos=True)
     expected_short = reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
     expected_long = reference_greedy(str(tiny_models.target), tuple(PROMPT), 200, ignore_eos=True)
@@ -388,12 +394,7 @@ def test_a_stopping_coordinator_hands_its_clients_to_another_replica(
         coordinator_args=["--grace-period-s", "30"],
     ) as cluster:  # fmt: skip
         first = cluster.processes["coordinator"]
-        args = [
-            "--target-addresses", cluster.processes["target-0"].address, "--tokenizer", str(tiny_models.target),
-            "--draft-address", cluster.processes["draft"].address, *FAULT_COORDINATOR_ARGS,
-            "--state-url", redis_server.url,
-        ]  # fmt: skip
-        second = spawn("coordinator", args, tmp_path / "second")
+        second = _second_coordinator(cluster, redis_server.url, tmp_path / "second")
         service = TcpProxy(first.address)
         try:
             second.wait_ready(60)
@@ -427,21 +428,12 @@ def test_clients_spread_to_a_replica_added_after_they_connected(
     the Service and spread over the replicas there are then. Here the age is 2 s: a client that
     connected when only the first replica served reaches the second one added afterwards
     (main: every call stayed on the first)."""
-    from specdec.tools.launch import spawn
-    from tests.clusters import FAULT_COORDINATOR_ARGS
-    from tests.netproxy import TcpProxy
-
     request = make_request(PROMPT, max_new=4, ignore_eos=True)
     age = ["--max-connection-age-s", "2"]
     with fault_cluster(
         tmp_path, tiny_models.target, tiny_models.same, state_url=redis_server.url, coordinator_args=age
     ) as cluster:
-        args = [
-            "--target-addresses", cluster.processes["target-0"].address, "--tokenizer", str(tiny_models.target),
-            "--draft-address", cluster.processes["draft"].address, *FAULT_COORDINATOR_ARGS,
-            "--state-url", redis_server.url, *age,
-        ]  # fmt: skip
-        second = spawn("coordinator", args, tmp_path / "second")
+        second = _second_coordinator(cluster, redis_server.url, tmp_path / "second", *age)
         service = TcpProxy(cluster.address)
         try:
             second.wait_ready(60)
