@@ -134,6 +134,35 @@ def test_callers_short_deadlines_are_not_counted_against_the_draft(cluster_same:
         assert reply.stats.draft_tokens_accepted > 0  # the draft still drafts for everyone
 
 
+def test_callers_expired_deadlines_are_counted_as_such(cluster_same: LocalCluster) -> None:
+    """A call whose caller's deadline ran out was counted `CANCELLED` in `specdec_rpcs_total`,
+    like a caller's cancel, so the metric could not show requests that took too long for their
+    callers. It is now `DEADLINE_EXCEEDED` (what the caller got); a cancel stays `CANCELLED`."""
+    method = 'method="specdec.v1.Generation/GenerateStream"'
+
+    def counted(code: str) -> float:
+        return metric(cluster_same, "coordinator", "specdec_rpcs_total", f'code="{code}",{method}')
+
+    before = {code: counted(code) for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+    expired = 0
+    with grpc.insecure_channel(cluster_same.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        for i in range(20):
+            request = make_request([200, 1, 42, 42, 7, 130, 64, 11, 250, 0], max_new=200, ignore_eos=True)
+            try:
+                for _ in stub.GenerateStream(request, timeout=(0.02, 0.05, 0.1)[i % 3]):
+                    pass
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+                expired += 1
+        cancelled = stub.GenerateStream(make_request(PROMPT, max_new=200, ignore_eos=True))
+        next(cancelled)
+        cancelled.cancel()
+    wait_for(lambda: counted("CANCELLED") == before["CANCELLED"] + 1, 5)
+    assert expired >= 15
+    assert counted("DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] == expired  # main: most were CANCELLED
+
+
 CLIENT_SCRIPT = """
 import sys, grpc
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc

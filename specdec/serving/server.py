@@ -139,7 +139,11 @@ class _Rpc:
     metrics: RpcMetrics
 
     def ended(self, context: grpc.aio.ServicerContext, began: float, client_left: bool) -> None:
-        code = grpc.StatusCode.CANCELLED if client_left else context.code() or grpc.StatusCode.OK
+        code = context.code() or grpc.StatusCode.OK
+        if client_left:  # cancelled by the client, or by grpc when the client's deadline ran out
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
         self.metrics.ended(self.path, code, began)
 
 
