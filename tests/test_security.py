@@ -563,13 +563,17 @@ def test_a_password_in_two_places_is_refused() -> None:
 
 
 def test_redis_acl_user_is_supported(tmp_path: Path) -> None:
-    """An ACL user limited to specdec's keys works; a wrong user/password is refused clearly."""
+    """An ACL user limited to specdec's keys works, its name given as a setting or in the URL and
+    its password as a setting or in a file; a wrong user/password is refused clearly."""
     acl = ["--user", "specdec", "on", ">acl-Pa55word-0123", "~specdec:*", "&*", "+@all", "--user", "default", "off"]
     redis = RedisServer(tmp_path / "redis", extra_args=acl)
     url = f"redis://127.0.0.1:{redis.port}/0"
+    password_file = _write(tmp_path / "redis-password", "acl-Pa55word-0123\n")
 
-    async def use(username: str, password: str) -> int:
-        store = open_store(url, 60, 60, 2, username=username, password=password)
+    async def use(username: str, password: str | None, store_url: str = url, file: Path | None = None) -> int:
+        store = open_store(
+            store_url, 60, 60, 2, username=username or None, password=password, password_file=file and str(file)
+        )
         try:
             await store.start()
             await store.acquire("acl-session", "o", create=True)
@@ -580,6 +584,9 @@ def test_redis_acl_user_is_supported(tmp_path: Path) -> None:
 
     try:
         assert asyncio.run(use("specdec", "acl-Pa55word-0123")) == 1
+        assert asyncio.run(use("specdec", None, file=password_file)) == 1
+        # the user in the URL with the password in a file (main, with the file read once: the same)
+        assert asyncio.run(use("", None, f"redis://specdec@127.0.0.1:{redis.port}/0", password_file)) == 1
         with pytest.raises(StateUnavailable) as info:
             asyncio.run(use("specdec", "wrong-password-0123"))
         assert "AuthenticationError" in str(info.value) and "wrong-password" not in str(info.value)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from specdec.state.base import (
     RECENT_STEPS,
@@ -70,8 +70,10 @@ def open_store(
         raise ValueError("state_tls_ca_file needs a rediss:// state_url")
     if scheme in ("redis", "rediss", "unix"):
         auth: dict[str, object] = {"username": username, "password": password, "ssl_ca_certs": tls_ca_file}
-        if password_file:
-            auth |= {"credential_provider": FileCredentials(username, password_file), "username": None}
+        if password_file:  # the provider gives the user too: redis-py takes no user beside it
+            user = username or (unquote(parts.username) if parts.username else None)
+            url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+            auth |= {"credential_provider": FileCredentials(user, password_file), "username": None}
         extra = {key: value for key, value in auth.items() if value is not None}
         return RedisStateStore(url, ttl_s=ttl_s, lease_s=lease_s, timeout_s=timeout_s, **extra)
     raise ValueError(f"unsupported state_url scheme {scheme!r}: use memory://, redis://, rediss:// or unix://")
