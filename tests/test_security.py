@@ -560,6 +560,15 @@ def test_session_scopes() -> None:
 def test_a_password_in_two_places_is_refused() -> None:
     with pytest.raises(ValueError, match="given twice"):
         open_store("redis://:in-url@127.0.0.1:1/0", 60, 60, 1, password="in-setting")
+    with pytest.raises(ValueError, match="given twice"):
+        open_store("redis://127.0.0.1:1/0", 60, 60, 1, password="in-setting", password_file="/in/a/file")
+
+
+def test_a_redis_user_in_two_places_is_refused() -> None:
+    """A user in --state-url and another in --state-username: redis-py took the URL's without a
+    word (the setting's documentation said the setting wins)."""
+    with pytest.raises(ValueError, match="user is given twice"):
+        open_store("redis://in-url@127.0.0.1:1/0", 60, 60, 1, username="in-setting")
 
 
 def test_redis_acl_user_is_supported(tmp_path: Path) -> None:

@@ -54,8 +54,9 @@ def open_store(
 ) -> StateStore:
     """A store for ``url``: ``memory://``, ``redis://[user:password@]host:port/db`` or ``rediss://...``.
 
-    ``username``/``password`` (Redis ACL / AUTH) override those in the URL; ``password_file``
-    instead of ``password``: read again when it changes, for the connections that follow;
+    ``username``/``password`` (Redis ACL / AUTH): in the URL or as these, not both (a
+    ``password_file`` instead of ``password``: read again when it changes, for the connections
+    that follow);
     ``tls_ca_file`` is the CA that signed a ``rediss://`` server's certificate.
     """
     parts = urlsplit(url)
@@ -66,6 +67,8 @@ def open_store(
         raise ValueError(
             "the Redis password is given twice (state_url, --state-password, --state-password-file); keep one"
         )
+    if username and parts.username and unquote(parts.username) != username:
+        raise ValueError("the Redis user is given twice (state_url, --state-username), differently; keep one")
     if tls_ca_file and scheme != "rediss":
         raise ValueError("state_tls_ca_file needs a rediss:// state_url")
     if scheme in ("redis", "rediss", "unix"):
