@@ -419,7 +419,7 @@ def test_a_stopping_coordinator_hands_its_clients_to_another_replica(
     expected_short = reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
     expected_long = reference_greedy(str(tiny_models.target), tuple(PROMPT), 200, ignore_eos=True)
     with fault_cluster(
-        tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url, route=routes(0.01),
+        tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url, route=routes(0.03),
         coordinator_args=["--grace-period-s", "30"],
     ) as cluster:  # fmt: skip
         first = cluster.processes["coordinator"]
