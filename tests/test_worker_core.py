@@ -1,11 +1,14 @@
-"""WorkerCore: a job abandoned by its caller leaves no cache behind when it made one."""
+"""WorkerCore: a job abandoned by its caller leaves no cache behind when it made one; the CPU
+threads a worker takes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from specdec.runtime.scheduler import Extend, Job
@@ -56,3 +59,34 @@ def test_a_job_that_made_the_cache_and_was_abandoned_frees_it(tiny_models: TinyM
 
     late, kept = asyncio.run(scenario())
     assert not late and kept
+
+
+@pytest.mark.parametrize(
+    ("proc_cgroup", "files", "expected"),
+    [
+        ("0::/\n", {"cpu.max": "200000 100000\n"}, 2),  # cgroup v2, a container's own namespace
+        ("0::/kubepods/pod1/c1\n", {"kubepods/pod1/c1/cpu.max": "150000 100000\n"}, 1),  # 1.5 CPUs: 1
+        ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # no limit
+        ("0::/\n", {"cpu.max": "50000 100000\n"}, 1),  # half a CPU: still one thread
+        (
+            "3:cpu,cpuacct:/docker/c2\n",
+            {"cpu/docker/c2/cpu.cfs_quota_us": "400000\n", "cpu/docker/c2/cpu.cfs_period_us": "100000\n"},
+            4,
+        ),
+        ("3:cpu,cpuacct:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, none
+        ("0::/\n", {}, None),  # nothing readable
+        ("3:cpu,cpuacct:/docker/c3\n", {"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),
+    ],
+)
+def test_the_cpu_quota_of_a_container_is_read(
+    tmp_path: Path, proc_cgroup: str, files: dict[str, str], expected: int | None
+) -> None:
+    """A CPU limit (a Kubernetes pod's `limits.cpu`) is a cgroup quota, which torch does not see:
+    with `--torch-threads 0` a worker took torch's default, the host's cores, and a CPU worker
+    on a large node ran many times more threads than its quota lets run."""
+    from specdec.serving.worker import cpu_quota
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_quota(proc_cgroup, tmp_path) == expected

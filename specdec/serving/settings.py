@@ -142,7 +142,9 @@ class ModelWorkerSettings(ServiceSettings):
         "memory free after loading, divided by the model's KV bytes per token)",
     )
     session_idle_s: float = Field(900.0, gt=0, description="a cache unused this long is freed")
-    torch_threads: int = Field(0, ge=0, description="intra-op CPU threads for torch (0 = torch's default)")
+    torch_threads: int = Field(
+        0, ge=0, description="intra-op CPU threads for torch (0 = torch's default, at most the CPU quota's whole CPUs)"
+    )
     trust_remote_code: bool = Field(False, description="allow model code from the model repository")
     quantize: Literal["none", "int8"] = Field("none", description="int8 = dynamic int8 Linear layers (CPU draft)")
     cpu_kernel: Literal["auto", "packed", "torch"] = Field(

@@ -6,6 +6,7 @@ import asyncio
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
@@ -24,6 +25,40 @@ from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+
+
+def cpu_quota(proc_cgroup: str, cgroup_root: Path) -> int | None:
+    """The whole CPUs this process's cgroup quota allows (at least 1; a Kubernetes pod's
+    ``limits.cpu``), read from ``proc_cgroup`` (/proc/self/cgroup's text) under ``cgroup_root``
+    (v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); None when there is none."""
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            mount, names = cgroup_root, ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            mount, names = cgroup_root / "cpu", ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        # the process's own cgroup, or the mount's root (a container sees its cgroup there)
+        for folder in (mount / path.lstrip("/"), mount):
+            try:
+                fields = " ".join((folder / name).read_text() for name in names).split()
+            except OSError:
+                continue
+            try:
+                return None if fields[0] in ("max", "-1") else max(1, int(fields[0]) // int(fields[1]))
+            except (ValueError, IndexError):
+                return None
+    return None
+
+
+def _default_threads() -> int:
+    """torch's default CPU threads (the host's cores), at most what the CPU quota lets run."""
+    try:
+        quota = cpu_quota(Path("/proc/self/cgroup").read_text(), Path("/sys/fs/cgroup"))
+    except OSError:
+        quota = None
+    return min(torch.get_num_threads(), quota or torch.get_num_threads())
 
 
 class WorkerCore:
@@ -52,8 +87,10 @@ class WorkerCore:
     async def load(self) -> None:
         """Loads the model in the model thread (the server answers health checks meanwhile)."""
         s = self.settings
-        if s.torch_threads:
-            await self.scheduler.call(torch.set_num_threads, s.torch_threads)
+        threads = s.torch_threads or _default_threads()
+        if threads != torch.get_num_threads():
+            await self.scheduler.call(torch.set_num_threads, threads)
+        log.info("torch_threads", threads=threads, configured=bool(s.torch_threads))
         self._loaded = await self.scheduler.call(load_model, s.model, s.load_options())
         budget = s.max_cache_tokens or await self.scheduler.call(auto_token_budget, self._loaded)
         log.info("cache_budget", max_cache_tokens=budget, automatic=not s.max_cache_tokens)
