@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
 from specdec.serving.errors import ReplyTooLarge, WorkerFailed, WorkerTimedOut, WorkerUnavailable
-from specdec.serving.security import ClientSecurity, FileWatch
+from specdec.serving.security import ClientSecurity, Reloaded
 from specdec.serving.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -132,38 +132,35 @@ class WorkerLink(Generic[S]):
 
     def __init__(self, address: str, settings: CoordinatorSettings, stub_type: Callable[[grpc.aio.Channel], S]) -> None:
         self.address = address
-        self._security = ClientSecurity(
+        security = ClientSecurity(
             ca_file=settings.worker_tls_ca_file,
             cert_file=settings.worker_tls_cert_file,
             key_file=settings.worker_tls_key_file,
             server_name=settings.worker_tls_server_name,
             token_file=settings.worker_token_file,
         )
-        self._options = [*channel_options(settings), *_RECONNECT_OPTIONS]
+        options = [*channel_options(settings), *_RECONNECT_OPTIONS]
+        self.metadata = security.metadata()
+        files = [f for f in (security.ca_file, security.cert_file, security.key_file) if f]
+        self._channel = Reloaded(
+            files, lambda: security.channel(address, options), "worker_tls", "channel", address=address
+        )
         self._stub_type = stub_type
-        self.metadata = self._security.metadata()
-        self.channel = self._security.channel(address, self._options)
         self._stub = stub_type(self.channel)
-        files = [f for f in (self._security.ca_file, self._security.cert_file, self._security.key_file) if f]
-        self._watch = FileWatch(files) if files else None
         self._retired: list[tuple[grpc.aio.Channel, asyncio.Task[None]]] = []
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self._channel.value
 
     def stub(self) -> S:
         """The stub for the next call (on a new channel once the TLS files changed)."""
-        if self._watch is not None and self._watch.changed():
-            self._renew()
+        old = self.channel
+        if self._channel.renew():
+            self._stub = self._stub_type(self.channel)
+            self._retired = [(c, t) for c, t in self._retired if not t.done()]
+            self._retired.append((old, asyncio.get_running_loop().create_task(old.close(grace=RETIRE_GRACE_S))))
         return self._stub
-
-    def _renew(self) -> None:
-        try:
-            channel = self._security.channel(self.address, self._options)
-        except ValueError as exc:
-            log.warning("worker_tls_not_reloaded", address=self.address, error=str(exc), effect="the channel stays")
-            return
-        old, self.channel, self._stub = self.channel, channel, self._stub_type(channel)
-        self._retired = [(c, t) for c, t in self._retired if not t.done()]
-        self._retired.append((old, asyncio.get_running_loop().create_task(old.close(grace=RETIRE_GRACE_S))))
-        log.info("worker_tls_reloaded", address=self.address)
 
     async def close(self) -> None:
         for old, closing in self._retired:

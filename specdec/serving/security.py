@@ -17,10 +17,10 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 import structlog
@@ -28,6 +28,7 @@ import structlog
 from specdec.serving.errors import PermissionDenied, Unauthenticated
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 # The authenticated caller of the RPC being handled ("" when authentication is off).
 caller_identity: contextvars.ContextVar[str] = contextvars.ContextVar("specdec_caller_identity", default="")
@@ -69,6 +70,37 @@ class FileWatch:
             return False
         self._seen = stamp
         return True
+
+
+class Reloaded(Generic[T]):
+    """What ``load`` makes of some files, made again when any of them changes (a Secret volume's
+    update, a renewed certificate). ``load`` runs at once (its ValueError stops start-up); later,
+    a load that fails (a file that cannot be read or does not parse, a key that does not fit its
+    certificate: ValueError) leaves ``value`` as it is. Logs ``<event>_reloaded`` or
+    ``<event>_not_reloaded`` with ``fields``, never the value."""
+
+    def __init__(self, paths: Sequence[str], load: Callable[[], T], event: str, what: str, **fields: Any) -> None:
+        self._load, self._event, self._what, self._fields = load, event, what, fields
+        self.value = load()
+        self._watch = FileWatch(paths)
+
+    def renew(self) -> bool:
+        """Loads again if the files changed since the last look; True when ``value`` is new."""
+        if not self._watch.changed():
+            return False
+        try:
+            self.value = self._load()
+        except ValueError as exc:
+            log.warning(
+                f"{self._event}_not_reloaded", **self._fields, error=str(exc), effect=f"the {self._what} in use stays"
+            )
+            return False
+        log.info(f"{self._event}_reloaded", **self._fields)
+        return True
+
+    def current(self) -> T:
+        self.renew()
+        return self.value
 
 
 def read_secret_file(path: str, what: str) -> bytes:
@@ -137,23 +169,19 @@ class ServerTls:
         """Credentials that read the files again, for the connections that follow, once they
         change (a renewed certificate is served without a restart); files that cannot be read or
         do not fit together leave the ones in use."""
-        watch = FileWatch([f for f in (self.cert_file, self.key_file, self.client_ca_file) if f])
+        files = [f for f in (self.cert_file, self.key_file, self.client_ca_file) if f]
+        configuration = Reloaded(
+            files, self._configuration, "tls_certificate", "certificate",
+            cert_file=self.cert_file, client_ca_file=self.client_ca_file,
+        )  # fmt: skip
         lock = threading.Lock()  # grpc asks on each new connection, from its own threads
 
         def fetch() -> grpc.ServerCertificateConfiguration | None:
             with lock:
-                if not watch.changed():
-                    return None
-                try:
-                    configuration = self._configuration()
-                except ValueError as exc:
-                    log.warning("tls_certificate_not_reloaded", error=str(exc), effect="the certificate in use stays")
-                    return None
-                log.info("tls_certificate_reloaded", cert_file=self.cert_file, client_ca_file=self.client_ca_file)
-                return configuration
+                return configuration.value if configuration.renew() else None
 
         return grpc.dynamic_ssl_server_credentials(
-            self._configuration(), fetch, require_client_authentication=self.client_ca_file is not None
+            configuration.value, fetch, require_client_authentication=self.client_ca_file is not None
         )
 
 
@@ -166,21 +194,14 @@ class Authenticator:
         allowed_cert_names: Sequence[str] = (),
         tokens_file: str | None = None,
     ) -> None:
-        """``tokens_file``: where ``tokens`` came from; read again when it changes."""
-        self._tokens = tokens or {}
+        """The tokens: ``tokens``, or instead those of ``tokens_file`` (see ``load_tokens``), read
+        again when it changes."""
+        self._file: Reloaded[dict[str, str]] | None = None
+        if tokens_file:
+            path = tokens_file
+            self._file = Reloaded([path], lambda: load_tokens(path), "auth_tokens", "table of tokens", file=path)
+        self._tokens = self._file.value if self._file else tokens or {}
         self._allowed = frozenset(allowed_cert_names)
-        self._tokens_file = tokens_file
-        self._watch = FileWatch([tokens_file]) if tokens_file else None
-
-    def _reload(self) -> None:
-        """The tokens file changed: its tokens replace the table, unless it does not parse."""
-        assert self._tokens_file is not None
-        try:
-            self._tokens = load_tokens(self._tokens_file)
-        except ValueError as exc:
-            log.warning("auth_tokens_not_reloaded", error=str(exc), effect="the tokens in use stay")
-            return
-        log.info("auth_tokens_reloaded", file=self._tokens_file, identities=len(set(self._tokens.values())))
 
     @property
     def enabled(self) -> bool:
@@ -191,8 +212,8 @@ class Authenticator:
 
         ``metadata`` is the call's invocation metadata, ``peer`` its auth context.
         """
-        if self._watch is not None and self._watch.changed():
-            self._reload()
+        if self._file is not None:
+            self._tokens = self._file.current()
         identity = ""
         if self._allowed:
             names = {n.decode(errors="replace") for key in _CERT_NAME_KEYS for n in peer.get(key, [])}
@@ -261,35 +282,17 @@ class ClientSecurity:
         return grpc.aio.secure_channel(address, credentials, options=opts)
 
 
-class SecretFile:
-    """A secret held in a file (a token, a password), read again when the file changes; a file
-    that can no longer be read, or is empty, leaves the value in use. Logs ``<event>_reloaded``
-    or ``<event>_not_reloaded``, never the value."""
-
-    def __init__(self, path: str, what: str, event: str) -> None:
-        self._path, self._what, self._event = path, what, event
-        self._value = self._read()
-        self._watch = FileWatch([path])
-
-    def _read(self) -> str:
-        return read_secret_file(self._path, self._what).decode().strip()
-
-    def value(self) -> str:
-        if self._watch.changed():
-            try:
-                self._value = self._read()
-                log.info(f"{self._event}_reloaded", file=self._path)
-            except ValueError as exc:
-                log.warning(f"{self._event}_not_reloaded", error=str(exc), effect=f"the {self._what} in use stays")
-        return self._value
-
-
 class CallMetadata:
     """What a client sends with every call (``metadata()``): the bearer token from its file,
     read again when the file changes (the workers' token is rotated without a restart)."""
 
     def __init__(self, token_file: str | None) -> None:
-        self._token = SecretFile(token_file, "worker token", "worker_token") if token_file else None
+        self._token = secret_file(token_file, "worker token", "worker_token") if token_file else None
 
     def __call__(self) -> tuple[tuple[str, str], ...]:
-        return () if self._token is None else ((_AUTH_HEADER, f"Bearer {self._token.value()}"),)
+        return () if self._token is None else ((_AUTH_HEADER, f"Bearer {self._token.current()}"),)
+
+
+def secret_file(path: str, what: str, event: str) -> Reloaded[str]:
+    """A secret held in a file (a token, a password), read again when the file changes."""
+    return Reloaded([path], lambda: read_secret_file(path, what).decode().strip(), event, what, file=path)

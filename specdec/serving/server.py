@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from specdec.serving.errors import ClientStalled, NotServing, PortUnavailable, SpecdecError
 from specdec.serving.metrics import RpcMetrics, start_metrics
-from specdec.serving.security import Authenticator, ServerTls, caller_identity, load_tokens
+from specdec.serving.security import Authenticator, ServerTls, caller_identity
 from specdec.serving.settings import ServiceSettings
 
 log = structlog.get_logger(__name__)
@@ -363,8 +363,7 @@ async def _start_or_stop(spec: ServiceSpec, control: ServerControl) -> bool:
 
 
 def _authenticator(settings: ServiceSettings) -> Authenticator:
-    tokens = load_tokens(settings.auth_tokens_file) if settings.auth_tokens_file else None
-    return Authenticator(tokens, settings.tls_allowed_client_names, settings.auth_tokens_file)
+    return Authenticator(None, settings.tls_allowed_client_names, settings.auth_tokens_file)
 
 
 def _server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:

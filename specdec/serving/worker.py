@@ -58,7 +58,8 @@ def _default_threads() -> int:
         quota = cpu_quota(Path("/proc/self/cgroup").read_text(), Path("/sys/fs/cgroup"))
     except OSError:
         quota = None
-    return min(torch.get_num_threads(), quota or torch.get_num_threads())
+    default = torch.get_num_threads()
+    return min(default, quota or default)
 
 
 class WorkerCore:

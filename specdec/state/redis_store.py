@@ -24,7 +24,7 @@ from specdec.serving.errors import (
     StateUnavailable,
     StateUnreachable,
 )
-from specdec.serving.security import SecretFile
+from specdec.serving.security import secret_file
 from specdec.state.base import (
     RECENT_STEPS,
     TOMBSTONE_EXTRA_MS,
@@ -213,10 +213,10 @@ class FileCredentials(CredentialProvider):
 
     def __init__(self, username: str | None, password_file: str) -> None:
         self._username = username
-        self._password = SecretFile(password_file, "state password", "state_password")
+        self._password = secret_file(password_file, "state password", "state_password")
 
     def get_credentials(self) -> tuple[str] | tuple[str, str]:
-        password = self._password.value()
+        password = self._password.current()
         return (self._username, password) if self._username else (password,)
 
     async def get_credentials_async(self) -> tuple[str] | tuple[str, str]:
