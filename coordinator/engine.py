@@ -15,7 +15,7 @@ from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import CLEANUP_TIMEOUT_S, Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
-from coordinator.workers import DraftClient, StartupWait, TargetPool, translates
+from coordinator.workers import DraftClient, DraftPool, StartupWait, TargetPool, translates
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.lookup import ReplyIndex
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
@@ -29,6 +29,8 @@ log = structlog.get_logger(__name__)
 
 MAX_PROMPT_CHARS = 1_000_000
 DRAFT_START_WAIT_S = 10.0  # start-up waits this long for the draft; one not serving by then joins later
+# What draft replicas should share (the first to join sets the limits GetInfo reports).
+_ALIKE_DRAFT_FIELDS = ("model_id", "max_context_len", "max_draft_tokens", "vocab_translation")
 
 
 def prefix_ttl_s(session_ttl_s: float, target: common_pb2.WorkerInfo) -> float:
@@ -146,7 +148,7 @@ class Engine:
         self.settings = s
         self.metrics = metrics
         self.targets = TargetPool(s.target_addresses, s, s.target_retry_s)
-        self.draft = DraftClient(s.draft_address, s, s.draft_retry_s, s.draft_timeout_s) if s.draft_address else None
+        self.drafts = DraftPool(s.drafts, s, s.draft_retry_s, s.draft_timeout_s) if s.drafts else None
         self.store: StateStore = open_store(
             s.state_url,
             s.session_ttl_s,
@@ -160,32 +162,33 @@ class Engine:
         self._deps: TurnDeps | None = None
         self._info: coordinator_pb2.GetInfoResponse | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
-        self._draft_join: asyncio.Task[None] | None = None
+        self._draft_joins: set[asyncio.Task[None]] = set()
+        self._draft_info: common_pb2.WorkerInfo | None = None  # the first draft replica that joined
         self._started = asyncio.Event()
         self._replies = ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None
         self._active = 0
 
     async def start(self) -> None:
-        """Waits for a target replica and (up to 10 s) the draft, checks that they fit together,
-        loads the tokenizer. A draft that does not serve by then, or whose Info call fails, joins
-        when it serves; until then the coordinator serves as one without a draft."""
+        """Waits for a target replica and (up to 10 s) the draft replicas, checks that they fit
+        together, loads the tokenizer. A draft replica that does not serve by then, or whose Info
+        call fails, joins when it serves; until one has, the coordinator serves as one without a draft."""
         timeout = self.settings.worker_startup_timeout_s
         target_info = await self.targets.connect(timeout)
-        draft_info = None
-        if self.draft is not None:
-            draft = asyncio.create_task(self.draft.connect(timeout))
-            await asyncio.wait({draft}, timeout=min(DRAFT_START_WAIT_S, timeout))
-            if draft.done() and draft.exception() is None:
-                draft_info = draft.result()
-                self._fit_draft(target_info, draft_info)
-            else:  # not serving yet, or its Info failed: it is retried, as a late draft
-                self._draft_join = asyncio.create_task(self._join_draft(draft, target_info, timeout))
+        if self.drafts is not None:
+            connecting = {r: asyncio.create_task(r.connect(timeout)) for r in self.drafts.replicas}
+            await asyncio.wait(connecting.values(), timeout=min(DRAFT_START_WAIT_S, timeout))
+            for replica, task in connecting.items():
+                if task.done() and task.exception() is None:
+                    self._fit_draft(replica, target_info, task.result())
+                else:  # not serving yet, or its Info failed: it is retried, as a late draft
+                    join = asyncio.create_task(self._join_draft(replica, task, target_info, timeout))
+                    self._draft_joins.add(join)
         await self._start_store(timeout)
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
             raise RuntimeError("the coordinator's tokenizer differs from the target model's; fix --tokenizer")
         self._tokenizer = tokenizer
-        self._configure(target_info, draft_info, "coordinator_ready")
+        self._configure(target_info, self._draft_info, "coordinator_ready")
         self._started.set()
 
     async def _start_store(self, timeout_s: float) -> None:
@@ -202,35 +205,53 @@ class Engine:
                 wait.tick(error=str(exc), cause=str(exc.__cause__ or exc))
                 await asyncio.sleep(0.5)
 
-    def _fit_draft(self, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo) -> None:
-        """Raises when the draft cannot draft for the target; else tells it the target's vocabulary."""
-        assert self.draft is not None
+    def _fit_draft(
+        self, replica: DraftClient, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo
+    ) -> None:
+        """Takes a draft replica into use; raises when it cannot draft for the target. Warns when it
+        serves another model than the first replica."""
+        assert self.drafts is not None
         check_compatible(target_info, draft_info)
-        self.draft.vocab_limit = target_info.vocab_size
-        self.draft.tokenizer_hash = target_info.tokenizer_hash
+        first = self._draft_info
+        differ = [f for f in _ALIKE_DRAFT_FIELDS if first is not None and getattr(draft_info, f) != getattr(first, f)]
+        if first is not None and differ:
+            log.warning(
+                "draft_replicas_differ", address=replica.address, fields=differ,
+                replica={f: getattr(draft_info, f) for f in differ}, first={f: getattr(first, f) for f in differ},
+                effect="the limits GetInfo reports are the first replica's; deploy one draft model everywhere",
+            )  # fmt: skip
+        self.drafts.join(replica, target_info)
+        self._draft_info = first or draft_info
 
     async def _join_draft(
-        self, connecting: asyncio.Task[common_pb2.WorkerInfo], target_info: common_pb2.WorkerInfo, timeout_s: float
+        self,
+        replica: DraftClient,
+        connecting: asyncio.Task[common_pb2.WorkerInfo],
+        target_info: common_pb2.WorkerInfo,
+        timeout_s: float,
     ) -> None:
-        """Waits for a draft that was not serving at start-up (for as long as it takes), then
-        drafts with it: requests that start from then on see it."""
-        assert self.draft is not None
+        """Waits for a draft replica that was not serving at start-up (for as long as it takes),
+        then drafts with it: requests that start from then on see it."""
         while True:
             try:
                 draft_info = await connecting
                 break
             except (RuntimeError, grpc.aio.AioRpcError) as exc:
                 error = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                log.warning("draft_not_ready", address=self.draft.address, error=error)
+                log.warning("draft_not_ready", address=replica.address, error=error)
                 await asyncio.sleep(self.settings.draft_retry_s)  # an Info call can fail at once
-                connecting = asyncio.create_task(self.draft.connect(timeout_s))
-        try:
-            self._fit_draft(target_info, draft_info)
-        except RuntimeError as exc:
-            log.error("draft_not_used", address=self.draft.address, model=draft_info.model_id, error=str(exc))
-            return
+                connecting = asyncio.create_task(replica.connect(timeout_s))
         await self._started.wait()  # start-up's own configuration comes first
-        self._configure(target_info, draft_info, "draft_joined")
+        had_draft = self._draft_info is not None
+        try:
+            self._fit_draft(replica, target_info, draft_info)
+        except RuntimeError as exc:
+            log.error("draft_not_used", address=replica.address, model=draft_info.model_id, error=str(exc))
+            return
+        if had_draft:  # the service drafts already: one more replica to draft on
+            log.info("draft_joined", address=replica.address, draft=draft_info.model_id)
+        else:
+            self._configure(target_info, draft_info, "draft_joined")
 
     def _configure(
         self, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo | None, event: str
@@ -267,7 +288,7 @@ class Engine:
             prefill_per_token=max((r.info.prefill_ms_per_token for r in self.targets.replicas), default=0.0) or None,
             draft_prefill_per_token=(draft_info.prefill_ms_per_token or None) if draft_info is not None else None,
         )
-        draft = self.draft if draft_info is not None else None
+        draft = self.drafts if draft_info is not None else None
         self._deps = TurnDeps(
             self.store, self.targets, draft, tokenizer, limits, self.metrics, s.worker_timeout_s, s.state_retry_s,
             costs, pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
@@ -342,15 +363,15 @@ class Engine:
         ``CLEANUP_TIMEOUT_S``, not --worker-timeout-s."""
         existed = await self.store.delete(session_id)
         calls = [replica.release(session_id, CLEANUP_TIMEOUT_S) for replica in self.targets.replicas]
-        if self.draft is not None:
-            calls.append(self.draft.release(session_id, CLEANUP_TIMEOUT_S))
+        if self.drafts is not None:
+            calls += [replica.release(session_id, CLEANUP_TIMEOUT_S) for replica in self.drafts.replicas]
         await asyncio.gather(*calls, return_exceptions=True)
         return existed
 
     async def stop(self) -> None:
-        if self._draft_join is not None:
-            self._draft_join.cancel()
+        for join in self._draft_joins:
+            join.cancel()
         await self.store.close()
         await self.targets.close()
-        if self.draft is not None:
-            await self.draft.close()
+        if self.drafts is not None:
+            await self.drafts.close()

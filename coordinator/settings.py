@@ -26,7 +26,14 @@ class CoordinatorSettings(ServiceSettings):
         "new ones too); 0 = never",
     )
     target_addresses: StringList = Field(min_length=1, description="target worker host:port list (comma separated)")
-    draft_address: str | None = Field(None, description="draft worker host:port; unset = target-only decoding")
+    draft_address: str | None = Field(
+        None, description="the draft worker's host:port (one replica; --draft-addresses lists several)"
+    )
+    draft_addresses: StringList = Field(
+        default_factory=list,
+        description="draft worker host:port list, one entry per replica: each session drafts on one of them "
+        "(comma separated; unset with --draft-address unset = no draft model)",
+    )
     tokenizer: str | None = Field(None, description="tokenizer path or hub id (default: the target's model id)")
     served_model_name: str | None = Field(
         None, description="model name the engine API (vllm.grpc.engine) reports to gateways (default: the target's id)"
@@ -139,7 +146,7 @@ class CoordinatorSettings(ServiceSettings):
         5.0, ge=0, description="keep retrying an unreachable state store this long (within the client deadline)"
     )
 
-    @field_validator("target_addresses")
+    @field_validator("target_addresses", "draft_addresses")
     @classmethod
     def _one_entry_per_replica(cls, addresses: list[str]) -> list[str]:
         stripped = [address.strip() for address in addresses]
@@ -147,13 +154,27 @@ class CoordinatorSettings(ServiceSettings):
             raise ValueError(f"{','.join(addresses)!r} has an empty entry (a trailing or doubled comma?)")
         repeated = sorted({address for address in stripped if stripped.count(address) > 1})
         if repeated:
-            raise ValueError(f"{', '.join(repeated)} listed twice: list each target replica once")
+            raise ValueError(f"{', '.join(repeated)} listed twice: list each replica once")
         return stripped
 
     @field_validator("draft_address")
     @classmethod
     def _blank_is_none(cls, address: str | None) -> str | None:
         return (address or "").strip() or None
+
+    @model_validator(mode="after")
+    def _drafts_in_one_place(self) -> CoordinatorSettings:
+        if self.draft_address and self.draft_addresses:
+            raise ValueError(
+                "both draft_address and draft_addresses are set: give the draft replicas in one of them "
+                "(draft_addresses for several)"
+            )
+        return self
+
+    @property
+    def drafts(self) -> list[str]:
+        """The draft replicas' addresses (none: no draft model)."""
+        return self.draft_addresses or ([self.draft_address] if self.draft_address else [])
 
     @model_validator(mode="after")
     def _worker_tls_complete(self) -> CoordinatorSettings:

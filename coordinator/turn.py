@@ -35,7 +35,7 @@ from coordinator.adaptive import (
 from coordinator.text import ReplyText
 from coordinator.validation import Limits, TurnRequest
 from coordinator.worker_session import Decoding, Proposal, WorkerSession, lookup_proposal
-from coordinator.workers import DraftClient, TargetPool
+from coordinator.workers import DraftPool, TargetPool
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.lookup import NO_DRAFT, LookupDraft, NgramIndex, ReplyIndex, lookup_draft
 from specdec.runtime.tokens import block_hashes, common_prefix_len
@@ -112,7 +112,7 @@ class TurnDeps:
 
     store: StateStore
     targets: TargetPool
-    draft: DraftClient | None
+    drafts: DraftPool | None  # the draft replicas (None: no draft model has joined)
     tokenizer: PreTrainedTokenizerBase
     limits: Limits
     metrics: CoordinatorMetrics
@@ -165,7 +165,7 @@ class Turn:
         self.session_id = self.request.session_id or f"oneshot-{self.owner}"
         d = self.deps
         self.workers = WorkerSession(
-            self.session_id, d.targets, d.draft, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined, d.costs
+            self.session_id, d.targets, d.drafts, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined, d.costs
         )
         self.controller = KController(
             self.request.k,
@@ -245,6 +245,8 @@ class Turn:
         self.workers.restore(_upto(record.target, kept), _upto(record.draft, kept))
         if not kept and self.deps.prefix_block:  # nothing of this session cached: a shared prefix may be
             await self._reuse_prefix()
+        elif not kept:  # the replicas to start on
+            self.workers.place([])
         req = self.request
         self._reply = ReplyText(
             self.deps.tokenizer, self._committed, req.stop_strings, req.include_stop_str, req.min_tokens
@@ -256,10 +258,11 @@ class Turn:
         self._decoding = Decoding(req.warp, req.seed, processing, req.draft_stop)
         self.stats.prompt_tokens = len(prompt)
 
-    def _prefix_keys(self, tokens: list[int]) -> list[str]:
-        """Block chain hashes of ``tokens``, salted with the caller's identity (a caller never
-        finds another caller's prefixes)."""
-        return block_hashes(tokens, self.deps.prefix_block, salt=caller_identity.get())
+    def _prefix_keys(self, tokens: list[int], target: str) -> list[str]:
+        """Block chain hashes of ``tokens`` cached on the target replica at ``target``, salted with
+        the caller's identity (a caller never finds another caller's prefixes) and the replica (each
+        replica's caches are recorded apart, so a prefix cached on several is found on each)."""
+        return block_hashes(tokens, self.deps.prefix_block, salt=json.dumps([caller_identity.get(), target]))
 
     async def _reuse_prefix(self) -> None:
         """Starts from the longest cached prefix of the prompt that some earlier request left in
@@ -269,17 +272,17 @@ class Turn:
         if donor is not None and donor._committed[: len(self._committed)] == self._committed:
             target, draft = donor.workers.locations()
             if target is not None:  # all but the last token: that one is always sent (the tail)
-                self.workers.adopt(PrefixLocation(donor.session_id, target, draft), len(self._committed) - 1)
+                self.workers.place([(PrefixLocation(donor.session_id, target, draft), len(self._committed) - 1)])
                 return
-        keys = self._prefix_keys(self._committed[:-1])  # the last token is always sent (the tail)
+        tokens = self._committed[:-1]  # the last token is always sent (the tail)
+        replicas = [r.address for r in self.deps.targets.replicas if r.breaker.up]
         try:
-            hit = await self.deps.store.find_prefix(keys)
+            hits = await asyncio.gather(*(self.deps.store.find_prefix(self._prefix_keys(tokens, a)) for a in replicas))
         except SpecdecError as exc:  # reuse is an optimisation: go on without it
             log.warning("prefix_lookup_failed", error=str(exc))
-            return
-        if hit is not None:
-            index, location = hit
-            self.workers.adopt(location, (index + 1) * self.deps.prefix_block)
+            hits = []
+        block = self.deps.prefix_block
+        self.workers.place([(location, (index + 1) * block) for index, location in filter(None, hits)])
 
     async def _record_prefix(self) -> None:
         """Records where the finished turn's tokens are cached, for later requests to start from."""
@@ -287,7 +290,7 @@ class Turn:
         if target is None:
             return
         try:
-            keys = self._prefix_keys(self._committed[: target.length])
+            keys = self._prefix_keys(self._committed[: target.length], target.address)
             location = PrefixLocation(self.session_id, target, draft)
             await self.deps.store.put_prefixes(keys, location, self.deps.prefix_ttl_s)
         except SpecdecError as exc:
@@ -568,6 +571,7 @@ class Turn:
         if self._renewal is not None:
             self._renewal.cancel()
         self.workers.close_stream()
+        self.workers.unbind()
         store, budget = self.deps.store, self.deps.state_retry_s
         if self._acquiring:
             steps: list[tuple[str, Callable[[], Awaitable[object]]]] = []

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from coordinator.adaptive import MODEL, NGRAM, NO_STOP, PREFILL_MIN_TOKENS, ConfidenceStop, StepCosts
-from coordinator.workers import DraftClient, DraftStream, TargetClient, TargetPool, WorkerCallFailed
+from coordinator.workers import (
+    DraftClient,
+    DraftPool,
+    DraftStream,
+    TargetClient,
+    TargetPool,
+    WorkerCallFailed,
+    place,
+)
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.processing import NO_PROCESSING, Processing, processing_to_proto
 from specdec.runtime.proposals import warp_to_proto
@@ -112,7 +120,7 @@ class WorkerSession:
         self,
         session_id: str,
         targets: TargetPool,
-        draft: DraftClient | None,
+        drafts: DraftPool | None,
         metrics: CoordinatorMetrics,
         worker_timeout_s: float,
         deadline: float | None,
@@ -123,7 +131,10 @@ class WorkerSession:
         measured model costs (a call that prefills gets the time its tokens are expected to take)."""
         self.session_id = session_id
         self._targets = targets
-        self._draft = draft
+        self._drafts = drafts
+        self._target: TargetClient | None = None  # the target replica holding target_len of the session
+        self._draft: DraftClient | None = None  # the draft replica the session drafts on (holds draft_len)
+        self._holding = True  # counted in its replicas' turns until ``unbind``
         self._pipelined = pipelined
         self._last: Proposal | None = None
         self._lookahead_round: int | None = None
@@ -134,7 +145,6 @@ class WorkerSession:
         self._stream: DraftStream | None = None
         self._draft_refused = False  # the draft failed one of this turn's requests: target-only for the rest
         self.counters = SyncCounters()
-        self.target_address: str | None = None
         self.target_len = 0
         self.draft_len = 0
         # prefix reuse: the other session whose caches hold target_len / draft_len of our tokens
@@ -154,29 +164,65 @@ class WorkerSession:
         per_token_ms = self._costs.prefill_per_token if self._costs is not None else None
         return max(min(self._worker_timeout_s + _allowance(prefill, per_token_ms), self._caller_left()), 0.001)
 
+    @property
+    def target_address(self) -> str | None:
+        return self._target.address if self._target is not None else None
+
+    def _bind(self, old: TargetClient | DraftClient | None, new: TargetClient | DraftClient) -> None:
+        """Moves this turn's count in the replicas' turns from ``old`` to ``new``."""
+        if self._holding and new is not old:
+            if old is not None:
+                old.turns -= 1
+            new.turns += 1
+
+    def _set_target(self, replica: TargetClient) -> None:
+        self._bind(self._target, replica)
+        self._target = replica
+
+    def _set_draft(self, replica: DraftClient) -> None:
+        self._bind(self._draft, replica)
+        self._draft = replica
+
+    def unbind(self) -> None:
+        """The turn is over: no longer counted in its replicas' turns."""
+        for replica in (self._target, self._draft):
+            if self._holding and replica is not None:
+                replica.turns -= 1
+        self._holding = False
+
     def restore(self, target: CacheLocation | None, draft: CacheLocation | None) -> None:
         """Adopts the cache locations recorded in the session state."""
-        if target is not None:
-            self.target_address, self.target_len = target.address, target.length
-        if draft is not None and self._draft is not None and draft.address == self._draft.address:
+        if target is not None and (replica := self._targets.get(target.address)):
+            self._set_target(replica)
+            self.target_len = target.length
+        if draft is not None and self._drafts is not None and (other := self._drafts.get(draft.address)):
+            self._set_draft(other)
             self.draft_len = draft.length
 
-    def adopt(self, location: PrefixLocation, length: int) -> None:
-        """Starts from another session's caches that hold the first ``length`` committed tokens
-        (prefix reuse); the workers check the prefix's hash and copy the cache, or ask to resync."""
-        target, draft = location.target, location.draft
-        if target is not None and any(r.address == target.address for r in self._targets.replicas):
-            self.target_address, self.target_len = target.address, min(length, target.length)
-            self._target_source = location.cache_id
-        if draft is not None and self._draft is not None and draft.address == self._draft.address:
-            self.draft_len, self._draft_source = min(length, draft.length), location.cache_id
+    def place(self, found: Sequence[tuple[PrefixLocation, int]]) -> None:
+        """Chooses the target and draft replicas of a session with nothing of its own cached, by
+        ``place``: where the longest prefix of its prompt is cached unless that replica is clearly
+        busier (``found``: other sessions' caches holding the first ``length`` committed tokens,
+        prefix reuse); the workers check a prefix's hash and copy the cache, or ask to resync."""
+        targets: dict[str, tuple[int, str]] = {}
+        drafts: dict[str, tuple[int, str]] = {}
+        for location, length in found:
+            for cached, where in ((targets, location.target), (drafts, location.draft)):
+                if where is not None and min(length, where.length) > cached.get(where.address, (0, ""))[0]:
+                    cached[where.address] = (min(length, where.length), location.cache_id)
+        target = place(self._targets.replicas, self.session_id, {a: n for a, (n, _) in targets.items()})
+        if target is not None:
+            self._set_target(target)
+            self.target_len, self._target_source = targets.get(target.address, (0, ""))
+        if self._drafts is not None:
+            draft = place(self._drafts.replicas, self.session_id, {a: n for a, (n, _) in drafts.items()})
+            if draft is not None:
+                self._set_draft(draft)
+                self.draft_len, self._draft_source = drafts.get(draft.address, (0, ""))
 
     def locations(self) -> tuple[CacheLocation | None, CacheLocation | None]:
         """Cache locations to record with a commit."""
-        target = None
-        if self.target_address is not None:
-            replica = next(r for r in self._targets.replicas if r.address == self.target_address)
-            target = CacheLocation(replica.address, self.target_len)
+        target = CacheLocation(self._target.address, self.target_len) if self._target else None
         draft = CacheLocation(self._draft.address, self.draft_len) if self._draft else None
         return target, draft
 
@@ -185,7 +231,19 @@ class WorkerSession:
 
     @property
     def draft_usable(self) -> bool:
-        return self._draft is not None and self._draft.usable and not self._draft_refused
+        return self._drafts is not None and self._drafts.usable and not self._draft_refused
+
+    def _choose_draft(self) -> DraftClient | None:
+        """The replica to draft on: the session's own while it is up, else one that ``place``
+        picks among those up (its draft cache is then rebuilt there)."""
+        assert self._drafts is not None
+        if self._draft is not None and self._draft.usable:
+            return self._draft
+        chosen = place(self._drafts.replicas, self.session_id, {})
+        if chosen is not None:
+            self._set_draft(chosen)
+            self.draft_len, self._draft_source = 0, ""
+        return chosen
 
     async def propose(self, committed: list[int], k: int, decoding: Decoding, round_id: int) -> Proposal | None:
         """K draft tokens, or None when the draft failed (the round then decodes target-only).
@@ -193,10 +251,12 @@ class WorkerSession:
         Pipelined: if the previous block was fully accepted and the draft's guess of the target's
         next token was right, the block drafted ahead is used at once.
         """
-        assert self._draft is not None
         try:
             if self._stream is None:
-                self._stream = self._draft.open_stream()
+                draft = self._choose_draft()
+                if draft is None:
+                    return None  # every replica went down since the round asked
+                self._stream = draft.open_stream()
             proposal = await self._adopt_lookahead(committed, k, round_id) if self._pipelined else None
             if proposal is None:
                 proposal = await self._request_block(committed, k, decoding, round_id)
@@ -330,7 +390,7 @@ class WorkerSession:
                 remaining = budget_end - loop.time()
                 if remaining <= _VERIFY_RETRY_PAUSE_S:
                     raise last_error
-                own = replica.address == self.target_address
+                own = replica is self._target
                 cached, source = (self.target_len, self._target_source) if own else (0, "")
                 try:
                     reply, reused = await self._verify_on(
@@ -348,7 +408,7 @@ class WorkerSession:
                     self._metrics.target_failovers.inc()
                     last_error = exc
                     continue
-                self.target_address = replica.address
+                self._set_target(replica)
                 return reply, reused
         raise last_error
 
@@ -404,8 +464,8 @@ class WorkerSession:
     async def release(self, timeout_s: float) -> None:
         """Frees the session's caches in the workers (best effort)."""
         calls = [r.release(self.session_id, timeout_s) for r in self._targets.replicas if r.breaker.up]
-        if self._draft is not None:
-            calls.append(self._draft.release(self.session_id, timeout_s))
+        if self._drafts is not None:
+            calls += [r.release(self.session_id, timeout_s) for r in self._drafts.replicas if r.usable]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, Exception):
                 log.warning("cache_release_failed", error=str(result))

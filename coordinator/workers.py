@@ -7,8 +7,8 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -199,6 +199,7 @@ class TargetClient:
         self.address = address
         self._link = WorkerLink(address, settings, target_pb2_grpc.TargetWorkerStub)
         self.breaker = _Breaker(retry_s)
+        self.turns = 0  # this coordinator's turns on the replica now (see ``place``)
         self.info = common_pb2.WorkerInfo()
         self.vocabulary = ("", 0)  # (tokenizer hash, vocab size) the coordinator serves; every verify names it
 
@@ -245,6 +246,45 @@ class TargetClient:
 
 def _rendezvous(session_id: str, address: str) -> bytes:
     return hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest()
+
+
+class _Replica(Protocol):
+    address: str
+    breaker: _Breaker
+    turns: int
+
+
+R = TypeVar("R", bound=_Replica)
+# A replica is clearly busier than the least busy one when it runs more than BUSIER_BY of this
+# coordinator's turns more than it, and more than BUSIER_TIMES as many (as SGLang's cache-aware
+# router weighs cache hits against balance, with its absolute and relative thresholds).
+BUSIER_BY = 2
+BUSIER_TIMES = 1.25
+
+
+def by_affinity(replicas: Sequence[R], session_id: str, current: str | None) -> list[R]:
+    """A session's replicas in the order to use them: those up first; among them the one it is on
+    (``current``, holding its cache), then the rest by rendezvous hashing of the session id, so
+    that every coordinator picks the same one and a lost replica moves only its own sessions."""
+    ordered = sorted(replicas, key=lambda r: (r.address != current, _rendezvous(session_id, r.address)))
+    return sorted(ordered, key=lambda r: not r.breaker.up)
+
+
+def place(replicas: Sequence[R], session_id: str, cached: Mapping[str, int]) -> R | None:
+    """The replica a session with nothing of its own cached starts on: among those up, the one
+    holding the longest cached prefix of its prompt (``cached``: tokens by replica address),
+    unless that one is clearly busier than the least busy one, which then computes the prompt
+    itself; ties go to the less busy, then by rendezvous hash. So a prefix that every request
+    shares (a system prompt) is reused without drawing all of them to the replica that cached it
+    first: the others get the overflow, cache the prefix too, and then share it evenly. None when
+    no replica is up."""
+    up = [r for r in replicas if r.breaker.up]
+    if not up:
+        return None
+    least = min(up, key=lambda r: (r.turns, _rendezvous(session_id, r.address)))
+    best = min(up, key=lambda r: (-cached.get(r.address, 0), r.turns, _rendezvous(session_id, r.address)))
+    busier = best.turns - least.turns > BUSIER_BY and best.turns > BUSIER_TIMES * least.turns
+    return least if busier else best
 
 
 # What replicas of one deployment share besides the vocabulary (the verify names that).
@@ -319,10 +359,12 @@ class TargetPool:
             self._compare(replica)
         return info
 
+    def get(self, address: str) -> TargetClient | None:
+        return next((r for r in self.replicas if r.address == address), None)
+
     def candidates(self, session_id: str, current: str | None) -> list[TargetClient]:
         """Replicas to try in order: the current one, then the rest by rendezvous hash; up ones first."""
-        ordered = sorted(self.replicas, key=lambda r: (r.address != current, _rendezvous(session_id, r.address)))
-        return sorted(ordered, key=lambda r: not r.breaker.up)
+        return by_affinity(self.replicas, session_id, current)
 
     async def close(self) -> None:
         for join in self._joining:
@@ -379,13 +421,15 @@ def translates(info: common_pb2.WorkerInfo) -> bool:
 
 
 class DraftClient:
-    """The draft worker; after a failure it is skipped for ``retry_s`` (target-only meanwhile)."""
+    """One draft worker replica; after a failure it is skipped for ``retry_s`` (its sessions move
+    to another replica, or decode target-only where none is up)."""
 
     def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._link = WorkerLink(address, settings, draft_pb2_grpc.DraftWorkerStub)
-        self._breaker = _Breaker(retry_s)
+        self.breaker = _Breaker(retry_s)
+        self.turns = 0  # this coordinator's turns drafting on the replica now (see ``place``)
         self._latency_s: float | None = None
         self.info = common_pb2.WorkerInfo()
         self.vocab_limit = 0  # the target's vocabulary size, sent with every proposal request
@@ -400,7 +444,7 @@ class DraftClient:
 
     @property
     def usable(self) -> bool:
-        return self._breaker.up
+        return self.breaker.up
 
     @property
     def translates(self) -> bool:
@@ -419,7 +463,7 @@ class DraftClient:
 
     def mark_failed(self, reason: str) -> None:
         log.warning("draft_unavailable", address=self.address, reason=reason)
-        self._breaker.trip()
+        self.breaker.trip()
 
     def open_stream(self) -> DraftStream:
         return DraftStream(self._link.stub().Propose(metadata=self._link.metadata()))
@@ -436,3 +480,38 @@ class DraftClient:
 
     async def close(self) -> None:
         await self._link.close()
+
+
+class DraftPool:
+    """Draft replicas. A session drafts on one: the replica holding its draft cache while that one
+    is up, else one chosen by ``place`` (a lost replica moves only its own sessions, whose draft
+    caches are rebuilt where they land). A replica is used once it has joined (``join``); one that
+    failed is skipped for ``retry_s``."""
+
+    def __init__(
+        self, addresses: Sequence[str], settings: CoordinatorSettings, retry_s: float, timeout_s: float
+    ) -> None:
+        self.replicas = [DraftClient(address, settings, retry_s, timeout_s) for address in addresses]
+        for replica in self.replicas:
+            replica.breaker.hold()  # until it has answered and fits the target
+
+    @property
+    def usable(self) -> bool:
+        """A replica can draft now."""
+        return any(r.usable for r in self.replicas)
+
+    def get(self, address: str) -> DraftClient | None:
+        return next((r for r in self.replicas if r.address == address), None)
+
+    def join(self, replica: DraftClient, target: common_pb2.WorkerInfo) -> None:
+        """Uses ``replica`` from now on, telling it the target's vocabulary (sent with every request)."""
+        replica.vocab_limit = target.vocab_size
+        replica.tokenizer_hash = target.tokenizer_hash
+        replica.breaker.reset()
+
+    async def release(self, session_id: str, timeout_s: float) -> None:
+        """Frees the session's draft caches on every replica up (best effort)."""
+        await asyncio.gather(*(r.release(session_id, timeout_s) for r in self.replicas if r.usable))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(r.close() for r in self.replicas))

@@ -29,6 +29,7 @@ def fault_cluster(
     draft: Path | None,
     *,
     targets: int = 1,
+    drafts: int = 1,
     state_url: str = "memory://",
     coordinator_args: Sequence[str] = (),
     worker_args: Sequence[str] = (),
@@ -44,6 +45,7 @@ def fault_cluster(
         coordinator_args=[*FAULT_COORDINATOR_ARGS, "--state-url", state_url, *coordinator_args],
         startup_timeout_s=120,
         targets=targets,
+        drafts=drafts,
         route=route,
     )
     with cluster:

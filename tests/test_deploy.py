@@ -264,6 +264,8 @@ def test_pod_environment_is_accepted_by_the_service_settings(
         assert settings.worker_tls_ca_file and settings.worker_tls_cert_file and settings.worker_token_file
         assert settings.state_url.startswith("rediss://") and settings.state_password_file
         assert len(settings.target_addresses) == _one("StatefulSet", "specdec-target")["spec"]["replicas"]
+        # one address per draft replica: each session drafts on one, where its draft cache is
+        assert len(settings.drafts) == _one("StatefulSet", "specdec-draft")["spec"]["replicas"] >= 2
     else:
         assert settings.tls_client_ca_file and settings.tls_allowed_client_names == ["coordinator.specdec"]
 
@@ -275,7 +277,7 @@ def test_target_gets_a_whole_gpu_on_gpu_nodes_and_the_draft_stays_on_cpu() -> No
     assert target["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in target["tolerations"]
     assert _container_env(target["containers"][0])["SPECDEC_DEVICE"] == "cuda"
-    draft = _one("Deployment", "specdec-draft")["spec"]["template"]["spec"]
+    draft = _one("StatefulSet", "specdec-draft")["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in json.dumps(draft["containers"][0]["resources"])
     term = draft["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchExpressions"] == [{"key": "nvidia.com/gpu.present", "operator": "NotIn", "values": ["true"]}]
@@ -289,9 +291,20 @@ def test_services_select_pods_and_name_real_ports() -> None:
         assert len(matches) == 1, service["metadata"]["name"]
         names = {p["name"] for c in matches[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
         assert all(port["targetPort"] in names for port in service["spec"]["ports"])
-    assert _one("Service", "specdec-target")["spec"]["clusterIP"] == "None"  # per-pod names for routing
-    address = CoordinatorSettings.model_validate({"target_addresses": json.loads(CONFIG["SPECDEC_TARGET_ADDRESSES"])})
+    for workers in ("specdec-target", "specdec-draft"):  # per-pod names for routing a session to its cache
+        assert _one("Service", workers)["spec"]["clusterIP"] == "None"
+        assert _one("StatefulSet", workers)["spec"]["serviceName"] == workers
+    address = CoordinatorSettings.model_validate(
+        {
+            "target_addresses": json.loads(CONFIG["SPECDEC_TARGET_ADDRESSES"]),
+            "draft_addresses": json.loads(CONFIG["SPECDEC_DRAFT_ADDRESSES"]),
+        }
+    )
     assert address.target_addresses[0].startswith("specdec-target-0.specdec-target.specdec.svc")
+    assert [a.split(".")[:2] for a in address.drafts] == [
+        ["specdec-draft-0", "specdec-draft"],
+        ["specdec-draft-1", "specdec-draft"],
+    ]
     hpa = _one("HorizontalPodAutoscaler", "specdec-coordinator")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "specdec-coordinator" and hpa["spec"]["minReplicas"] >= 2
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.settings import CoordinatorSettings
-from coordinator.workers import DraftClient
+from coordinator.workers import DraftClient, DraftPool, place
+from specdec.v1 import common_pb2
 
 
 @pytest.mark.asyncio
@@ -38,7 +39,6 @@ async def test_a_late_draft_whose_info_fails_is_retried_at_a_pace() -> None:
 
     from coordinator.engine import Engine
     from specdec.serving.metrics import CoordinatorMetrics
-    from specdec.v1 import common_pb2
 
     server = grpc.aio.server()  # health SERVING, no DraftWorker service: Info is UNIMPLEMENTED
     checks = health.aio.HealthServicer()
@@ -50,11 +50,12 @@ async def test_a_late_draft_whose_info_fails_is_retried_at_a_pace() -> None:
         target_addresses=["127.0.0.1:1"], draft_address=f"127.0.0.1:{port}", draft_retry_s=1.0
     )
     engine = Engine(settings, CoordinatorMetrics(CollectorRegistry()))
-    assert engine.draft is not None
+    assert engine.drafts is not None
+    (draft,) = engine.drafts.replicas
     try:
         with capture_logs() as logs:
-            connecting = asyncio.ensure_future(engine.draft.connect(60))
-            join = asyncio.ensure_future(engine._join_draft(connecting, common_pb2.WorkerInfo(), 60))
+            connecting = asyncio.ensure_future(draft.connect(60))
+            join = asyncio.ensure_future(engine._join_draft(draft, connecting, common_pb2.WorkerInfo(), 60))
             await asyncio.sleep(2.5)
             join.cancel()
         failures = [e for e in logs if e["event"] == "draft_not_ready"]
@@ -63,3 +64,39 @@ async def test_a_late_draft_whose_info_fails_is_retried_at_a_pace() -> None:
     finally:
         await engine.stop()
         await server.stop(None)
+
+
+@pytest.mark.asyncio
+async def test_sessions_are_placed_by_cache_unless_that_replica_is_clearly_busier() -> None:
+    """Where a session with nothing of its own cached starts: with nothing cached and no load,
+    spread by rendezvous hash; on the replica holding the longest cached prefix of its prompt
+    while that one runs at most 2 turns more than the least busy (or at most 1.25x as many);
+    else on the least busy one. Replicas not joined yet, or down, are never chosen."""
+    addresses = ["d0:1", "d1:1", "d2:1"]
+    settings = CoordinatorSettings(target_addresses=["t:1"], draft_addresses=addresses)
+    pool = DraftPool(addresses, settings, retry_s=60.0, timeout_s=2.0)
+    try:
+        sessions = [f"s{i}" for i in range(300)]
+        assert not pool.usable and place(pool.replicas, "s0", {}) is None  # none has joined yet
+        for replica in pool.replicas:
+            pool.join(replica, common_pb2.WorkerInfo(vocab_size=9, tokenizer_hash="h"))
+        assert pool.usable and all(r.vocab_limit == 9 and r.tokenizer_hash == "h" for r in pool.replicas)
+        home = {s: place(pool.replicas, s, {}) for s in sessions}
+        counts = [sum(r is replica for r in home.values()) for replica in pool.replicas]
+        assert min(counts) > 60, counts  # about 100 each
+        d0, d1, d2 = pool.replicas
+        assert all(place(pool.replicas, s, {"d1:1": 32, "d2:1": 16}) is d1 for s in sessions)
+        d1.turns, d0.turns, d2.turns = 2, 0, 5
+        assert place(pool.replicas, "s0", {"d1:1": 32}) is d1  # 2 more than the least busy: not clearly busier
+        d1.turns = 3
+        assert place(pool.replicas, "s0", {"d1:1": 32}) is d0  # 3 more, and more than 1.25x
+        d0.turns, d1.turns, d2.turns = 12, 15, 20
+        assert place(pool.replicas, "s0", {"d1:1": 32}) is d1  # 3 more, but only 1.25x as many
+        assert place(pool.replicas, "s0", {}) is d0  # nothing cached: the least busy
+        d2.mark_failed("test")
+        assert place(pool.replicas, "s0", {"d2:1": 64}) is d0
+        d0.mark_failed("test")
+        d1.mark_failed("test")
+        assert not pool.usable and place(pool.replicas, "s0", {}) is None
+    finally:
+        await pool.close()

@@ -212,6 +212,106 @@ def test_session_moves_to_a_second_target_replica(
     }
 
 
+def test_sessions_are_spread_over_draft_replicas_and_move_when_one_fails(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """Two draft replicas (--draft-addresses). Main took one draft address: behind a Service, each
+    coordinator drafted with whichever pod its one connection reached, so replicas shared the load
+    only as the connections fell. Now each session drafts on one replica, chosen by rendezvous hash
+    as for targets (every coordinator picks the same one) and kept while it serves, so its draft
+    cache is reused turn after turn; when that replica fails, the session moves to the other one
+    within the turn (its draft cache rebuilt there) instead of decoding target-only."""
+    sessions = [f"s{i}" for i in range(16)]
+    prompts = {s: [5 + i, 17, 99, 3 + i] for i, s in enumerate(sessions)}
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.same, drafts=2) as cluster:
+        drafts = [cluster.processes["draft"], cluster.processes["draft-1"]]
+        histories = {s: list(p) for s, p in prompts.items()}
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+
+            def turn(session: str, prompt: list[int]) -> coordinator_pb2.GenerateResponse:
+                reply = stub.Generate(make_request(prompt, session_id=session, max_new=8, ignore_eos=True), timeout=60)
+                histories[session] += [*prompt[len(histories[session]) :], *reply.token_ids]
+                return reply
+
+            first = {s: turn(s, p) for s, p in prompts.items()}
+            held = [worker_info(d.address, "draft").active_sessions for d in drafts]
+            second = {}
+            for s in sessions:
+                expected = reference_greedy(str(tiny_models.target), (*histories[s], 8, 9), 8, ignore_eos=True)
+                histories[s] += [8, 9]
+                second[s] = turn(s, [8, 9])
+                assert list(second[s].token_ids) == expected
+            still = [worker_info(d.address, "draft").active_sessions for d in drafts]
+            busiest = drafts[held.index(max(held))]
+            busiest.proc.kill()
+            busiest.proc.wait()
+            third = {}
+            for s in sessions:
+                expected = reference_greedy(str(tiny_models.target), (*histories[s], 7), 8, ignore_eos=True)
+                histories[s] += [7]
+                third[s] = turn(s, [7])
+                assert list(third[s].token_ids) == expected
+            survivor = next(d for d in drafts if d is not busiest)
+            moved = worker_info(survivor.address, "draft").active_sessions
+    for s in sessions:
+        expected = reference_greedy(str(tiny_models.target), tuple(prompts[s]), 8, ignore_eos=True)
+        assert list(first[s].token_ids) == expected
+    assert all(h > 0 for h in held) and sum(held) == len(sessions), f"sessions per draft replica: {held}"
+    # the second turns drafted on the replica holding the session's cache (a move would cache it on both)
+    assert still == held, f"sessions per draft replica after the first turns {held}, the second {still}"
+    assert all(r.stats.draft_tokens_accepted > 0 for r in second.values())
+    # after the kill, every session drafted with the surviving replica within its turn
+    assert moved == len(sessions)
+    assert all(r.stats.draft_tokens_proposed > r.stats.lookup_tokens_proposed for r in third.values())
+    fault_report["a draft replica killed between turns (2 replicas)"] = {
+        "sessions_per_replica": held,
+        "identical_output": True,
+        "sessions_drafted_after_the_kill": len(sessions),
+    }
+
+
+def test_requests_sharing_a_prompt_prefix_are_spread_over_the_replicas(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """One-shot requests that share a long prompt prefix (a system prompt, a chat template's
+    preamble: what nearly every request through a gateway has), sent concurrently to 2 target and
+    2 draft replicas. Main sent every request that found the prefix cached to the replicas holding
+    it, so the replica that cached it first got all such traffic and the others none. Now a request
+    starts from a cached prefix only on a replica that is not clearly busier than the least busy
+    one (as SGLang's cache-aware router balances), and each replica keeps its own record of the
+    prefixes it holds, so the prefix soon is cached on every replica and reused there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared = [(7 * i) % 250 + 3 for i in range(48)]  # three 16-token blocks
+    prompts = [[*shared, 5 + i, 17, 99, 3 + i] for i in range(32)]
+    expected = [reference_greedy(str(tiny_models.target), tuple(p), 8, ignore_eos=True) for p in prompts]
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.same, targets=2, drafts=2) as cluster:
+        targets = [cluster.processes["target-0"], cluster.processes["target-1"]]
+        drafts = [cluster.processes["draft"], cluster.processes["draft-1"]]
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+
+            def generate(prompt: list[int]) -> coordinator_pb2.GenerateResponse:
+                return stub.Generate(make_request(prompt, max_new=8, ignore_eos=True), timeout=120)
+
+            generate([*shared, 1, 2])  # caches and records the prefix on one target replica
+            with ThreadPoolExecutor(8) as pool:
+                replies = list(pool.map(generate, prompts))
+        served = [worker_info(t.address, "target").active_sessions for t in targets]
+        drafted = [worker_info(d.address, "draft").active_sessions for d in drafts]
+    assert [list(r.token_ids) for r in replies] == expected
+    assert sum(r.usage.cached_tokens > 0 for r in replies) >= len(prompts) // 2  # the prefix is still reused
+    assert min(served) >= len(prompts) // 4, f"one-shot requests per target replica: {served}"
+    assert min(drafted) >= len(prompts) // 4, f"one-shot requests per draft replica: {drafted}"
+    fault_report["requests sharing a prompt prefix (2 target, 2 draft replicas)"] = {
+        "requests_per_target_replica": served,
+        "requests_per_draft_replica": drafted,
+        "requests_reusing_a_cached_prefix": sum(r.usage.cached_tokens > 0 for r in replies),
+        "identical_output": True,
+    }
+
+
 def test_a_target_replica_down_at_start_up_does_not_hold_the_coordinator_back(
     tmp_path: Path, tiny_models: TinyModels, fault_report: dict
 ) -> None:

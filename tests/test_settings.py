@@ -88,6 +88,26 @@ def test_addresses_are_stripped_and_a_blank_draft_address_means_none(monkeypatch
     assert settings.draft_address == "d:3"
 
 
+def test_draft_replicas_are_listed_in_one_setting(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--draft-addresses lists the draft replicas (as --target-addresses lists the targets); the
+    single --draft-address stays for one replica; both at once is refused, as is a repeated entry."""
+    settings = load_settings(CoordinatorSettings, ["--target-addresses", "a:1", "--draft-addresses", "d:1, d:2"], "c")
+    assert settings.drafts == ["d:1", "d:2"]
+    settings = load_settings(CoordinatorSettings, ["--target-addresses", "a:1", "--draft-address", "d:3"], "c")
+    assert settings.drafts == ["d:3"]
+    assert load_settings(CoordinatorSettings, ["--target-addresses", "a:1"], "c").drafts == []
+    monkeypatch.setenv("SPECDEC_DRAFT_ADDRESS", "d:3")
+    with pytest.raises(SystemExit):
+        load_settings(CoordinatorSettings, ["--target-addresses", "a:1", "--draft-addresses", "d:1,d:2"], "c")
+    assert "both draft_address and draft_addresses are set" in capsys.readouterr().err
+    monkeypatch.delenv("SPECDEC_DRAFT_ADDRESS")
+    with pytest.raises(SystemExit):
+        load_settings(CoordinatorSettings, ["--target-addresses", "a:1", "--draft-addresses", "d:1,d:1"], "c")
+    assert "d:1 listed twice: list each replica once" in capsys.readouterr().err
+
+
 def test_bad_device_is_rejected() -> None:
     with pytest.raises(SystemExit):
         load_settings(TargetSettings, ["--model", "m", "--device", "tpu"], "t")

@@ -137,7 +137,8 @@ class CoordinatorMetrics:
             "specdec_reply_index_tokens", "Reply tokens the reply index holds", registry=registry
         )
         self.draft_failures = Counter(
-            "specdec_draft_failures", "Draft unreachable or hung: every session decodes target-only a while",
+            "specdec_draft_failures",
+            "A draft replica unreachable or hung: skipped a while (its sessions draft on another, or target-only)",
             registry=registry,
         )  # fmt: skip
         self.draft_request_errors = Counter(

@@ -514,7 +514,7 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
             draft = start("draft", draft_args, f"draft-{name}")
             draft.wait_ready(900)
             args = list(cluster.processes["coordinator"].args)
-            args[args.index("--draft-address") + 1] = draft.address
+            args[args.index("--draft-addresses") + 1] = draft.address
             coordinators[name] = start("coordinator", args, f"coordinator-{name}")
         addresses = {"main": cluster.address}
         for name, coordinator in coordinators.items():

@@ -144,9 +144,10 @@ def spawn(
 
 @dataclass
 class LocalCluster:
-    """Target replica(s) + optional draft + coordinator processes; use as a context manager.
+    """Target replica(s) + optional draft replica(s) + coordinator processes; use as a context manager.
 
-    ``route`` maps (role, address) to the address the coordinator should use, so that tests can
+    The processes are named ``target-0`` .. ``target-{targets-1}`` and ``draft``, ``draft-1`` ..
+    ``draft-{drafts-1}``. ``route`` maps (role, address) to the address the coordinator should use, so that tests can
     put a proxy in between.
     """
 
@@ -159,6 +160,7 @@ class LocalCluster:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 600.0
     targets: int = 1
+    drafts: int = 1  # draft replicas (with a draft model)
     route: Callable[[str, str], str] | None = None
     share_cpu: bool = False  # CPU workers on this host take turns for the cores (see HostLock)
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -173,9 +175,9 @@ class LocalCluster:
             for i in range(self.targets):
                 args = ["--model", self.target_model, *self.worker_args, *lock]
                 self.processes[f"target-{i}"] = spawn("target", args, self.workdir, self.env, name=f"target-{i}")
-            if self.draft_model:
-                draft_args = ["--model", self.draft_model, *self.worker_args, *lock, *self.draft_args]
-                self.processes["draft"] = spawn("draft", draft_args, self.workdir, self.env)
+            for name in self._draft_names():
+                draft_args = ["--model", str(self.draft_model), *self.worker_args, *lock, *self.draft_args]
+                self.processes[name] = spawn("draft", draft_args, self.workdir, self.env, name=name)
             for process in list(self.processes.values()):
                 process.wait_ready(self.startup_timeout_s)
             self.processes["coordinator"] = spawn("coordinator", self._coordinator_args(), self.workdir, self.env)
@@ -192,11 +194,14 @@ class LocalCluster:
     def _coordinator_args(self) -> list[str]:
         targets = ",".join(self._routed(f"target-{i}") for i in range(self.targets))
         args = ["--target-addresses", targets, "--tokenizer", self.target_model]
-        if "draft" in self.processes:
-            args += ["--draft-address", self._routed("draft")]
+        if self.draft_model:
+            args += ["--draft-addresses", ",".join(self._routed(name) for name in self._draft_names())]
         if self.share_cpu:  # a busy draft waits its turn for the cores behind a full target batch
             args += ["--draft-timeout-s", "30"]
         return [*args, *self.coordinator_args]
+
+    def _draft_names(self) -> list[str]:
+        return ["draft", *(f"draft-{i}" for i in range(1, self.drafts))] if self.draft_model else []
 
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
