@@ -20,7 +20,7 @@ from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.lookup import ReplyIndex
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
-from specdec.serving.errors import NotServing, Overloaded, StateUnreachable
+from specdec.serving.errors import NotServing, Overloaded, StartupError, StateUnreachable
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import StateStore, open_store, store_location
 from specdec.v1 import common_pb2, coordinator_pb2
@@ -47,12 +47,12 @@ def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo
     if target.tokenizer_hash == draft.tokenizer_hash:
         return
     if translates(draft):
-        raise RuntimeError(
+        raise StartupError(
             f"draft model {draft.model_id!r} translates to tokenizer {draft.tokenizer_hash}, but target model "
             f"{target.model_id!r} has tokenizer {target.tokenizer_hash}; start the draft with --target-tokenizer "
             "set to the target's model"
         )
-    raise RuntimeError(
+    raise StartupError(
         f"draft model {draft.model_id!r} (tokenizer {draft.tokenizer_hash}) does not share the tokenizer of "
         f"target model {target.model_id!r} (tokenizer {target.tokenizer_hash}); start the draft worker with "
         "--target-tokenizer set to the target's model (and --vocab-method tli or slem) to translate its proposals"
@@ -186,7 +186,7 @@ class Engine:
         await self._start_store(timeout)
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.tokenizer or target_info.model_id)
         if tokenizer_fingerprint(tokenizer) != target_info.tokenizer_hash:
-            raise RuntimeError("the coordinator's tokenizer differs from the target model's; fix --tokenizer")
+            raise StartupError("the coordinator's tokenizer differs from the target model's; fix --tokenizer")
         self._tokenizer = tokenizer
         self._configure(target_info, self._draft_info, "coordinator_ready")
         self._started.set()

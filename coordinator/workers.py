@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
-from specdec.serving.errors import ReplyTooLarge, WorkerFailed, WorkerTimedOut, WorkerUnavailable
+from specdec.serving.errors import ReplyTooLarge, StartupError, WorkerFailed, WorkerTimedOut, WorkerUnavailable
 from specdec.serving.security import ClientSecurity, Reloaded
 from specdec.serving.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -116,7 +116,10 @@ async def wait_until_serving(channel: grpc.aio.Channel, role: str, address: str,
             last = exc.code().name
         wait.tick(status=last)
         await asyncio.sleep(0.2)
-    raise RuntimeError(f"worker {address} not serving after {timeout_s:.0f}s (last status: {last})")
+    raise StartupError(
+        f"the {role} worker at {address} was not serving after {timeout_s:.0f} s (last status: {last}); check "
+        "the address and the worker's log, or give it longer (--worker-startup-timeout-s)"
+    )
 
 
 RETIRE_GRACE_S = 300.0  # calls on a channel replaced by one with renewed credentials get this long to end
@@ -315,9 +318,13 @@ class TargetPool:
             infos = [info for task in done if (info := task.result()) is not None]
         self._joining = pending
         if not infos:
-            raise RuntimeError(f"no target worker is serving: {', '.join(r.address for r in self.replicas)}")
+            raise StartupError(
+                f"no target worker is serving at {', '.join(r.address for r in self.replicas)} after "
+                f"{timeout_s:.0f} s; check --target-addresses and the target workers' logs, or give them longer "
+                "(--worker-startup-timeout-s)"
+            )
         if len({(i.vocab_size, i.tokenizer_hash) for i in infos}) > 1:
-            raise RuntimeError("target replicas serve models with different vocabularies; deploy one model")
+            raise StartupError("target replicas serve models with different vocabularies; deploy one model")
         for replica in self.replicas:  # also those not up yet, and any restarted with another model
             replica.vocabulary = (infos[0].tokenizer_hash, infos[0].vocab_size)
         self._first = infos[0]

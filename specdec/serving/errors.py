@@ -144,3 +144,8 @@ class Unsupported(SpecdecError):
 class PortUnavailable(Exception):
     """A port the service was told to serve on cannot be bound (another process has it, or the
     address is not this host's); the service does not start."""
+
+
+class StartupError(RuntimeError):
+    """Start-up cannot go on, for a reason the message explains along with what to do (workers
+    that never served, models that do not fit together): logged without a traceback."""

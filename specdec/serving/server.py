@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specdec.serving.errors import ClientStalled, NotServing, PortUnavailable, SpecdecError
+from specdec.serving.errors import ClientStalled, NotServing, PortUnavailable, SpecdecError, StartupError
 from specdec.serving.metrics import RpcMetrics, start_metrics
 from specdec.serving.security import Authenticator, ServerTls, caller_identity
 from specdec.serving.settings import ServiceSettings
@@ -355,8 +355,8 @@ async def _start_or_stop(spec: ServiceSpec, control: ServerControl) -> bool:
     if not start.done():
         start.cancel()
         return False
-    if start.exception() is not None:
-        log.error("startup_failed", error=str(start.exception()), exc_info=start.exception())
+    if (failure := start.exception()) is not None:  # a traceback only where no message explains it
+        log.error("startup_failed", error=str(failure), exc_info=None if isinstance(failure, StartupError) else failure)
         control.exit_code = 1
         return False
     return True
