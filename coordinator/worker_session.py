@@ -172,8 +172,12 @@ class WorkerSession:
         """Moves this turn's count in the replicas' turns from ``old`` to ``new``."""
         if self._holding and new is not old:
             if old is not None:
-                old.turns -= 1
-            new.turns += 1
+                self._count(old, -1)
+            self._count(new, 1)
+
+    def _count(self, replica: TargetClient | DraftClient, step: int) -> None:
+        replica.turns += step
+        self._metrics.replica_turns.labels(replica.role, replica.address).inc(step)
 
     def _set_target(self, replica: TargetClient) -> None:
         self._bind(self._target, replica)
@@ -187,7 +191,7 @@ class WorkerSession:
         """The turn is over: no longer counted in its replicas' turns."""
         for replica in (self._target, self._draft):
             if self._holding and replica is not None:
-                replica.turns -= 1
+                self._count(replica, -1)
         self._holding = False
 
     def restore(self, target: CacheLocation | None, draft: CacheLocation | None) -> None:

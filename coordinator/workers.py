@@ -198,6 +198,8 @@ class _Breaker:
 class TargetClient:
     """One target worker replica."""
 
+    role = "target"
+
     def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float) -> None:
         self.address = address
         self._link = WorkerLink(address, settings, target_pb2_grpc.TargetWorkerStub)
@@ -252,6 +254,7 @@ def _rendezvous(session_id: str, address: str) -> bytes:
 
 
 class _Replica(Protocol):
+    role: str
     address: str
     breaker: _Breaker
     turns: int
@@ -430,6 +433,8 @@ def translates(info: common_pb2.WorkerInfo) -> bool:
 class DraftClient:
     """One draft worker replica; after a failure it is skipped for ``retry_s`` (its sessions move
     to another replica, or decode target-only where none is up)."""
+
+    role = "draft"
 
     def __init__(self, address: str, settings: CoordinatorSettings, retry_s: float, timeout_s: float) -> None:
         self.address = address

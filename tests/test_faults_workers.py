@@ -254,6 +254,7 @@ def test_sessions_are_spread_over_draft_replicas_and_move_when_one_fails(
                 assert list(third[s].token_ids) == expected
             survivor = next(d for d in drafts if d is not busiest)
             moved = worker_info(survivor.address, "draft").active_sessions
+            assert metric(cluster, "coordinator", "specdec_replica_turns") == 0  # every turn left its replicas
     for s in sessions:
         expected = reference_greedy(str(tiny_models.target), tuple(prompts[s]), 8, ignore_eos=True)
         assert list(first[s].token_ids) == expected
@@ -298,8 +299,14 @@ def test_requests_sharing_a_prompt_prefix_are_spread_over_the_replicas(
             generate([*shared, 1, 2])  # caches and records the prefix on one target replica
             with ThreadPoolExecutor(8) as pool:
                 replies = list(pool.map(generate, prompts))
-        served = [worker_info(t.address, "target").active_sessions for t in targets]
+            stream = stub.GenerateStream(make_request([*shared, 9, 9], max_new=64, ignore_eos=True), timeout=60)
+            next(stream)
+            stream.cancel()  # a turn cancelled mid-way leaves its replicas too
+            wait_for(lambda: metric(cluster, "coordinator", "specdec_active_requests") == 0, 10)
+            left = metric(cluster, "coordinator", "specdec_replica_turns")
+        served = [worker_info(t.address, "target").active_sessions for t in targets]  # the cancelled turn's freed
         drafted = [worker_info(d.address, "draft").active_sessions for d in drafts]
+        assert left == 0, f"{left} turns still counted on the replicas once every turn had ended"
     assert [list(r.token_ids) for r in replies] == expected
     assert sum(r.usage.cached_tokens > 0 for r in replies) >= len(prompts) // 2  # the prefix is still reused
     assert min(served) >= len(prompts) // 4, f"one-shot requests per target replica: {served}"

@@ -149,6 +149,10 @@ class CoordinatorMetrics:
             "specdec_target_failovers", "Verify calls moved to another target replica", registry=registry
         )
         self.cache_resyncs = Counter("specdec_cache_resyncs", "Worker caches re-prefilled", ["role"], registry=registry)
+        self.replica_turns = Gauge(
+            "specdec_replica_turns", "Turns on each worker replica now (where new sessions are placed by)",
+            ["role", "address"], registry=registry,
+        )  # fmt: skip
         self.finished_requests = Counter(
             "specdec_finished_requests", "Replies that ended, by reason: eos, stop_token, stop_string, length",
             ["reason"], registry=registry,
