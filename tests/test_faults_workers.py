@@ -319,23 +319,32 @@ def test_requests_sharing_a_prompt_prefix_are_spread_over_the_replicas(
     }
 
 
-def test_a_start_up_that_cannot_go_on_says_why_and_what_to_do_without_a_traceback(tmp_path: Path) -> None:
+START_UP_FAILURES = {
+    "coordinator": (["--target-addresses", "127.0.0.1:1", "--worker-startup-timeout-s", "1"], "--target-addresses"),
+    "target": (["--model", "/nonexistent/model", "--device", "cpu"], "no such directory"),
+    "draft": (["--model", "/nonexistent/model", "--device", "cuda:7"], "use --device cpu"),
+}
+
+
+@pytest.mark.parametrize("role", list(START_UP_FAILURES))
+def test_a_start_up_that_cannot_go_on_says_why_and_what_to_do_without_a_traceback(role: str, tmp_path: Path) -> None:
     """No target worker serving within --worker-startup-timeout-s (a wrong address, workers that
-    never came up): start-up ends, as it must, but main logged `startup_failed` with "no target
-    worker is serving: ADDRESS" and a Python traceback into the operator's log, for a condition
-    the message explains and nothing to do said. Now: the message names the setting to check and
-    the log to read, and no traceback (tracebacks stay for failures nobody explained)."""
+    never came up), a model directory that is not there, a device the host lacks: start-up ends,
+    as it must, but main logged `startup_failed` with a Python traceback into the operator's log
+    (and for the coordinator "no target worker is serving: ADDRESS", nothing to do said), for
+    conditions the message explains. Now: the message says what to check or change, and no
+    traceback (tracebacks stay for failures nobody explained)."""
     import json
 
     from specdec.tools.launch import spawn
 
-    args = ["--target-addresses", "127.0.0.1:1", "--worker-startup-timeout-s", "1"]
-    coordinator = spawn("coordinator", args, tmp_path)
-    assert coordinator.proc.wait(timeout=60) == 1
-    events = [json.loads(line) for line in coordinator.log_file.read_text().splitlines() if line.startswith("{")]
+    args, advice = START_UP_FAILURES[role]
+    service = spawn(role, args, tmp_path)
+    assert service.proc.wait(timeout=60) == 1
+    events = [json.loads(line) for line in service.log_file.read_text().splitlines() if line.startswith("{")]
     (failed,) = [e for e in events if e["event"] == "startup_failed"]
     assert "exception" not in failed, failed["exception"]
-    assert "127.0.0.1:1" in failed["error"] and "--target-addresses" in failed["error"]
+    assert advice in failed["error"]
 
 
 def test_a_target_replica_down_at_start_up_does_not_hold_the_coordinator_back(

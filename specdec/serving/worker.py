@@ -16,7 +16,14 @@ from prometheus_client import CollectorRegistry
 from specdec.runtime.kvcache import SessionCaches, auto_token_budget, prefill_ms_per_token
 from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
-from specdec.serving.errors import InvalidRequest, RequestFailed, SpecdecError, WorkerUnavailable, WrongModel
+from specdec.serving.errors import (
+    InvalidRequest,
+    RequestFailed,
+    SpecdecError,
+    StartupError,
+    WorkerUnavailable,
+    WrongModel,
+)
 from specdec.serving.metrics import WorkerMetrics
 from specdec.serving.server import ServerControl
 from specdec.serving.session_ids import INTERNAL_SESSION_ID_MAX, check_session_id
@@ -92,7 +99,10 @@ class WorkerCore:
         if threads != torch.get_num_threads():
             await self.scheduler.call(torch.set_num_threads, threads)
         log.info("torch_threads", threads=threads, configured=bool(s.torch_threads))
-        self._loaded = await self.scheduler.call(load_model, s.model, s.load_options())
+        try:
+            self._loaded = await self.scheduler.call(load_model, s.model, s.load_options())
+        except ValueError as exc:  # what the model, device or options given get wrong, said with the fix
+            raise StartupError(str(exc)) from exc
         budget = s.max_cache_tokens or await self.scheduler.call(auto_token_budget, self._loaded)
         log.info("cache_budget", max_cache_tokens=budget, automatic=not s.max_cache_tokens)
         caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s, budget)
