@@ -320,6 +320,8 @@ def target_info(cluster: LocalCluster) -> common_pb2.WorkerInfo:
 def test_multi_turn_session_reuses_the_worker_caches(
     cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
 ) -> None:
+    # an earlier test's cancelled turn frees its caches after it logged its end: wait for that first
+    wait_for(lambda: metric(cluster_other, "coordinator", "specdec_active_requests") == 0, 10)
     kept = target_info(cluster_other).active_sessions  # earlier one-shot requests' caches (prefix reuse)
     draft_kept = worker_info(cluster_other.processes["draft"].address, "draft").active_sessions
     turn1 = other.Generate(request(PROMPTS[0], session_id="chat-1", max_new=12, ignore_eos=True))
