@@ -15,7 +15,7 @@ from coordinator.adaptive import StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import CLEANUP_TIMEOUT_S, Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
-from coordinator.workers import DraftClient, DraftPool, StartupWait, TargetPool, translates
+from coordinator.workers import DraftClient, DraftPool, StartupWait, TargetPool, translates, warn_if_unlike
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.lookup import ReplyIndex
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
@@ -212,16 +212,14 @@ class Engine:
         serves another model than the first replica."""
         assert self.drafts is not None
         check_compatible(target_info, draft_info)
-        first = self._draft_info
-        differ = [f for f in _ALIKE_DRAFT_FIELDS if first is not None and getattr(draft_info, f) != getattr(first, f)]
-        if first is not None and differ:
-            log.warning(
-                "draft_replicas_differ", address=replica.address, fields=differ,
-                replica={f: getattr(draft_info, f) for f in differ}, first={f: getattr(first, f) for f in differ},
-                effect="the limits GetInfo reports are the first replica's; deploy one draft model everywhere",
+        if self._draft_info is None:
+            self._draft_info = draft_info
+        else:
+            warn_if_unlike(
+                "draft_replicas_differ", replica.address, draft_info, self._draft_info, _ALIKE_DRAFT_FIELDS,
+                "the limits GetInfo reports are the first replica's; deploy one draft model everywhere",
             )  # fmt: skip
         self.drafts.join(replica, target_info)
-        self._draft_info = first or draft_info
 
     async def _join_draft(
         self,

@@ -297,6 +297,24 @@ def place(replicas: Sequence[R], session_id: str, cached: Mapping[str, int]) -> 
 _ALIKE_FIELDS = ("model_id", "max_context_len", "max_draft_tokens")
 
 
+def warn_if_unlike(
+    event: str,
+    address: str,
+    info: common_pb2.WorkerInfo,
+    first: common_pb2.WorkerInfo,
+    fields: Sequence[str],
+    effect: str,
+) -> None:
+    """Logs ``event`` when the replica at ``address`` differs from the first replica that served
+    in any of ``fields`` of their Info, naming the fields and both values."""
+    differ = [f for f in fields if getattr(info, f) != getattr(first, f)]
+    if differ:
+        log.warning(
+            event, address=address, fields=differ, replica={f: getattr(info, f) for f in differ},
+            first={f: getattr(first, f) for f in differ}, effect=effect,
+        )  # fmt: skip
+
+
 class TargetPool:
     """Target replicas. A session sticks to the replica holding its cache; when that one fails it
     moves to the next by rendezvous hashing (so every coordinator picks the same one) and is
@@ -340,14 +358,10 @@ class TargetPool:
         """Warns when a replica serves another model than the first one that served (one vocabulary
         does not make one model: greedy tokens would depend on the replica a session lands on)."""
         assert self._first is not None
-        differ = [f for f in _ALIKE_FIELDS if getattr(replica.info, f) != getattr(self._first, f)]
-        if differ:
-            log.warning(
-                "target_replicas_differ", address=replica.address, fields=differ,
-                replica={f: getattr(replica.info, f) for f in differ},
-                first={f: getattr(self._first, f) for f in differ},
-                effect="replies depend on the replica a session is verified on; deploy one model everywhere",
-            )  # fmt: skip
+        warn_if_unlike(
+            "target_replicas_differ", replica.address, replica.info, self._first, _ALIKE_FIELDS,
+            "replies depend on the replica a session is verified on; deploy one model everywhere",
+        )  # fmt: skip
 
     async def _join(self, replica: TargetClient, timeout_s: float) -> common_pb2.WorkerInfo | None:
         """Waits for one replica; from then on it is used, or, if it never served, retried like a

@@ -100,3 +100,33 @@ async def test_sessions_are_placed_by_cache_unless_that_replica_is_clearly_busie
         assert not pool.usable and place(pool.replicas, "s0", {}) is None
     finally:
         await pool.close()
+
+
+@pytest.mark.asyncio
+async def test_a_draft_replica_of_another_model_than_the_first_is_reported() -> None:
+    """Draft replicas of one vocabulary but different models are all used (the target verifies
+    whatever is proposed), but GetInfo reports the first one's limits: `draft_replicas_differ`
+    names the fields that differ, as `target_replicas_differ` does for targets."""
+    from prometheus_client import CollectorRegistry
+    from structlog.testing import capture_logs
+
+    from coordinator.engine import Engine
+    from specdec.serving.metrics import CoordinatorMetrics
+
+    addresses = ["d0:1", "d1:1", "d2:1"]
+    settings = CoordinatorSettings(target_addresses=["t:1"], draft_addresses=addresses)
+    engine = Engine(settings, CoordinatorMetrics(CollectorRegistry()))
+    assert engine.drafts is not None
+    target = common_pb2.WorkerInfo(model_id="t", vocab_size=9, tokenizer_hash="h")
+    first, same, other = engine.drafts.replicas
+    try:
+        with capture_logs() as logs:
+            for replica, model, context in ((first, "a", 64), (same, "a", 64), (other, "b", 32)):
+                info = common_pb2.WorkerInfo(model_id=model, tokenizer_hash="h", max_context_len=context)
+                engine._fit_draft(replica, target, info)
+        (warning,) = [e for e in logs if e["event"] == "draft_replicas_differ"]
+        assert warning["address"] == "d2:1" and warning["fields"] == ["model_id", "max_context_len"]
+        assert warning["first"] == {"model_id": "a", "max_context_len": 64}
+        assert all(r.usable for r in engine.drafts.replicas)
+    finally:
+        await engine.stop()
