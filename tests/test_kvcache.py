@@ -17,6 +17,7 @@ from specdec.runtime import kvcache
 from specdec.runtime import tokens as tokens_module
 from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches, cache_argument
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.scheduler import Extend, split_step
 from specdec.runtime.tokens import PrefixHashes, common_prefix_len, prefix_hash
 from tests.tiny_models import TinyModels, build_sliding
 
@@ -93,6 +94,35 @@ def test_earlier_rows_of_a_model_whose_output_layer_cannot_run_apart(
     monkeypatch.setattr(kvcache, "_output_layer", lambda model, states: torch.zeros(states.shape[0], 259))
     chunks, last, full = _earlier_rows(loaded)
     assert [c.shape[0] for c in chunks] == [4, 2]
+    torch.testing.assert_close(torch.cat(chunks), full[-8:-2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(last, full[-2:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("apart", [True, False], ids=["rows from hidden states", "rows from the model's pass"])
+@pytest.mark.parametrize(
+    ("chunk", "passes"), [(1, [1] * 6 + [2]), (3, [3, 3, 2]), (4, [4, 4]), (7, [6, 2]), (8, [8]), (0, [8])]
+)
+def test_a_step_run_in_chunks_gives_the_rows_of_one_pass(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch, apart: bool, chunk: int, passes: list[int]
+) -> None:
+    """Chunked prefill: the passes ``split_step`` cuts a step into (the earlier rows falling into
+    any of them, the last logits into the last, never cut) give the rows one pass gives, in order."""
+    if not apart:  # the first-use check finds the output layer does not run apart
+        monkeypatch.setattr(kvcache, "_output_layer", lambda model, states: torch.zeros(states.shape[0], 259))
+    seq = [5, 9, 13, 200, 7, 7, 1, 40, 3, 11]
+    caches = SessionCaches(loaded, max_sessions=4, idle_s=60)
+    entry = caches.sync("s", 0, 0)
+    caches.extend(entry, seq[:2], 1)
+    chunks: list[torch.Tensor] = []
+    step: Extend | None = Extend(entry, seq[2:], 2, None, EarlierLogits(6, chunks.append))
+    ran = []
+    while step is not None:
+        head, step = split_step(step, chunk)
+        ran.append(len(head.token_ids))
+        last = caches.extend(head.entry, head.token_ids, head.num_logits, head.earlier)
+    assert entry.tokens == seq
+    assert ran == passes
+    full = full_logits(loaded, seq)
     torch.testing.assert_close(torch.cat(chunks), full[-8:-2], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(last, full[-2:], atol=1e-4, rtol=1e-4)
 

@@ -5,6 +5,7 @@ Every test runs the real processes (coordinator, draft and target workers) on lo
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -432,6 +433,46 @@ def test_prompt_logprobs_of_a_long_prompt_never_hold_all_its_logits(tmp_path: Pa
             entry = reply.prompt_logprobs[start + row + 1]
             assert entry.logprob == pytest.approx(float(logp[row, prompt[start + row + 1]]), abs=1e-4)
             assert entry.top[0].token_id == int(logp[row].argmax())
+
+
+def test_a_long_prompt_does_not_hold_up_the_other_sessions(tmp_path: Path) -> None:
+    """A prompt's prefill runs in chunks between the other sessions' steps (chunked prefill, as
+    vLLM and SGLang do): a 12,000-token prompt took one forward pass of about 2 s on this model,
+    during which every other session's stream stood still (main: one gap as long as the prefill;
+    with --worker-timeout-s 1 the stream's waiting call failed UNAVAILABLE). Now the stream goes
+    on while the prompt is computed, and both replies are the target's own."""
+    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
+    draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)
+    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    short_prompt = [9, 10, 11]
+    with (
+        fault_cluster(tmp_path / "run", target, draft) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(make_request(PROMPT, k=2, max_new=4, ignore_eos=True), timeout=60)  # first-use costs
+        arrivals: list[float] = []
+        streamed: list[int] = []
+        stream = stub.GenerateStream(make_request(short_prompt, k=2, max_new=10_000, ignore_eos=True), timeout=120)
+        future, began, done = None, 0.0, []
+        for message in stream:
+            arrivals.append(time.perf_counter())
+            streamed += message.token_ids
+            if len(arrivals) == 5:  # the stream is under way: the long prompt arrives
+                future = stub.Generate.future(make_request(long_prompt, k=2, max_new=4, ignore_eos=True), timeout=120)
+                began = time.perf_counter()
+                future.add_done_callback(lambda _: done.append(time.perf_counter()))
+            if done and arrivals[-1] > done[0] + 0.1:  # and it went on after the reply
+                stream.cancel()
+                break
+        assert future is not None
+        reply = future.result()
+    took = done[0] - began
+    gaps = [b - a for a, b in itertools.pairwise(arrivals) if b > began and a < done[0]]
+    assert took > 0.5, f"the long prompt took {took:.2f} s: too little to show a stall"
+    assert max(gaps) < took / 4, f"the stream stood still {max(gaps):.2f} s during the {took:.2f} s long request"
+    assert streamed == reference_greedy(str(target), tuple(short_prompt), len(streamed), ignore_eos=True)
+    assert list(reply.token_ids) == reference_greedy(str(target), tuple(long_prompt), 4, ignore_eos=True)
 
 
 def test_the_kv_caches_stay_within_their_token_budget(tmp_path: Path, tiny_models: TinyModels) -> None:

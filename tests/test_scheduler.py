@@ -114,3 +114,72 @@ def test_a_worker_keeps_the_host_lock_for_a_burst_then_lets_go(tmp_path: Path) -
     lock.pass_done()  # the burst has lasted max_hold_s: the other worker gets its turn
     assert _probe(path).strip() == "free"
     lock.release()  # idempotent
+
+
+class _RecordingCaches(_SlowCaches):
+    """Like _SlowCaches, with passes of 0.02 s, recording the tokens of each row of each pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes: list[list[int]] = []
+
+    def extend(self, entry: Any, token_ids: Sequence[int], num_logits: int, earlier: Any = None) -> torch.Tensor:
+        return self.extend_many([(entry, token_ids, num_logits)])[0]
+
+    def extend_many(self, ops: Sequence[tuple[Any, Sequence[int], int]]) -> list[torch.Tensor]:
+        self.gate.wait(10)
+        self.passes.append(sorted(len(ids) for _, ids, _ in ops))
+        time.sleep(0.02)
+        return [torch.zeros(n, 4) for _, _, n in ops]
+
+
+def _prefill(tokens: int, closed: list[bool]) -> Job[int]:
+    try:
+        logits = yield Extend(None, [1] * tokens, 1)  # type: ignore[arg-type]
+        return logits.shape[0]
+    finally:
+        closed.append(True)
+
+
+@pytest.mark.asyncio
+async def test_a_long_step_runs_a_chunk_at_a_time_between_the_short_steps() -> None:
+    """Chunked prefill: a 100-token step with chunks of 32 gives way to a decoding session's
+    one-token steps after each chunk; its last 4 tokens, short, join their batch."""
+    scheduler = StepScheduler(max_batch=8)
+    caches = _RecordingCaches()
+    scheduler.attach(caches, chunk_tokens=32)  # type: ignore[arg-type]
+    try:
+        blocker = asyncio.ensure_future(scheduler.run("blocker", lambda: _job(ComputeMeter(), 1)))
+        await _queued(scheduler, 1)
+        closed: list[bool] = []
+        decoding = asyncio.ensure_future(scheduler.run("decoding", lambda: _job(ComputeMeter(), 5)))
+        prefill = asyncio.ensure_future(scheduler.run("prefill", lambda: _prefill(100, closed)))
+        while scheduler._inbox.qsize() < 2:  # noqa: ASYNC110 (both submitted before the gate opens)
+            await asyncio.sleep(0.005)
+        caches.gate.set()
+        await asyncio.gather(blocker, decoding)
+        assert await prefill == 1 and closed == [True]
+        assert caches.passes == [[1], [1], [32], [1], [32], [1], [32], [1, 4], [1]]
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_whose_caller_is_gone_stops_at_the_next_chunk() -> None:
+    scheduler = StepScheduler(max_batch=8)
+    caches = _RecordingCaches()
+    caches.gate.set()
+    scheduler.attach(caches, chunk_tokens=32)  # type: ignore[arg-type]
+    try:
+        closed: list[bool] = []
+        prefill = asyncio.ensure_future(scheduler.run("prefill", lambda: _prefill(32 * 100, closed)))
+        while len(caches.passes) < 2:  # noqa: ASYNC110 (the model thread's state: no event to await)
+            await asyncio.sleep(0.005)
+        prefill.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await prefill
+        while not closed:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        assert 2 <= len(caches.passes) <= 4  # not the 100 chunks of the whole prompt
+    finally:
+        scheduler.stop()

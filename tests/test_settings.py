@@ -113,6 +113,13 @@ def test_bad_device_is_rejected() -> None:
         load_settings(TargetSettings, ["--model", "m", "--device", "tpu"], "t")
 
 
+def test_a_prompt_is_prefilled_in_chunks_sized_for_the_device() -> None:
+    auto = load_settings(TargetSettings, ["--model", "m"], "target")
+    assert (auto.prefill_chunk("cpu"), auto.prefill_chunk("cuda")) == (256, 2048)
+    chosen = load_settings(TargetSettings, ["--model", "m", "--prefill-chunk-tokens", "64"], "target")
+    assert (chosen.prefill_chunk("cpu"), chosen.prefill_chunk("cuda")) == (64, 64)
+
+
 def test_a_specdec_variable_that_no_service_reads_is_reported() -> None:
     """A typo in a variable's name (SPECDEC_NUM_SPECULATIVE_TOKEN) was ignored without a word, so
     the service ran with the default the operator meant to change. Variables that another role

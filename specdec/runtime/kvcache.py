@@ -209,9 +209,10 @@ class SessionCaches:
     ) -> torch.Tensor:
         """Runs ``token_ids`` through the model on top of the cache.
 
-        Returns float32 logits [num_logits, V] for the last ``num_logits`` positions; with
-        ``earlier``, the rows before those go to ``earlier.consume`` a chunk at a time (the model's
-        output layer run on the decoder's final hidden states of a chunk of them).
+        Returns float32 logits [num_logits, V] for the last ``num_logits`` positions (none: a
+        part of a prefill that a later pass goes on from); with ``earlier``, the rows before those
+        go to ``earlier.consume`` a chunk at a time (the model's output layer run on the decoder's
+        final hidden states of a chunk of them).
         """
         if not token_ids:
             raise ValueError("extend needs at least one token")
@@ -221,25 +222,27 @@ class SessionCaches:
         apart = bool(rows) and self._output_layer_runs_apart()
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._loaded.device)
         hidden: list[torch.Tensor] = []
+        kept = num_logits + (0 if apart else rows)
         with torch.inference_mode(), _final_hidden(self._loaded.model, hidden, on=apart):
             out = self._loaded.model(
                 input_ids=ids,
                 **cache_argument(self._loaded.model, entry.cache),
-                logits_to_keep=num_logits + (0 if apart else rows),
+                logits_to_keep=max(kept, 1),  # 0 would keep every row's
             )
         entry.tokens.extend(token_ids)
         self.prefill_tokens_total += len(token_ids)
         self._evict_over_tokens((entry,))
-        logits = out.logits[0, -num_logits:].float()
+        width = out.logits.shape[1]  # rows kept: the earlier ones, then the last num_logits
+        logits = out.logits[0, width - num_logits :].float()
         if earlier is not None and rows:
             if apart:
-                states = hidden[-1][0, -(num_logits + rows) : -num_logits]
+                states = hidden[-1][0, len(token_ids) - num_logits - rows : len(token_ids) - num_logits]
                 chunks = (
                     _output_layer(self._loaded.model, states[i : i + LOGIT_CHUNK_ROWS])
                     for i in range(0, rows, LOGIT_CHUNK_ROWS)
                 )
             else:
-                every = out.logits[0, -(num_logits + rows) : -num_logits]
+                every = out.logits[0, width - num_logits - rows : width - num_logits]
                 chunks = (every[i : i + LOGIT_CHUNK_ROWS].float() for i in range(0, rows, LOGIT_CHUNK_ROWS))
             for chunk in chunks:
                 earlier.consume(chunk)

@@ -5,7 +5,9 @@ on top of a session's cache, give me the last N logits) and finally returns its 
 scheduler iteration takes the pending step of every active job and runs them as one batched
 forward pass (continuous batching: new requests join at the next step). Short steps (decoding,
 verification blocks) are batched together; long ones (prefills) run one at a time, so that a
-long prompt does not pad every row of a batch.
+long prompt does not pad every row of a batch, and a chunk at a time (chunked prefill): each
+iteration runs the short steps, then the next chunk of one long step, so a long prompt holds the
+other sessions up for one chunk's pass at most, not for its whole prefill.
 
 Model compute therefore never runs on the asyncio event loop, and there is one thread that
 touches the model and the caches. Jobs of one session run one after another.
@@ -127,6 +129,7 @@ class StepScheduler:
 
     def __init__(self, max_batch: int, host_lock: HostLock | None = None) -> None:
         self._max_batch = max_batch
+        self._chunk_tokens = 0  # a long step's tokens per pass (0 = all at once); set by attach()
         self._host_lock = host_lock or HostLock(None)
         self._inbox: queue.SimpleQueue[_Task[Any] | None] = queue.SimpleQueue()
         self._waiting: dict[str, collections.deque[_Task[Any]]] = collections.defaultdict(collections.deque)
@@ -137,7 +140,10 @@ class StepScheduler:
         self.batched_forwards = 0
         self.batched_requests = 0
 
-    def attach(self, caches: SessionCaches) -> None:
+    def attach(self, caches: SessionCaches, chunk_tokens: int = 0) -> None:
+        """Gives the model thread its caches, and how many tokens of a long step (a prefill) one
+        pass runs (0 = the whole step in one pass)."""
+        self._chunk_tokens = chunk_tokens
         self._caches = caches
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -173,7 +179,7 @@ class StepScheduler:
             if short:
                 self._forward(short[: self._max_batch])
             if long:
-                self._forward(long[:1])
+                self._forward_part(long[0])
 
     def _take_new(self, block: bool) -> bool:
         """Moves submitted tasks in; False when stop() was called."""
@@ -233,9 +239,25 @@ class StepScheduler:
         self._active.pop(task.session, None)
         self._activate(task.session)
 
-    def _forward(self, tasks: list[_Task[Any]]) -> None:
+    def _forward_part(self, task: _Task[Any]) -> None:
+        """Runs a long step's next chunk; the job gets its logits once the last chunk has run.
+        A job cancelled between chunks is closed there (its cache holds the chunks run)."""
+        assert task.step is not None
+        if task.cancelled:
+            task.step = None
+            self._advance(task, None)
+            return
+        head, rest = split_step(task.step, self._chunk_tokens)
+        if rest is None:
+            self._forward([task])
+        else:
+            self._forward([task], [head], rest)
+
+    def _forward(self, tasks: list[_Task[Any]], parts: list[Extend] | None = None, rest: Extend | None = None) -> None:
+        """One pass of the tasks' steps (or of ``parts`` of them: a long step's first chunk, whose
+        ``rest`` becomes the task's step instead of the job going on)."""
         assert self._caches is not None
-        steps = [t.step for t in tasks if t.step is not None]
+        steps = parts if parts is not None else [t.step for t in tasks if t.step is not None]
         try:
             self._host_lock.acquire()
             began = time.perf_counter()
@@ -263,6 +285,9 @@ class StepScheduler:
         if len(tasks) > 1:
             self.batched_forwards += 1
             self.batched_requests += len(tasks)
+        if rest is not None:
+            tasks[0].step = rest
+            return
         for task, logits in zip(tasks, results, strict=True):
             task.step = None
             self._advance(task, logits)
@@ -271,3 +296,23 @@ class StepScheduler:
 def _batchable(step: Extend) -> bool:
     """Short steps share a forward pass; long ones (prefills) and steps scoring earlier rows run alone."""
     return len(step.token_ids) <= SHORT_STEP_TOKENS and step.earlier is None
+
+
+def split_step(step: Extend, chunk_tokens: int) -> tuple[Extend, Extend | None]:
+    """``step`` cut into its first ``chunk_tokens`` tokens and the rest (None: it fits in one
+    pass). The first part asks for no logits but its share of ``step.earlier``'s rows (they come
+    in order), the rest for the step's last ``num_logits`` logits and the earlier rows left."""
+    count = len(step.token_ids)
+    head_len = min(chunk_tokens, count - step.num_logits)  # the logits the job waits for come last
+    if chunk_tokens <= 0 or count <= chunk_tokens or head_len <= 0:
+        return step, None
+    rows = step.earlier.rows if step.earlier is not None else 0
+    head_rows = max(0, head_len - (count - step.num_logits - rows))  # earlier rows end the head
+    head_earlier = rest_earlier = None
+    if step.earlier is not None:
+        consume = step.earlier.consume
+        head_earlier = EarlierLogits(head_rows, consume) if head_rows else None
+        rest_earlier = EarlierLogits(rows - head_rows, consume) if rows > head_rows else None
+    head = Extend(step.entry, step.token_ids[:head_len], 0, step.meter, head_earlier)
+    rest = Extend(step.entry, step.token_ids[head_len:], step.num_logits, step.meter, rest_earlier)
+    return head, rest

@@ -111,7 +111,9 @@ class WorkerCore:
         self.metrics.cache_budget_tokens.set(budget)
         self.prefill_ms_per_token = await self.scheduler.call(prefill_ms_per_token, self._loaded)
         log.info("prefill_measured", ms_per_token=round(self.prefill_ms_per_token, 3))
-        self.scheduler.attach(caches)
+        chunk = s.prefill_chunk(self._loaded.device.type)
+        log.info("prefill_chunk", tokens=chunk, configured=bool(s.prefill_chunk_tokens))
+        self.scheduler.attach(caches, chunk)
         self._caches = caches
 
     async def run(self, session_id: str, start: Callable[[], Job[T]]) -> T:
