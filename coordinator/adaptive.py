@@ -150,6 +150,9 @@ class StepCosts:
     verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
     prefill_per_token: float | None = None  # the target's ms per token of a pass that computed a prefix too
     draft_prefill_per_token: float | None = None  # the same for the draft model
+    # what a prefill token costs more per 1,000 tokens before it (the workers' start-up timing)
+    prefill_per_1k_context: float = 0.0
+    draft_prefill_per_1k_context: float = 0.0
     # Per-token acceptance of each proposer (MODEL or a lookup_key) over all sessions (the prior of a new turn).
     acceptance: dict[str, Acceptance] = field(default_factory=lambda: defaultdict(lambda: Acceptance(_POOL_DECAY)))
     # How often the draft model, asked for more, went on after a proposed token (its confidence
@@ -187,6 +190,17 @@ class StepCosts:
             self.draft_prefill_per_token = ewma(self.draft_prefill_per_token, ms / tokens)
         else:
             self.prefill_per_token = ewma(self.prefill_per_token, ms / tokens)
+
+    def prefill_ms(self, tokens: int, context: int, draft: bool = False) -> float | None:
+        """The expected milliseconds of a pass of the target (or the draft) that computes
+        ``tokens`` and leaves ``context`` tokens in the cache: each token costs the per-token rate
+        plus the context rate times the tokens before it (None: no rate known yet)."""
+        per_token = self.draft_prefill_per_token if draft else self.prefill_per_token
+        if not per_token:
+            return None
+        per_1k = self.draft_prefill_per_1k_context if draft else self.prefill_per_1k_context
+        before = max(context - tokens / 2, 0.0)  # on average over the pass's tokens
+        return tokens * (per_token + per_1k * before / 1000)
 
     def observe_overhead(self, ms: float, drafted: bool = True) -> None:
         """A round's time besides model time; ``drafted``: the round called the draft worker."""

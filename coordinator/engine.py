@@ -282,9 +282,12 @@ class Engine:
             )
         pipelined = choose_pipelined(s.speculation_mode, target_info, draft_info)
         # the prefill rates the workers timed at start-up (the slowest replica's), until calls are measured
+        targets = [r.info for r in self.targets.replicas]
         costs = StepCosts(
-            prefill_per_token=max((r.info.prefill_ms_per_token for r in self.targets.replicas), default=0.0) or None,
+            prefill_per_token=max((i.prefill_ms_per_token for i in targets), default=0.0) or None,
             draft_prefill_per_token=(draft_info.prefill_ms_per_token or None) if draft_info is not None else None,
+            prefill_per_1k_context=max((i.prefill_ms_per_token_per_1k_context for i in targets), default=0.0),
+            draft_prefill_per_1k_context=draft_info.prefill_ms_per_token_per_1k_context if draft_info else 0.0,
         )
         draft = self.drafts if draft_info is not None else None
         self._deps = TurnDeps(

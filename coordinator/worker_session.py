@@ -76,11 +76,13 @@ def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
     return Proposal(block, cache_len=0, start=start, compute_ms=0.0, computed=0, method=NGRAM)
 
 
-def _allowance(prefill: int, per_token_ms: float | None) -> float:
-    """Seconds a call gets for the ``prefill`` tokens it must compute first, on top of its timeout."""
-    if prefill < PREFILL_MIN_TOKENS or not per_token_ms:
+def _allowance(costs: StepCosts | None, prefill: int, context: int, draft: bool = False) -> float:
+    """Seconds a call gets for the ``prefill`` tokens it must compute first (leaving ``context``
+    tokens in the cache), on top of its timeout."""
+    if prefill < PREFILL_MIN_TOKENS or costs is None:
         return 0.0
-    return _PREFILL_MARGIN * prefill * per_token_ms / 1000
+    expected_ms = costs.prefill_ms(prefill, context, draft)
+    return _PREFILL_MARGIN * expected_ms / 1000 if expected_ms else 0.0
 
 
 def _first(block: common_pb2.DraftBlock, k: int) -> common_pb2.DraftBlock:
@@ -157,12 +159,12 @@ class WorkerSession:
             return float("inf")
         return self._deadline - asyncio.get_running_loop().time()
 
-    def time_left(self, prefill: int = 0) -> float:
-        """A call's time limit: --worker-timeout-s, plus _PREFILL_MARGIN times the measured time of
-        the ``prefill`` tokens the target must compute first (a long prompt on a slow target is not
-        a hung worker), capped by the caller's deadline."""
-        per_token_ms = self._costs.prefill_per_token if self._costs is not None else None
-        return max(min(self._worker_timeout_s + _allowance(prefill, per_token_ms), self._caller_left()), 0.001)
+    def time_left(self, prefill: int = 0, context: int = 0) -> float:
+        """A call's time limit: --worker-timeout-s, plus _PREFILL_MARGIN times the expected time of
+        the ``prefill`` tokens the target must compute first, up to ``context`` tokens (a long
+        prompt on a slow target is not a hung worker), capped by the caller's deadline."""
+        allowance = _allowance(self._costs, prefill, context)
+        return max(min(self._worker_timeout_s + allowance, self._caller_left()), 0.001)
 
     @property
     def target_address(self) -> str | None:
@@ -269,13 +271,13 @@ class WorkerSession:
         self._last = proposal
         return proposal
 
-    def _draft_timeout(self, prefill: int = 0) -> tuple[float, bool]:
+    def _draft_timeout(self, prefill: int = 0, context: int = 0) -> tuple[float, bool]:
         """How long to wait for the draft (its patience, plus the allowance for ``prefill`` tokens
-        it must compute first: a long prompt is not a hung draft), and whether that is the
-        caller's deadline talking."""
+        it must compute first, up to ``context``: a long prompt is not a hung draft), and whether
+        that is the caller's deadline talking."""
         assert self._draft is not None
-        per_token_ms = self._costs.draft_prefill_per_token if self._costs is not None else None
-        patience, left = self._draft.patience_s + _allowance(prefill, per_token_ms), self._caller_left()
+        allowance = _allowance(self._costs, prefill, context, draft=True)
+        patience, left = self._draft.patience_s + allowance, self._caller_left()
         return (max(left, 0.001), True) if left < patience else (patience, False)
 
     async def _send(self, request: draft_pb2.ProposeRequest) -> None:
@@ -283,11 +285,11 @@ class WorkerSession:
         await self._stream.send(request, *self._draft_timeout())
 
     async def _read(
-        self, wanted: Callable[[draft_pb2.ProposeResponse], bool], prefill: int = 0
+        self, wanted: Callable[[draft_pb2.ProposeResponse], bool], prefill: int = 0, context: int = 0
     ) -> draft_pb2.ProposeResponse:
         """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped."""
         assert self._stream is not None
-        while not wanted(reply := await self._stream.receive(*self._draft_timeout(prefill))):
+        while not wanted(reply := await self._stream.receive(*self._draft_timeout(prefill, context))):
             log.debug("stale_draft_reply", round_id=reply.round_id, lookahead=reply.lookahead)
         return reply
 
@@ -330,7 +332,9 @@ class WorkerSession:
             sent = time.monotonic()
             await self._send(request)
             tail = len(sync.tail_token_ids)
-            reply = await self._read(lambda r: not r.lookahead and r.round_id == round_id, prefill=tail)
+            reply = await self._read(
+                lambda r: not r.lookahead and r.round_id == round_id, prefill=tail, context=len(committed)
+            )
             assert self._draft is not None
             if tail < PREFILL_MIN_TOKENS:  # a prefill's time says nothing about how busy the draft is
                 self._draft.observe_latency(time.monotonic() - sent)
@@ -381,7 +385,7 @@ class WorkerSession:
         repeat: the worker crops to base_len and the round's randomness depends on the position.
         """
         ask = ask or LogprobsAsk()
-        budget = self.time_left(prefill=len(committed) - min(self.target_len, len(committed)))
+        budget = self.time_left(prefill=len(committed) - min(self.target_len, len(committed)), context=len(committed))
         last_error: SpecdecError = WorkerUnavailable("no target worker answered in time; retry later")
         if self._caller_left() <= budget:  # the caller's deadline is the limit here
             last_error = DeadlineExceeded("the request's deadline expired during verification")

@@ -406,3 +406,8 @@ async def test_a_call_that_prefills_gets_the_time_its_tokens_take() -> None:
     costs.observe_prefill(200, 100.0)  # 0.5 ms a token
     assert session.time_left(prefill=10) == 2.0  # a round's work
     assert session.time_left(prefill=3000) == 2.0 + 4 * 3000 * 0.5 / 1000
+    # each token also costs 0.1 ms per 1,000 tokens before it: 3,000 tokens after 1,000 cached
+    # have 2,500 before them on average
+    costs.prefill_per_1k_context = 0.1
+    assert session.time_left(prefill=3000, context=4000) == pytest.approx(2.0 + 4 * 3000 * (0.5 + 0.25) / 1000)
+    assert costs.prefill_ms(3000, 4000, draft=True) is None  # the draft's rates are its own

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from pathlib import Path
@@ -125,6 +126,22 @@ def test_a_step_run_in_chunks_gives_the_rows_of_one_pass(
     full = full_logits(loaded, seq)
     torch.testing.assert_close(torch.cat(chunks), full[-8:-2], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(last, full[-2:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_start_up_times_a_prefill_and_what_its_context_adds(tmp_path: Path, tiny_models: TinyModels, arch: str) -> None:
+    """The second timed pass runs over a cache of copied keys and values, also for models whose
+    layers keep a sliding window; a context too short for it leaves the context rate at 0."""
+    path = tiny_models.target if arch == "llama" else build_sliding(tmp_path / arch, arch, seed=0)
+    loaded = dataclasses.replace(
+        load_model(str(path), LoadOptions(device="cpu", dtype="float32")), max_context_len=4096
+    )
+    with mock.patch.object(kvcache.log, "warning") as warning:
+        rates = kvcache.prefill_rates(loaded)
+    warning.assert_not_called()
+    assert rates.per_token_ms > 0 and rates.per_1k_context_ms >= 0
+    short = kvcache.prefill_rates(dataclasses.replace(loaded, max_context_len=300))
+    assert short.per_token_ms > 0 and short.per_1k_context_ms == 0
 
 
 def test_a_token_budget_frees_the_least_recently_used_caches(loaded: LoadedModel) -> None:

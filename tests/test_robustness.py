@@ -475,6 +475,32 @@ def test_a_long_prompt_does_not_hold_up_the_other_sessions(tmp_path: Path) -> No
     assert list(reply.token_ids) == reference_greedy(str(target), tuple(long_prompt), 4, ignore_eos=True)
 
 
+def test_a_long_prompt_gets_the_time_its_attention_takes(tmp_path: Path) -> None:
+    """A call that prefills gets, on top of --worker-timeout-s, time for its tokens; a token's
+    cost grows with the tokens before it (attention), so the rate of a short prompt timed at
+    start-up is far too low for a long one: here a 12,000-token prompt's tokens cost several
+    times a 256-token prompt's, and the call ran out of time, tripping the target replica and
+    the draft (main: UNAVAILABLE, every retry the same). The workers also time a pass over a
+    longer cache at start-up, and the time a prefill gets grows with its context."""
+    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
+    draft = build_model(tmp_path / "draft", seed=1, hidden=128, layers=4, vocab=512, context=16384)
+    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    with (
+        fault_cluster(tmp_path / "run", target, draft, coordinator_args=["--worker-timeout-s", "1"]) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        reply = stub.Generate(make_request(long_prompt, k=2, max_new=4, ignore_eos=True), timeout=120)
+        tripped = {
+            "target": metric(cluster, "coordinator", "specdec_target_failovers_total"),
+            "draft": metric(cluster, "coordinator", "specdec_draft_failures_total"),
+        }
+        infos = [worker_info(cluster.processes[role].address, role) for role in ("target-0", "draft")]
+    assert list(reply.token_ids) == reference_greedy(str(target), tuple(long_prompt), 4, ignore_eos=True)
+    assert tripped == {"target": 0, "draft": 0}
+    assert all(info.prefill_ms_per_token_per_1k_context > 0 for info in infos)
+
+
 def test_the_kv_caches_stay_within_their_token_budget(tmp_path: Path, tiny_models: TinyModels) -> None:
     """Many sessions with long histories cannot grow the workers' KV caches without bound (each
     one-shot request and session leaves its cache for reuse): past --max-cache-tokens the least

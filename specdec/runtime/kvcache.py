@@ -67,24 +67,52 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     return max(1, sum(t.numel() * t.element_size() for t in tensors) // 2)
 
 
-PREFILL_PROBE_TOKENS = 256  # the start-up pass that prefill_ms_per_token times
+PREFILL_PROBE_TOKENS = 256  # the start-up passes that prefill_rates times
+PREFILL_CONTEXT_PROBE_TOKENS = 2048  # the cache the second of them runs over
 
 
-def prefill_ms_per_token(loaded: LoadedModel) -> float:
-    """Milliseconds per token of a prefill pass, timed on PREFILL_PROBE_TOKENS tokens (fewer if the
-    context is shorter) after a short pass that takes the one-time costs of a first forward pass.
-    The passes run on fresh caches, which are then dropped."""
+@dataclass(frozen=True)
+class PrefillRates:
+    """What a prefill pass costs: milliseconds per token on an empty cache, and milliseconds per
+    token more for every 1,000 tokens before it (attention reads them all)."""
+
+    per_token_ms: float
+    per_1k_context_ms: float
+
+
+def prefill_rates(loaded: LoadedModel) -> PrefillRates:
+    """Times a pass of PREFILL_PROBE_TOKENS tokens (fewer if the context is shorter) on an empty
+    cache, after a short pass that takes the one-time costs of a first forward pass, and the same
+    pass over a cache of PREFILL_CONTEXT_PROBE_TOKENS tokens (its keys and values copies of the
+    first pass's: a pass's cost is not the values'), where the context has room for it. The
+    caches are dropped."""
     tokens = max(1, min(PREFILL_PROBE_TOKENS, loaded.max_context_len - 1))
     ids = torch.zeros(1, tokens, dtype=torch.long, device=loaded.device)  # a pass's cost is not the ids'
     with torch.inference_mode():
         for length in (min(tokens, 8), tokens):
             cache = DynamicCache(config=loaded.model.config)
-            started = time.perf_counter()
-            loaded.model(input_ids=ids[:, :length], logits_to_keep=1, **cache_argument(loaded.model, cache))
-            if loaded.device.type == "cuda":
-                torch.cuda.synchronize(loaded.device)
-            took = time.perf_counter() - started
-    return took * 1000 / tokens
+            took = _timed_pass(loaded, ids[:, :length], cache)
+        copies = min(PREFILL_CONTEXT_PROBE_TOKENS, loaded.max_context_len - 1 - tokens) // tokens
+        per_1k = 0.0
+        if copies >= 1:
+            try:
+                longer = DynamicCache(config=loaded.model.config)
+                for index, layer in enumerate(cache.layers):
+                    longer.update(layer.keys.repeat(1, 1, copies, 1), layer.values.repeat(1, 1, copies, 1), index)
+                more = _timed_pass(loaded, ids, longer) - took
+                per_1k = max(more, 0.0) * 1000 / tokens * 1000 / (copies * tokens)
+            except Exception as exc:  # a cache this copy does not fit: time limits go by the first rate
+                log.warning("prefill_context_not_timed", error=repr(exc))
+    return PrefillRates(took * 1000 / tokens, per_1k)
+
+
+def _timed_pass(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache) -> float:
+    """Seconds one forward pass of ``ids`` over ``cache`` takes (the device's work included)."""
+    started = time.perf_counter()
+    loaded.model(input_ids=ids, logits_to_keep=1, **cache_argument(loaded.model, cache))
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize(loaded.device)
+    return time.perf_counter() - started
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -13,7 +13,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec.runtime.kvcache import SessionCaches, auto_token_budget, prefill_ms_per_token
+from specdec.runtime.kvcache import PrefillRates, SessionCaches, auto_token_budget, prefill_rates
 from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
 from specdec.serving.errors import (
@@ -90,7 +90,7 @@ class WorkerCore:
         self._loaded: LoadedModel | None = None
         self._caches: SessionCaches | None = None
         self._background: set[asyncio.Future[bool]] = set()
-        self.prefill_ms_per_token = 0.0  # measured once the model is loaded
+        self.prefill = PrefillRates(0.0, 0.0)  # measured once the model is loaded
 
     async def load(self) -> None:
         """Loads the model in the model thread (the server answers health checks meanwhile)."""
@@ -109,8 +109,12 @@ class WorkerCore:
         self.metrics.cached_sessions.set_function(lambda: len(caches))
         self.metrics.cached_tokens.set_function(lambda: caches.cached_tokens)
         self.metrics.cache_budget_tokens.set(budget)
-        self.prefill_ms_per_token = await self.scheduler.call(prefill_ms_per_token, self._loaded)
-        log.info("prefill_measured", ms_per_token=round(self.prefill_ms_per_token, 3))
+        self.prefill = await self.scheduler.call(prefill_rates, self._loaded)
+        log.info(
+            "prefill_measured",
+            ms_per_token=round(self.prefill.per_token_ms, 3),
+            ms_per_token_per_1k_context=round(self.prefill.per_1k_context_ms, 3),
+        )
         chunk = s.prefill_chunk(self._loaded.device.type)
         log.info("prefill_chunk", tokens=chunk, configured=bool(s.prefill_chunk_tokens))
         self.scheduler.attach(caches, chunk)
@@ -211,7 +215,8 @@ class WorkerCore:
             batched_requests=self.scheduler.batched_requests,
             reused_tokens_total=self.caches.reused_tokens_total,
             cache_idle_s=self.settings.session_idle_s,
-            prefill_ms_per_token=self.prefill_ms_per_token,
+            prefill_ms_per_token=self.prefill.per_token_ms,
+            prefill_ms_per_token_per_1k_context=self.prefill.per_1k_context_ms,
         )
 
     def check_request(

@@ -177,7 +177,7 @@ class PrefixSync(_message.Message):
     def __init__(self, base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., source_session_id: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests", "reused_tokens_total", "vocab_translation", "model_tokenizer_hash", "shared_vocab_tokens", "cache_idle_s", "max_draft_tokens", "prefill_ms_per_token")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests", "reused_tokens_total", "vocab_translation", "model_tokenizer_hash", "shared_vocab_tokens", "cache_idle_s", "max_draft_tokens", "prefill_ms_per_token", "prefill_ms_per_token_per_1k_context")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class WorkerInfo(_message.Message):
     CACHE_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_TOKEN_PER_1K_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_hash: str
@@ -218,4 +219,5 @@ class WorkerInfo(_message.Message):
     cache_idle_s: float
     max_draft_tokens: int
     prefill_ms_per_token: float
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ..., reused_tokens_total: _Optional[int] = ..., vocab_translation: _Optional[_Union[VocabTranslation, str]] = ..., model_tokenizer_hash: _Optional[str] = ..., shared_vocab_tokens: _Optional[int] = ..., cache_idle_s: _Optional[float] = ..., max_draft_tokens: _Optional[int] = ..., prefill_ms_per_token: _Optional[float] = ...) -> None: ...
+    prefill_ms_per_token_per_1k_context: float
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ..., reused_tokens_total: _Optional[int] = ..., vocab_translation: _Optional[_Union[VocabTranslation, str]] = ..., model_tokenizer_hash: _Optional[str] = ..., shared_vocab_tokens: _Optional[int] = ..., cache_idle_s: _Optional[float] = ..., max_draft_tokens: _Optional[int] = ..., prefill_ms_per_token: _Optional[float] = ..., prefill_ms_per_token_per_1k_context: _Optional[float] = ...) -> None: ...
