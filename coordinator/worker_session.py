@@ -76,13 +76,21 @@ def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
     return Proposal(block, cache_len=0, start=start, compute_ms=0.0, computed=0, method=NGRAM)
 
 
-def _allowance(costs: StepCosts | None, prefill: int, context: int, draft: bool = False) -> float:
-    """Seconds a call gets for the ``prefill`` tokens it must compute first (leaving ``context``
-    tokens in the cache), on top of its timeout."""
+def _prefill_ms(costs: StepCosts | None, prefill: int, context: int, draft: bool = False) -> float:
+    """The expected milliseconds of the ``prefill`` tokens a call must compute first (leaving
+    ``context`` tokens in the cache); 0 for a round's few tokens or before any rate is known."""
     if prefill < PREFILL_MIN_TOKENS or costs is None:
         return 0.0
-    expected_ms = costs.prefill_ms(prefill, context, draft)
-    return _PREFILL_MARGIN * expected_ms / 1000 if expected_ms else 0.0
+    return costs.prefill_ms(prefill, context, draft) or 0.0
+
+
+def _allowance(
+    costs: StepCosts | None, prefill: int, context: int, draft: bool = False, ahead_ms: float = 0.0
+) -> float:
+    """Seconds a call gets on top of its timeout for its prefill and, since the worker computes
+    long prompts one after another, for the prefills sent to the replica ahead of it."""
+    expected_ms = _prefill_ms(costs, prefill, context, draft)
+    return _PREFILL_MARGIN * (expected_ms + ahead_ms) / 1000 if expected_ms else 0.0
 
 
 def _first(block: common_pb2.DraftBlock, k: int) -> common_pb2.DraftBlock:
@@ -159,11 +167,12 @@ class WorkerSession:
             return float("inf")
         return self._deadline - asyncio.get_running_loop().time()
 
-    def time_left(self, prefill: int = 0, context: int = 0) -> float:
+    def time_left(self, prefill: int = 0, context: int = 0, ahead_ms: float = 0.0) -> float:
         """A call's time limit: --worker-timeout-s, plus _PREFILL_MARGIN times the expected time of
-        the ``prefill`` tokens the target must compute first, up to ``context`` tokens (a long
-        prompt on a slow target is not a hung worker), capped by the caller's deadline."""
-        allowance = _allowance(self._costs, prefill, context)
+        the ``prefill`` tokens the target must compute first, up to ``context`` tokens, and of the
+        prefills ahead of it (a long prompt on a slow target is not a hung worker), capped by the
+        caller's deadline."""
+        allowance = _allowance(self._costs, prefill, context, ahead_ms=ahead_ms)
         return max(min(self._worker_timeout_s + allowance, self._caller_left()), 0.001)
 
     @property
@@ -271,12 +280,12 @@ class WorkerSession:
         self._last = proposal
         return proposal
 
-    def _draft_timeout(self, prefill: int = 0, context: int = 0) -> tuple[float, bool]:
+    def _draft_timeout(self, prefill: int = 0, context: int = 0, ahead_ms: float = 0.0) -> tuple[float, bool]:
         """How long to wait for the draft (its patience, plus the allowance for ``prefill`` tokens
-        it must compute first, up to ``context``: a long prompt is not a hung draft), and whether
-        that is the caller's deadline talking."""
+        it must compute first, up to ``context``, and the prefills ahead of them: a long prompt is
+        not a hung draft), and whether that is the caller's deadline talking."""
         assert self._draft is not None
-        allowance = _allowance(self._costs, prefill, context, draft=True)
+        allowance = _allowance(self._costs, prefill, context, draft=True, ahead_ms=ahead_ms)
         patience, left = self._draft.patience_s + allowance, self._caller_left()
         return (max(left, 0.001), True) if left < patience else (patience, False)
 
@@ -285,11 +294,15 @@ class WorkerSession:
         await self._stream.send(request, *self._draft_timeout())
 
     async def _read(
-        self, wanted: Callable[[draft_pb2.ProposeResponse], bool], prefill: int = 0, context: int = 0
+        self,
+        wanted: Callable[[draft_pb2.ProposeResponse], bool],
+        prefill: int = 0,
+        context: int = 0,
+        ahead_ms: float = 0.0,
     ) -> draft_pb2.ProposeResponse:
         """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped."""
         assert self._stream is not None
-        while not wanted(reply := await self._stream.receive(*self._draft_timeout(prefill, context))):
+        while not wanted(reply := await self._stream.receive(*self._draft_timeout(prefill, context, ahead_ms))):
             log.debug("stale_draft_reply", round_id=reply.round_id, lookahead=reply.lookahead)
         return reply
 
@@ -329,12 +342,16 @@ class WorkerSession:
                 processing=processing_to_proto(decoding.processing),
                 min_confidence=decoding.stop.token, min_block_confidence=decoding.stop.block,
             )  # fmt: skip
-            sent = time.monotonic()
-            await self._send(request)
-            tail = len(sync.tail_token_ids)
-            reply = await self._read(
-                lambda r: not r.lookahead and r.round_id == round_id, prefill=tail, context=len(committed)
-            )
+            sent, tail, prefills = time.monotonic(), len(sync.tail_token_ids), self._draft.prefills
+            ahead_ms = prefills.ahead_ms
+            with prefills.holding(_prefill_ms(self._costs, tail, len(committed), draft=True)):
+                await self._send(request)
+                reply = await self._read(
+                    lambda r: not r.lookahead and r.round_id == round_id,
+                    prefill=tail,
+                    context=len(committed),
+                    ahead_ms=ahead_ms,
+                )
             assert self._draft is not None
             if tail < PREFILL_MIN_TOKENS:  # a prefill's time says nothing about how busy the draft is
                 self._draft.observe_latency(time.monotonic() - sent)
@@ -385,7 +402,12 @@ class WorkerSession:
         repeat: the worker crops to base_len and the round's randomness depends on the position.
         """
         ask = ask or LogprobsAsk()
-        budget = self.time_left(prefill=len(committed) - min(self.target_len, len(committed)), context=len(committed))
+        first = next(iter(self._targets.candidates(self.session_id, self.target_address)), None)
+        budget = self.time_left(
+            prefill=len(committed) - min(self.target_len, len(committed)),
+            context=len(committed),
+            ahead_ms=first.prefills.ahead_ms if first is not None else 0.0,
+        )
         last_error: SpecdecError = WorkerUnavailable("no target worker answered in time; retry later")
         if self._caller_left() <= budget:  # the caller's deadline is the limit here
             last_error = DeadlineExceeded("the request's deadline expired during verification")
@@ -440,7 +462,8 @@ class WorkerSession:
                 seed=decoding.seed, processing=processing_to_proto(decoding.processing), logprobs=ask.tokens,
                 top_logprobs=ask.top, prompt_logprobs_count=ask.prompt_count, prompt_top_logprobs=ask.prompt_top,
             )  # fmt: skip
-            reply = await replica.verify(request, timeout_s)
+            with replica.prefills.holding(_prefill_ms(self._costs, len(sync.tail_token_ids), len(committed))):
+                reply = await replica.verify(request, timeout_s)
             self._target_source = ""  # the worker has its own copy now, or refused the source
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 self.counters.target_passes += 1

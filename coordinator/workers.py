@@ -7,7 +7,8 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
@@ -195,6 +196,24 @@ class _Breaker:
         self._down_until = 0.0
 
 
+class PrefillQueue:
+    """The expected milliseconds of the prefills this coordinator's calls have sent one replica and
+    not yet had answered. A worker computes long prompts one after another, so a prefill sent now
+    waits for these first: its call's time limit allows for them."""
+
+    def __init__(self) -> None:
+        self.ahead_ms = 0.0
+
+    @contextmanager
+    def holding(self, expected_ms: float) -> Iterator[None]:
+        """Counts a call's prefill while the call runs."""
+        self.ahead_ms += expected_ms
+        try:
+            yield
+        finally:
+            self.ahead_ms = max(self.ahead_ms - expected_ms, 0.0)
+
+
 class TargetClient:
     """One target worker replica."""
 
@@ -205,6 +224,7 @@ class TargetClient:
         self._link = WorkerLink(address, settings, target_pb2_grpc.TargetWorkerStub)
         self.breaker = _Breaker(retry_s)
         self.turns = 0  # this coordinator's turns on the replica now (see ``place``)
+        self.prefills = PrefillQueue()
         self.info = common_pb2.WorkerInfo()
         self.vocabulary = ("", 0)  # (tokenizer hash, vocab size) the coordinator serves; every verify names it
 
@@ -456,6 +476,7 @@ class DraftClient:
         self._link = WorkerLink(address, settings, draft_pb2_grpc.DraftWorkerStub)
         self.breaker = _Breaker(retry_s)
         self.turns = 0  # this coordinator's turns drafting on the replica now (see ``place``)
+        self.prefills = PrefillQueue()
         self._latency_s: float | None = None
         self.info = common_pb2.WorkerInfo()
         self.vocab_limit = 0  # the target's vocabulary size, sent with every proposal request

@@ -411,3 +411,19 @@ async def test_a_call_that_prefills_gets_the_time_its_tokens_take() -> None:
     costs.prefill_per_1k_context = 0.1
     assert session.time_left(prefill=3000, context=4000) == pytest.approx(2.0 + 4 * 3000 * (0.5 + 0.25) / 1000)
     assert costs.prefill_ms(3000, 4000, draft=True) is None  # the draft's rates are its own
+    # prefills sent to the replica ahead of it are computed first: 1 s of them
+    expected = 2.0 + 4 * (3000 * 0.75 + 1000) / 1000
+    assert session.time_left(prefill=3000, context=4000, ahead_ms=1000) == pytest.approx(expected)
+    assert session.time_left(prefill=10, context=4000, ahead_ms=1000) == 2.0  # a round waits for one chunk at most
+
+
+def test_a_replica_counts_the_prefills_sent_to_it_until_they_are_answered() -> None:
+    from coordinator.workers import PrefillQueue
+
+    queue = PrefillQueue()
+    with queue.holding(300.0):
+        with pytest.raises(RuntimeError), queue.holding(200.0):
+            assert queue.ahead_ms == 500.0
+            raise RuntimeError("the call failed")
+        assert queue.ahead_ms == 300.0
+    assert queue.ahead_ms == 0.0

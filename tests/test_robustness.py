@@ -475,6 +475,13 @@ def test_a_long_prompt_does_not_hold_up_the_other_sessions(tmp_path: Path) -> No
     assert list(reply.token_ids) == reference_greedy(str(target), tuple(long_prompt), 4, ignore_eos=True)
 
 
+def _drafted(prompt: list[int], max_new: int = 2) -> coordinator_pb2.GenerateRequest:
+    """A request whose every round is drafted by the draft model (no lookup draft)."""
+    request = make_request(prompt, k=2, max_new=max_new, ignore_eos=True)
+    request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+    return request
+
+
 def test_a_long_prompt_gets_the_time_its_attention_takes(tmp_path: Path) -> None:
     """A call that prefills gets, on top of --worker-timeout-s, time for its tokens; a token's
     cost grows with the tokens before it (attention), so the rate of a short prompt timed at
@@ -490,7 +497,7 @@ def test_a_long_prompt_gets_the_time_its_attention_takes(tmp_path: Path) -> None
         grpc.insecure_channel(cluster.address) as channel,
     ):
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        reply = stub.Generate(make_request(long_prompt, k=2, max_new=4, ignore_eos=True), timeout=120)
+        reply = stub.Generate(_drafted(long_prompt, max_new=4), timeout=120)
         tripped = {
             "target": metric(cluster, "coordinator", "specdec_target_failovers_total"),
             "draft": metric(cluster, "coordinator", "specdec_draft_failures_total"),
@@ -498,7 +505,33 @@ def test_a_long_prompt_gets_the_time_its_attention_takes(tmp_path: Path) -> None
         infos = [worker_info(cluster.processes[role].address, role) for role in ("target-0", "draft")]
     assert list(reply.token_ids) == reference_greedy(str(target), tuple(long_prompt), 4, ignore_eos=True)
     assert tripped == {"target": 0, "draft": 0}
+    assert reply.stats.draft_tokens_proposed >= 2  # the draft model drafted (after computing the prompt)
     assert all(info.prefill_ms_per_token_per_1k_context > 0 for info in infos)
+
+
+def test_long_prompts_sent_at_once_wait_their_turn_without_failing(tmp_path: Path) -> None:
+    """A worker computes long prompts one after another, so the last of several sent at once
+    waits for all the others' prefills before its own: its call's time limit counts the prefills
+    this coordinator has sent that replica ahead of it (main: 6 prompts of 8,000 tokens at once
+    with --worker-timeout-s 1 ended 2 of them UNAVAILABLE and tripped the target twice)."""
+    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
+    draft = build_model(tmp_path / "draft", seed=1, hidden=128, layers=4, vocab=512, context=16384)
+    prompts = [[3 + (i * 37 + j) % 500 for i in range(8_000)] for j in range(6)]
+    with (
+        fault_cluster(tmp_path / "run", target, draft, coordinator_args=["--worker-timeout-s", "1"]) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        futures = [stub.Generate.future(_drafted(prompt), timeout=120) for prompt in prompts]
+        replies = [future.result() for future in futures]
+        tripped = {
+            "target": metric(cluster, "coordinator", "specdec_target_failovers_total"),
+            "draft": metric(cluster, "coordinator", "specdec_draft_failures_total"),
+        }
+    assert tripped == {"target": 0, "draft": 0}
+    for prompt, reply in zip(prompts, replies, strict=True):
+        assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 2, ignore_eos=True)
+        assert reply.stats.draft_tokens_proposed >= 1  # the draft model drafted (the last token has no room to)
 
 
 def test_the_kv_caches_stay_within_their_token_budget(tmp_path: Path, tiny_models: TinyModels) -> None:
