@@ -534,6 +534,37 @@ def test_long_prompts_sent_at_once_wait_their_turn_without_failing(tmp_path: Pat
         assert reply.stats.draft_tokens_proposed >= 1  # the draft model drafted (the last token has no room to)
 
 
+def test_a_long_session_does_not_pad_every_batched_row_to_its_length(tmp_path: Path) -> None:
+    """A batched pass pads each row's cache to its longest row's. A session with 12,000 tokens
+    cached decoding beside 12 short requests had every one of their rows padded to 12,000
+    positions: the target's peak memory grew by about 12 copies of the long cache (main; a
+    30,000-token session beside 16 requests of the 1.5B target would be 27 GiB). The long row now
+    takes a pass of its own (or with a few rows), and the replies are the target's own."""
+    target = build_model(tmp_path / "target", seed=0, hidden=256, layers=4, vocab=512, context=16384)
+    draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)
+    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    cache_mb = len(long_prompt) * 4 * 2 * 2 * 64 * 4 / 2**20  # layers x (keys, values) x KV heads x dims x fp32
+    short = [[5 + j, 9, 7 + j, 11] for j in range(12)]
+    with (
+        fault_cluster(tmp_path / "run", target, draft) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(make_request(long_prompt, k=2, max_new=1, session_id="long", ignore_eos=True), timeout=120)
+        warm = [stub.Generate.future(make_request(p, k=2, max_new=8, ignore_eos=True), timeout=60) for p in short]
+        [future.result() for future in warm]  # the allocator's growth for batches of short rows
+        pid = cluster.processes["target-0"].proc.pid
+        before = _peak_rss_mb(pid)
+        futures = [stub.Generate.future(make_request(p, k=2, max_new=48, ignore_eos=True), timeout=120) for p in short]
+        on = stub.Generate(make_request([6, 8], k=2, max_new=24, session_id="long", ignore_eos=True), timeout=120)
+        replies = [future.result() for future in futures]
+        grown = _peak_rss_mb(pid) - before
+    assert grown < 3 * cache_mb, f"the target's peak memory grew {grown:.0f} MiB beside a {cache_mb:.0f} MiB cache"
+    for prompt, reply in zip(short, replies, strict=True):
+        assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 48, ignore_eos=True)
+    assert len(on.token_ids) == 24
+
+
 def test_the_kv_caches_stay_within_their_token_budget(tmp_path: Path, tiny_models: TinyModels) -> None:
     """Many sessions with long histories cannot grow the workers' KV caches without bound (each
     one-shot request and session leaves its cache for reuse): past --max-cache-tokens the least

@@ -9,12 +9,22 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from specdec.runtime.scheduler import ComputeMeter, Extend, HostLock, Job, StepScheduler
+from specdec.runtime.scheduler import (
+    ComputeMeter,
+    Extend,
+    HostLock,
+    Job,
+    StepScheduler,
+    _row_tokens,
+    _Task,
+    pad_bounded,
+)
 
 _PROBE = """
 import fcntl, os, sys
@@ -64,9 +74,12 @@ class _SlowCaches:
         return [torch.zeros(n, 4) for _, _, n in ops]
 
 
+_NO_CACHE = SimpleNamespace(tokens=[])  # stands in for a session's cache: nothing cached
+
+
 def _job(meter: ComputeMeter, steps: int) -> Job[float]:
     for _ in range(steps):
-        yield Extend(None, [1], 1, meter)  # type: ignore[arg-type]
+        yield Extend(_NO_CACHE, [1], 1, meter)  # type: ignore[arg-type]
     return meter.ms
 
 
@@ -135,7 +148,7 @@ class _RecordingCaches(_SlowCaches):
 
 def _prefill(tokens: int, closed: list[bool]) -> Job[int]:
     try:
-        logits = yield Extend(None, [1] * tokens, 1)  # type: ignore[arg-type]
+        logits = yield Extend(_NO_CACHE, [1] * tokens, 1)  # type: ignore[arg-type]
         return logits.shape[0]
     finally:
         closed.append(True)
@@ -183,3 +196,20 @@ async def test_a_prefill_whose_caller_is_gone_stops_at_the_next_chunk() -> None:
         assert 2 <= len(caches.passes) <= 4  # not the 100 chunks of the whole prompt
     finally:
         scheduler.stop()
+
+
+@pytest.mark.parametrize(
+    ("cached", "passes"),
+    [
+        ([12_000] + [4] * 12, [[12_000], [4] * 12]),  # a long history is not every row's padding
+        ([300] + [150] * 15, [[300] + [150] * 15]),  # short rows batch freely
+        ([3_000, 1_600, 1_400, 5], [[3_000, 1_600], [1_400, 5]]),  # beyond the slack: within 2x of the longest
+        ([9_000, 8_000, 4_600], [[9_000, 8_000, 4_600]]),
+    ],
+)
+def test_a_batched_pass_pads_no_row_to_far_more_than_its_own_length(cached: list[int], passes: list[list[int]]) -> None:
+    tasks = [
+        _Task(f"s{i}", None, None, step=Extend(SimpleNamespace(tokens=[0] * (n - 1)), [1], 1))  # type: ignore[arg-type]
+        for i, n in enumerate(cached)
+    ]
+    assert [[_row_tokens(t) for t in batch] for batch in pad_bounded(tasks)] == passes
