@@ -538,7 +538,7 @@ def test_a_long_session_does_not_pad_every_batched_row_to_its_length(tmp_path: P
     """A batched pass pads each row's cache to its longest row's. A session with 12,000 tokens
     cached decoding beside 12 short requests had every one of their rows padded to 12,000
     positions: the target's peak memory grew by about 12 copies of the long cache (main; a
-    30,000-token session beside 16 requests of the 1.5B target would be 27 GiB). The long row now
+    30,000-token session beside 16 requests of the 1.5B target would be 25.6 GiB). The long row now
     takes a pass of its own (or with a few rows), and the replies are the target's own."""
     target = build_model(tmp_path / "target", seed=0, hidden=256, layers=4, vocab=512, context=16384)
     draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)

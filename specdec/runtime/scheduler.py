@@ -306,7 +306,7 @@ def pad_bounded(tasks: list[_Task[Any]]) -> list[list[_Task[Any]]]:
     row has at most PAD_SLACK_TOKENS, or at most twice the row's. A pass then pads no row to more
     than twice its own length (beyond the slack), and a session with a long history no longer has
     every row of a pass padded to it (16 rows beside a 30,000-token cache: 480,000 positions of
-    keys and values copied for one pass, 27 GiB for Qwen2.5 1.5B in float32)."""
+    keys and values copied for one pass, 25.6 GiB for Qwen2.5 1.5B in float32)."""
     passes: list[list[_Task[Any]]] = []
     for task in sorted(tasks, key=_row_tokens, reverse=True):
         longest = _row_tokens(passes[-1][0]) if passes else 0
