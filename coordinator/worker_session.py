@@ -422,6 +422,10 @@ class WorkerSession:
                     raise last_error
                 own = replica is self._target
                 cached, source = (self.target_len, self._target_source) if own else (0, "")
+                redo = min(self.target_len, len(committed)) - cached  # the cached prefix, computed there again
+                if redo >= PREFILL_MIN_TOKENS:  # its time, not what is left of a step that had no prefill
+                    again = self.time_left(len(committed) - cached, len(committed), replica.prefills.ahead_ms)
+                    remaining = max(remaining, again)
                 try:
                     reply, reused = await self._verify_on(
                         replica, committed, block, decoding, ask, cached, remaining, source

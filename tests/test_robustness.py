@@ -475,9 +475,9 @@ def test_a_long_prompt_does_not_hold_up_the_other_sessions(tmp_path: Path) -> No
     assert list(reply.token_ids) == reference_greedy(str(target), tuple(long_prompt), 4, ignore_eos=True)
 
 
-def _drafted(prompt: list[int], max_new: int = 2) -> coordinator_pb2.GenerateRequest:
+def _drafted(prompt: list[int], max_new: int = 2, session_id: str = "") -> coordinator_pb2.GenerateRequest:
     """A request whose every round is drafted by the draft model (no lookup draft)."""
-    request = make_request(prompt, k=2, max_new=max_new, ignore_eos=True)
+    request = make_request(prompt, k=2, max_new=max_new, session_id=session_id, ignore_eos=True)
     request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
     return request
 
@@ -532,6 +532,36 @@ def test_long_prompts_sent_at_once_wait_their_turn_without_failing(tmp_path: Pat
     for prompt, reply in zip(prompts, replies, strict=True):
         assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 2, ignore_eos=True)
         assert reply.stats.draft_tokens_proposed >= 1  # the draft model drafted (the last token has no room to)
+
+
+def test_a_long_session_moved_to_another_target_replica_gets_the_time_to_compute_it_again(tmp_path: Path) -> None:
+    """A session whose target replica dies is computed again on another replica; the call that
+    does it gets the time its whole context takes there, not the time left from a step that had
+    nothing to compute (main: the 12,000-token session's next turn got UNAVAILABLE with
+    --worker-timeout-s 1, and the surviving replica was tripped: every other session's verify
+    turned away too)."""
+    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
+    draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)
+    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    with (
+        fault_cluster(
+            tmp_path / "run", target, draft, targets=2, coordinator_args=["--worker-timeout-s", "1"]
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        first = stub.Generate(_drafted(long_prompt, max_new=2, session_id="long"), timeout=120)
+        replicas = [cluster.processes["target-0"], cluster.processes["target-1"]]
+        holder = max(replicas, key=lambda r: worker_info(r.address, "target").prefill_tokens_total)
+        holder.proc.kill()
+        holder.proc.wait(10)
+        second = stub.Generate(_drafted([6, 8], max_new=2, session_id="long"), timeout=120)
+        failovers = metric(cluster, "coordinator", "specdec_target_failovers_total")
+        other = stub.Generate(make_request(PROMPT, k=2, max_new=4, ignore_eos=True), timeout=60)
+    history = (*long_prompt, *first.token_ids, 6, 8)
+    assert list(second.token_ids) == reference_greedy(str(target), history, 2, ignore_eos=True)
+    assert failovers == 1  # the dead replica only: the survivor was not tripped
+    assert list(other.token_ids) == reference_greedy(str(target), tuple(PROMPT), 4, ignore_eos=True)
 
 
 def test_a_long_session_does_not_pad_every_batched_row_to_its_length(tmp_path: Path) -> None:
