@@ -422,10 +422,6 @@ class WorkerSession:
                     raise last_error
                 own = replica is self._target
                 cached, source = (self.target_len, self._target_source) if own else (0, "")
-                redo = min(self.target_len, len(committed)) - cached  # the cached prefix, computed there again
-                if redo >= PREFILL_MIN_TOKENS:  # its time, not what is left of a step that had no prefill
-                    again = self.time_left(len(committed) - cached, len(committed), replica.prefills.ahead_ms)
-                    remaining = max(remaining, again)
                 try:
                     reply, reused = await self._verify_on(
                         replica, committed, block, decoding, ask, cached, remaining, source
@@ -460,6 +456,11 @@ class WorkerSession:
         if ask.prompt_count:  # the prompt's positions must be computed again to be scored
             cached = min(cached, max(len(committed) - ask.prompt_count - 1, 0))
         for _ in range(2):
+            if min(self.target_len, len(committed)) - cached >= PREFILL_MIN_TOKENS:
+                # the session's cached prefix, computed again (on another replica, or after the
+                # worker freed the cache): its time there, not what is left of the step's
+                again = self.time_left(len(committed) - cached, len(committed), replica.prefills.ahead_ms)
+                timeout_s = max(timeout_s, again)
             sync = prefix_sync(committed, cached, source, self._target_hashes)
             request = target_pb2.VerifyRequest(
                 session_id=self.session_id, sync=sync, draft=block, warp=warp_to_proto(decoding.warp),

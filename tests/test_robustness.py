@@ -564,6 +564,34 @@ def test_a_long_session_moved_to_another_target_replica_gets_the_time_to_compute
     assert list(other.token_ids) == reference_greedy(str(target), tuple(PROMPT), 4, ignore_eos=True)
 
 
+def test_a_long_session_whose_cache_was_freed_gets_the_time_to_compute_it_again(tmp_path: Path) -> None:
+    """A worker frees a cache nobody used for --session-idle-s (or for its token budget); the
+    session's next turn has it computed again from the committed tokens, and that call gets the
+    time its whole context takes (main: the 12,000-token session's next turn got UNAVAILABLE with
+    --worker-timeout-s 1, the replica tripped by the resync's timeout)."""
+    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
+    draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)
+    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    with (
+        fault_cluster(
+            tmp_path / "run",
+            target,
+            draft,
+            coordinator_args=["--worker-timeout-s", "1"],
+            worker_args=["--session-idle-s", "2"],
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        first = stub.Generate(_drafted(long_prompt, max_new=2, session_id="long"), timeout=120)
+        time.sleep(2.5)  # the workers free the idle caches at their next call
+        second = stub.Generate(_drafted([6, 8], max_new=2, session_id="long"), timeout=120)
+        failovers = metric(cluster, "coordinator", "specdec_target_failovers_total")
+    history = (*long_prompt, *first.token_ids, 6, 8)
+    assert list(second.token_ids) == reference_greedy(str(target), history, 2, ignore_eos=True)
+    assert second.stats.cache_resyncs >= 1 and failovers == 0
+
+
 def test_a_long_session_does_not_pad_every_batched_row_to_its_length(tmp_path: Path) -> None:
     """A batched pass pads each row's cache to its longest row's. A session with 12,000 tokens
     cached decoding beside 12 short requests had every one of their rows padded to 12,000
