@@ -29,6 +29,7 @@ log = structlog.get_logger(__name__)
 
 MAX_PROMPT_CHARS = 1_000_000
 DRAFT_START_WAIT_S = 10.0  # start-up waits this long for the draft; one not serving by then joins later
+DRAFT_PEERS_WAIT_S = 1.0  # once a draft replica serves, start-up waits this long for the others
 # What draft replicas should share (the first to join sets the limits GetInfo reports).
 _ALIKE_DRAFT_FIELDS = ("model_id", "max_context_len", "max_draft_tokens", "vocab_translation")
 
@@ -169,14 +170,15 @@ class Engine:
         self._active = 0
 
     async def start(self) -> None:
-        """Waits for a target replica and (up to 10 s) the draft replicas, checks that they fit
-        together, loads the tokenizer. A draft replica that does not serve by then, or whose Info
-        call fails, joins when it serves; until one has, the coordinator serves as one without a draft."""
+        """Waits for a target replica and (up to 10 s, or 1 s more once one of them serves) the
+        draft replicas, checks that they fit together, loads the tokenizer. A draft replica that
+        does not serve by then, or whose Info call fails, joins when it serves; until one has, the
+        coordinator serves as one without a draft."""
         timeout = self.settings.worker_startup_timeout_s
         target_info = await self.targets.connect(timeout)
         if self.drafts is not None:
             connecting = {r: asyncio.create_task(r.connect(timeout)) for r in self.drafts.replicas}
-            await asyncio.wait(connecting.values(), timeout=min(DRAFT_START_WAIT_S, timeout))
+            await _first_serving(list(connecting.values()), min(DRAFT_START_WAIT_S, timeout))
             for replica, task in connecting.items():
                 if task.done() and task.exception() is None:
                     self._fit_draft(replica, target_info, task.result())
@@ -376,3 +378,19 @@ class Engine:
         await self.targets.close()
         if self.drafts is not None:
             await self.drafts.close()
+
+
+async def _first_serving(connecting: list[asyncio.Task[common_pb2.WorkerInfo]], timeout_s: float) -> None:
+    """Waits until every draft replica has answered or failed, or until ``timeout_s``; once one
+    has answered, at most DRAFT_PEERS_WAIT_S more for the others (a replica that is down then
+    joins when it serves, instead of holding start-up for the whole wait)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    pending = set(connecting)
+    while pending:
+        left = max(end - loop.time(), 0.0)
+        done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            return
+        if any(task.exception() is None for task in done):
+            end = min(end, loop.time() + DRAFT_PEERS_WAIT_S)

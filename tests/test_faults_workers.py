@@ -473,6 +473,34 @@ def test_a_draft_whose_info_fails_at_start_up_does_not_end_it(tmp_path: Path, ti
         decoy.stop(None)
 
 
+def test_start_up_goes_on_once_one_draft_replica_drafts(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """With several draft replicas, one that does not serve at start-up joins when it does, like a
+    lone draft that was late; start-up no longer waits the whole 10 s for it once another replica
+    drafts for the target (main: `coordinator_ready` 10 s after the target had joined)."""
+    import json
+    from datetime import datetime
+
+    with (
+        LateLink("draft-1") as link,
+        fault_cluster(tmp_path, tiny_models.target, tiny_models.same, drafts=2, route=link) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        coordinator = cluster.processes["coordinator"]
+        events = {}
+        for line in coordinator.log_file.read_text().splitlines():
+            if line.startswith("{"):
+                event = json.loads(line)
+                events.setdefault(event["event"], datetime.fromisoformat(event["timestamp"]))
+        waited = (events["coordinator_ready"] - events["target_joined"]).total_seconds()
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        reply = stub.Generate(make_request(PROMPT, max_new=8, ignore_eos=True, session_id="s"))
+        link.come_up()
+        wait_for(lambda: "draft_joined" in coordinator.log_tail(200), 30, 0.2)
+    assert waited < 5, f"start-up waited {waited:.1f} s for a draft replica that was down"
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
+    assert reply.stats.draft_tokens_proposed > reply.stats.lookup_tokens_proposed  # the replica up drafted
+
+
 def _other_vocabulary_model(path: Path) -> Path:
     """A random model whose tokenizer has one more token than the tiny models' (another hash)."""
     tokenizer = build_tokenizer()
