@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -9,10 +10,11 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 
-from specdec.tools.launch import LocalCluster
+from specdec.tools.launch import LocalCluster, ServiceProcess
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 FAULT_COORDINATOR_ARGS = [
@@ -50,6 +52,11 @@ def fault_cluster(
     )
     with cluster:
         yield cluster
+
+
+def logged_events(service: ServiceProcess) -> list[dict[str, Any]]:
+    """A service's JSON log lines so far, in order."""
+    return [json.loads(line) for line in service.log_file.read_text().splitlines() if line.startswith("{")]
 
 
 def metric(cluster: LocalCluster, role: str, name: str, label: str = "") -> float:

@@ -16,7 +16,7 @@ import pytest
 
 from specdec.serving.server import INTERNAL_MESSAGE
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import fault_cluster, metric, wait_for
+from tests.clusters import fault_cluster, logged_events, metric, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import LateLink, ProxyRoutes
 from tests.reference import make_request, read_session, reference_greedy, worker_info
@@ -334,14 +334,12 @@ def test_a_start_up_that_cannot_go_on_says_why_and_what_to_do_without_a_tracebac
     (and for the coordinator "no target worker is serving: ADDRESS", nothing to do said), for
     conditions the message explains. Now: the message says what to check or change, and no
     traceback (tracebacks stay for failures nobody explained)."""
-    import json
-
     from specdec.tools.launch import spawn
 
     args, advice = START_UP_FAILURES[role]
     service = spawn(role, args, tmp_path)
     assert service.proc.wait(timeout=60) == 1
-    events = [json.loads(line) for line in service.log_file.read_text().splitlines() if line.startswith("{")]
+    events = logged_events(service)
     (failed,) = [e for e in events if e["event"] == "startup_failed"]
     assert "exception" not in failed, failed["exception"]
     assert advice in failed["error"]
@@ -477,7 +475,6 @@ def test_start_up_goes_on_once_one_draft_replica_drafts(tmp_path: Path, tiny_mod
     """With several draft replicas, one that does not serve at start-up joins when it does, like a
     lone draft that was late; start-up no longer waits the whole 10 s for it once another replica
     drafts for the target (main: `coordinator_ready` 10 s after the target had joined)."""
-    import json
     from datetime import datetime
 
     with (
@@ -486,11 +483,9 @@ def test_start_up_goes_on_once_one_draft_replica_drafts(tmp_path: Path, tiny_mod
         grpc.insecure_channel(cluster.address) as channel,
     ):
         coordinator = cluster.processes["coordinator"]
-        events = {}
-        for line in coordinator.log_file.read_text().splitlines():
-            if line.startswith("{"):
-                event = json.loads(line)
-                events.setdefault(event["event"], datetime.fromisoformat(event["timestamp"]))
+        events: dict[str, datetime] = {}
+        for event in logged_events(coordinator):
+            events.setdefault(event["event"], datetime.fromisoformat(event["timestamp"]))
         waited = (events["coordinator_ready"] - events["target_joined"]).total_seconds()
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         reply = stub.Generate(make_request(PROMPT, max_new=8, ignore_eos=True, session_id="s"))

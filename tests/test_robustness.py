@@ -435,15 +435,26 @@ def test_prompt_logprobs_of_a_long_prompt_never_hold_all_its_logits(tmp_path: Pa
             assert entry.top[0].token_id == int(logp[row].argmax())
 
 
+LONG_PROMPT = [3 + (i * 37) % 500 for i in range(12_000)]  # about 2 s to compute on the models below
+
+
+def _long_context_models(
+    tmp_path: Path, target_hidden: int = 128, draft_hidden: int = 32, draft_layers: int = 1
+) -> tuple[Path, Path]:
+    """A 4-layer target and a draft with a 16,384-token context, whose cost attention dominates
+    on long prompts (their seconds stand for a real model's minutes)."""
+    target = build_model(tmp_path / "target", seed=0, hidden=target_hidden, layers=4, vocab=512, context=16384)
+    draft = build_model(tmp_path / "draft", seed=1, hidden=draft_hidden, layers=draft_layers, vocab=512, context=16384)
+    return target, draft
+
+
 def test_a_long_prompt_does_not_hold_up_the_other_sessions(tmp_path: Path) -> None:
     """A prompt's prefill runs in chunks between the other sessions' steps (chunked prefill, as
     vLLM and SGLang do): a 12,000-token prompt took one forward pass of about 2 s on this model,
     during which every other session's stream stood still (main: one gap as long as the prefill;
     with --worker-timeout-s 1 the stream's waiting call failed UNAVAILABLE). Now the stream goes
     on while the prompt is computed, and both replies are the target's own."""
-    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
-    draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)
-    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    target, draft = _long_context_models(tmp_path)
     short_prompt = [9, 10, 11]
     with (
         fault_cluster(tmp_path / "run", target, draft) as cluster,
@@ -459,7 +470,7 @@ def test_a_long_prompt_does_not_hold_up_the_other_sessions(tmp_path: Path) -> No
             arrivals.append(time.perf_counter())
             streamed += message.token_ids
             if len(arrivals) == 5:  # the stream is under way: the long prompt arrives
-                future = stub.Generate.future(make_request(long_prompt, k=2, max_new=4, ignore_eos=True), timeout=120)
+                future = stub.Generate.future(make_request(LONG_PROMPT, k=2, max_new=4, ignore_eos=True), timeout=120)
                 began = time.perf_counter()
                 future.add_done_callback(lambda _: done.append(time.perf_counter()))
             if done and arrivals[-1] > done[0] + 0.1:  # and it went on after the reply
@@ -472,7 +483,7 @@ def test_a_long_prompt_does_not_hold_up_the_other_sessions(tmp_path: Path) -> No
     assert took > 0.5, f"the long prompt took {took:.2f} s: too little to show a stall"
     assert max(gaps) < took / 4, f"the stream stood still {max(gaps):.2f} s during the {took:.2f} s long request"
     assert streamed == reference_greedy(str(target), tuple(short_prompt), len(streamed), ignore_eos=True)
-    assert list(reply.token_ids) == reference_greedy(str(target), tuple(long_prompt), 4, ignore_eos=True)
+    assert list(reply.token_ids) == reference_greedy(str(target), tuple(LONG_PROMPT), 4, ignore_eos=True)
 
 
 def _drafted(prompt: list[int], max_new: int = 2, session_id: str = "") -> coordinator_pb2.GenerateRequest:
@@ -489,21 +500,19 @@ def test_a_long_prompt_gets_the_time_its_attention_takes(tmp_path: Path) -> None
     times a 256-token prompt's, and the call ran out of time, tripping the target replica and
     the draft (main: UNAVAILABLE, every retry the same). The workers also time a pass over a
     longer cache at start-up, and the time a prefill gets grows with its context."""
-    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
-    draft = build_model(tmp_path / "draft", seed=1, hidden=128, layers=4, vocab=512, context=16384)
-    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    target, draft = _long_context_models(tmp_path, draft_hidden=128, draft_layers=4)
     with (
         fault_cluster(tmp_path / "run", target, draft, coordinator_args=["--worker-timeout-s", "1"]) as cluster,
         grpc.insecure_channel(cluster.address) as channel,
     ):
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        reply = stub.Generate(_drafted(long_prompt, max_new=4), timeout=120)
+        reply = stub.Generate(_drafted(LONG_PROMPT, max_new=4), timeout=120)
         tripped = {
             "target": metric(cluster, "coordinator", "specdec_target_failovers_total"),
             "draft": metric(cluster, "coordinator", "specdec_draft_failures_total"),
         }
         infos = [worker_info(cluster.processes[role].address, role) for role in ("target-0", "draft")]
-    assert list(reply.token_ids) == reference_greedy(str(target), tuple(long_prompt), 4, ignore_eos=True)
+    assert list(reply.token_ids) == reference_greedy(str(target), tuple(LONG_PROMPT), 4, ignore_eos=True)
     assert tripped == {"target": 0, "draft": 0}
     assert reply.stats.draft_tokens_proposed >= 2  # the draft model drafted (after computing the prompt)
     assert all(info.prefill_ms_per_token_per_1k_context > 0 for info in infos)
@@ -514,8 +523,7 @@ def test_long_prompts_sent_at_once_wait_their_turn_without_failing(tmp_path: Pat
     waits for all the others' prefills before its own: its call's time limit counts the prefills
     this coordinator has sent that replica ahead of it (main: 6 prompts of 8,000 tokens at once
     with --worker-timeout-s 1 ended 2 of them UNAVAILABLE and tripped the target twice)."""
-    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
-    draft = build_model(tmp_path / "draft", seed=1, hidden=128, layers=4, vocab=512, context=16384)
+    target, draft = _long_context_models(tmp_path, draft_hidden=128, draft_layers=4)
     prompts = [[3 + (i * 37 + j) % 500 for i in range(8_000)] for j in range(6)]
     with (
         fault_cluster(tmp_path / "run", target, draft, coordinator_args=["--worker-timeout-s", "1"]) as cluster,
@@ -540,9 +548,7 @@ def test_a_long_session_moved_to_another_target_replica_gets_the_time_to_compute
     nothing to compute (main: the 12,000-token session's next turn got UNAVAILABLE with
     --worker-timeout-s 1, and the surviving replica was tripped: every other session's verify
     turned away too)."""
-    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
-    draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)
-    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    target, draft = _long_context_models(tmp_path)
     with (
         fault_cluster(
             tmp_path / "run", target, draft, targets=2, coordinator_args=["--worker-timeout-s", "1"]
@@ -550,7 +556,7 @@ def test_a_long_session_moved_to_another_target_replica_gets_the_time_to_compute
         grpc.insecure_channel(cluster.address) as channel,
     ):
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        first = stub.Generate(_drafted(long_prompt, max_new=2, session_id="long"), timeout=120)
+        first = stub.Generate(_drafted(LONG_PROMPT, max_new=2, session_id="long"), timeout=120)
         replicas = [cluster.processes["target-0"], cluster.processes["target-1"]]
         holder = max(replicas, key=lambda r: worker_info(r.address, "target").prefill_tokens_total)
         holder.proc.kill()
@@ -558,7 +564,7 @@ def test_a_long_session_moved_to_another_target_replica_gets_the_time_to_compute
         second = stub.Generate(_drafted([6, 8], max_new=2, session_id="long"), timeout=120)
         failovers = metric(cluster, "coordinator", "specdec_target_failovers_total")
         other = stub.Generate(make_request(PROMPT, k=2, max_new=4, ignore_eos=True), timeout=60)
-    history = (*long_prompt, *first.token_ids, 6, 8)
+    history = (*LONG_PROMPT, *first.token_ids, 6, 8)
     assert list(second.token_ids) == reference_greedy(str(target), history, 2, ignore_eos=True)
     assert failovers == 1  # the dead replica only: the survivor was not tripped
     assert list(other.token_ids) == reference_greedy(str(target), tuple(PROMPT), 4, ignore_eos=True)
@@ -569,9 +575,7 @@ def test_a_long_session_whose_cache_was_freed_gets_the_time_to_compute_it_again(
     session's next turn has it computed again from the committed tokens, and that call gets the
     time its whole context takes (main: the 12,000-token session's next turn got UNAVAILABLE with
     --worker-timeout-s 1, the replica tripped by the resync's timeout)."""
-    target = build_model(tmp_path / "target", seed=0, hidden=128, layers=4, vocab=512, context=16384)
-    draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)
-    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
+    target, draft = _long_context_models(tmp_path)
     with (
         fault_cluster(
             tmp_path / "run",
@@ -583,11 +587,11 @@ def test_a_long_session_whose_cache_was_freed_gets_the_time_to_compute_it_again(
         grpc.insecure_channel(cluster.address) as channel,
     ):
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        first = stub.Generate(_drafted(long_prompt, max_new=2, session_id="long"), timeout=120)
+        first = stub.Generate(_drafted(LONG_PROMPT, max_new=2, session_id="long"), timeout=120)
         time.sleep(2.5)  # the workers free the idle caches at their next call
         second = stub.Generate(_drafted([6, 8], max_new=2, session_id="long"), timeout=120)
         failovers = metric(cluster, "coordinator", "specdec_target_failovers_total")
-    history = (*long_prompt, *first.token_ids, 6, 8)
+    history = (*LONG_PROMPT, *first.token_ids, 6, 8)
     assert list(second.token_ids) == reference_greedy(str(target), history, 2, ignore_eos=True)
     assert second.stats.cache_resyncs >= 1 and failovers == 0
 
@@ -598,17 +602,15 @@ def test_a_long_session_does_not_pad_every_batched_row_to_its_length(tmp_path: P
     positions: the target's peak memory grew by about 12 copies of the long cache (main; a
     30,000-token session beside 16 requests of the 1.5B target would be 25.6 GiB). The long row now
     takes a pass of its own (or with a few rows), and the replies are the target's own."""
-    target = build_model(tmp_path / "target", seed=0, hidden=256, layers=4, vocab=512, context=16384)
-    draft = build_model(tmp_path / "draft", seed=1, hidden=32, layers=1, vocab=512, context=16384)
-    long_prompt = [3 + (i * 37) % 500 for i in range(12_000)]
-    cache_mb = len(long_prompt) * 4 * 2 * 2 * 64 * 4 / 2**20  # layers x (keys, values) x KV heads x dims x fp32
+    target, draft = _long_context_models(tmp_path, target_hidden=256)
+    cache_mb = len(LONG_PROMPT) * 4 * 2 * 2 * 64 * 4 / 2**20  # layers x (keys, values) x KV heads x dims x fp32
     short = [[5 + j, 9, 7 + j, 11] for j in range(12)]
     with (
         fault_cluster(tmp_path / "run", target, draft) as cluster,
         grpc.insecure_channel(cluster.address) as channel,
     ):
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        stub.Generate(make_request(long_prompt, k=2, max_new=1, session_id="long", ignore_eos=True), timeout=120)
+        stub.Generate(make_request(LONG_PROMPT, k=2, max_new=1, session_id="long", ignore_eos=True), timeout=120)
         warm = [stub.Generate.future(make_request(p, k=2, max_new=8, ignore_eos=True), timeout=60) for p in short]
         [future.result() for future in warm]  # the allocator's growth for batches of short rows
         pid = cluster.processes["target-0"].proc.pid
