@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.runtime.grammar import constrain
 from specdec.runtime.kvcache import ResyncRequired, SessionCache, SessionCaches
 from specdec.runtime.lookup import GuessIndex
 from specdec.runtime.modeling import LoadedModel
@@ -197,8 +198,10 @@ def _index_committed(entry: SessionCache, tail: list[int], params: DraftParams) 
 def _processed(entry: SessionCache, logits: torch.Tensor, params: DraftParams, position: int) -> torch.Tensor:
     """The logits of the token at ``position`` (after ``entry.tokens[:position]``) processed as
     the target will process them, restricted to the ids the target can verify."""
-    row = process_logits(logits[None], entry.tokens, position, params.processing, entry.counts)[0]
-    return _proposable(row, params)
+    p = params.processing
+    rows = process_logits(logits[None], entry.tokens, position, p, entry.counts)
+    rows = constrain(rows, entry.grammar, entry.tokens, position, p.grammar, p.reply_start, strict=False)
+    return _proposable(rows[0], params)
 
 
 def _proposable(logits: torch.Tensor, params: DraftParams) -> torch.Tensor:

@@ -165,6 +165,8 @@ class _ProposeStream:
         )
         self._params = params
         sync = request.sync
+        if bridge is None:  # a translating draft does not mask (its tokens are not the grammar's)
+            await core.prepare_grammar(params.processing.grammar)
 
         def job() -> Job[Block | None]:
             if bridge is None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.runtime.grammar import constrain
 from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCaches
 from specdec.runtime.logprobs import LogprobsAsk, token_logprobs
 from specdec.runtime.modeling import LoadedModel
@@ -44,10 +45,11 @@ def verify_job(
 ) -> Job[VerifyResult]:
     """Verifies ``block`` after the committed prefix ``sync`` describes (one Extend step).
 
-    Row i of the pass decides the token at ``committed_len + i``; ``processing`` sees the history
-    up to that row (the committed tokens and the drafts before it). Log-probabilities are of the
-    raw logits. Prompt log-probabilities need the logits of the prompt positions, so the pass
-    keeps them only when asked (the caller sends those tokens in the tail).
+    Row i of the pass decides the token at ``committed_len + i``; ``processing`` (its grammar
+    included) sees the history up to that row (the committed tokens and the drafts before it).
+    Log-probabilities are of the raw logits. Prompt log-probabilities need the logits of the
+    prompt positions, so the pass keeps them only when asked (the caller sends those tokens in
+    the tail).
     """
     meter = ComputeMeter()
     drafts, q = decode_block(block, loaded.vocab_size, loaded.device)
@@ -76,6 +78,9 @@ def verify_job(
     earlier = EarlierLogits(prompt_rows, score_prompt) if prompt_rows else None
     raw = yield Extend(entry, [*tail, *drafts.tolist()], k + 1, meter, earlier)
     logits = process_logits(raw, entry.tokens, committed_len, processing, entry.counts)
+    logits = constrain(
+        logits, entry.grammar, entry.tokens, committed_len, processing.grammar, processing.reply_start, strict=True
+    )
     generators = None
     if not warp.greedy:  # row i decides the token at position committed_len + i
         generators = [position_generator(seed, committed_len + i, "target", loaded.device) for i in range(k + 1)]

@@ -11,8 +11,10 @@ import itertools
 from collections.abc import Callable
 
 import torch
+from llguidance import LLMatcher
+from llguidance.hf import from_tokenizer
 from scipy import stats
-from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers import AutoTokenizer, MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
 from specdec.runtime.processing import Processing
 from specdec.runtime.sampling import Verdict, Warp, proposal_matrix, rejection_sample, sample_draft_token, warped_probs
@@ -123,5 +125,22 @@ def reference_processing(processing: Processing, prompt_len: int) -> Processor:
         if processing.banned_until_min:
             scores = minimum(ids, scores[None])[0]
         return scores
+
+    return apply
+
+
+def reference_grammar(grammar: str, model_dir: str, vocab: int, eos: list[int], prompt_len: int) -> Processor:
+    """A structured-output mask written independently of specdec.runtime.grammar: for each
+    position a fresh llguidance matcher consumes the whole reply before it (no state kept between
+    positions, no rollback) and the tokens it does not allow get -inf. The reply starts after
+    ``prompt_len`` tokens."""
+    tokenizer = from_tokenizer(AutoTokenizer.from_pretrained(model_dir), n_vocab=vocab, eos_token=eos)
+
+    def apply(logits: torch.Tensor, sequence: tuple[int, ...]) -> torch.Tensor:
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        assert matcher.consume_tokens(list(sequence[prompt_len:])), matcher.get_error()
+        bits = matcher.compute_bitmask()
+        allowed = torch.tensor([bool(bits[i // 8] >> (i % 8) & 1) for i in range(logits.shape[-1])])
+        return logits.float().masked_fill(~allowed, float("-inf"))
 
     return apply

@@ -26,6 +26,8 @@ import draft_worker.engine as draft_engine
 import target_worker.engine as target_engine
 from coordinator.worker_session import lookup_proposal, prefix_sync
 from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, translated_propose_job
+from specdec.runtime.grammar import constrain as real_constrain
+from specdec.runtime.grammar import grammar_of
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.lookup import NgramIndex, ReplyIndex, lookup_draft
@@ -38,7 +40,7 @@ from specdec.runtime.tokens import common_prefix_len
 from specdec.runtime.vocab import VocabBridge
 from specdec.v1 import common_pb2
 from tests.helpers import draft_vocab_file, in_two_processes, real_tokenizer
-from tests.spec_oracle import chi_square_pvalue, reference_processing
+from tests.spec_oracle import chi_square_pvalue, reference_grammar, reference_processing
 from tests.tiny_models import TinyModels, build_text_bigram, build_variant
 
 PROMPT = (5, 17, 99, 3)
@@ -411,6 +413,67 @@ def test_the_penalty_test_catches_processing_on_the_wrong_history(
     impossible = sum(n for outcome, n in samples.items() if exact.get(outcome, 0.0) == 0.0)
     # Sequences the exact processing can never produce (min-p / top-k cut them) are proof enough;
     # otherwise the chi-square test must reject.
+    assert impossible > 0 or chi_square_pvalue(samples, exact, sum(samples.values())) < 1e-6
+
+
+# A language whose next character depends on the ones before it (after "a": "b" or a digit; after
+# "ab": "x"), so a mask that ignores the drafts before its row allows what the grammar does not.
+GRAMMAR_REGEX = r"(ab|ba|cc)x|[a-c][0-9]"
+
+
+def constrained(target: LoadedModel) -> tuple[Processing, Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]]:
+    """The regex constraint as the coordinator sends it, and its independent reference mask."""
+    grammar = grammar_of(common_pb2.StructuredOutput(regex=GRAMMAR_REGEX))
+    model_dir = target.model_id
+    reference = reference_grammar(grammar, model_dir, target.vocab_size, list(target.eos_token_ids), len(PROMPT))
+    return Processing(reply_start=len(PROMPT), grammar=grammar), reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("k", "pipelined", "draft"),
+    [pytest.param(4, False, "noisy", id="K4-sequential"), pytest.param(1, True, "noisy", id="K1-pipelined")],
+)
+def test_structured_output_follows_the_exact_constrained_distribution(
+    models: dict[str, LoadedModel], k: int, pipelined: bool, draft: str
+) -> None:
+    """A regex constraint through the production jobs (the draft masks its proposals too): the
+    first three tokens follow the distribution a plain pass with a fresh matcher per position
+    gives, and every sample is in the language."""
+    target = models["target"]
+    processing, reference = constrained(target)
+    speculation = Speculation(target, models[draft], k, 0, pipelined, PENALISED_WARP, processing)
+    samples = sample_counts(speculation, 1500)
+    exact = exact_distribution(target, reference)
+    assert sum(n for outcome, n in samples.items() if outcome not in exact) == 0
+    assert chi_square_pvalue(samples, exact, sum(samples.values())) > 1e-3
+    assert speculation.tally.accepted > 0.5 * speculation.tally.proposed  # the draft's masks keep acceptance up
+
+
+def _grammar_on_the_committed_history(logits, state, tokens, first_position, grammar, reply_start, *, strict):  # type: ignore[no-untyped-def]
+    """The planted bug: every row of a verify pass is masked with the grammar's state after the
+    committed tokens only (the drafts before the row are not consumed; a reply that left the
+    grammar is then not masked at all)."""
+    rows = [
+        real_constrain(logits[r : r + 1], state, tokens, first_position, grammar, reply_start, strict=False)
+        for r in range(logits.shape[0])
+    ]
+    return torch.cat(rows)
+
+
+@pytest.mark.slow
+def test_the_structured_output_test_catches_masks_on_the_wrong_history(
+    models: dict[str, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Power check: the same test rejects a target that masks every row with the committed
+    history's state (drafts from the target's own copy, so rows past the first decide tokens)."""
+    monkeypatch.setattr(target_engine, "constrain", _grammar_on_the_committed_history)
+    target = models["target"]
+    processing, reference = constrained(target)
+    speculation = Speculation(target, models["same"], 4, 0, False, PENALISED_WARP, processing)
+    samples = sample_counts(speculation, 1500)
+    exact = exact_distribution(target, reference)
+    impossible = sum(n for outcome, n in samples.items() if exact.get(outcome, 0.0) == 0.0)
     assert impossible > 0 or chi_square_pvalue(samples, exact, sum(samples.values())) < 1e-6
 
 

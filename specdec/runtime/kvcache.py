@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from specdec.runtime.grammar import GrammarState
 from specdec.runtime.lookup import GuessIndex
 from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.processing import TokenCounts
@@ -151,6 +152,7 @@ class SessionCache:
     guesses: GuessIndex | None = None
     hashes: PrefixHashes = field(default_factory=PrefixHashes)  # of ``tokens``, kept up to date below
     counts: TokenCounts = field(default_factory=TokenCounts)  # of ``tokens``, for penalties; likewise
+    grammar: GrammarState | None = None  # the structured-output matcher (None: the model has no grammar masks)
 
     def truncate(self, length: int) -> None:
         """Rolls back to the first ``length`` tokens (an index of more of them is dropped)."""
@@ -203,7 +205,7 @@ class SessionCaches:
         self.evict_idle()
         entry = self._entries.get(session_id)
         if base_len == 0:
-            entry = SessionCache(tokens=[], cache=DynamicCache(config=self._loaded.model.config))
+            entry = self._new_entry([], DynamicCache(config=self._loaded.model.config))
             self._entries[session_id] = entry
             self._evict_over_capacity()
         elif _holds(entry, base_len, base_hash):
@@ -211,7 +213,7 @@ class SessionCaches:
             entry.truncate(base_len)
         elif source and source != session_id and _holds(donor := self._entries.get(source), base_len, base_hash):
             assert donor is not None
-            entry = SessionCache(tokens=list(donor.tokens), cache=copy.deepcopy(donor.cache))
+            entry = self._new_entry(list(donor.tokens), copy.deepcopy(donor.cache))
             entry.truncate(base_len)
             self._entries[session_id] = entry
             self.reused_tokens_total += base_len
@@ -222,6 +224,10 @@ class SessionCaches:
         entry.last_used = time.monotonic()
         self._entries.move_to_end(session_id)
         return entry
+
+    def _new_entry(self, tokens: list[int], cache: DynamicCache) -> SessionCache:
+        masks = self._loaded.grammar
+        return SessionCache(tokens=tokens, cache=cache, grammar=None if masks is None else GrammarState(masks))
 
     def get(self, session_id: str) -> SessionCache | None:
         """The session's cache as it is (None when there is none), marked as used."""

@@ -13,6 +13,7 @@ import structlog
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.runtime.grammar import GrammarMasks
 from specdec.runtime.output_vocab import read_output_vocab, restrict_output
 from specdec.runtime.tokenizer import check_source, load_tokenizer, tokenizer_fingerprint
 
@@ -157,6 +158,7 @@ class LoadedModel:
     max_context_len: int
     eos_token_ids: tuple[int, ...]
     tokenizer_hash: str
+    grammar: GrammarMasks | None = None  # structured output; None: its tokenizer is not a fast one
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         max_context_len=_context_len(model_id, config, tokenizer),
         eos_token_ids=eos_token_ids,
         tokenizer_hash=fingerprint,
+        grammar=GrammarMasks.build(tokenizer, vocab_size, eos_token_ids),
     )
     log.info(
         "model_loaded",

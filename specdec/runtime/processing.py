@@ -37,6 +37,7 @@ class Processing:
     reply_start: int = 0
     min_tokens: int = 0
     banned_until_min: tuple[int, ...] = ()
+    grammar: str = ""  # structured output (specdec.runtime.grammar), from reply_start; applied apart
 
     @property
     def active(self) -> bool:
@@ -165,6 +166,7 @@ def processing_from_proto(params: common_pb2.LogitsParams) -> Processing:
         reply_start=params.reply_start,
         min_tokens=params.min_tokens,
         banned_until_min=tuple(sorted(set(params.banned_until_min))),
+        grammar=params.grammar,
     )
 
 
@@ -177,4 +179,5 @@ def processing_to_proto(processing: Processing) -> common_pb2.LogitsParams:
         reply_start=processing.reply_start,
         min_tokens=processing.min_tokens,
         banned_until_min=list(processing.banned_until_min),
+        grammar=processing.grammar,
     )

@@ -217,7 +217,15 @@ class WorkerCore:
             cache_idle_s=self.settings.session_idle_s,
             prefill_ms_per_token=self.prefill.per_token_ms,
             prefill_ms_per_token_per_1k_context=self.prefill.per_1k_context_ms,
+            structured_output=self.loaded.grammar is not None,
         )
+
+    async def prepare_grammar(self, grammar: str) -> None:
+        """Compiles a request's structured-output grammar off the model thread (kept for the
+        job, which would otherwise compile it there while every other session waits)."""
+        masks = self.loaded.grammar
+        if grammar and masks is not None and not masks.holds(grammar):
+            await asyncio.to_thread(masks.compile, grammar)
 
     def check_request(
         self,

@@ -45,7 +45,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "stop", "include_stop_str_in_output", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "logit_bias")
+    __slots__ = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos", "stop", "include_stop_str_in_output", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "logit_bias", "structured_output")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_k: int
@@ -89,7 +90,28 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     min_p: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    structured_output: StructuredOutput
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+
+class StructuredOutput(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    grammar: str
+    choice: Choices
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -110,7 +132,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class LogitsParams(_message.Message):
-    __slots__ = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "reply_start", "min_tokens", "banned_until_min")
+    __slots__ = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "reply_start", "min_tokens", "banned_until_min", "grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +147,7 @@ class LogitsParams(_message.Message):
     REPLY_START_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BANNED_UNTIL_MIN_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     repetition_penalty: float
     presence_penalty: float
     frequency_penalty: float
@@ -132,7 +155,8 @@ class LogitsParams(_message.Message):
     reply_start: int
     min_tokens: int
     banned_until_min: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., reply_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., banned_until_min: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar: str
+    def __init__(self, repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., reply_start: _Optional[int] = ..., min_tokens: _Optional[int] = ..., banned_until_min: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class WarpParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "min_p")
@@ -177,7 +201,7 @@ class PrefixSync(_message.Message):
     def __init__(self, base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., source_session_id: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests", "reused_tokens_total", "vocab_translation", "model_tokenizer_hash", "shared_vocab_tokens", "cache_idle_s", "max_draft_tokens", "prefill_ms_per_token", "prefill_ms_per_token_per_1k_context")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests", "reused_tokens_total", "vocab_translation", "model_tokenizer_hash", "shared_vocab_tokens", "cache_idle_s", "max_draft_tokens", "prefill_ms_per_token", "prefill_ms_per_token_per_1k_context", "structured_output")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +223,7 @@ class WorkerInfo(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_PER_TOKEN_PER_1K_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_hash: str
@@ -220,4 +245,5 @@ class WorkerInfo(_message.Message):
     max_draft_tokens: int
     prefill_ms_per_token: float
     prefill_ms_per_token_per_1k_context: float
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ..., reused_tokens_total: _Optional[int] = ..., vocab_translation: _Optional[_Union[VocabTranslation, str]] = ..., model_tokenizer_hash: _Optional[str] = ..., shared_vocab_tokens: _Optional[int] = ..., cache_idle_s: _Optional[float] = ..., max_draft_tokens: _Optional[int] = ..., prefill_ms_per_token: _Optional[float] = ..., prefill_ms_per_token_per_1k_context: _Optional[float] = ...) -> None: ...
+    structured_output: bool
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., instance_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., prefill_tokens_total: _Optional[int] = ..., host: _Optional[str] = ..., batched_forwards: _Optional[int] = ..., batched_requests: _Optional[int] = ..., reused_tokens_total: _Optional[int] = ..., vocab_translation: _Optional[_Union[VocabTranslation, str]] = ..., model_tokenizer_hash: _Optional[str] = ..., shared_vocab_tokens: _Optional[int] = ..., cache_idle_s: _Optional[float] = ..., max_draft_tokens: _Optional[int] = ..., prefill_ms_per_token: _Optional[float] = ..., prefill_ms_per_token_per_1k_context: _Optional[float] = ..., structured_output: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,234 @@
+"""Structured output (specdec.runtime.grammar): constraints checked into grammars, and the row
+masks of a verify pass, kept between calls with a session's cache, against a fresh matcher per row."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+from llguidance import LLMatcher
+from transformers import PreTrainedTokenizer, PreTrainedTokenizerBase
+
+from coordinator.validation import Limits, parse_request
+from specdec.runtime.grammar import MAX_GRAMMAR_CHARS, GrammarMasks, GrammarState, constrain, grammar_of
+from specdec.serving.errors import InvalidRequest
+from specdec.v1 import common_pb2, coordinator_pb2
+from tests.tiny_models import build_tokenizer
+
+SO = common_pb2.StructuredOutput
+EOS = 257  # the byte tokenizer's </s>
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def masks(tokenizer: PreTrainedTokenizerBase) -> GrammarMasks:
+    built = GrammarMasks.build(tokenizer, len(tokenizer), [EOS])
+    assert built is not None
+    return built
+
+
+def ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]
+
+
+def allowed(row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        (SO(json_schema="{"), "structured_output.json_schema is not valid JSON"),
+        (SO(json_schema="[1, 2]"), "must be a JSON object"),
+        (SO(json_schema=" "), "structured_output.json_schema is empty"),
+        (SO(json_object=False), "must be true when set"),
+        (SO(regex="a(b"), "structured_output.regex is not valid: "),
+        (SO(regex="a" * (MAX_GRAMMAR_CHARS + 1)), f"at most {MAX_GRAMMAR_CHARS} are allowed"),
+        (SO(grammar="start: foo"), "structured_output.grammar is not valid: "),
+        (SO(grammar='root ::= "a" missing'), "structured_output.grammar is not valid: "),
+        (SO(choice=common_pb2.Choices(values=[])), "needs 1 to 1024 non-empty strings"),
+        (SO(choice=common_pb2.Choices(values=["a", ""])), "needs 1 to 1024 non-empty strings"),
+        (SO(choice=common_pb2.Choices(values=["x"] * 1025)), "needs 1 to 1024 non-empty strings"),
+    ],
+)
+def test_a_bad_constraint_says_what_is_wrong(constraint: common_pb2.StructuredOutput, message: str) -> None:
+    with pytest.raises(InvalidRequest) as error:
+        grammar_of(constraint)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_every_kind_of_constraint_gives_its_language(masks: GrammarMasks, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Each kind compiles, and a matcher of its grammar takes a string of the language to the end."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    cases = [
+        (SO(json_schema=json.dumps(schema)), '{"n": 42}', '{"m": 1}'),
+        (SO(json_object=True), '{"any": [1, "x"]}', "[1]"),
+        (SO(regex=r"[a-c]+-[0-9]{2}"), "abc-12", "abc-1x"),
+        (SO(grammar='root ::= "x" [0-9]+ ("," [0-9]+)*'), "x1,23", "x1,,2"),  # GBNF
+        (SO(grammar='start: "x" NUM ("," NUM)*\nNUM: /[0-9]+/'), "x1,23", "x,1"),  # Lark
+        (SO(choice=common_pb2.Choices(values=["yes", "no", "maybe so"])), "maybe so", "maybe"),
+    ]
+    for constraint, good, bad in cases:
+        grammar = grammar_of(constraint)
+        matcher = masks.matcher(grammar)
+        assert matcher.consume_tokens([*ids(tokenizer, good), EOS]), (good, matcher.get_error())
+        assert masks.matcher(grammar).validate_tokens([*ids(tokenizer, bad), EOS]) < len(bad) + 1, bad
+    assert grammar_of(SO()) == ""
+
+
+def test_the_rows_of_a_pass_are_masked_with_the_drafts_before_them(
+    masks: GrammarMasks, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Row r is masked by the state after the reply's tokens before it; rows after a draft the
+    grammar does not allow, or after the end-of-sequence token, are left as they are."""
+    grammar = grammar_of(SO(regex=r"(ab|ba)x|c[0-9]"))
+    prompt = ids(tokenizer, "P:")
+    a, b, c, x, zero = (ids(tokenizer, ch)[0] for ch in "abcx0")
+    logits = torch.zeros(4, len(tokenizer))
+    state = GrammarState(masks)
+    out = state.masked(logits, [*prompt, a, b, x], len(prompt), grammar, len(prompt))
+    assert out is not None
+    assert [allowed(row) for row in out] == [{a, b, c}, {b}, {x}, {EOS}]
+    digits = set(ids(tokenizer, "0123456789"))
+    out = state.masked(logits, [*prompt, c, a, x], len(prompt), grammar, len(prompt))  # "a" breaks the grammar
+    assert out is not None
+    assert [allowed(row) for row in out] == [{a, b, c}, digits, set(range(len(tokenizer))), set(range(len(tokenizer)))]
+    out = state.masked(logits[:3], [*prompt, c, zero, EOS], len(prompt), grammar, len(prompt))
+    assert out is not None
+    assert [allowed(row) for row in out] == [{a, b, c}, digits, {EOS}]
+    assert torch.equal(logits, torch.zeros(4, len(tokenizer)))  # the caller's logits are left as they were
+
+
+def test_the_kept_matcher_follows_the_cache_and_equals_a_fresh_one_per_row(
+    masks: GrammarMasks, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Calls as a session makes them (the cache grows, is cut back to what was accepted, a new
+    turn starts its reply later): each row's mask equals that of a fresh matcher fed the reply
+    before the row."""
+    grammar = grammar_of(SO(regex=r"([a-c][0-9])+;"))
+    state, rng = GrammarState(masks), random.Random(7)
+    letters, digits = ids(tokenizer, "abc"), ids(tokenizer, "0123456789")
+    tokens, reply_start = ids(tokenizer, "P:"), 2
+    checked = 0
+    for _ in range(60):
+        committed = len(tokens)
+        drafts = [rng.choice(letters if (len(tokens) + i - reply_start) % 2 == 0 else digits) for i in range(3)]
+        if rng.random() < 0.2:
+            drafts[rng.randrange(3)] = ids(tokenizer, "z")[0]  # a draft the grammar does not allow
+        rows = len(drafts) + 1
+        out = state.masked(torch.zeros(rows, len(tokenizer)), [*tokens, *drafts], committed, grammar, reply_start)
+        assert out is not None
+        history = [*tokens, *drafts]
+        for r in range(rows):
+            fresh = masks.matcher(grammar)
+            if fresh.validate_tokens(history[reply_start : committed + r]) < committed + r - reply_start:
+                break  # a draft before this row broke the grammar: the row decides nothing
+            assert fresh.consume_tokens(history[reply_start : committed + r])
+            bits = fresh.compute_bitmask()
+            expected = {i for i in range(len(tokenizer)) if bits[i // 8] >> (i % 8) & 1}
+            assert allowed(out[r]) == expected
+            checked += 1
+        accepted = next((i for i, t in enumerate(drafts) if allowed(out[i]) != set() and t not in allowed(out[i])), 3)
+        tokens += drafts[: rng.randint(0, accepted)]  # the target keeps some of the allowed drafts
+        if rng.random() < 0.1:  # a new turn: its reply starts here
+            tokens += ids(tokenizer, ";")
+            reply_start = len(tokens)
+    assert checked > 150
+
+
+def test_strict_and_lenient_callers(masks: GrammarMasks, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A reply that already breaks the grammar, or a worker without grammar masks: the target's
+    request fails saying so; the draft drafts unmasked (only its acceptance is at stake)."""
+    grammar = grammar_of(SO(regex="ab"))
+    broken = ids(tokenizer, "P:zz")
+    logits = torch.randn(1, len(tokenizer))
+    for state in (GrammarState(masks), None):
+        with pytest.raises(InvalidRequest):
+            constrain(logits, state, broken, len(broken), grammar, 2, strict=True)
+        assert constrain(logits, state, broken, len(broken), grammar, 2, strict=False) is logits
+    assert constrain(logits, None, broken, len(broken), "", 2, strict=True) is logits
+
+
+class _PythonTokenizer(PreTrainedTokenizer):
+    """A tokenizer written in Python (transformers' python backend), as some remote-code models ship."""
+
+    def __init__(self, **kwargs: object) -> None:
+        self._ids = {"a": 0, "b": 1, "</s>": 2}
+        super().__init__(eos_token="</s>", **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._ids)
+
+    def _tokenize(self, text: str, **kwargs: object) -> list[str]:
+        return list(text)
+
+    def _convert_token_to_id(self, token: str) -> int:
+        return self._ids.get(token, 0)
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return next(t for t, i in self._ids.items() if i == index)
+
+
+def test_a_python_tokenizer_gives_no_masks() -> None:
+    """llguidance reads tokenizers of the Rust backend only: a model with one written in Python
+    serves without structured output (its Info says so), as does one without end-of-sequence ids."""
+    assert GrammarMasks.build(_PythonTokenizer(), 3, [2]) is None
+    assert GrammarMasks.build(build_tokenizer(), 259, []) is None
+
+
+def test_compiled_grammars_are_kept_up_to_a_bound(masks: GrammarMasks) -> None:
+    for n in range(80):
+        masks.matcher(LLMatcher.grammar_from_regex(f"a{{{n + 1}}}"))
+    assert len(masks._templates) == 64
+
+
+def test_the_coordinator_refuses_what_it_cannot_honour() -> None:
+    limits = Limits(
+        vocab_size=300,
+        max_context_len=64,
+        eos_token_ids=frozenset({EOS}),
+        default_max_new_tokens=16,
+        default_k=4,
+        max_k=8,
+        max_prompt_chars=1000,
+        structured_output=True,
+    )
+
+    def request(**sampling: object) -> coordinator_pb2.GenerateRequest:
+        params = common_pb2.SamplingParams(structured_output=SO(json_object=True), **sampling)  # type: ignore[arg-type]
+        return coordinator_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=[1, 2]), sampling=params)
+
+    assert parse_request(request(), limits).processing.grammar == grammar_of(SO(json_object=True))
+    with pytest.raises(InvalidRequest, match="needs target workers that apply grammars"):
+        parse_request(request(), dataclasses.replace(limits, structured_output=False))
+    with pytest.raises(InvalidRequest, match="cannot be combined with ignore_eos"):
+        parse_request(request(ignore_eos=True), limits)
+    with pytest.raises(InvalidRequest, match="cannot be combined with min_tokens"):
+        parse_request(request(min_tokens=1, max_new_tokens=4), limits)
+
+
+def test_a_grammar_past_its_work_limits_fails_the_request_saying_so(
+    masks: GrammarMasks, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """A schema whose parse outgrows llguidance's per-step limits: the request fails with the
+    reason (target and draft alike), not as a reply that broke the grammar; the compiled grammar
+    is kept for the next request, and a compile done before the job is found there."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    grammar = grammar_of(SO(json_schema=json.dumps(schema)))
+    masks.compile(grammar)
+    assert masks.holds(grammar)
+    reply = ids(tokenizer, 'P:{"p1')
+    for strict in (True, False):
+        with pytest.raises(InvalidRequest, match=r"the structured-output constraint failed: .*max is 2000"):
+            constrain(torch.zeros(1, len(tokenizer)), GrammarState(masks), reply, len(reply), grammar, 2, strict=strict)
