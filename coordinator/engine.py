@@ -130,7 +130,7 @@ def server_info(
         max_prompt_chars=limits.max_prompt_chars,
         speculation_mode="pipelined" if pipelined else "sequential",
         adaptive_k=settings.adaptive_k,
-        features=list(FEATURES),
+        features=[f for f in FEATURES if limits.structured_output or f != "sampling.structured_output"],
         greedy_temperature=GREEDY_TEMPERATURE,
         chat_template=chat_template,
         max_top_logprobs=MAX_TOP_LOGPROBS,
@@ -274,6 +274,7 @@ class Engine:
             lookup_max_tokens=min(s.lookup_max_tokens, max_k),
             draft_confidence=s.draft_confidence,
             draft_block_confidence=s.draft_block_confidence,
+            structured_output=target_info.structured_output,
         )
         if draft_info is not None and draft_info.max_context_len < target_info.max_context_len:
             log.warning(

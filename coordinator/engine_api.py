@@ -3,9 +3,10 @@ coordinator's port, so that an OpenAI-compatible gateway (the Shepherd Model Gat
 routes to specdec as to a vLLM worker: it tokenizes, applies chat templates and serves
 ``/v1/chat/completions``; we generate, exactly, with speculation.
 
-Each request is mapped to the native API's request and validated by the same code; what the native
-API cannot do (structured-output constraints, multimodal input, KV transfer, embeddings) is
-INVALID_ARGUMENT or UNIMPLEMENTED, never silently ignored. vLLM semantics where they differ from
+Each request is mapped to the native API's request and validated by the same code (structured
+outputs included: JSON schema, JSON object, regex, grammar, choice); what the native API cannot do
+(structural tags, multimodal input, KV transfer, embeddings) is INVALID_ARGUMENT or UNIMPLEMENTED,
+never silently ignored. vLLM semantics where they differ from
 ours: an unset temperature is 1.0 (ours: greedy), top_p / repetition_penalty 0 mean unset.
 """
 
@@ -48,9 +49,8 @@ _FINISH = {Finish.STOP: "stop", Finish.LENGTH: "length"}
 def _unsupported(request: vllm_pb2.GenerateRequest) -> str | None:
     """What the request asks for that this server cannot do, if anything."""
     params = request.sampling_params
-    constraint = params.WhichOneof("constraint")
-    if constraint is not None:
-        return f"structured output ({constraint}) is not supported by this server"
+    if params.WhichOneof("constraint") == "structural_tag":
+        return "structured output (structural_tag) is not supported by this server"
     if request.HasField("mm_inputs") or request.extra_mm_inputs or request.HasField("media_refs"):
         return "multimodal input is not supported by this server (text models only)"
     if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
@@ -91,6 +91,8 @@ _ENGINE_NAMES = (
     ("max_new_tokens", "max_tokens"),
     ("sampling.top_logprobs", "logprobs"),
     ("prompt_token_ids", "tokenized.input_ids"),
+    ("sampling.structured_output.", ""),
+    ("sampling.structured_output", "the constraint"),
     ("sampling.", ""),
 )
 
@@ -139,6 +141,11 @@ def native_request(
         sampling.logprobs, sampling.top_logprobs = True, p.logprobs
     if p.HasField("prompt_logprobs"):
         sampling.prompt_logprobs = p.prompt_logprobs
+    constraint = p.WhichOneof("constraint")
+    if constraint == "choice":
+        sampling.structured_output.choice.values.extend(p.choice.choices)
+    elif constraint is not None:  # json_schema, regex, grammar, json_object: the same names
+        setattr(sampling.structured_output, constraint, getattr(p, constraint))
     return coordinator_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling)
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from coordinator.adaptive import NO_STOP, ConfidenceStop, drafting_method
+from specdec.runtime.grammar import grammar_of
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.processing import NO_PROCESSING, Processing
 from specdec.runtime.sampling import Warp
@@ -38,6 +39,7 @@ FEATURES = (
     "sampling.frequency_penalty",
     "sampling.min_p",
     "sampling.logit_bias",
+    "sampling.structured_output",
     "messages",
     "speculation.num_speculative_tokens",
     "speculation.disable",
@@ -65,6 +67,7 @@ class Limits:
     lookup_max_tokens: int = 8  # the most tokens one lookup draft proposes
     draft_confidence: float = 0.0  # the draft's confidence stops when a request sets none
     draft_block_confidence: float = 0.0
+    structured_output: bool = False  # the target workers apply grammars (WorkerInfo.structured_output)
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,26 @@ def _processing(sampling: common_pb2.SamplingParams, limits: Limits, stop_ids: f
         logit_bias=tuple(sorted(bias.items())),
         min_tokens=sampling.min_tokens,
         banned_until_min=tuple(sorted(stop_ids)),
+        grammar=_grammar(sampling, limits) if sampling.HasField("structured_output") else "",
     )
+
+
+def _grammar(sampling: common_pb2.SamplingParams, limits: Limits) -> str:
+    """The constraint's grammar, checked, and refused where it cannot be honoured exactly."""
+    field = "sampling.structured_output"
+    if not limits.structured_output:
+        raise InvalidRequest(
+            f"{field} needs target workers that apply grammars, and this server's do not (their tokenizer "
+            "is not one llguidance reads, or they run an older specdec); send the request without it"
+        )
+    grammar = grammar_of(sampling.structured_output, field)
+    if not grammar:
+        raise InvalidRequest(f"{field} is set but holds no constraint; set one of its fields or leave it unset")
+    if sampling.ignore_eos:
+        raise InvalidRequest(f"{field} cannot be combined with ignore_eos: the constraint ends the reply when complete")
+    if sampling.min_tokens:
+        raise InvalidRequest(f"{field} cannot be combined with min_tokens: the constraint decides where the reply ends")
+    return grammar
 
 
 def _logprobs(sampling: common_pb2.SamplingParams) -> tuple[int, int | None]:

@@ -5,6 +5,7 @@ forward pass of the target; chat messages rendered with real chat templates (Qwe
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from specdec.runtime.grammar import grammar_of
 from specdec.runtime.processing import Processing
 from specdec.tools.launch import LocalCluster
 from specdec.tools.model_fetch import fetch_tokenizer
@@ -22,7 +24,7 @@ from tests.clusters import HUGE_TEXT, loop_stall_during, wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.helpers import RedisServer
 from tests.reference import coordinator_stub, make_request, read_session
-from tests.spec_oracle import Processor, reference_processing
+from tests.spec_oracle import Processor, reference_grammar, reference_processing
 from tests.tiny_models import TinyModels, build_model
 
 PROMPTS = [[5, 17, 99, 3, 5, 17], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
@@ -51,14 +53,19 @@ class _Reference(LogitsProcessor):
         return torch.stack(rows)  # type: ignore[return-value]
 
 
-def hf_greedy(model_dir: str, prompt: list[int], processing: Processing, stop_ids: list[int]) -> list[int]:
-    """Greedy HF ``generate`` (no assistant) with the same processing, stopping at EOS / stop ids."""
+def hf_greedy(
+    model_dir: str, prompt: list[int], processing: Processing, stop_ids: list[int], mask: Processor | None = None
+) -> list[int]:
+    """Greedy HF ``generate`` (no assistant) with the same processing (and ``mask``, a
+    structured-output reference), stopping at EOS / stop ids."""
     model = _model(model_dir)
     config = GenerationConfig(
         max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stop_ids, pad_token_id=model.config.pad_token_id
     )
     ids = torch.tensor([prompt])
     processors = LogitsProcessorList([_Reference(reference_processing(processing, len(prompt)))])
+    if mask is not None:
+        processors.append(_Reference(mask))
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), generation_config=config, logits_processor=processors
     )
@@ -121,6 +128,83 @@ def test_min_tokens_and_logit_bias_greedy_equal_hf_generate(
     assert len(reply.token_ids) >= 5 and avoided not in reply.token_ids and stop not in reply.token_ids[:4]
     if reply.finish_reason == coordinator_pb2.FINISH_REASON_STOP:
         assert reply.stop_token_id == reply.token_ids[-1]
+
+
+CONSTRAINTS = {
+    "json_schema": common_pb2.StructuredOutput(
+        json_schema=json.dumps(
+            {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"}},
+                "required": ["ok", "n"],
+            }
+        )
+    ),
+    "json_object": common_pb2.StructuredOutput(json_object=True),
+    "regex": common_pb2.StructuredOutput(regex=r"[a-c]{2,4}-[0-9]{1,3}"),
+    "grammar": common_pb2.StructuredOutput(grammar='root ::= "x" [0-9]+ ("," [0-9]+)* "."'),  # GBNF
+    "choice": common_pb2.StructuredOutput(choice=common_pb2.Choices(values=["yes", "no", "maybe so"])),
+}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("name", list(CONSTRAINTS))
+def test_structured_output_greedy_equals_hf_generate(
+    stub: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels, name: str, k: int
+) -> None:
+    """Each kind of constraint: the reply is token-identical to HF ``generate`` masked by a fresh
+    matcher at every step (tests/spec_oracle.py), differs from the unconstrained reply, and
+    where it ended by itself its text is in the constraint's language."""
+    target, prompt = str(tiny_models.target), PROMPTS[1]
+    eos = _model(target).config.eos_token_id
+    constraint = CONSTRAINTS[name]
+    grammar = grammar_of(constraint)
+    reference = reference_grammar(grammar, target, _model(target).config.vocab_size, [eos], len(prompt))
+    expected = hf_greedy(target, prompt, Processing(), [eos], reference)
+    request = make_request(prompt, k=k, max_new=MAX_NEW)
+    request.sampling.structured_output.CopyFrom(constraint)
+    reply = stub.Generate(request, timeout=120)
+    assert list(reply.token_ids) == expected
+    assert list(reply.token_ids) != hf_greedy(target, prompt, Processing(), [eos]), "no effect"
+    if reply.finish_reason == coordinator_pb2.FINISH_REASON_STOP:
+        assert reply.stop_token_id == eos
+        if name == "choice":
+            assert reply.text in constraint.choice.values
+        elif name == "regex":
+            assert re.fullmatch(constraint.regex, reply.text)
+        elif name.startswith("json"):
+            assert isinstance(json.loads(reply.text), dict)
+
+
+def test_structured_output_mistakes_are_invalid_argument(cluster_same: LocalCluster) -> None:
+    """A malformed constraint, or one combined with what would break it, is refused before any
+    worker is called, saying what is wrong."""
+    cases = {
+        "is not valid JSON": common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(json_schema="{")),
+        "is not valid": common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(regex="a(b")),
+        "is empty": common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput(grammar=" ")),
+        "non-empty strings": common_pb2.SamplingParams(
+            structured_output=common_pb2.StructuredOutput(choice=common_pb2.Choices(values=[]))
+        ),
+        "holds no constraint": common_pb2.SamplingParams(structured_output=common_pb2.StructuredOutput()),
+        "ignore_eos": common_pb2.SamplingParams(
+            ignore_eos=True, structured_output=common_pb2.StructuredOutput(json_object=True)
+        ),
+        "min_tokens": common_pb2.SamplingParams(
+            max_new_tokens=8, min_tokens=2, structured_output=common_pb2.StructuredOutput(json_object=True)
+        ),
+    }
+    with grpc.insecure_channel(cluster_same.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        info = stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=30)
+        assert "sampling.structured_output" in info.features
+        for expected, sampling in cases.items():
+            ids = common_pb2.TokenIds(ids=[5, 6])
+            request = coordinator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=sampling)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Generate(request, timeout=30)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "structured_output" in error.value.details() and expected in error.value.details()
 
 
 def _forward_logprobs(model_dir: str, sequence: list[int]) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
+import re
 import subprocess
 import sys
 import time
@@ -231,15 +233,40 @@ def test_seed_reproduces_and_n_gives_distinct_samples(gateway: Gateway) -> None:
     assert first[0] == expected.text
 
 
-def test_an_unsupported_constraint_is_a_400(gateway: Gateway) -> None:
-    with pytest.raises(openai.BadRequestError) as error:
-        gateway.client.chat.completions.create(
-            model=gateway.model,
-            messages=MESSAGES,
-            max_tokens=4,
-            response_format={"type": "json_object"},  # type: ignore[arg-type]
-        )
-    assert "structured output" in str(error.value) and "not supported" in str(error.value)
+# compact JSON (llguidance's x-guidance option): a random model left free to add whitespace adds
+# it until max_tokens
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},
+}
+
+
+def test_structured_outputs_through_the_gateway(gateway: Gateway) -> None:
+    """response_format json_schema on chat completions and an SGLang-style ``ebnf`` on
+    completions reach the engine, which constrains the reply: greedy, each equals the native
+    API's reply for the same tokens and constraint, and follows it."""
+    reply = gateway.client.chat.completions.create(
+        model=gateway.model,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}},
+    )
+    content = reply.choices[0].message.content or ""
+    assert reply.choices[0].finish_reason == "stop" and json.loads(content)["answer"] in ("yes", "no")
+    constraint = common_pb2.StructuredOutput(json_schema=json.dumps(ANSWER_SCHEMA))
+    assert content == native(gateway, chat_ids(gateway), max_new_tokens=16, structured_output=constraint).text
+    grammar = 'root ::= "id-" [0-9] [0-9]'
+    completion = gateway.client.completions.create(
+        model=gateway.model, prompt="hello", max_tokens=8, temperature=0, extra_body={"ebnf": grammar}
+    )
+    text = completion.choices[0].text
+    assert re.fullmatch(r"id-[0-9][0-9]", text) and completion.choices[0].finish_reason == "stop"
+    ids = gateway.tokenizer("hello")["input_ids"]
+    assert text == native(gateway, ids, max_new_tokens=8, structured_output={"grammar": grammar}).text
 
 
 def _cached_sessions(gw: Gateway) -> tuple[int, int]:
@@ -359,10 +386,30 @@ def test_engine_abort_cancels_a_running_request(engine_stub: vllm_grpc.VllmEngin
         time.sleep(0.02)
 
 
+def test_engine_constraints_map_to_the_native_ones(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
+    """The engine protocol's choice and json_object (which the gateway does not exercise here)
+    constrain the reply as the native API's do."""
+    ids = chat_ids(gateway)
+    choice = vllm_pb2.ChoiceConstraint(choices=["yes", "no", "maybe so"])
+    for params, native_constraint in (
+        ({"choice": choice}, {"choice": {"values": list(choice.choices)}}),
+        ({"json_object": True}, {"json_object": True}),
+    ):
+        request = _engine_request(ids, "constrained", temperature=0.0, max_tokens=12, **params)
+        complete = list(engine_stub.Generate(request, timeout=60))[-1].complete
+        expected = native(gateway, ids, max_new_tokens=12, structured_output=native_constraint)
+        assert list(complete.output_ids) == list(expected.token_ids)
+        if "choice" in params:
+            assert complete.finish_reason == "stop" and expected.text in choice.choices
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"regex": "a+"}, "structured output (regex) is not supported"),
+        ({"structural_tag": "{}"}, "structured output (structural_tag) is not supported"),
+        ({"regex": "a(b"}, "regex is not valid"),
+        ({"json_schema": "[1]"}, "json_schema must be a JSON object"),
+        ({"json_object": True, "ignore_eos": True}, "cannot be combined with ignore_eos"),
         ({"logprobs": -1}, "logprobs = -1 (all) is not supported"),
         ({"n": 17}, "n must be in [1, 16]"),
         ({"repetition_penalty": -1.0}, "repetition_penalty must be in"),
@@ -437,14 +484,18 @@ def test_a_five_turn_chat_reuses_the_cached_conversation(tmp_path_factory: pytes
 
 def test_what_the_gateway_does_before_the_engine(gateway: Gateway) -> None:
     """smg's own behaviour the README describes (so a gateway upgrade that changes it shows here):
-    SGLang-style constraints reach the engine and get its 400; vLLM's `guided_choice` is dropped
-    by the gateway (an unconstrained reply); `/v1/completions` answers no logprobs although the
-    engine computed them, chat completions carry them."""
+    SGLang-style constraints reach the engine (a malformed one gets its 400); vLLM's
+    `guided_choice` is dropped by the gateway (an unconstrained reply); `/v1/completions` answers
+    no logprobs although the engine computed them, chat completions carry them."""
+    constrained = gateway.client.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=3, extra_body={"regex": "(yes|no)"}
+    )
+    assert constrained.choices[0].message.content in ("yes", "no")
     with pytest.raises(openai.BadRequestError) as error:
         gateway.client.chat.completions.create(
-            model=gateway.model, messages=MESSAGES, max_tokens=3, extra_body={"regex": "(yes|no)"}
+            model=gateway.model, messages=MESSAGES, max_tokens=3, extra_body={"regex": "(yes|no"}
         )
-    assert "structured output (regex) is not supported" in str(error.value)
+    assert "regex is not valid" in str(error.value)
     unconstrained = gateway.client.chat.completions.create(
         model=gateway.model, messages=MESSAGES, max_tokens=3, temperature=0, extra_body={"guided_choice": ["yes", "no"]}
     )
