@@ -33,7 +33,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 from coordinator.engine import Engine
 from coordinator.servicer import reply_room, reply_too_large, round_bytes
 from coordinator.turn import Finish, RoundOutput, Turn, tokenize
-from coordinator.validation import check_prompt_chars, parse_request
+from coordinator.validation import check_prompt_chars, parse_request_off_loop
 from specdec.serving.errors import InvalidRequest, Unsupported
 from specdec.serving.security import caller_identity
 from specdec.v1 import common_pb2, coordinator_pb2
@@ -223,7 +223,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
             if not request.sampling_params.HasField("seed"):
                 native.sampling.seed = _derived_seed(seed, index)
             try:
-                parsed = parse_request(native, engine.limits)
+                parsed = await parse_request_off_loop(native, engine.limits)
             except InvalidRequest as exc:
                 raise _in_engine_terms(exc) from None
             turn = engine.new_turn(parsed, deadline)

@@ -11,7 +11,7 @@ import grpc
 
 from coordinator.engine import Engine
 from coordinator.turn import Finish, RoundOutput, Turn
-from coordinator.validation import Limits, parse_request
+from coordinator.validation import Limits, parse_request_off_loop
 from specdec.serving.errors import ReplyTooLarge
 from specdec.serving.security import caller_identity, scoped_session_id
 from specdec.serving.session_ids import check_session_id
@@ -114,8 +114,8 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
-    def _turn(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Turn:
-        parsed = parse_request(request, self._engine.limits)
+    async def _turn(self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Turn:
+        parsed = await parse_request_off_loop(request, self._engine.limits)
         if parsed.session_id:  # the caller's own namespace: other callers' sessions are invisible
             parsed = dataclasses.replace(parsed, session_id=scoped_session_id(caller_identity.get(), parsed.session_id))
         return self._engine.new_turn(parsed, _deadline(context))
@@ -123,7 +123,7 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> coordinator_pb2.GenerateResponse:
-        turn = self._turn(request, context)
+        turn = await self._turn(request, context)
         token_ids: list[int] = []
         text: list[str] = []
         logprobs: list[common_pb2.TokenLogprob] = []
@@ -161,7 +161,7 @@ class GenerationServicer(coordinator_pb2_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: coordinator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[coordinator_pb2.GenerateStreamResponse]:
-        turn = self._turn(request, context)
+        turn = await self._turn(request, context)
         # closed explicitly: a stream ended at a yield (its client stopped reading) rolls the turn back now
         async with self._engine.admitted(), contextlib.aclosing(turn.rounds()) as rounds:
             async for out in rounds:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 from collections.abc import Iterable
@@ -302,6 +303,14 @@ def _draft_stop(speculation: coordinator_pb2.SpeculationParams, limits: Limits) 
         token=threshold("draft_confidence", limits.draft_confidence),
         block=threshold("draft_block_confidence", limits.draft_block_confidence),
     )
+
+
+async def parse_request_off_loop(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:
+    """``parse_request``, in a worker thread when the request has a structured-output constraint:
+    checking a large schema takes a few hundred ms, which would hold up every other call."""
+    if request.sampling.HasField("structured_output"):
+        return await asyncio.to_thread(parse_request, request, limits)
+    return parse_request(request, limits)
 
 
 def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> TurnRequest:

@@ -207,6 +207,21 @@ def test_structured_output_mistakes_are_invalid_argument(cluster_same: LocalClus
             assert "structured_output" in error.value.details() and expected in error.value.details()
 
 
+def test_a_large_schema_does_not_stall_other_requests(cluster_same: LocalCluster) -> None:
+    """A constraint is compiled and checked off the coordinator's event loop: while a schema of
+    3,000 properties is (a few hundred ms), other calls are answered. The request then fails
+    (its prompt and reply do not fit the context), so that only the check's time is measured."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    constraint = common_pb2.StructuredOutput(json_schema=json.dumps(schema))
+    sampling = common_pb2.SamplingParams(max_new_tokens=100, structured_output=constraint)
+    ids = common_pb2.TokenIds(ids=[5] * 200)  # + 100 new tokens > the 256-token context
+    request = coordinator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=sampling)
+    took, worst, error = loop_stall_during(cluster_same.address, request)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length" in (error.details() or "")
+    assert took > 0.15  # long enough that a stalled event loop would show
+    assert worst < took / 3, (worst, took)
+
+
 def _forward_logprobs(model_dir: str, sequence: list[int]) -> torch.Tensor:
     """log-softmax of one plain forward pass over ``sequence``: row j scores token j + 1."""
     with torch.inference_mode():

@@ -13,7 +13,7 @@ from llguidance import LLMatcher
 from transformers import PreTrainedTokenizer, PreTrainedTokenizerBase
 
 from coordinator.validation import Limits, parse_request
-from specdec.runtime.grammar import MAX_GRAMMAR_CHARS, GrammarMasks, GrammarState, constrain, grammar_of
+from specdec.runtime.grammar import MAX_GRAMMAR_CHARS, GrammarMasks, GrammarState, _checked, constrain, grammar_of
 from specdec.serving.errors import InvalidRequest
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.tiny_models import build_tokenizer
@@ -244,3 +244,12 @@ def test_the_llguidance_tokenizer_is_built_on_the_first_grammar(tokenizer: PreTr
     assert built is not None
     masks.compile(grammar_of(SO(regex="cd")))
     assert masks._tokenizer is built and masks._source is None
+
+
+def test_a_constraint_seen_lately_is_not_checked_again() -> None:
+    """Clients send the same few schemas: the coordinator keeps the latest 64 checked grammars."""
+    schema = json.dumps({"type": "object", "properties": {f"q{i}": {"type": "integer"} for i in range(50)}})
+    first = grammar_of(SO(json_schema=schema))
+    hits = _checked.cache_info().hits
+    assert grammar_of(SO(json_schema=schema)) == first and _checked.cache_info().hits == hits + 1
+    assert grammar_of(SO(json_schema=schema), "other.field") == first  # the field names its errors only

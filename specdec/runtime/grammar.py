@@ -14,6 +14,7 @@ stays high; exactness does not depend on it). Each session cache keeps its match
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import threading
 from collections.abc import Sequence
@@ -44,7 +45,15 @@ def _limits() -> LLParserLimits:
 
 def grammar_of(structured: common_pb2.StructuredOutput, field: str = "structured_output") -> str:
     """The llguidance grammar a request's constraint asks for ("" = none), checked; a constraint
-    that is empty, malformed or too large is an InvalidRequest naming ``field`` and saying why."""
+    that is empty, malformed or too large is an InvalidRequest naming ``field`` and saying why.
+    The latest constraints' grammars are kept (a service's clients send the same few schemas; a
+    large one takes a few hundred ms to check)."""
+    return _checked(structured.SerializeToString(deterministic=True), field)
+
+
+@functools.lru_cache(maxsize=_TEMPLATES_KEPT)
+def _checked(wire: bytes, field: str) -> str:
+    structured = common_pb2.StructuredOutput.FromString(wire)
     kind = structured.WhichOneof("constraint")
     if kind is None:
         return ""
