@@ -20,7 +20,7 @@ from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
 from specdec.runtime.lookup import ReplyIndex
 from specdec.runtime.sampling import GREEDY_TEMPERATURE
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
-from specdec.serving.errors import NotServing, Overloaded, StartupError, StateUnreachable
+from specdec.serving.errors import NotServing, Overloaded, StartupError, StateUnavailable, StateUnreachable
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.state import StateStore, open_store, store_location
 from specdec.v1 import common_pb2, coordinator_pb2
@@ -206,6 +206,13 @@ class Engine:
                     raise
                 wait.tick(error=str(exc), cause=str(exc.__cause__ or exc))
                 await asyncio.sleep(0.5)
+            except StateUnavailable as exc:  # it answered, and refused: a configuration error
+                cause = exc.__cause__ or exc
+                raise StartupError(
+                    f"the state store at {store_location(self.settings.state_url)} refused the coordinator "
+                    f"({type(cause).__name__}: {cause}); check --state-username and --state-password-file "
+                    "(or --state-password, or the password in --state-url) and the user's ACL"
+                ) from None
 
     def _fit_draft(
         self, replica: DraftClient, target_info: common_pb2.WorkerInfo, draft_info: common_pb2.WorkerInfo

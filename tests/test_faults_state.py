@@ -162,18 +162,23 @@ def test_redis_not_up_yet_at_start_up_is_waited_for(
 
 
 def test_a_wrong_redis_password_still_stops_start_up_at_once(tmp_path: Path, tiny_models: TinyModels) -> None:
-    """A configuration error is not waited out: a wrong password ends start-up at once, naming it."""
+    """A configuration error is not waited out: a wrong password ends start-up at once, with one
+    `startup_failed` line that names it and says what to check, and no traceback (the reason is
+    known)."""
     server = RedisServer(tmp_path / "redis-data", password="right-Pa55word-0123")
     began = time.monotonic()
     try:
         with (
-            pytest.raises(LaunchError, match="AuthenticationError"),
+            pytest.raises(LaunchError, match="AuthenticationError") as error,
             fault_cluster(tmp_path, tiny_models.target, None, state_url=f"redis://:wrong@127.0.0.1:{server.port}/0"),
         ):
             pass
     finally:
         server.stop()
     assert time.monotonic() - began < 60
+    failed = [line for line in str(error.value).splitlines() if "startup_failed" in line]
+    assert len(failed) == 1 and "--state-password-file" in failed[0], failed
+    assert "Traceback" not in str(error.value) and '"exception"' not in failed[0]
 
 
 @pytest.mark.parametrize("deadline", ["client", "worker-timeout"])
