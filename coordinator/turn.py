@@ -570,7 +570,7 @@ class Turn:
         --state-retry-s of their own: the caller may be gone, the session must not stay locked."""
         if self._renewal is not None:
             self._renewal.cancel()
-        self.workers.close_stream()
+        self.workers.close_stream(finished)
         self.workers.unbind()
         store, budget = self.deps.store, self.deps.state_retry_s
         if self._acquiring:

@@ -492,9 +492,13 @@ class WorkerSession:
         """This round does not use the draft model: a block it drafts ahead is of no use."""
         self._last = None
 
-    def close_stream(self) -> None:
+    def close_stream(self, finished: bool = False) -> None:
+        """Ends the turn's draft stream: closed cleanly after a turn that finished, else cancelled."""
         if self._stream is not None:
-            self._stream.cancel()
+            if finished:
+                self._stream.close()
+            else:
+                self._stream.cancel()
             self._stream = None
 
     async def release(self, timeout_s: float) -> None:

@@ -457,6 +457,33 @@ class DraftStream:
     def cancel(self) -> None:
         self._call.cancel()
 
+    def close(self) -> None:
+        """Ends the stream of a turn that finished: a half-close, on which the draft drops what it
+        drafted ahead and ends the call OK (cancelling it would count a CANCELLED call on the
+        draft for every request). What it still sends is read and dropped; a draft that has not
+        ended the call within CLOSE_S is cancelled."""
+        task = asyncio.get_running_loop().create_task(self._close())
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+
+    async def _close(self) -> None:
+        ended = False
+        try:
+            async with asyncio.timeout(CLOSE_S):
+                await self._call.done_writing()
+                while await self._call.read() is not grpc.aio.EOF:
+                    pass
+            ended = True
+        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        finally:
+            if not ended:
+                self._call.cancel()
+
+
+CLOSE_S = 2.0
+_CLOSING: set[asyncio.Task[None]] = set()  # streams being closed (a reference keeps each task alive)
+
 
 def translates(info: common_pb2.WorkerInfo) -> bool:
     """The draft's tokenizer differs from the target's: it drafts in its own vocabulary and sends

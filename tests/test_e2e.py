@@ -289,6 +289,30 @@ def test_every_rpc_is_counted_by_method_and_status_code_and_timed(
     assert 0 < after["first seconds"] - before["first seconds"] < after["stream seconds"] - before["stream seconds"]
 
 
+def test_a_finished_turn_ends_its_draft_stream_with_ok(
+    cluster_pipelined: LocalCluster, pipelined: coordinator_pb2_grpc.GenerationStub
+) -> None:
+    """A turn that finished closes its Propose stream (the draft drops a block it drafted ahead
+    and ends the call OK); only a turn that did not finish cancels it. Every finished turn used
+    to cancel it: the draft's `specdec_rpcs_total` counted each one CANCELLED, so an operator's
+    error rate over the draft's RPCs was one per request."""
+    propose = 'method="specdec.v1.DraftWorker/Propose"'
+
+    def counts() -> tuple[float, float]:
+        rpcs = "specdec_rpcs_total"
+        return (
+            metric(cluster_pipelined, "draft", rpcs, f'code="OK",{propose}'),
+            metric(cluster_pipelined, "draft", rpcs, f'code="CANCELLED",{propose}'),
+        )
+
+    ok, cancelled = counts()
+    for prompt in PROMPTS:
+        reply = pipelined.Generate(request(prompt, max_new=12, ignore_eos=True))
+        assert reply.stats.draft_tokens_proposed > 0
+    wait_for(lambda: counts()[0] == ok + len(PROMPTS), 10)
+    assert counts() == (ok + len(PROMPTS), cancelled)
+
+
 def test_every_turn_leaves_one_log_line_of_what_it_cost(
     cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub
 ) -> None:
