@@ -162,7 +162,7 @@ class GrammarMasks:
 
     def allowed(self, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
         """[R, words] int32 bit masks -> [R, vocab] bool (ids past the tokenizer's: not allowed)."""
-        bits = ((bitmask.unsqueeze(-1) >> _BIT) & 1).bool().flatten(1)
+        bits = ((bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1).bool().flatten(1)
         if bits.shape[1] < vocab:
             bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
         return bits[:, :vocab]
@@ -227,7 +227,7 @@ class GrammarState:
             matcher.rollback(advanced)
         if matcher.is_error():
             raise InvalidRequest(f"the structured-output constraint failed: {_first_line(matcher.get_error())}")
-        allowed = self.masks.allowed(bitmask, vocab).to(logits.device)
+        allowed = self.masks.allowed(bitmask.to(logits.device), vocab)  # unpacked where the logits are
         return logits.masked_fill(~allowed, float("-inf"))
 
 
