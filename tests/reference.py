@@ -8,7 +8,7 @@ from functools import cache
 
 import grpc
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from specdec.state import SessionRecord, open_store
 from specdec.tools.launch import LocalCluster
@@ -21,11 +21,27 @@ from specdec.v1 import (
     target_pb2,
     target_pb2_grpc,
 )
+from tests.spec_oracle import Processor
 
 
 @cache
-def reference_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int, ignore_eos: bool = False) -> list[int]:
-    """Greedy target-only output from HF generate (fp32, CPU); ``ignore_eos`` generates past EOS."""
+class AsLogitsProcessor(LogitsProcessor):
+    """An independent reference processing (tests/spec_oracle.py: (logits, sequence before) ->
+    processed logits) as an HF logits processor."""
+
+    def __init__(self, processor: Processor) -> None:
+        self._processor = processor
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows = [self._processor(scores[i], tuple(input_ids[i].tolist())) for i in range(scores.shape[0])]
+        return torch.stack(rows)  # type: ignore[return-value]
+
+
+def reference_greedy(
+    model_dir: str, prompt: tuple[int, ...], max_new: int, ignore_eos: bool = False, mask: Processor | None = None
+) -> list[int]:
+    """Greedy target-only output from HF generate (fp32, CPU); ``ignore_eos`` generates past EOS;
+    ``mask``: a structured-output reference (tests/spec_oracle.py) applied at every step."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = GenerationConfig.from_model_config(model.config) if not ignore_eos else GenerationConfig()
     config.update(max_new_tokens=max_new, do_sample=False, pad_token_id=model.config.pad_token_id)
@@ -35,8 +51,11 @@ def reference_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int, igno
         config.eos_token_id = None
         model.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
-    # An explicit mask: generate() would otherwise treat pad-token ids in the prompt as padding.
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    processors = LogitsProcessorList([AsLogitsProcessor(mask)] if mask is not None else [])
+    # An explicit attention mask: generate() would otherwise treat pad-token ids in the prompt as padding.
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), generation_config=config, logits_processor=processors
+    )
     return out[0, len(prompt) :].tolist()
 
 

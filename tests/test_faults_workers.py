@@ -14,16 +14,19 @@ from pathlib import Path
 import grpc
 import pytest
 
+from specdec.runtime.grammar import grammar_of
 from specdec.serving.server import INTERNAL_MESSAGE
-from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, logged_events, metric, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import LateLink, ProxyRoutes
 from tests.reference import make_request, read_session, reference_greedy, worker_info
+from tests.spec_oracle import reference_grammar
 from tests.tiny_models import TinyModels, build_crashy, build_model, build_tokenizer
 
 PROMPT = [5, 17, 99, 3]
 LONG = 120  # tokens: enough rounds to inject a fault in the middle
+EOS = 257  # the byte tokenizer's </s>
 
 
 def stream_with_fault(
@@ -210,6 +213,32 @@ def test_session_moves_to_a_second_target_replica(
         "client_errors": 0,
         "longest_stall_s": round(gap, 3),
     }
+
+
+def test_a_constrained_reply_moved_to_a_second_target_replica_stays_exact(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes]
+) -> None:
+    """Structured output under a failover: the replica that takes the session over mid-reply has
+    no matcher for it and rebuilds the grammar's state from the reply so far; the reply equals
+    target-only greedy decoding with the constraint's mask at every step."""
+    constraint = common_pb2.StructuredOutput(regex=r"[a-c]{60,90}-[0-9]{1,3}")
+    target = str(tiny_models.target)
+    mask = reference_grammar(grammar_of(constraint), target, len(build_tokenizer()), [EOS], len(PROMPT))
+    expected = reference_greedy(target, tuple(PROMPT), LONG, mask=mask)
+    assert expected[-1] == EOS  # the constraint, not max_new_tokens, ends it
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, targets=2, route=routes(0.01)) as cluster:
+        replicas = [cluster.processes["target-0"], cluster.processes["target-1"]]
+
+        def kill_session_replica() -> None:
+            next(r for r in replicas if worker_info(r.address, "target").active_sessions > 0).proc.kill()
+
+        request = make_request(PROMPT, max_new=LONG)
+        request.sampling.structured_output.CopyFrom(constraint)
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            tokens, last, _ = stream_with_fault(stub, request, kill_session_replica)
+        assert tokens == expected and last.finish_reason == coordinator_pb2.FINISH_REASON_STOP
+        assert metric(cluster, "coordinator", "specdec_target_failovers_total") >= 1
 
 
 def test_sessions_are_spread_over_draft_replicas_and_move_when_one_fails(

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LogitsProcessorList
 
 from specdec.runtime.grammar import grammar_of
 from specdec.runtime.processing import Processing
@@ -23,7 +23,7 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import HUGE_TEXT, loop_stall_during, wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.helpers import RedisServer
-from tests.reference import coordinator_stub, make_request, read_session
+from tests.reference import AsLogitsProcessor, coordinator_stub, make_request, read_session
 from tests.spec_oracle import Processor, reference_grammar, reference_processing
 from tests.tiny_models import TinyModels, build_model
 
@@ -42,17 +42,6 @@ def _model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-class _Reference(LogitsProcessor):
-    """Wraps the independent reference processing (tests/spec_oracle.py) as an HF processor."""
-
-    def __init__(self, processor: Processor) -> None:
-        self._processor = processor
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows = [self._processor(scores[i], tuple(input_ids[i].tolist())) for i in range(scores.shape[0])]
-        return torch.stack(rows)  # type: ignore[return-value]
-
-
 def hf_greedy(
     model_dir: str, prompt: list[int], processing: Processing, stop_ids: list[int], mask: Processor | None = None
 ) -> list[int]:
@@ -63,9 +52,9 @@ def hf_greedy(
         max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stop_ids, pad_token_id=model.config.pad_token_id
     )
     ids = torch.tensor([prompt])
-    processors = LogitsProcessorList([_Reference(reference_processing(processing, len(prompt)))])
+    processors = LogitsProcessorList([AsLogitsProcessor(reference_processing(processing, len(prompt)))])
     if mask is not None:
-        processors.append(_Reference(mask))
+        processors.append(AsLogitsProcessor(mask))
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), generation_config=config, logits_processor=processors
     )
