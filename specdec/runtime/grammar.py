@@ -203,8 +203,8 @@ class GrammarState:
         """``logits`` [R, V] with every token the grammar disallows at its row set to -inf (a new
         tensor); row r sees ``tokens[:first_position + r]``. Rows after a token the grammar does
         not allow, or after an end-of-sequence token, are left as they are (they decide nothing:
-        that token has probability 0, or the reply ends at it). None
-        when the reply before the first row already breaks the grammar."""
+        that token has probability 0, or the reply ends at it). None when the reply before the
+        first row already breaks the grammar."""
         matcher = self._synced(grammar, reply_start, tokens[reply_start:first_position])
         if matcher is None:
             return None
