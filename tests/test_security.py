@@ -271,8 +271,8 @@ def test_wrong_redis_password_fails_start_up_clearly(secure: SecureCluster, tmp_
     with pytest.raises(LaunchError):
         process.wait_ready(60)
     log = process.log_file.read_text()
-    assert "state store unavailable (AuthenticationError)" in log
-    assert "wrong-password" not in log
+    assert "refused the coordinator (AuthenticationError" in log and "--state-password-file" in log
+    assert "wrong-password" not in log and "Traceback" not in log
 
 
 def test_unreadable_credentials_stop_start_up_with_a_clear_message(tmp_path: Path) -> None:
