@@ -435,7 +435,15 @@ def test_a_stopping_coordinator_hands_its_clients_to_another_replica(
                 os.kill(first.proc.pid, signal.SIGTERM)
                 service.retarget(second.address)  # the endpoints controller drops the stopping pod
                 wait_for(lambda: _not_serving(first), 5)
-                reply = stub.Generate(short, timeout=30)  # main: UNAVAILABLE "the server is shutting down"
+                try:
+                    reply = stub.Generate(short, timeout=30)  # main: UNAVAILABLE "the server is shutting down"
+                except grpc.RpcError as exc:
+                    # grpc core's open issue 41785: a call that reaches the stopping server between
+                    # its GOAWAY and the client's reading of it ends CANCELLED before any handler
+                    # runs (UNAVAILABLE is meant); nothing was done, so it is sent again. About 1 run
+                    # in 10 on a busy 2-core host.
+                    assert exc.code() == grpc.StatusCode.CANCELLED and exc.details() == "CANCELLED", exc
+                    reply = stub.Generate(short, timeout=30)
                 assert list(reply.token_ids) == expected_short
                 assert first.proc.poll() is None, "the first replica is still draining its stream"
                 tokens += [t for m in stream for t in m.token_ids]
