@@ -382,6 +382,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
             server_type="specdec",
             data_parallel_size=1,
             max_num_seqs=self._engine.settings.max_concurrent_requests,
+            constrained_decoding_start="first_token" if self._engine.limits.structured_output else "",
         )
 
     async def GetLoads(

@@ -307,6 +307,8 @@ def test_engine_info_rpcs(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gatewa
     assert list(info.eos_token_ids) == [gateway.tokenizer.eos_token_id]
     server = engine_stub.GetServerInfo(vllm_pb2.GetServerInfoRequest(), timeout=10)
     assert server.server_type == "specdec" and server.max_num_seqs > 0
+    # a grammar applies from the first generated token (there is no reasoning parser to wait for)
+    assert server.constrained_decoding_start == "first_token" and not server.engine_reasoning_parser
     loads = engine_stub.GetLoads(vllm_pb2.GetLoadsRequest(), timeout=10)
     assert loads.dp_rank_count == 1 and loads.loads[0].max_running_requests == server.max_num_seqs
     chunks = list(engine_stub.GetTokenizer(smg_common_pb2.GetTokenizerRequest(), timeout=30))
