@@ -17,7 +17,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
-from specdec.serving.errors import ReplyTooLarge, StartupError, WorkerFailed, WorkerTimedOut, WorkerUnavailable
+from specdec.runtime.grammar import CONSTRAINT_ERROR
+from specdec.serving.errors import (
+    InvalidRequest,
+    ReplyTooLarge,
+    StartupError,
+    WorkerFailed,
+    WorkerTimedOut,
+    WorkerUnavailable,
+)
 from specdec.serving.security import ClientSecurity, Reloaded
 from specdec.serving.server import channel_options
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -263,6 +271,9 @@ class TargetClient:
                 raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
             if exc.code() in _RETRYABLE:
                 raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
+            details = exc.details() or ""
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(CONSTRAINT_ERROR):
+                raise InvalidRequest(details) from exc  # the request's grammar, not the worker
             raise WorkerFailed("the target worker failed while processing the request") from exc
 
     async def close(self) -> None:

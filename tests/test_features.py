@@ -211,6 +211,28 @@ def test_a_large_schema_does_not_stall_other_requests(cluster_same: LocalCluster
     assert worst < took / 3, (worst, took)
 
 
+def test_a_grammar_past_its_work_limits_is_the_request_s_invalid_argument(
+    cluster_same: LocalCluster, tiny_models: TinyModels
+) -> None:
+    """A schema of 3,000 optional properties checks and compiles, but its parse outgrows
+    llguidance's per-step limits once the reply is `{"p1`: the client gets INVALID_ARGUMENT with
+    the reason (main: INTERNAL "the target worker failed"), and the next request is served."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.target))
+    forced = {tokenizer(ch)["input_ids"][0]: 30.0 for ch in '{"p1'}  # the reply starts {"p1
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+    constraint = common_pb2.StructuredOutput(json_schema=json.dumps(schema))
+    sampling = common_pb2.SamplingParams(max_new_tokens=12, logit_bias=forced, structured_output=constraint)
+    with grpc.insecure_channel(cluster_same.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Generate(coordinator_pb2.GenerateRequest(prompt="hi", sampling=sampling), timeout=60)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+        assert "the structured-output constraint failed" in (error.value.details() or "")
+        assert "max is 2000" in (error.value.details() or "")
+        reply = stub.Generate(make_request([5, 6, 7], max_new=4), timeout=60)
+        assert len(reply.token_ids) == 4
+
+
 def _forward_logprobs(model_dir: str, sequence: list[int]) -> torch.Tensor:
     """log-softmax of one plain forward pass over ``sequence``: row j scores token j + 1."""
     with torch.inference_mode():

@@ -31,6 +31,10 @@ from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
 
+# How a worker's message about the request's constraint begins (the compile with its tokenizer
+# failed, or the parse outgrew the work limits): the coordinator passes such an INVALID_ARGUMENT
+# on to its client as the request's own error, where other worker errors are its own.
+CONSTRAINT_ERROR = "the structured-output constraint "
 MAX_GRAMMAR_CHARS = 100_000  # a schema, expression or grammar longer than this is refused
 MAX_CHOICES = 1024
 _TEMPLATES_KEPT = 64  # compiled grammars a worker keeps (a session copies one)
@@ -149,7 +153,7 @@ class GrammarMasks:
             template = LLMatcher(self.tokenizer, grammar, log_level=0, limits=_limits())
             if template.is_error():
                 error = _first_line(template.get_error())
-                raise InvalidRequest(f"the structured-output constraint cannot be used: {error}")
+                raise InvalidRequest(f"{CONSTRAINT_ERROR}cannot be used: {error}")
         with self._lock:
             self._templates[grammar] = template
             while len(self._templates) > _TEMPLATES_KEPT:
@@ -193,7 +197,7 @@ class GrammarState:
             return None
         if added and not matcher.consume_tokens(added):  # a work limit, not a token: the grammar's fault
             self._matcher = None
-            raise InvalidRequest(f"the structured-output constraint failed: {_first_line(matcher.get_error())}")
+            raise InvalidRequest(f"{CONSTRAINT_ERROR}failed: {_first_line(matcher.get_error())}")
         self._consumed += added
         return matcher
 
@@ -226,7 +230,7 @@ class GrammarState:
         if advanced:
             matcher.rollback(advanced)
         if matcher.is_error():
-            raise InvalidRequest(f"the structured-output constraint failed: {_first_line(matcher.get_error())}")
+            raise InvalidRequest(f"{CONSTRAINT_ERROR}failed: {_first_line(matcher.get_error())}")
         allowed = self.masks.allowed(bitmask.to(logits.device), vocab)  # unpacked where the logits are
         return logits.masked_fill(~allowed, float("-inf"))
 
