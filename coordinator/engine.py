@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -130,7 +131,7 @@ def server_info(
         max_prompt_chars=limits.max_prompt_chars,
         speculation_mode="pipelined" if pipelined else "sequential",
         adaptive_k=settings.adaptive_k,
-        features=[f for f in FEATURES if limits.structured_output or f != "sampling.structured_output"],
+        features=features(limits.structured_output),
         greedy_temperature=GREEDY_TEMPERATURE,
         chat_template=chat_template,
         max_top_logprobs=MAX_TOP_LOGPROBS,
@@ -141,6 +142,12 @@ def server_info(
     )
 
 
+def features(structured_output: bool) -> list[str]:
+    """The request fields GetInfo lists: all, structured output only where a target replica
+    applies grammars."""
+    return [f for f in FEATURES if structured_output or f != "sampling.structured_output"]
+
+
 class Engine:
     """Owns connections and limits; creates one Turn per request."""
 
@@ -148,7 +155,7 @@ class Engine:
         s = settings
         self.settings = s
         self.metrics = metrics
-        self.targets = TargetPool(s.target_addresses, s, s.target_retry_s)
+        self.targets = TargetPool(s.target_addresses, s, s.target_retry_s, joined=self._offer_grammars)
         self.drafts = DraftPool(s.drafts, s, s.draft_retry_s, s.draft_timeout_s) if s.drafts else None
         self.store: StateStore = open_store(
             s.state_url,
@@ -168,6 +175,7 @@ class Engine:
         self._started = asyncio.Event()
         self._replies = ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None
         self._active = 0
+        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Waits for a target replica and (up to 10 s, or 1 s more once one of them serves) the
@@ -192,6 +200,28 @@ class Engine:
         self._tokenizer = tokenizer
         self._configure(target_info, self._draft_info, "coordinator_ready")
         self._started.set()
+        self._watch = asyncio.create_task(self._watch_targets())
+
+    async def _watch_targets(self) -> None:
+        """Reads the target replicas' Info again every --target-info-refresh-s and offers
+        structured output while some replica applies grammars (replicas restarted with another
+        version or setting, late replicas, one found refusing grammars)."""
+        s = self.settings
+        while True:
+            await asyncio.sleep(s.target_info_refresh_s)
+            await self.targets.refresh_info(min(s.target_info_refresh_s, 10.0))
+            self._offer_grammars()
+
+    def _offer_grammars(self) -> None:
+        """Offers structured output (limits, GetInfo) while some target replica applies grammars."""
+        if self._deps is None or self._info is None:  # start-up configures it
+            return
+        deps, info, able = self._deps, self._info, self.targets.grammars
+        if able != deps.limits.structured_output:
+            deps.limits = dataclasses.replace(deps.limits, structured_output=able)
+            del info.features[:]
+            info.features.extend(features(able))
+            log.info("structured_output_offered" if able else "structured_output_withdrawn")
 
     async def _start_store(self, timeout_s: float) -> None:
         """Connects to the state store, waiting for it (as for a worker) while it cannot be reached;
@@ -281,7 +311,7 @@ class Engine:
             lookup_max_tokens=min(s.lookup_max_tokens, max_k),
             draft_confidence=s.draft_confidence,
             draft_block_confidence=s.draft_block_confidence,
-            structured_output=target_info.structured_output,
+            structured_output=self.targets.grammars,
         )
         if draft_info is not None and draft_info.max_context_len < target_info.max_context_len:
             log.warning(
@@ -382,6 +412,8 @@ class Engine:
     async def stop(self) -> None:
         for join in self._draft_joins:
             join.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         await self.store.close()
         await self.targets.close()
         if self.drafts is not None:

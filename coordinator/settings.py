@@ -142,6 +142,12 @@ class CoordinatorSettings(ServiceSettings):
     )
     draft_retry_s: float = Field(5.0, gt=0, description="after a draft failure, decode target-only this long")
     target_retry_s: float = Field(2.0, gt=0, description="after a target replica fails, prefer the others this long")
+    target_info_refresh_s: float = Field(
+        30.0,
+        gt=0,
+        description="read each target replica's Info again this often: a replica restarted with structured output "
+        "turned on or off (or of a version with or without it) is routed to accordingly from then on",
+    )
     state_retry_s: float = Field(
         5.0, ge=0, description="keep retrying an unreachable state store this long (within the client deadline)"
     )

@@ -165,8 +165,9 @@ class Turn:
         self.session_id = self.request.session_id or f"oneshot-{self.owner}"
         d = self.deps
         self.workers = WorkerSession(
-            self.session_id, d.targets, d.drafts, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined, d.costs
-        )
+            self.session_id, d.targets, d.drafts, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined, d.costs,
+            constrained=bool(self.request.processing.grammar),
+        )  # fmt: skip
         self.controller = KController(
             self.request.k,
             d.costs,

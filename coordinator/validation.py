@@ -206,8 +206,9 @@ def _grammar(sampling: common_pb2.SamplingParams, limits: Limits) -> str:
     field = "sampling.structured_output"
     if not limits.structured_output:
         raise InvalidRequest(
-            f"{field} needs target workers that apply grammars, and this server's do not (their tokenizer "
-            "is not one llguidance reads, or they run an older specdec); send the request without it"
+            f"{field} needs target workers that apply grammars, and this server's do not (started with "
+            "--no-structured-output, their tokenizer is not one llguidance reads, or they run an older specdec); "
+            "send the request without it"
         )
     grammar = grammar_of(sampling.structured_output, field)
     if not grammar:

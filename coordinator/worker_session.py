@@ -16,9 +16,11 @@ import structlog
 
 from coordinator.adaptive import MODEL, NGRAM, NO_STOP, PREFILL_MIN_TOKENS, ConfidenceStop, StepCosts
 from coordinator.workers import (
+    NO_GRAMMAR_REPLICA,
     DraftClient,
     DraftPool,
     DraftStream,
+    GrammarsRefused,
     TargetClient,
     TargetPool,
     WorkerCallFailed,
@@ -136,10 +138,14 @@ class WorkerSession:
         deadline: float | None,
         pipelined: bool = False,
         costs: StepCosts | None = None,
+        constrained: bool = False,
     ) -> None:
         """``deadline``: the caller's deadline (event-loop time), None for none; ``costs``: the
-        measured model costs (a call that prefills gets the time its tokens are expected to take)."""
+        measured model costs (a call that prefills gets the time its tokens are expected to take);
+        ``constrained``: the turn has a structured-output grammar, so only target replicas that
+        apply grammars verify it."""
         self.session_id = session_id
+        self.constrained = constrained
         self._targets = targets
         self._drafts = drafts
         self._target: TargetClient | None = None  # the target replica holding target_len of the session
@@ -225,7 +231,7 @@ class WorkerSession:
             for cached, where in ((targets, location.target), (drafts, location.draft)):
                 if where is not None and min(length, where.length) > cached.get(where.address, (0, ""))[0]:
                     cached[where.address] = (min(length, where.length), location.cache_id)
-        target = place(self._targets.replicas, self.session_id, {a: n for a, (n, _) in targets.items()})
+        target = place(self._target_replicas(), self.session_id, {a: n for a, (n, _) in targets.items()})
         if target is not None:
             self._set_target(target)
             self.target_len, self._target_source = targets.get(target.address, (0, ""))
@@ -234,6 +240,12 @@ class WorkerSession:
             if draft is not None:
                 self._set_draft(draft)
                 self.draft_len, self._draft_source = drafts.get(draft.address, (0, ""))
+
+    def _target_replicas(self, order: Sequence[TargetClient] | None = None) -> list[TargetClient]:
+        """The target replicas (in ``order``, else the pool's) that may verify this turn: those
+        known to apply grammars when it is constrained, else all."""
+        replicas = self._targets.replicas if order is None else order
+        return [r for r in replicas if r.grammars or not self.constrained]
 
     def locations(self) -> tuple[CacheLocation | None, CacheLocation | None]:
         """Cache locations to record with a commit."""
@@ -402,13 +414,15 @@ class WorkerSession:
         repeat: the worker crops to base_len and the round's randomness depends on the position.
         """
         ask = ask or LogprobsAsk()
-        first = next(iter(self._targets.candidates(self.session_id, self.target_address)), None)
+        first = next(iter(self._target_replicas(self._targets.candidates(self.session_id, self.target_address))), None)
         budget = self.time_left(
             prefill=len(committed) - min(self.target_len, len(committed)),
             context=len(committed),
             ahead_ms=first.prefills.ahead_ms if first is not None else 0.0,
         )
         last_error: SpecdecError = WorkerUnavailable("no target worker answered in time; retry later")
+        if first is None and self.constrained:
+            last_error = GrammarsRefused(NO_GRAMMAR_REPLICA)
         if self._caller_left() <= budget:  # the caller's deadline is the limit here
             last_error = DeadlineExceeded("the request's deadline expired during verification")
         loop = asyncio.get_running_loop()
@@ -416,7 +430,7 @@ class WorkerSession:
         for attempt in range(2):
             if attempt:
                 await asyncio.sleep(_VERIFY_RETRY_PAUSE_S)
-            for replica in self._targets.candidates(self.session_id, self.target_address):
+            for replica in self._target_replicas(self._targets.candidates(self.session_id, self.target_address)):
                 remaining = budget_end - loop.time()
                 if remaining <= _VERIFY_RETRY_PAUSE_S:
                     raise last_error
@@ -426,6 +440,13 @@ class WorkerSession:
                     reply, reused = await self._verify_on(
                         replica, committed, block, decoding, ask, cached, remaining, source
                     )
+                except GrammarsRefused as exc:  # it serves, but not this turn: no failover counted, not tripped
+                    log.warning(
+                        "target_applies_no_grammars", address=replica.address, effect="constrained turns go elsewhere"
+                    )
+                    replica.grammars = False
+                    last_error = exc
+                    continue
                 except WorkerTimedOut as exc:
                     if self._caller_left() <= remaining:  # the caller's deadline, not the replica, ran out
                         raise DeadlineExceeded("the request's deadline expired during verification") from exc
@@ -472,6 +493,8 @@ class WorkerSession:
             self._target_source = ""  # the worker has its own copy now, or refused the source
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 self.counters.target_passes += 1
+                if decoding.processing.grammar and not reply.constrained:  # a worker older than grammars
+                    raise GrammarsRefused(NO_GRAMMAR_REPLICA)
                 if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1 or (
                     ask.tokens and len(reply.logprobs) != len(reply.token_ids)
                 ):

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.adaptive import ewma
 from coordinator.settings import CoordinatorSettings
-from specdec.runtime.grammar import CONSTRAINT_ERROR
+from specdec.runtime.grammar import CONSTRAINT_ERROR, NO_GRAMMARS
 from specdec.serving.errors import (
     InvalidRequest,
     ReplyTooLarge,
@@ -222,6 +222,18 @@ class PrefillQueue:
             self.ahead_ms = max(self.ahead_ms - expected_ms, 0.0)
 
 
+class GrammarsRefused(WorkerUnavailable):
+    """A target replica does not apply structured-output grammars (it said so, or its verdict on a
+    constrained step says nothing of the grammar: a worker older than them): the session's
+    constrained steps go to another replica."""
+
+
+NO_GRAMMAR_REPLICA = (
+    "no target worker that applies structured-output constraints is serving now; retry later, or send "
+    "the request without sampling.structured_output"
+)
+
+
 class TargetClient:
     """One target worker replica."""
 
@@ -235,13 +247,30 @@ class TargetClient:
         self.prefills = PrefillQueue()
         self.info = common_pb2.WorkerInfo()
         self.vocabulary = ("", 0)  # (tokenizer hash, vocab size) the coordinator serves; every verify names it
+        self.grammars = False  # applies structured-output grammars: its Info, then its answers to constrained steps
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._link.channel, "target", self.address, timeout_s)
         self.info = (
             await self._link.stub().Info(target_pb2.TargetInfoRequest(), timeout=10.0, metadata=self._link.metadata())
         ).info
+        self.grammars = self.info.structured_output
         return self.info
+
+    async def refresh_info(self, timeout_s: float) -> None:
+        """Reads the replica's Info again (a restarted replica may apply grammars now, or no
+        longer); a replica that does not answer keeps what was known."""
+        try:
+            info = (
+                await self._link.stub().Info(
+                    target_pb2.TargetInfoRequest(), timeout=timeout_s, metadata=self._link.metadata()
+                )
+            ).info
+        except grpc.aio.AioRpcError:
+            return
+        if info.structured_output != self.grammars:
+            log.info("target_grammars_changed", address=self.address, structured_output=info.structured_output)
+        self.info, self.grammars = info, info.structured_output
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
         request.tokenizer_hash, request.vocab_size = self.vocabulary
@@ -266,6 +295,8 @@ class TargetClient:
                 sizes = re.search(r"larger than max \((\d+) vs\. (\d+)\)", exc.details() or "")
                 size = f"{int(sizes[1]):,} bytes, the limit {int(sizes[2]):,}" if sizes else "over the limit"
                 raise ReplyTooLarge(_TOO_LARGE.format(size)) from exc
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED and (exc.details() or "").startswith(NO_GRAMMARS):
+                raise GrammarsRefused(NO_GRAMMAR_REPLICA) from exc
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # it serves another model (WrongModel)
                 log.error("target_serves_another_model", address=self.address, details=exc.details())
                 raise WorkerUnavailable("the target worker is unavailable; retry later") from exc
@@ -351,8 +382,16 @@ class TargetPool:
     moves to the next by rendezvous hashing (so every coordinator picks the same one) and is
     re-prefilled there from the committed tokens."""
 
-    def __init__(self, addresses: Sequence[str], settings: CoordinatorSettings, retry_s: float) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        settings: CoordinatorSettings,
+        retry_s: float,
+        joined: Callable[[], None] | None = None,
+    ) -> None:
+        """``joined`` is called when a replica that did not serve at start-up joins."""
         self.replicas = [TargetClient(address, settings, retry_s) for address in addresses]
+        self._joined = joined
         self._joining: set[asyncio.Task[common_pb2.WorkerInfo | None]] = set()
         self._first: common_pb2.WorkerInfo | None = None  # the Info of the first replica that served
 
@@ -412,10 +451,22 @@ class TargetPool:
         log.info("target_joined", address=replica.address, model=info.model_id)
         if self._first is not None:
             self._compare(replica)
+            if self._joined is not None:
+                self._joined()
         return info
 
     def get(self, address: str) -> TargetClient | None:
         return next((r for r in self.replicas if r.address == address), None)
+
+    @property
+    def grammars(self) -> bool:
+        """Some replica that has served applies structured-output grammars."""
+        return any(r.grammars for r in self.replicas)
+
+    async def refresh_info(self, timeout_s: float) -> None:
+        """Reads again the Info of every replica that serves (one that has not served yet is being
+        waited for, and reads it when it does)."""
+        await asyncio.gather(*(r.refresh_info(timeout_s) for r in self.replicas if r.breaker.up))
 
     def candidates(self, session_id: str, current: str | None) -> list[TargetClient]:
         """Replicas to try in order: the current one, then the rest by rendezvous hash; up ones first."""

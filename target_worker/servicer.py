@@ -40,7 +40,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             raise InvalidRequest(f"at most {MAX_TOP_LOGPROBS} top logprobs per token")
         warp, core = warp_from_proto(request.warp), self._core
         processing = processing_from_proto(request.processing)
-        await core.prepare_grammar(processing.grammar)
+        await core.prepare_grammar(processing.grammar, required=True)
         ask = LogprobsAsk(
             request.logprobs, request.top_logprobs, request.prompt_logprobs_count, request.prompt_top_logprobs
         )
@@ -72,6 +72,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             compute_ms=result.compute_ms,
             logprobs=result.logprobs,
             prompt_logprobs=result.prompt_logprobs,
+            constrained=bool(processing.grammar),  # verify_job masked every row, or raised
         )
 
     async def ReleaseSession(

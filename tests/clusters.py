@@ -7,7 +7,7 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ def fault_cluster(
     worker_args: Sequence[str] = (),
     draft_args: Sequence[str] = (),
     route: Callable[[str, str], str] | None = None,
+    replica_args: Mapping[str, Sequence[str]] | None = None,
 ) -> Iterator[LocalCluster]:
     cluster = LocalCluster(
         str(target),
@@ -49,6 +50,7 @@ def fault_cluster(
         targets=targets,
         drafts=drafts,
         route=route,
+        replica_args=replica_args or {},
     )
     with cluster:
         yield cluster

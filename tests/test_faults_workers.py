@@ -241,6 +241,109 @@ def test_a_constrained_reply_moved_to_a_second_target_replica_stays_exact(
         assert metric(cluster, "coordinator", "specdec_target_failovers_total") >= 1
 
 
+def test_constrained_sessions_are_verified_only_where_grammars_apply(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Target replicas that differ in structured output (one started with --no-structured-output;
+    in a rolling upgrade, a replica of a version without it): constrained sessions are placed and
+    verified only on replicas that apply grammars, while other sessions still use every replica.
+    Main placed constrained sessions on either replica and those on the other one failed."""
+    constraint = common_pb2.StructuredOutput(regex=r"[a-c]{5,12}-[0-9]{1,3}")
+    target = str(tiny_models.target)
+    mask = reference_grammar(grammar_of(constraint), target, len(build_tokenizer()), [EOS], len(PROMPT))
+    expected = reference_greedy(target, tuple(PROMPT), 40, mask=mask)
+    assert expected[-1] == EOS
+    no_grammars = {"target-1": ["--no-structured-output"]}
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, targets=2, replica_args=no_grammars) as cluster:
+        applies, refuses = (cluster.processes[f"target-{i}"].address for i in range(2))
+        assert worker_info(applies, "target").structured_output and not worker_info(refuses, "target").structured_output
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            assert "sampling.structured_output" in stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10).features
+            for i in range(8):
+                assert list(stub.Generate(_constrained(f"json-{i}", constraint), timeout=60).token_ids) == expected
+            assert [worker_info(a, "target").active_sessions for a in (applies, refuses)] == [8, 0]
+            for i in range(8):
+                stub.Generate(make_request(PROMPT, max_new=8, session_id=f"free-{i}", ignore_eos=True), timeout=60)
+        assert worker_info(refuses, "target").active_sessions > 0  # unconstrained sessions still go there
+        assert metric(cluster, "coordinator", "specdec_target_failovers_total") == 0
+
+
+def _constrained(session_id: str, constraint: common_pb2.StructuredOutput) -> coordinator_pb2.GenerateRequest:
+    request = make_request(PROMPT, max_new=40, session_id=session_id)
+    request.sampling.structured_output.CopyFrom(constraint)
+    return request
+
+
+def test_a_target_replica_restarted_without_grammars_hands_constrained_sessions_on(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """A replica whose Info said it applies grammars restarts without them (the coordinator reads
+    Info again only every --target-info-refresh-s): its refusal of a constrained step moves that
+    session to a replica that applies them, within the turn, without a failover or an error and
+    without taking the replica out for other sessions."""
+    constraint = common_pb2.StructuredOutput(regex=r"[a-c]{5,12}-[0-9]{1,3}")
+    target = str(tiny_models.target)
+    mask = reference_grammar(grammar_of(constraint), target, len(build_tokenizer()), [EOS], len(PROMPT))
+    expected = reference_greedy(target, tuple(PROMPT), 40, mask=mask)
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, targets=2) as cluster:
+        restarted = cluster.processes["target-1"]
+        restarted.args = [*restarted.args, "--no-structured-output"]
+        restarted.restart()
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            for i in range(12):  # placed by rendezvous hash: some land on the restarted replica
+                assert list(stub.Generate(_constrained(f"json-{i}", constraint), timeout=60).token_ids) == expected
+            for i in range(8):
+                stub.Generate(make_request(PROMPT, max_new=8, session_id=f"free-{i}", ignore_eos=True), timeout=60)
+        events = logged_events(cluster.processes["coordinator"])
+        refusals = [e for e in events if e["event"] == "target_applies_no_grammars"]
+        assert [e["address"] for e in refusals] == [restarted.address]  # once: then it was left out
+        assert metric(cluster, "coordinator", "specdec_target_failovers_total") == 0
+        assert worker_info(restarted.address, "target").active_sessions >= 1  # still serves the others
+
+
+def test_structured_output_is_offered_while_a_target_replica_applies_grammars(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """GetInfo and request checks follow the target replicas' Info as it is read again
+    (--target-info-refresh-s): a replica restarted with grammars turned on offers structured output
+    without a coordinator restart (main decided once, from the first replica's Info at start-up),
+    and one restarted with them turned off withdraws it: constrained requests are refused up front
+    with the reason instead of failing on the worker."""
+    constraint = common_pb2.StructuredOutput(regex=r"[a-c]{5,12}-[0-9]{1,3}")
+    target = str(tiny_models.target)
+    mask = reference_grammar(grammar_of(constraint), target, len(build_tokenizer()), [EOS], len(PROMPT))
+    expected = reference_greedy(target, tuple(PROMPT), 40, mask=mask)
+    off = {"target-0": ["--no-structured-output"]}
+    refresh = ["--target-info-refresh-s", "0.5"]
+    with fault_cluster(
+        tmp_path, tiny_models.target, tiny_models.noisy, replica_args=off, coordinator_args=refresh
+    ) as cluster:
+        replica = cluster.processes["target-0"]
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+
+            def offered() -> bool:
+                features = stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10).features
+                return "sampling.structured_output" in features
+
+            def refused() -> None:
+                with pytest.raises(grpc.RpcError) as error:
+                    stub.Generate(_constrained("json", constraint), timeout=60)
+                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "needs target workers that apply grammars" in (error.value.details() or "")
+
+            assert not offered()
+            refused()
+            replica.args = [a for a in replica.args if a != "--no-structured-output"]
+            replica.restart()
+            wait_for(offered, 30)
+            assert list(stub.Generate(_constrained("json", constraint), timeout=60).token_ids) == expected
+            replica.args = [*replica.args, "--no-structured-output"]
+            replica.restart()
+            wait_for(lambda: not offered(), 30)
+            refused()
+
+
 def test_sessions_are_spread_over_draft_replicas_and_move_when_one_fails(
     tmp_path: Path, tiny_models: TinyModels, fault_report: dict
 ) -> None:

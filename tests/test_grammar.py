@@ -7,15 +7,18 @@ import dataclasses
 import json
 import random
 
+import grpc
 import pytest
 import torch
 from llguidance import LLMatcher
+from prometheus_client import CollectorRegistry
 from transformers import PreTrainedTokenizer, PreTrainedTokenizerBase
 
 from coordinator.validation import Limits, parse_request
 from specdec.runtime.grammar import MAX_GRAMMAR_CHARS, GrammarMasks, GrammarState, _checked, constrain, grammar_of
-from specdec.serving.errors import InvalidRequest
-from specdec.v1 import common_pb2, coordinator_pb2
+from specdec.serving.errors import GrammarsUnavailable, InvalidRequest
+from specdec.state.base import CacheLocation
+from specdec.v1 import common_pb2, coordinator_pb2, target_pb2
 from tests.tiny_models import build_tokenizer
 
 SO = common_pb2.StructuredOutput
@@ -149,8 +152,8 @@ def test_strict_and_lenient_callers(masks: GrammarMasks, tokenizer: PreTrainedTo
     grammar = grammar_of(SO(regex="ab"))
     broken = ids(tokenizer, "P:zz")
     logits = torch.randn(1, len(tokenizer))
-    for state in (GrammarState(masks), None):
-        with pytest.raises(InvalidRequest):
+    for state, error in ((GrammarState(masks), InvalidRequest), (None, GrammarsUnavailable)):
+        with pytest.raises(error):  # a worker without masks: UNIMPLEMENTED (the coordinator tries another)
             constrain(logits, state, broken, len(broken), grammar, 2, strict=True)
         assert constrain(logits, state, broken, len(broken), grammar, 2, strict=False) is logits
     assert constrain(logits, None, broken, len(broken), "", 2, strict=True) is logits
@@ -246,6 +249,36 @@ def test_the_llguidance_tokenizer_is_built_on_the_first_grammar(tokenizer: PreTr
     assert masks._tokenizer is built and masks._source is None
 
 
+def test_a_tokenizer_llguidance_cannot_read_turns_grammars_off_once(
+    tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Rust-backed tokenizer llguidance still fails to read (found on the first constraint): the
+    target refuses constrained steps as a worker without grammars (UNIMPLEMENTED, so that the
+    coordinator verifies them elsewhere; main answered INVALID_ARGUMENT, which the coordinator
+    turned into INTERNAL), its Info says it applies none from then on (``failed``), the build is
+    not tried again on every request, and the draft drafts unmasked."""
+    import specdec.runtime.grammar as grammar_module
+
+    tries: list[int] = []
+
+    def unreadable(*args: object, **kwargs: object) -> None:
+        tries.append(1)
+        raise ValueError("unsupported pre-tokenizer")
+
+    monkeypatch.setattr(grammar_module, "from_tokenizer", unreadable)
+    masks = GrammarMasks.build(tokenizer, len(tokenizer), [EOS])
+    assert masks is not None and not masks.failed
+    grammar = grammar_of(SO(regex="ab"))
+    for _ in range(2):
+        with pytest.raises(GrammarsUnavailable):
+            masks.compile(grammar)
+    assert masks.failed and len(tries) == 1
+    logits, reply = torch.randn(1, len(tokenizer)), ids(tokenizer, "P:")
+    with pytest.raises(GrammarsUnavailable):
+        constrain(logits, GrammarState(masks), reply, len(reply), grammar, 2, strict=True)
+    assert constrain(logits, GrammarState(masks), reply, len(reply), grammar, 2, strict=False) is logits
+
+
 def test_a_constraint_seen_lately_is_not_checked_again() -> None:
     """Clients send the same few schemas: the coordinator keeps the latest 64 checked grammars."""
     schema = json.dumps({"type": "object", "properties": {f"q{i}": {"type": "integer"} for i in range(50)}})
@@ -253,3 +286,68 @@ def test_a_constraint_seen_lately_is_not_checked_again() -> None:
     hits = _checked.cache_info().hits
     assert grammar_of(SO(json_schema=schema)) == first and _checked.cache_info().hits == hits + 1
     assert grammar_of(SO(json_schema=schema), "other.field") == first  # the field names its errors only
+
+
+class _Replica:
+    """A target replica that answers every verify at once; ``applies``: its verdicts say that the
+    grammar masked them (a worker older than grammars leaves the field unset)."""
+
+    role = "target"
+
+    def __init__(self, address: str, applies: bool) -> None:
+        from coordinator.workers import PrefillQueue, _Breaker
+
+        self.address, self.applies, self.calls = address, applies, 0
+        self.grammars = True  # what the coordinator believes (its Info said so before a restart)
+        self.breaker, self.prefills, self.turns = _Breaker(1.0), PrefillQueue(), 0
+
+    async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
+        self.calls += 1
+        return target_pb2.VerifyResponse(
+            cache_status=common_pb2.CACHE_STATUS_OK, token_ids=[7], cache_len=len(request.sync.tail_token_ids) + 1,
+            constrained=self.applies and bool(request.processing.grammar),
+        )  # fmt: skip
+
+
+class _Pool:
+    def __init__(self, *replicas: _Replica) -> None:
+        self.replicas = list(replicas)
+
+    def candidates(self, session_id: str, current: str | None) -> list[_Replica]:
+        return sorted(self.replicas, key=lambda r: r.address != current)
+
+    def get(self, address: str) -> _Replica | None:
+        return next((r for r in self.replicas if r.address == address), None)
+
+
+async def test_a_verdict_that_says_nothing_of_the_grammar_is_not_taken() -> None:
+    """A replica that ignores the grammar (a worker older than structured output, which drops the
+    field it does not know, after a rollback the coordinator has not read yet) answers a
+    constrained step with an unconstrained verdict: the coordinator does not take it, verifies the
+    step on a replica whose verdict says the grammar masked it, and constrained turns leave the
+    old replica out from then on (without taking it out for other turns)."""
+    from coordinator.worker_session import Decoding, WorkerSession
+    from coordinator.workers import GrammarsRefused
+    from specdec.runtime.processing import Processing
+    from specdec.runtime.sampling import Warp
+    from specdec.serving.metrics import CoordinatorMetrics
+
+    old, new = _Replica("old:1", applies=False), _Replica("new:1", applies=True)
+    metrics = CoordinatorMetrics(CollectorRegistry())
+    decoding = Decoding(Warp(), 0, Processing(grammar=grammar_of(common_pb2.StructuredOutput(regex="[a-c]+"))))
+    session = WorkerSession("s", _Pool(old, new), None, metrics, 5.0, None, constrained=True)  # type: ignore[arg-type]
+    session.restore(CacheLocation("old:1", 0), None)  # the session's cache is on the old replica
+    reply, _ = await session.verify([5, 17, 99], common_pb2.DraftBlock(), decoding)
+    assert reply.constrained and (old.calls, new.calls) == (1, 1)
+    assert not old.grammars and old.breaker.up
+    assert session.target_address == "new:1"
+    reply, _ = await session.verify([5, 17, 99, 7], common_pb2.DraftBlock(), decoding)
+    assert reply.constrained and (old.calls, new.calls) == (1, 2)
+    free = WorkerSession("t", _Pool(old, new), None, metrics, 5.0, None)  # type: ignore[arg-type]
+    free.restore(CacheLocation("old:1", 0), None)
+    await free.verify([5, 17], common_pb2.DraftBlock(), Decoding(Warp(), 0))
+    assert (old.calls, new.calls) == (2, 2)  # unconstrained turns still use it
+    alone = WorkerSession("u", _Pool(old), None, metrics, 5.0, None, constrained=True)  # type: ignore[arg-type]
+    with pytest.raises(GrammarsRefused, match="no target worker that applies structured-output constraints"):
+        await alone.verify([5, 17], common_pb2.DraftBlock(), decoding)
+    assert old.calls == 2 and GrammarsRefused.code == grpc.StatusCode.UNAVAILABLE

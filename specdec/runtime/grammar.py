@@ -26,7 +26,7 @@ from llguidance.hf import from_tokenizer
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from specdec.runtime.tokens import common_prefix_len
-from specdec.serving.errors import InvalidRequest
+from specdec.serving.errors import GrammarsUnavailable, InvalidRequest
 from specdec.v1 import common_pb2
 
 log = structlog.get_logger(__name__)
@@ -35,6 +35,9 @@ log = structlog.get_logger(__name__)
 # failed, or the parse outgrew the work limits): the coordinator passes such an INVALID_ARGUMENT
 # on to its client as the request's own error, where other worker errors are its own.
 CONSTRAINT_ERROR = "the structured-output constraint "
+# How a worker's refusal of any grammar begins (GrammarsUnavailable, UNIMPLEMENTED): the coordinator
+# then verifies the session on a replica that applies grammars.
+NO_GRAMMARS = "this worker does not apply structured-output constraints"
 MAX_GRAMMAR_CHARS = 100_000  # a schema, expression or grammar longer than this is refused
 MAX_CHOICES = 1024
 _TEMPLATES_KEPT = 64  # compiled grammars a worker keeps (a session copies one)
@@ -117,6 +120,7 @@ class GrammarMasks:
         self._templates: collections.OrderedDict[str, LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()  # compiles run off the model thread
         self._building = threading.Lock()
+        self.failed = False  # llguidance could not read the tokenizer: no grammars here (Info says so)
 
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Sequence[int]) -> GrammarMasks | None:
@@ -130,12 +134,14 @@ class GrammarMasks:
     def tokenizer(self) -> LLTokenizer:
         with self._building:
             if self._tokenizer is None:
-                assert self._source is not None
+                if self._source is None:  # an earlier build failed
+                    raise GrammarsUnavailable(f"{NO_GRAMMARS}: llguidance cannot read its tokenizer")
                 try:
                     built = from_tokenizer(self._source, n_vocab=self._n_vocab, eos_token=sorted(self.eos))
                 except Exception as exc:  # llguidance cannot read this tokenizer after all
                     log.warning("structured_output_unavailable", reason=_first_line(str(exc)))
-                    raise InvalidRequest("this worker cannot apply structured-output constraints") from None
+                    self.failed, self._source = True, None
+                    raise GrammarsUnavailable(f"{NO_GRAMMARS}: llguidance cannot read its tokenizer") from None
                 self._tokenizer, self._source = built, None
             return self._tokenizer
 
@@ -251,9 +257,9 @@ def constrain(
     (the draft, whose masks only raise acceptance) the logits are left unmasked then."""
     if not grammar:
         return logits
-    if state is None:
+    if state is None or state.masks.failed:
         if strict:
-            raise InvalidRequest("this worker cannot apply structured-output constraints (see its Info)")
+            raise GrammarsUnavailable(f"{NO_GRAMMARS} (see its Info)")
         return logits
     masked = state.masked(logits, tokens, first_position, grammar, reply_start)
     if masked is None:

@@ -172,6 +172,7 @@ class LoadOptions:
     trust_remote_code: bool = False
     layers: int = 0  # keep only the first N decoder layers (an early-exit draft); 0 = all
     output_vocab: str = ""  # a `specdec draft-vocab` file: score only its tokens (a draft); "" = all
+    structured_output: bool = True  # build grammar masks (where the tokenizer allows them)
 
 
 def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel:
@@ -212,7 +213,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         max_context_len=_context_len(model_id, config, tokenizer),
         eos_token_ids=eos_token_ids,
         tokenizer_hash=fingerprint,
-        grammar=GrammarMasks.build(tokenizer, vocab_size, eos_token_ids),
+        grammar=GrammarMasks.build(tokenizer, vocab_size, eos_token_ids) if options.structured_output else None,
     )
     log.info(
         "model_loaded",

@@ -135,6 +135,13 @@ class PermissionDenied(SpecdecError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class GrammarsUnavailable(SpecdecError):
+    """This worker does not apply structured-output grammars (turned off, or its tokenizer is not
+    one llguidance reads): a coordinator sends the request's constrained steps to another replica."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class Unsupported(SpecdecError):
     """An RPC this server does not offer."""
 

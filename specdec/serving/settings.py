@@ -166,6 +166,11 @@ class ModelWorkerSettings(ServiceSettings):
     cpu_lock_file: str | None = Field(
         None, description="CPU workers on one host sharing this file run one forward pass at a time (no core fights)"
     )
+    structured_output: bool = Field(
+        True,
+        description="apply structured-output grammars (llguidance); false: Info says so, and the coordinator sends "
+        "constrained requests to other replicas or refuses them",
+    )
 
     def prefill_chunk(self, device_type: str) -> int:
         """A prompt's tokens one forward pass computes at most, for a model on ``device_type``."""
@@ -177,7 +182,10 @@ class ModelWorkerSettings(ServiceSettings):
         """How to load the model."""
         from specdec.runtime.modeling import LoadOptions
 
-        return LoadOptions(self.device, self.dtype, self.quantize, self.cpu_kernel, self.trust_remote_code)
+        return LoadOptions(
+            self.device, self.dtype, self.quantize, self.cpu_kernel, self.trust_remote_code,
+            structured_output=self.structured_output,
+        )  # fmt: skip
 
 
 # the variables Kubernetes sets in a pod for each Service of its namespace (unless the pod sets

@@ -13,10 +13,12 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
+from specdec.runtime.grammar import NO_GRAMMARS
 from specdec.runtime.kvcache import PrefillRates, SessionCaches, auto_token_budget, prefill_rates
 from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
 from specdec.serving.errors import (
+    GrammarsUnavailable,
     InvalidRequest,
     RequestFailed,
     SpecdecError,
@@ -217,15 +219,27 @@ class WorkerCore:
             cache_idle_s=self.settings.session_idle_s,
             prefill_ms_per_token=self.prefill.per_token_ms,
             prefill_ms_per_token_per_1k_context=self.prefill.per_1k_context_ms,
-            structured_output=self.loaded.grammar is not None,
+            structured_output=self.loaded.grammar is not None and not self.loaded.grammar.failed,
         )
 
-    async def prepare_grammar(self, grammar: str) -> None:
+    async def prepare_grammar(self, grammar: str, *, required: bool = False) -> None:
         """Compiles a request's structured-output grammar off the model thread (kept for the
-        job, which would otherwise compile it there while every other session waits)."""
+        job, which would otherwise compile it there while every other session waits).
+        ``required`` (the target, whose masks make the output exact): a worker that does not
+        apply grammars refuses the request here, before any model work."""
         masks = self.loaded.grammar
-        if grammar and masks is not None and not masks.holds(grammar):
-            await asyncio.to_thread(masks.compile, grammar)
+        if not grammar:
+            return
+        if masks is None or masks.failed:
+            if required:
+                raise GrammarsUnavailable(f"{NO_GRAMMARS} (turned off, or its tokenizer is not one llguidance reads)")
+            return
+        if not masks.holds(grammar):
+            try:
+                await asyncio.to_thread(masks.compile, grammar)
+            except GrammarsUnavailable:  # llguidance cannot read the tokenizer after all
+                if required:
+                    raise
 
     def check_request(
         self,

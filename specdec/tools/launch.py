@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -163,6 +163,7 @@ class LocalCluster:
     drafts: int = 1  # draft replicas (with a draft model)
     route: Callable[[str, str], str] | None = None
     share_cpu: bool = False  # CPU workers on this host take turns for the cores (see HostLock)
+    replica_args: Mapping[str, Sequence[str]] = field(default_factory=dict)  # more flags, by process name
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
 
     @property
@@ -173,10 +174,12 @@ class LocalCluster:
         lock = ["--cpu-lock-file", str(self.workdir / "cpu.lock")] if self.share_cpu else []
         try:
             for i in range(self.targets):
-                args = ["--model", self.target_model, *self.worker_args, *lock]
-                self.processes[f"target-{i}"] = spawn("target", args, self.workdir, self.env, name=f"target-{i}")
+                name = f"target-{i}"
+                args = ["--model", self.target_model, *self.worker_args, *lock, *self.replica_args.get(name, ())]
+                self.processes[name] = spawn("target", args, self.workdir, self.env, name=name)
             for name in self._draft_names():
                 draft_args = ["--model", str(self.draft_model), *self.worker_args, *lock, *self.draft_args]
+                draft_args += self.replica_args.get(name, ())
                 self.processes[name] = spawn("draft", draft_args, self.workdir, self.env, name=name)
             for process in list(self.processes.values()):
                 process.wait_ready(self.startup_timeout_s)
