@@ -466,7 +466,11 @@ class TargetPool:
     async def refresh_info(self, timeout_s: float) -> None:
         """Reads again the Info of every replica that serves (one that has not served yet is being
         waited for, and reads it when it does)."""
-        await asyncio.gather(*(r.refresh_info(timeout_s) for r in self.replicas if r.breaker.up))
+        up = [r for r in self.replicas if r.breaker.up]
+        results = await asyncio.gather(*(r.refresh_info(timeout_s) for r in up), return_exceptions=True)
+        for replica, result in zip(up, results, strict=True):
+            if isinstance(result, Exception):  # the next refresh tries again
+                log.warning("target_info_refresh_failed", address=replica.address, error=repr(result))
 
     def candidates(self, session_id: str, current: str | None) -> list[TargetClient]:
         """Replicas to try in order: the current one, then the rest by rendezvous hash; up ones first."""

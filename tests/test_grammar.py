@@ -351,3 +351,26 @@ async def test_a_verdict_that_says_nothing_of_the_grammar_is_not_taken() -> None
     with pytest.raises(GrammarsRefused, match="no target worker that applies structured-output constraints"):
         await alone.verify([5, 17], common_pb2.DraftBlock(), decoding)
     assert old.calls == 2 and GrammarsRefused.code == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_replica_whose_info_cannot_be_read_again_keeps_what_was_known(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The periodic Info refresh survives a replica it cannot ask (no answer, or an error before
+    the call, such as a token file being rotated): that replica keeps what was known, the others
+    are read, and the refresh runs again next period."""
+    from coordinator.settings import CoordinatorSettings
+    from coordinator.workers import TargetPool
+
+    pool = TargetPool(["127.0.0.1:1", "127.0.0.1:2"], CoordinatorSettings(target_addresses=["127.0.0.1:1"]), 1.0)
+    broken, silent = pool.replicas
+    broken.grammars = silent.grammars = True
+
+    async def unreadable(timeout_s: float) -> None:
+        raise OSError("token file is being replaced")
+
+    monkeypatch.setattr(broken, "refresh_info", unreadable)
+    await pool.refresh_info(0.2)  # nothing listens on either address
+    assert broken.grammars and silent.grammars and pool.grammars
+    assert "target_info_refresh_failed" in capsys.readouterr().out  # structlog, unconfigured in tests
+    await pool.close()
