@@ -62,13 +62,14 @@ def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo
 
 
 def largest_block(
-    max_speculative_tokens: int, target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo | None
+    max_speculative_tokens: int, target_max: int, draft: common_pb2.WorkerInfo | None, warn: bool = True
 ) -> int:
     """The largest K requests may use: --max-speculative-tokens, at most what the workers accept
-    (their --max-draft-tokens); a larger block would be refused and its round decoded target-only."""
-    limits = [w.max_draft_tokens for w in (target, draft) if w is not None and w.max_draft_tokens]
+    (their --max-draft-tokens; ``target_max``: the largest a target replica takes, 0 = unknown).
+    A target replica that takes fewer verifies a block cut to its first tokens (exact, shorter)."""
+    limits = [n for n in (target_max, draft.max_draft_tokens if draft is not None else 0) if n]
     largest = min([max_speculative_tokens, *limits])
-    if largest < max_speculative_tokens:
+    if largest < max_speculative_tokens and warn:
         log.warning(
             "max_speculative_tokens_capped",
             max_speculative_tokens=max_speculative_tokens,
@@ -155,7 +156,7 @@ class Engine:
         s = settings
         self.settings = s
         self.metrics = metrics
-        self.targets = TargetPool(s.target_addresses, s, s.target_retry_s, joined=self._offer_grammars)
+        self.targets = TargetPool(s.target_addresses, s, s.target_retry_s, joined=self._refit_targets)
         self.drafts = DraftPool(s.drafts, s, s.draft_retry_s, s.draft_timeout_s) if s.drafts else None
         self.store: StateStore = open_store(
             s.state_url,
@@ -210,18 +211,28 @@ class Engine:
         while True:
             await asyncio.sleep(s.target_info_refresh_s)
             await self.targets.refresh_info(min(s.target_info_refresh_s, 10.0))
-            self._offer_grammars()
+            self._refit_targets()
 
-    def _offer_grammars(self) -> None:
-        """Offers structured output (limits, GetInfo) while some target replica applies grammars."""
-        if self._deps is None or self._info is None:  # start-up configures it
+    def _refit_targets(self) -> None:
+        """Limits and GetInfo for the target replicas as they are now (a late replica joined, or
+        one restarted with other settings): structured output while some replica applies grammars,
+        blocks up to the largest a replica takes."""
+        if self._deps is None or self._info is None:  # start-up configures them
             return
-        deps, info, able = self._deps, self._info, self.targets.grammars
-        if able != deps.limits.structured_output:
-            deps.limits = dataclasses.replace(deps.limits, structured_output=able)
-            del info.features[:]
-            info.features.extend(features(able))
-            log.info("structured_output_offered" if able else "structured_output_withdrawn")
+        s, deps, info, limits = self.settings, self._deps, self._info, self._deps.limits
+        able = self.targets.grammars
+        max_k = largest_block(s.max_speculative_tokens, self.targets.max_draft_tokens, self._draft_info, warn=False)
+        if (able, max_k) == (limits.structured_output, limits.max_k):
+            return
+        deps.limits = limits = dataclasses.replace(
+            limits, structured_output=able, max_k=max_k, default_k=min(s.num_speculative_tokens, max_k),
+            lookup_max_tokens=min(s.lookup_max_tokens, max_k),
+        )  # fmt: skip
+        del info.features[:]
+        info.features.extend(features(able))
+        info.max_speculative_tokens, info.default_speculative_tokens = limits.max_k, limits.default_k
+        info.lookup_max_tokens = limits.lookup_max_tokens
+        log.info("target_limits_changed", structured_output=able, max_speculative_tokens=max_k)
 
     async def _start_store(self, timeout_s: float) -> None:
         """Connects to the state store, waiting for it (as for a worker) while it cannot be reached;
@@ -297,7 +308,7 @@ class Engine:
         logs ``event`` with them."""
         s, tokenizer = self.settings, self._tokenizer
         assert tokenizer is not None
-        max_k = largest_block(s.max_speculative_tokens, target_info, draft_info)
+        max_k = largest_block(s.max_speculative_tokens, self.targets.max_draft_tokens, draft_info)
         limits = Limits(
             vocab_size=target_info.vocab_size,
             max_context_len=target_info.max_context_len,

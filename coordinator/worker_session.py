@@ -483,6 +483,11 @@ class WorkerSession:
                 again = self.time_left(len(committed) - cached, len(committed), replica.prefills.ahead_ms)
                 timeout_s = max(timeout_s, again)
             sync = prefix_sync(committed, cached, source, self._target_hashes)
+            takes = replica.info.max_draft_tokens
+            if takes and len(block.token_ids) > takes:  # its first tokens: a shorter proposal, as exact
+                block = common_pb2.DraftBlock(
+                    token_ids=block.token_ids[:takes], kind=block.kind, proposals=block.proposals[:takes]
+                )
             request = target_pb2.VerifyRequest(
                 session_id=self.session_id, sync=sync, draft=block, warp=warp_to_proto(decoding.warp),
                 seed=decoding.seed, processing=processing_to_proto(decoding.processing), logprobs=ask.tokens,

@@ -463,6 +463,11 @@ class TargetPool:
         """Some replica that has served applies structured-output grammars."""
         return any(r.grammars for r in self.replicas)
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The longest block a replica that has served takes (0: none has said)."""
+        return max((r.info.max_draft_tokens for r in self.replicas), default=0)
+
     async def refresh_info(self, timeout_s: float) -> None:
         """Reads again the Info of every replica that serves (one that has not served yet is being
         waited for, and reads it when it does)."""

@@ -344,6 +344,27 @@ def test_structured_output_is_offered_while_a_target_replica_applies_grammars(
             refused()
 
 
+def test_a_target_replica_that_takes_shorter_blocks_gets_them_cut(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Target replicas whose --max-draft-tokens differ (a configuration rolled out one replica at a
+    time): a block longer than a replica takes is cut to its first tokens there (a shorter
+    proposal, verified exactly), whichever replica served first at start-up. Main sized blocks by
+    the first replica that served, and a session on the other one failed on its first round
+    (INTERNAL: the worker refused the block)."""
+    prompts = {f"s{i}": [5 + i, 17, 99, 3 + i] for i in range(8)}
+    expected = {s: reference_greedy(str(tiny_models.target), tuple(p), 16, ignore_eos=True) for s, p in prompts.items()}
+    short = {"target-1": ["--max-draft-tokens", "2"]}
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.same, targets=2, replica_args=short) as cluster:
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            assert stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10).max_speculative_tokens == 8
+            for session, prompt in prompts.items():
+                request = make_request(prompt, k=6, max_new=16, session_id=session, ignore_eos=True)
+                assert list(stub.Generate(request, timeout=60).token_ids) == expected[session], session
+        held = [worker_info(cluster.processes[f"target-{i}"].address, "target").active_sessions for i in range(2)]
+        assert min(held) > 0, held  # both replicas verified sessions
+        assert metric(cluster, "coordinator", "specdec_target_failovers_total") == 0
+
+
 def test_sessions_are_spread_over_draft_replicas_and_move_when_one_fails(
     tmp_path: Path, tiny_models: TinyModels, fault_report: dict
 ) -> None:

@@ -300,6 +300,7 @@ class _Replica:
         self.address, self.applies, self.calls = address, applies, 0
         self.grammars = True  # what the coordinator believes (its Info said so before a restart)
         self.breaker, self.prefills, self.turns = _Breaker(1.0), PrefillQueue(), 0
+        self.info = common_pb2.WorkerInfo(max_draft_tokens=64)
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
         self.calls += 1
