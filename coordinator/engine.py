@@ -143,6 +143,15 @@ def server_info(
     )
 
 
+def k_limits(settings: CoordinatorSettings, max_k: int) -> dict[str, int]:
+    """The Limits fields that follow the largest K: it, the default K and the longest lookup draft."""
+    return {
+        "max_k": max_k,
+        "default_k": min(settings.num_speculative_tokens, max_k),
+        "lookup_max_tokens": min(settings.lookup_max_tokens, max_k),
+    }
+
+
 def features(structured_output: bool) -> list[str]:
     """The request fields GetInfo lists: all, structured output only where a target replica
     applies grammars."""
@@ -177,6 +186,7 @@ class Engine:
         self._replies = ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None
         self._active = 0
         self._watch: asyncio.Task[None] | None = None
+        self._info_from: tuple[common_pb2.WorkerInfo, common_pb2.WorkerInfo | None, bool, bool] | None = None
 
     async def start(self) -> None:
         """Waits for a target replica and (up to 10 s, or 1 s more once one of them serves) the
@@ -217,21 +227,15 @@ class Engine:
         """Limits and GetInfo for the target replicas as they are now (a late replica joined, or
         one restarted with other settings): structured output while some replica applies grammars,
         blocks up to the largest a replica takes."""
-        if self._deps is None or self._info is None:  # start-up configures them
+        if self._deps is None or self._info_from is None:  # start-up configures them
             return
-        s, deps, info, limits = self.settings, self._deps, self._info, self._deps.limits
+        s, deps, limits = self.settings, self._deps, self._deps.limits
         able = self.targets.grammars
         max_k = largest_block(s.max_speculative_tokens, self.targets.max_draft_tokens, self._draft_info, warn=False)
         if (able, max_k) == (limits.structured_output, limits.max_k):
             return
-        deps.limits = limits = dataclasses.replace(
-            limits, structured_output=able, max_k=max_k, default_k=min(s.num_speculative_tokens, max_k),
-            lookup_max_tokens=min(s.lookup_max_tokens, max_k),
-        )  # fmt: skip
-        del info.features[:]
-        info.features.extend(features(able))
-        info.max_speculative_tokens, info.default_speculative_tokens = limits.max_k, limits.default_k
-        info.lookup_max_tokens = limits.lookup_max_tokens
+        deps.limits = dataclasses.replace(limits, structured_output=able, **k_limits(s, max_k))
+        self._info = server_info(s, deps.limits, *self._info_from)
         log.info("target_limits_changed", structured_output=able, max_speculative_tokens=max_k)
 
     async def _start_store(self, timeout_s: float) -> None:
@@ -314,15 +318,13 @@ class Engine:
             max_context_len=target_info.max_context_len,
             eos_token_ids=frozenset(target_info.eos_token_ids),
             default_max_new_tokens=min(s.default_max_new_tokens, target_info.max_context_len - 1),
-            default_k=min(s.num_speculative_tokens, max_k),
-            max_k=max_k,
             max_prompt_chars=MAX_PROMPT_CHARS,
             draft_context_len=draft_info.max_context_len if draft_info is not None else 0,
             default_method=s.default_method(draft_info is not None),
-            lookup_max_tokens=min(s.lookup_max_tokens, max_k),
             draft_confidence=s.draft_confidence,
             draft_block_confidence=s.draft_block_confidence,
             structured_output=self.targets.grammars,
+            **k_limits(s, max_k),
         )
         if draft_info is not None and draft_info.max_context_len < target_info.max_context_len:
             log.warning(
@@ -349,7 +351,8 @@ class Engine:
             replies=self._replies,
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))
-        self._info = server_info(s, limits, target_info, draft_info, pipelined, has_template)
+        self._info_from = (target_info, draft_info, pipelined, has_template)  # GetInfo's other sources
+        self._info = server_info(s, limits, *self._info_from)
         log.info(
             event,
             target=target_info.model_id,

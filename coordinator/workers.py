@@ -251,26 +251,25 @@ class TargetClient:
 
     async def connect(self, timeout_s: float) -> common_pb2.WorkerInfo:
         await wait_until_serving(self._link.channel, "target", self.address, timeout_s)
-        self.info = (
-            await self._link.stub().Info(target_pb2.TargetInfoRequest(), timeout=10.0, metadata=self._link.metadata())
-        ).info
+        return await self._read_info(10.0)
+
+    async def _read_info(self, timeout_s: float) -> common_pb2.WorkerInfo:
+        """Calls Info; keeps what it says (whether the replica applies grammars included)."""
+        request, metadata = target_pb2.TargetInfoRequest(), self._link.metadata()
+        self.info = (await self._link.stub().Info(request, timeout=timeout_s, metadata=metadata)).info
         self.grammars = self.info.structured_output
         return self.info
 
     async def refresh_info(self, timeout_s: float) -> None:
         """Reads the replica's Info again (a restarted replica may apply grammars now, or no
         longer); a replica that does not answer keeps what was known."""
+        known = self.grammars
         try:
-            info = (
-                await self._link.stub().Info(
-                    target_pb2.TargetInfoRequest(), timeout=timeout_s, metadata=self._link.metadata()
-                )
-            ).info
+            await self._read_info(timeout_s)
         except grpc.aio.AioRpcError:
             return
-        if info.structured_output != self.grammars:
-            log.info("target_grammars_changed", address=self.address, structured_output=info.structured_output)
-        self.info, self.grammars = info, info.structured_output
+        if self.grammars != known:
+            log.info("target_grammars_changed", address=self.address, structured_output=self.grammars)
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
         request.tokenizer_hash, request.vocab_size = self.vocabulary

@@ -120,7 +120,6 @@ class GrammarMasks:
         self._templates: collections.OrderedDict[str, LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()  # compiles run off the model thread
         self._building = threading.Lock()
-        self.failed = False  # llguidance could not read the tokenizer: no grammars here (Info says so)
 
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Sequence[int]) -> GrammarMasks | None:
@@ -129,6 +128,11 @@ class GrammarMasks:
         if not isinstance(tokenizer, PreTrainedTokenizerFast) or not eos_ids:
             return None
         return cls(tokenizer, vocab_size, eos_ids)
+
+    @property
+    def failed(self) -> bool:
+        """llguidance could not read the tokenizer: no grammars here (Info says so)."""
+        return self._tokenizer is None and self._source is None
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -140,7 +144,7 @@ class GrammarMasks:
                     built = from_tokenizer(self._source, n_vocab=self._n_vocab, eos_token=sorted(self.eos))
                 except Exception as exc:  # llguidance cannot read this tokenizer after all
                     log.warning("structured_output_unavailable", reason=_first_line(str(exc)))
-                    self.failed, self._source = True, None
+                    self._source = None
                     raise GrammarsUnavailable(f"{NO_GRAMMARS}: llguidance cannot read its tokenizer") from None
                 self._tokenizer, self._source = built, None
             return self._tokenizer
