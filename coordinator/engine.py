@@ -247,9 +247,14 @@ class Engine:
                 await self.store.start()
                 return
             except StateUnreachable as exc:
+                cause = str(exc.__cause__ or exc)
                 if wait.over:
-                    raise
-                wait.tick(error=str(exc), cause=str(exc.__cause__ or exc))
+                    raise StartupError(
+                        f"the state store at {store_location(self.settings.state_url)} could not be reached in "
+                        f"{timeout_s:g} s ({cause}); check --state-url and that the store is up, or give it longer "
+                        "(--worker-startup-timeout-s)"
+                    ) from None
+                wait.tick(error=str(exc), cause=cause)
                 await asyncio.sleep(0.5)
             except StateUnavailable as exc:  # it answered, and refused: a configuration error
                 cause = exc.__cause__ or exc

@@ -311,6 +311,7 @@ def test_generate_with_penalties_and_logprobs_prints_one_line_per_token(tiny_mod
         (["--logit-bias", "x"], "--logit-bias takes ID=BIAS (a token id, a number), got 'x'"),
         (["--logit-bias", "5=abc"], "--logit-bias takes ID=BIAS (a token id, a number), got '5=abc'"),
         (["--device", "nope"], "--device nope is not a device torch knows"),
+        (["--state-wait-s", "0"], "--state-wait-s: takes a number of seconds above 0, got '0'"),
     ],
 )
 def test_generate_says_what_is_wrong_with_a_flag_without_a_traceback(
@@ -322,25 +323,48 @@ def test_generate_says_what_is_wrong_with_a_flag_without_a_traceback(
     assert "Traceback" not in result.stderr
 
 
+def test_generate_starts_its_services_before_it_loads_transformers() -> None:
+    """`generate` checked --device with a function of the model loader, whose module imports
+    transformers' model classes: 3 of the 5 s the command spent before it started its first
+    service (the services load them themselves). Only torch is loaded by then now."""
+    script = (
+        "import sys\n"
+        "from specdec.tools import cli, launch\n"
+        "def start(self):\n"
+        "    print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+        "    raise launch.LaunchError('stopped here')\n"
+        "launch.LocalCluster.start = start\n"
+        "sys.exit(cli.main(['generate', '--model', 'm', '--prompt', 'hi', '--device', 'cpu']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "stopped here" in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip() == "['torch']", done.stdout
+
+
 def test_generate_gives_up_on_a_state_store_it_cannot_reach(tiny_models: TinyModels) -> None:
     """A --state-url where nothing listens: the coordinator waits for a store as a service does
-    (10 minutes by default), and `generate` said nothing all that time. It now gives up after 30 s
-    with the coordinator's log, which names the store's error."""
+    (10 minutes by default), and `generate` said nothing all that time. It now gives up after
+    --state-wait-s (30 s by default; 5 here) with the coordinator's log, which names the store's
+    error."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     started = time.monotonic()
     result = run(
         "generate", "--model", str(tiny_models.target), "--prompt", "hi", "--device", "cpu",
-        "--state-url", f"redis://127.0.0.1:{port}/0", timeout=180,
+        "--state-url", f"redis://127.0.0.1:{port}/0", "--state-wait-s", "5", timeout=180,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
     assert "specdec generate: coordinator exited with code 1" in result.stderr, result.stderr[-3000:]
-    waiting = [line for line in result.stderr.splitlines() if "waiting_for_state_store" in line]
-    assert waiting, result.stderr[-3000:]
-    for line in waiting:  # the store it waits for and why it cannot reach it (it said "ConnectionError")
-        assert f'"store": "redis://127.0.0.1:{port}/0"' in line and f"connecting to 127.0.0.1:{port}" in line, line
-    assert time.monotonic() - started < 90
+    # one line names the store, why it cannot be reached (it said "ConnectionError") and how long
+    # it was given; it ended in a traceback and "state store unavailable ... retry later", and a
+    # wait shorter than the first 10 s warning never named the store
+    failed = [line for line in result.stderr.splitlines() if "startup_failed" in line]
+    assert len(failed) == 1, result.stderr[-3000:]
+    assert f"redis://127.0.0.1:{port}/0" in failed[0] and f"connecting to 127.0.0.1:{port}" in failed[0], failed
+    assert "in 5 s" in failed[0] and "--worker-startup-timeout-s" in failed[0], failed
+    assert "Traceback" not in result.stderr and '"exception"' not in failed[0]
+    assert time.monotonic() - started < 60
 
 
 def test_generate_chat_without_a_template_says_so(tiny_models: TinyModels) -> None:

@@ -13,14 +13,12 @@ import structlog
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.runtime.devices import resolve_device, resolve_dtype
 from specdec.runtime.grammar import GrammarMasks
 from specdec.runtime.output_vocab import read_output_vocab, restrict_output
 from specdec.runtime.tokenizer import check_source, load_tokenizer, tokenizer_fingerprint
 
 log = structlog.get_logger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 PAD_FROM_ROWS = 256  # a PackedLinear pass of at least this many rows runs on a multiple of ROW_MULTIPLE rows
 ROW_MULTIPLE = 8
@@ -123,27 +121,6 @@ def release_freed_memory() -> None:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):  # not glibc
             log.debug("malloc_trim_unavailable")
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` picks the first CUDA device when there is one, else the CPU. Raises ValueError
-    (starting with ``spec``) for a device torch does not know or CUDA where there is none."""
-    if spec == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise ValueError(f"{spec} is not a device torch knows (auto, cpu, cuda, cuda:1, ...)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{spec} requested but CUDA is not available; use --device cpu")
-    return device
-
-
-def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA and float32 elsewhere (CPU half precision is slow and inexact)."""
-    if spec == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[spec]
 
 
 @dataclass(frozen=True)

@@ -237,13 +237,8 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdec.runtime.modeling import (
-        quantize_int8,
-        release_freed_memory,
-        resolve_device,
-        resolve_dtype,
-        use_packed_linear,
-    )
+    from specdec.runtime.devices import resolve_device, resolve_dtype
+    from specdec.runtime.modeling import quantize_int8, release_freed_memory, use_packed_linear
     from specdec.runtime.tokenizer import check_source
 
     device = resolve_device(cfg.device)
@@ -418,7 +413,7 @@ def check_methods(cfg: BenchConfig) -> None:
 
 def check_numbers(cfg: BenchConfig) -> None:
     """Every count and the device can be run with; raises ValueError naming the flag."""
-    from specdec.runtime.modeling import resolve_device
+    from specdec.runtime.devices import resolve_device
 
     bounds = {
         "--repeats": (cfg.repeats, 1, ""),

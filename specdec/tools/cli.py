@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from specdec.tools.bench import BenchConfig
 
-GENERATE_STORE_WAIT_S = 30  # how long `generate`'s coordinator waits for a state store it cannot reach
 SERVE_HELP = "run one service: coordinator | draft | target (flags: specdec serve ROLE --help)"
 
 
@@ -44,6 +44,16 @@ def _logit_bias(item: str) -> tuple[int, float]:
         return int(token), float(bias)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--logit-bias takes ID=BIAS (a token id, a number), got {item!r}") from None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"takes a number of seconds above 0, got {text!r}")
+    return seconds
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -85,6 +95,11 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )  # fmt: skip
     p.add_argument("--logprobs", type=int, metavar="N", help="print each token's logprob and N alternatives (0-20)")
     p.add_argument("--state-url", default="memory://", help="memory:// or redis://host:port/db")
+    p.add_argument(
+        "--state-wait-s", type=_positive_seconds, default=30.0, metavar="S",
+        help="how long the coordinator waits for a state store it cannot reach before giving up (its "
+        "--worker-startup-timeout-s; default 30)",
+    )  # fmt: skip
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:n] for both workers")
     p.add_argument("--dtype", default="auto", help="auto|float32|float16|bfloat16")
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="none", help="int8: dynamic int8 CPU draft")
@@ -165,7 +180,7 @@ def _info(address: str) -> str:
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from specdec.runtime.modeling import resolve_device
+    from specdec.runtime.devices import resolve_device
     from specdec.tools.launch import LaunchError, LocalCluster
 
     try:
@@ -179,7 +194,7 @@ def _generate(args: argparse.Namespace) -> int:
     draft_args += ["--vocab-method", args.draft_vocab_method]
     # the workers serve before the coordinator starts: its start-up waits only for the state store,
     # which a local run does not wait 10 minutes for
-    coordinator_args = ["--state-url", args.state_url, "--worker-startup-timeout-s", str(GENERATE_STORE_WAIT_S)]
+    coordinator_args = ["--state-url", args.state_url, "--worker-startup-timeout-s", str(args.state_wait_s)]
     if args.num_speculative_tokens is not None:  # asked for by the request; the server must allow it
         coordinator_args += ["--max-speculative-tokens", str(max(args.num_speculative_tokens, 16))]
     with tempfile.TemporaryDirectory(prefix="specdec-") as tmp:
