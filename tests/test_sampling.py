@@ -7,7 +7,12 @@ import math
 
 import pytest
 import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from specdec.runtime import sampling
 from specdec.runtime.sampling import (
@@ -123,16 +128,36 @@ def test_warp_rejects_bad_values(kwargs: dict[str, float], message: str) -> None
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.6), (0.5, 20, 0.9)]
-)
-def test_warped_probs_match_hf_warpers(temperature: float, top_k: int, top_p: float) -> None:
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)) * 3
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(0.7, 0, 1.0, 0.0), (1.3, 3, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (0.5, 20, 0.9, 0.0), (0.8, 40, 0.95, 0.05),
+     (1.0, 1000, 0.9, 0.0), (1.0, 0, 1.0, 0.1)],
+)  # fmt: skip
+@pytest.mark.parametrize("vocab", [50, 151_936])
+def test_warped_probs_match_hf_warpers(temperature: float, top_k: int, top_p: float, min_p: float, vocab: int) -> None:
+    """A top-k of at most TOP_P_CANDIDATES applies top-p and min-p to the k ids it keeps only (a
+    path of its own); every path gives HF's warpers' distribution, over Qwen2.5's vocabulary too."""
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)) * 3
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    torch.testing.assert_close(warped_probs(logits, Warp(temperature, top_k, top_p)), scores.softmax(-1))
+    if min_p > 0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    expected = scores.softmax(-1)
+    got = warped_probs(logits, Warp(temperature, top_k, top_p, min_p))
+    torch.testing.assert_close(got, expected)
+    assert torch.equal(got > 0, expected > 0)
+    torch.testing.assert_close(warped_probs(logits[1], Warp(temperature, top_k, top_p, min_p)), expected[1])
+
+
+def test_top_k_keeps_every_id_that_ties_the_kth_score() -> None:
+    """As HF's TopKLogitsWarper: ids equal to the k-th score all stay (more than k of them)."""
+    logits = torch.tensor([[4.0, 1.0, 2.0, 2.0, 2.0, 0.5, -1.0, 3.0]])
+    got = warped_probs(logits, Warp(1.0, top_k=3, top_p=0.99))
+    expected = TopPLogitsWarper(0.99)(None, TopKLogitsWarper(3)(None, logits.clone())).softmax(-1)
+    torch.testing.assert_close(got, expected)
+    assert (got > 0).sum() == 5
 
 
 @pytest.mark.parametrize(

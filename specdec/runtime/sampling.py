@@ -68,6 +68,10 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
     if warp.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     scores = (logits - top) / warp.temperature
+    if 0 < warp.top_k <= TOP_P_CANDIDATES and warp.top_k < scores.shape[-1]:
+        within = _warped_top_k(scores, warp)
+        if within is not None:
+            return within
     if warp.top_k and warp.top_k < scores.shape[-1]:
         kth = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
@@ -85,6 +89,25 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
 # and a top-1024 ~1 ms. Over 1,200 positions of code and prose, Qwen2.5-Coder-0.5B's top_p 0.9-0.95
 # mass lay within its top 1024 at 99.5-99.9% of them at temperature 0.7-0.8, 87-97% at 1.0.
 TOP_P_CANDIDATES = 1024
+
+
+def _warped_top_k(scores: Tensor, warp: Warp) -> Tensor | None:
+    """``warped_probs`` after the temperature, for a top-k of at most TOP_P_CANDIDATES: top-p and
+    min-p see only the k ids top-k keeps, so they are applied to those k scores and the result put
+    back into the row: the same probabilities as masking the whole row (to float rounding), without
+    its softmaxes, masks and top-p search over every id (5 rows of 151,936 ids, top-k 40, top-p
+    0.95, min-p 0.05, on the 2-core host: 9.8 ms against 21 ms; no gain with top-k alone). None
+    where ids tie the k-th score (top-k then keeps them all: more than k)."""
+    values, ids = torch.topk(scores, warp.top_k, dim=-1)
+    if bool(((scores >= values[..., -1:]).sum(-1) > warp.top_k).any()):
+        return None
+    if warp.top_p < 1.0:
+        values = values.masked_fill(_top_p_drop(values.softmax(-1), warp.top_p), -math.inf)
+    probs = values.softmax(-1)
+    if warp.min_p > 0:
+        floor = warp.min_p * probs.max(-1, keepdim=True).values
+        probs = values.masked_fill(probs < floor, -math.inf).softmax(-1)
+    return torch.zeros_like(scores).scatter(-1, ids, probs)
 
 
 def _top_p_drop(probs: Tensor, top_p: float) -> Tensor:
