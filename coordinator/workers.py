@@ -35,15 +35,16 @@ S = TypeVar("S")
 
 
 class StartupWait:
-    """Start-up's wait for something it needs: the time left, and a warning every 10 s that says
-    what is awaited (``event`` with ``fields`` and whatever ``tick`` adds)."""
+    """Start-up's wait for something it needs: the time left, and a line that says what is awaited
+    (``event`` with ``fields`` and whatever ``tick`` adds) at the first tick (info: workers still
+    loading are the usual case), then a warning every 10 s."""
 
     EVERY_S = 10.0
 
     def __init__(self, event: str, timeout_s: float, **fields: object) -> None:
         self._event, self._timeout_s, self._fields = event, timeout_s, fields
         self._began = time.monotonic()
-        self._next_log = self._began + self.EVERY_S
+        self._next_log = self._began
 
     @property
     def over(self) -> bool:
@@ -54,7 +55,8 @@ class StartupWait:
         now = time.monotonic()
         if now >= self._next_log:
             waited = now - self._began
-            log.warning(
+            emit = log.info if self._next_log == self._began else log.warning
+            emit(
                 self._event, **self._fields, **fields, waited_s=round(waited, 1),
                 gives_up_in_s=round(self._timeout_s - waited, 1),
             )  # fmt: skip

@@ -130,13 +130,26 @@ def test_redis_restarted_without_persistence_is_reported(
 def test_redis_not_up_yet_at_start_up_is_waited_for(
     tmp_path: Path, tiny_models: TinyModels, fault_report: dict
 ) -> None:
-    """Redis comes up 20 s after the workers start, after the coordinator (`kubectl apply -f k8s/`
-    starts them together). Main ended start-up at once (startup_failed, exit 1: a crash loop in k8s, its restart
-    back-off growing). Now start-up waits for the state store as for a worker, up to
-    --worker-startup-timeout-s, not ready meanwhile, saying so every 10 s; then it serves."""
+    """Redis comes up after the coordinator (`kubectl apply -f k8s/` starts them together): here 3 s
+    after the coordinator has said that it waits. Main ended start-up at once (startup_failed, exit
+    1: a crash loop in k8s, its restart back-off growing). Now start-up waits for the state store as
+    for a worker, up to --worker-startup-timeout-s, not ready meanwhile, saying so at once and every
+    10 s; then it serves."""
     port = free_port()
     servers: list[RedisServer] = []
-    later = threading.Timer(20.0, lambda: servers.append(RedisServer(tmp_path / "redis-data", port=port)))
+    log_file = tmp_path / "coordinator.log"
+    said = threading.Event()
+
+    def come_up_later() -> None:
+        try:
+            wait_for(lambda: log_file.exists() and "waiting_for_state_store" in log_file.read_text(), 120, 0.1)
+        except TimeoutError:
+            return
+        said.set()
+        time.sleep(3.0)
+        servers.append(RedisServer(tmp_path / "redis-data", port=port))
+
+    later = threading.Thread(target=come_up_later, daemon=True)
     url = f"redis://127.0.0.1:{port}/0"
     began = time.monotonic()
     later.start()
@@ -146,16 +159,15 @@ def test_redis_not_up_yet_at_start_up_is_waited_for(
             grpc.insecure_channel(cluster.address) as channel,
         ):
             ready = time.monotonic() - began
-            assert ready >= 20
-            log = cluster.processes["coordinator"].log_tail(200)
-            assert "waiting_for_state_store" in log and "ConnectionError" in log
+            assert said.is_set(), "the coordinator served before it said it waited for its store"
+            line = next(x for x in log_file.read_text().splitlines() if "waiting_for_state_store" in x)
+            assert "ConnectionError" in line and url in line, line
             stub = coordinator_pb2_grpc.GenerationStub(channel)
             reply = stub.Generate(make_request(PROMPT, session_id="early", max_new=6))
             assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPT), 6)
             assert read_session(url, "early").tokens[-6:] == list(reply.token_ids)
     finally:
-        later.cancel()
-        later.join()
+        later.join(timeout=150)
         for server in servers:
             server.stop()
     fault_report["Redis not up yet at start-up"] = {"coordinator_ready_s": round(ready, 1), "served_after": True}

@@ -140,3 +140,21 @@ async def _until(condition: Callable[[], bool]) -> None:
             return
         await asyncio.sleep(0.05)
     raise TimeoutError("condition not met within 20 s")
+
+
+def test_a_start_up_wait_says_what_it_waits_for_at_once_then_every_10_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first line comes with the first failed check (info: workers still loading are the usual
+    case), then a warning every 10 s with the seconds waited and left."""
+    import coordinator.workers as workers
+
+    now = [100.0]
+    monkeypatch.setattr(workers.time, "monotonic", lambda: now[0])
+    wait = workers.StartupWait("waiting_for_worker", 30.0, role="target")
+    with capture_logs() as logs:
+        for _ in range(25):  # a check every 0.5 s: 12.5 s
+            wait.tick(status="UNAVAILABLE")
+            now[0] += 0.5
+    assert [(line["log_level"], line["waited_s"], line["gives_up_in_s"]) for line in logs] == [
+        ("info", 0.0, 30.0), ("warning", 10.0, 20.0),
+    ]  # fmt: skip
+    assert all(line["role"] == "target" and line["status"] == "UNAVAILABLE" for line in logs)
