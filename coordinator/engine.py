@@ -29,7 +29,6 @@ from specdec.v1 import common_pb2, coordinator_pb2
 log = structlog.get_logger(__name__)
 
 MAX_PROMPT_CHARS = 1_000_000
-DRAFT_START_WAIT_S = 10.0  # start-up waits this long for the draft; one not serving by then joins later
 DRAFT_PEERS_WAIT_S = 1.0  # once a draft replica serves, start-up waits this long for the others
 # What draft replicas should share (the first to join sets the limits GetInfo reports).
 _ALIKE_DRAFT_FIELDS = ("model_id", "max_context_len", "max_draft_tokens", "vocab_translation")
@@ -189,15 +188,15 @@ class Engine:
         self._info_from: tuple[common_pb2.WorkerInfo, common_pb2.WorkerInfo | None, bool, bool] | None = None
 
     async def start(self) -> None:
-        """Waits for a target replica and (up to 10 s, or 1 s more once one of them serves) the
-        draft replicas, checks that they fit together, loads the tokenizer. A draft replica that
+        """Waits for a target replica and (up to --draft-startup-wait-s, or 1 s more once one of
+        them serves) the draft replicas, checks that they fit together, loads the tokenizer. A draft replica that
         does not serve by then, or whose Info call fails, joins when it serves; until one has, the
         coordinator serves as one without a draft."""
         timeout = self.settings.worker_startup_timeout_s
         target_info = await self.targets.connect(timeout)
         if self.drafts is not None:
             connecting = {r: asyncio.create_task(r.connect(timeout)) for r in self.drafts.replicas}
-            await _first_serving(list(connecting.values()), min(DRAFT_START_WAIT_S, timeout))
+            await _first_serving(list(connecting.values()), min(self.settings.draft_startup_wait_s, timeout))
             for replica, task in connecting.items():
                 if task.done() and task.exception() is None:
                     self._fit_draft(replica, target_info, task.result())

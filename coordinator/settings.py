@@ -134,6 +134,12 @@ class CoordinatorSettings(ServiceSettings):
     )
     worker_timeout_s: float = Field(60.0, gt=0, description="upper bound of one worker call (client deadlines cap it)")
     worker_startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait at start for workers to serve")
+    draft_startup_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="how long start-up waits for a draft replica to serve; then the coordinator serves without one "
+        "(lookup drafts) and takes each on when it serves",
+    )
     draft_timeout_s: float = Field(
         2.0,
         gt=0,

@@ -160,8 +160,8 @@ def test_a_draft_of_another_tokenizer_that_joins_late_is_not_used(tmp_path: Path
         return any("draft_not_used" in line and "--target-tokenizer" in line for line in log.splitlines())
 
     cluster = LocalCluster(
-        str(target), str(draft), tmp_path, worker_args=CLUSTER_WORKER_ARGS, coordinator_args=CLUSTER_COORDINATOR_ARGS,
-        startup_timeout_s=120, route=link,
+        str(target), str(draft), tmp_path, worker_args=CLUSTER_WORKER_ARGS, startup_timeout_s=120, route=link,
+        coordinator_args=[*CLUSTER_COORDINATOR_ARGS, "--draft-startup-wait-s", "2"],
     )  # fmt: skip
     with link, cluster, grpc.insecure_channel(cluster.address) as channel:
         link.come_up()

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -561,15 +562,16 @@ def test_a_draft_down_at_start_up_joins_when_it_serves(
     """The draft unreachable when the coordinator starts (its CPU node still coming up). Main waited
     for it up to --worker-startup-timeout-s and then ended start-up: the whole service down for a
     missing optimisation, against the failure model (a draft that is down means target-only). Now
-    the coordinator waits at most 10 s for it, serves without it (lookup drafts, as a coordinator
-    with no draft), and takes it on when it serves: GetInfo names it, and requests are drafted by it."""
+    the coordinator waits at most --draft-startup-wait-s (10 s by default; 2 here) for it, serves
+    without it (lookup drafts, as a coordinator with no draft), and takes it on when it serves:
+    GetInfo names it, and requests are drafted by it."""
 
     def joined(log: str) -> bool:
         return any("draft_joined" in line for line in log.splitlines())
 
     prompts = [[5 + i, 17, 99, 3 + i] for i in range(6)]
     expected = [reference_greedy(str(tiny_models.target), tuple(p), 8, ignore_eos=True) for p in prompts]
-    flags = ["--worker-startup-timeout-s", "60"]
+    flags = ["--worker-startup-timeout-s", "60", "--draft-startup-wait-s", "2"]
     began = time.monotonic()
     with (
         LateLink("draft") as link,
@@ -578,6 +580,10 @@ def test_a_draft_down_at_start_up_joins_when_it_serves(
     ):
         started = time.monotonic() - began
         assert started < 40, f"the coordinator took {started:.0f} s to serve without its draft"
+        events = logged_events(cluster.processes["coordinator"])
+        at = {e["event"]: datetime.fromisoformat(e["timestamp"]) for e in events}
+        waited = (at["coordinator_ready"] - at["server_started"]).total_seconds()
+        assert 2 <= waited < 8, f"start-up waited {waited:.1f} s for the draft with --draft-startup-wait-s 2"
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         assert stub.GetInfo(coordinator_pb2.GetInfoRequest()).draft_model_id == ""
         before = [stub.Generate(make_request(p, max_new=8, fixed=False, ignore_eos=True)) for p in prompts]
