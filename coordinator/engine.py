@@ -189,9 +189,9 @@ class Engine:
 
     async def start(self) -> None:
         """Waits for a target replica and (up to --draft-startup-wait-s, or 1 s more once one of
-        them serves) the draft replicas, checks that they fit together, loads the tokenizer. A draft replica that
-        does not serve by then, or whose Info call fails, joins when it serves; until one has, the
-        coordinator serves as one without a draft."""
+        them serves) the draft replicas, checks that they fit together, loads the tokenizer. A draft
+        replica that does not serve by then, or whose Info call fails, joins when it serves; until
+        one has, the coordinator serves as one without a draft."""
         timeout = self.settings.worker_startup_timeout_s
         target_info = await self.targets.connect(timeout)
         if self.drafts is not None:
@@ -240,7 +240,8 @@ class Engine:
     async def _start_store(self, timeout_s: float) -> None:
         """Connects to the state store, waiting for it (as for a worker) while it cannot be reached;
         a store that refuses the coordinator (a wrong password) ends start-up at once."""
-        wait = StartupWait("waiting_for_state_store", timeout_s, store=store_location(self.settings.state_url))
+        where = store_location(self.settings.state_url)
+        wait = StartupWait("waiting_for_state_store", timeout_s, store=where)
         while True:
             try:
                 await self.store.start()
@@ -249,7 +250,7 @@ class Engine:
                 cause = str(exc.__cause__ or exc)
                 if wait.over:
                     raise StartupError(
-                        f"the state store at {store_location(self.settings.state_url)} could not be reached in "
+                        f"the state store at {where} could not be reached in "
                         f"{timeout_s:g} s ({cause}); check --state-url and that the store is up, or give it longer "
                         "(--worker-startup-timeout-s)"
                     ) from None
@@ -258,7 +259,7 @@ class Engine:
             except StateUnavailable as exc:  # it answered, and refused: a configuration error
                 cause = exc.__cause__ or exc
                 raise StartupError(
-                    f"the state store at {store_location(self.settings.state_url)} refused the coordinator "
+                    f"the state store at {where} refused the coordinator "
                     f"({type(cause).__name__}: {cause}); check --state-username and --state-password-file "
                     "(or --state-password, or the password in --state-url) and the user's ACL"
                 ) from None
