@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ from tests.forkserver import ForkServer
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
 from tests.tiny_models import TinyModels, build_tiny_models
+
+pytest_plugins = ["tests.alone"]
 
 torch.set_num_threads(2)
 
@@ -96,8 +99,10 @@ def fault_report() -> Iterator[dict[str, dict[str, object]]]:
     if report:
         out = Path(__file__).resolve().parents[1] / "build" / "fault-report.json"
         out.parent.mkdir(exist_ok=True)
-        previous = json.loads(out.read_text()) if out.exists() else {}
-        out.write_text(json.dumps({**previous, **report}, indent=2, sort_keys=True))
+        with (out.parent / "fault-report.lock").open("w") as lock:  # pytest-xdist workers each add their rows
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            previous = json.loads(out.read_text()) if out.exists() else {}
+            out.write_text(json.dumps({**previous, **report}, indent=2, sort_keys=True))
 
 
 @pytest.fixture

@@ -43,6 +43,8 @@ from tests.helpers import draft_vocab_file, in_two_processes, real_tokenizer
 from tests.spec_oracle import chi_square_pvalue, reference_grammar, reference_processing
 from tests.tiny_models import TinyModels, build_text_bigram, build_variant
 
+pytestmark = pytest.mark.alone  # the chi-square loops keep both cores busy (in_two_processes)
+
 PROMPT = (5, 17, 99, 3)
 WARP = Warp(temperature=0.8, top_k=4, top_p=0.9)
 LENGTH = 3  # tokens whose joint distribution is tested (support <= 4^3)

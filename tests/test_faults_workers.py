@@ -855,6 +855,7 @@ def test_a_reply_over_the_message_limit_is_that_requests_error(
     fault_report["a reply over the coordinator's message limit"] = {"details": error.value.details(), "failovers": 0}
 
 
+@pytest.mark.alone
 def test_a_long_prefill_is_not_taken_for_a_hung_worker(tmp_path: Path, fault_report: dict) -> None:
     """--worker-timeout-s / --draft-timeout-s bound a call to a hung worker. A call that must first
     compute a long prompt gets, on top, 4x the time the worker's measured prefill rate says those

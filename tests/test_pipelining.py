@@ -59,6 +59,7 @@ def test_concurrent_sessions_are_batched_and_exact(cluster_pipelined: LocalClust
     assert after["draft"].batched_forwards > before["draft"]
 
 
+@pytest.mark.alone
 def test_adaptive_k_turns_a_useless_draft_off(tmp_path: Path, tiny_models: TinyModels) -> None:
     """Always-wrong draft, adaptive K: after learning, most rounds decode target-only (output unchanged)."""
     with fault_cluster(
@@ -75,6 +76,7 @@ def test_adaptive_k_turns_a_useless_draft_off(tmp_path: Path, tiny_models: TinyM
         assert metric(cluster, "coordinator", "specdec_rounds_total") >= stats.rounds
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize("confidence", [0.0, 0.6], ids=["no-stop", "confidence-stop"])
 def test_adaptive_k_keeps_speculating_with_a_good_draft(
     tmp_path: Path, tiny_models: TinyModels, confidence: float
@@ -98,6 +100,7 @@ def test_adaptive_k_keeps_speculating_with_a_good_draft(
     assert stats.mean_k >= 2.0 and stats.mean_accepted_length >= 3.0
 
 
+@pytest.mark.alone
 def test_one_slow_verify_does_not_hold_k_down_for_good(tmp_path: Path, tiny_models: TinyModels) -> None:
     """A draft that is always right; the target's first verify pass of a 4-token block takes
     0.05 s more (a busy host: a few times its usual cost). Only rounds at K 4 measure that pass
@@ -117,6 +120,7 @@ def test_one_slow_verify_does_not_hold_k_down_for_good(tmp_path: Path, tiny_mode
     assert later.stats.target_only_rounds == 0 and later.stats.rounds <= 16, later.stats
 
 
+@pytest.mark.alone
 def test_one_stalled_draft_call_does_not_turn_speculation_off(
     tmp_path: Path, tiny_models: TinyModels, fault_report: dict
 ) -> None:

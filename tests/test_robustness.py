@@ -448,6 +448,7 @@ def _long_context_models(
     return target, draft
 
 
+@pytest.mark.alone
 def test_a_long_prompt_does_not_hold_up_the_other_sessions(tmp_path: Path) -> None:
     """A prompt's prefill runs in chunks between the other sessions' steps (chunked prefill, as
     vLLM and SGLang do): a 12,000-token prompt took one forward pass of about 2 s on this model,
@@ -493,6 +494,7 @@ def _drafted(prompt: list[int], max_new: int = 2, session_id: str = "") -> coord
     return request
 
 
+@pytest.mark.alone
 def test_a_long_prompt_gets_the_time_its_attention_takes(tmp_path: Path) -> None:
     """A call that prefills gets, on top of --worker-timeout-s, time for its tokens; a token's
     cost grows with the tokens before it (attention), so the rate of a short prompt timed at
@@ -518,6 +520,7 @@ def test_a_long_prompt_gets_the_time_its_attention_takes(tmp_path: Path) -> None
     assert all(info.prefill_ms_per_token_per_1k_context > 0 for info in infos)
 
 
+@pytest.mark.alone
 def test_long_prompts_sent_at_once_wait_their_turn_without_failing(tmp_path: Path) -> None:
     """A worker computes long prompts one after another, so the last of several sent at once
     waits for all the others' prefills before its own: its call's time limit counts the prefills
@@ -542,6 +545,7 @@ def test_long_prompts_sent_at_once_wait_their_turn_without_failing(tmp_path: Pat
         assert reply.stats.draft_tokens_proposed >= 1  # the draft model drafted (the last token has no room to)
 
 
+@pytest.mark.alone
 def test_a_long_session_moved_to_another_target_replica_gets_the_time_to_compute_it_again(tmp_path: Path) -> None:
     """A session whose target replica dies is computed again on another replica; the call that
     does it gets the time its whole context takes there, not the time left from a step that had
@@ -570,6 +574,7 @@ def test_a_long_session_moved_to_another_target_replica_gets_the_time_to_compute
     assert list(other.token_ids) == reference_greedy(str(target), tuple(PROMPT), 4, ignore_eos=True)
 
 
+@pytest.mark.alone
 def test_a_long_session_whose_cache_was_freed_gets_the_time_to_compute_it_again(tmp_path: Path) -> None:
     """A worker frees a cache nobody used for --session-idle-s (or for its token budget); the
     session's next turn has it computed again from the committed tokens, and that call gets the
@@ -596,6 +601,7 @@ def test_a_long_session_whose_cache_was_freed_gets_the_time_to_compute_it_again(
     assert second.stats.cache_resyncs >= 1 and failovers == 0
 
 
+@pytest.mark.alone
 def test_a_long_session_does_not_pad_every_batched_row_to_its_length(tmp_path: Path) -> None:
     """A batched pass pads each row's cache to its longest row's. A session with 12,000 tokens
     cached decoding beside 12 short requests had every one of their rows padded to 12,000

@@ -314,6 +314,7 @@ DIST_CASES = [
 ]
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize(("warp", "top_n", "k"), DIST_CASES)
 def test_speculative_sampling_follows_target_distribution(warp: Warp, top_n: int, k: int) -> None:
     vocab, length, n = 4, 3, 20_000
@@ -324,6 +325,7 @@ def test_speculative_sampling_follows_target_distribution(warp: Warp, top_n: int
     assert chi_square_pvalue(samples, exact, n) > 1e-3
 
 
+@pytest.mark.alone
 def test_distribution_test_catches_a_broken_sampler() -> None:
     vocab, length, n, warp = 4, 3, 20_000, Warp(1.0)
     target = random_logit_table(vocab, 1.5, seed=11)

@@ -1,0 +1,59 @@
+"""pytest plugin: tests marked ``alone`` run while no other test runs, under pytest-xdist too.
+
+The suite runs on two xdist workers (pyproject's addopts): most tests wait on service processes,
+sockets and clocks, so two at a time fill the idle cores. Some must not share the host: the
+chi-square tests keep both cores busy on their own (``tests.helpers.in_two_processes``), and
+tests that measure timing (adaptive K, stalls, chunked prefill) would measure the other test.
+
+Two lock files in the run's shared temporary directory, one per run: every test passes through
+a gate, then holds the room shared (other tests) or exclusive (``alone``). An ``alone`` test
+holds the gate while it waits for the room, so the other worker's next test waits behind it
+instead of taking the room again and again (flock makes no promise of order). Without xdist
+(``-n 0``) tests run one at a time anyway and nothing is locked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from collections.abc import Generator, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "alone: runs while no other test runs (see tests/alone.py)")
+
+
+@contextmanager
+def _locked(path: Path, mode: int) -> Iterator[None]:
+    with path.open("a") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _turn(item: pytest.Item) -> Iterator[None]:
+    if not hasattr(item.config, "workerinput"):  # not an xdist worker: nothing else runs
+        yield
+        return
+    shared = Path(item.config.option.basetemp).parent  # each worker's basetemp is <run's>/gwN
+    alone = item.get_closest_marker("alone") is not None
+    with ExitStack() as held:
+        with _locked(shared / "alone-gate.lock", fcntl.LOCK_EX):
+            if alone:
+                held.enter_context(_locked(shared / "alone-room.lock", fcntl.LOCK_EX))
+        if not alone:
+            held.enter_context(_locked(shared / "alone-room.lock", fcntl.LOCK_SH))
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
+    """Setup, call and teardown of ``item`` all run inside its turn."""
+    with _turn(item):
+        return (yield)
