@@ -106,8 +106,13 @@ def test_one_slow_verify_does_not_hold_k_down_for_good(tmp_path: Path, tiny_mode
     0.05 s more (a busy host: a few times its usual cost). Only rounds at K 4 measure that pass
     again, so before, its one slow sample stood: the turn ran 27 of its 30 rounds at K 1 and the
     coordinator's next turn all 30 (the CI failure of the stalled-draft test above had exactly this
-    first turn). The longest block is now drafted again now and then while K is below it."""
-    slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.05, width=5)
+    first turn). The longest block is now drafted again now and then while K is below it.
+    Every target pass takes 12 ms more, as a target costs several times its draft: with the draft
+    a copy of the target, the 60 tokens at K 4 took 0.29 s against 0.37 s target-only (1.3x,
+    medians of 3, quiet host), so a busy host's noise made some rounds target-only on their merits
+    (2 of 4 runs on two pytest-xdist workers, 1 of them with this test run alone); now 0.45 s
+    against 1.17 s (2.6x)."""
+    slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.05, width=5, pass_s=0.012)
     with fault_cluster(tmp_path / "run", slow, tiny_models.target, worker_args=["--trust-remote-code"]) as cluster:
         request = make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True)
         request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL

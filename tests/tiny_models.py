@@ -157,7 +157,8 @@ class CrashyLlamaForCausalLM(LlamaForCausalLM):
 
 
 _STALLING_CODE = '''
-"""A Llama whose forward pass sleeps once, on its Nth call of a given width (a worker's CPU stalled)."""
+"""A Llama whose forward pass sleeps once, on its Nth call of a given width (a worker's CPU stalled),
+and pass_s in every pass (a larger model's usual cost)."""
 import time
 
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -166,10 +167,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 class StallingConfig(LlamaConfig):
     model_type = "stalling_llama"
 
-    def __init__(self, stall_call=10, stall_s=0.3, stall_width=1, **kwargs):
+    def __init__(self, stall_call=10, stall_s=0.3, stall_width=1, pass_s=0.0, **kwargs):
         self.stall_call = stall_call
         self.stall_s = stall_s
         self.stall_width = stall_width
+        self.pass_s = pass_s
         super().__init__(**kwargs)
 
 
@@ -182,6 +184,8 @@ class StallingLlamaForCausalLM(LlamaForCausalLM):
             StallingLlamaForCausalLM.calls += 1
             if StallingLlamaForCausalLM.calls == self.config.stall_call:
                 time.sleep(self.config.stall_s)
+        if self.config.pass_s:
+            time.sleep(self.config.pass_s)
         return super().forward(input_ids=input_ids, **kwargs)
 '''
 
@@ -215,12 +219,14 @@ def build_crashy(source: Path, path: Path, crash_token_id: int) -> Path:
     return _with_code(source, path, _CRASHY_CODE, "crashy", crash_token_id=crash_token_id)
 
 
-def build_stalling(source: Path, path: Path, stall_call: int, stall_s: float, width: int = 1) -> Path:
+def build_stalling(
+    source: Path, path: Path, stall_call: int, stall_s: float, width: int = 1, pass_s: float = 0.0
+) -> Path:
     """A copy of ``source`` whose forward sleeps ``stall_s`` once, on its ``stall_call``-th call of
-    ``width`` tokens (1: a draft's one-token steps; K + 1: a target's verify pass of a K block)."""
-    return _with_code(
-        source, path, _STALLING_CODE, "stalling", stall_call=stall_call, stall_s=stall_s, stall_width=width
-    )
+    ``width`` tokens (1: a draft's one-token steps; K + 1: a target's verify pass of a K block), and
+    ``pass_s`` in every pass (a target that costs more than its draft, as a deployed one does)."""
+    config = {"stall_call": stall_call, "stall_s": stall_s, "stall_width": width, "pass_s": pass_s}
+    return _with_code(source, path, _STALLING_CODE, "stalling", **config)
 
 
 def build_resized(source: Path, path: Path, vocab: int, extra_scale: float | None = None) -> Path:
