@@ -27,7 +27,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @contextmanager
-def _locked(path: Path, mode: int) -> Iterator[None]:
+def locked(path: Path, mode: int) -> Iterator[None]:
+    """Holds an flock of ``mode`` on ``path`` (created if missing) for the ``with`` block."""
     with path.open("a") as handle:
         fcntl.flock(handle, mode)
         try:
@@ -44,11 +45,11 @@ def _turn(item: pytest.Item) -> Iterator[None]:
     shared = Path(item.config.option.basetemp).parent  # each worker's basetemp is <run's>/gwN
     alone = item.get_closest_marker("alone") is not None
     with ExitStack() as held:
-        with _locked(shared / "alone-gate.lock", fcntl.LOCK_EX):
+        with locked(shared / "alone-gate.lock", fcntl.LOCK_EX):
             if alone:
-                held.enter_context(_locked(shared / "alone-room.lock", fcntl.LOCK_EX))
+                held.enter_context(locked(shared / "alone-room.lock", fcntl.LOCK_EX))
         if not alone:
-            held.enter_context(_locked(shared / "alone-room.lock", fcntl.LOCK_SH))
+            held.enter_context(locked(shared / "alone-room.lock", fcntl.LOCK_SH))
         yield
 
 

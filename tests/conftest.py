@@ -99,8 +99,9 @@ def fault_report() -> Iterator[dict[str, dict[str, object]]]:
     if report:
         out = Path(__file__).resolve().parents[1] / "build" / "fault-report.json"
         out.parent.mkdir(exist_ok=True)
-        with (out.parent / "fault-report.lock").open("w") as lock:  # pytest-xdist workers each add their rows
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        from tests.alone import locked  # imported here: pytest imports the plugin first (assertion rewriting)
+
+        with locked(out.parent / "fault-report.lock", fcntl.LOCK_EX):  # pytest-xdist workers each add their rows
             previous = json.loads(out.read_text()) if out.exists() else {}
             out.write_text(json.dumps({**previous, **report}, indent=2, sort_keys=True))
 
