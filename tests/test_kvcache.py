@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache
 
 from specdec.runtime import kvcache
 from specdec.runtime import tokens as tokens_module
@@ -144,24 +142,6 @@ def test_start_up_times_a_prefill_and_what_its_context_adds(tmp_path: Path, tiny
     assert rates.per_token_ms > 0 and rates.per_1k_context_ms >= 0
     short = kvcache.prefill_rates(dataclasses.replace(loaded, max_context_len=300))
     assert short.per_token_ms > 0 and short.per_1k_context_ms == 0
-
-
-class _TimedModel(torch.nn.Module):
-    """A pass takes 30 ms, plus 2 ms per row of its batch (padding included)."""
-
-    config = LlamaConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16)
-
-    def forward(self, input_ids: torch.Tensor, logits_to_keep: int, past_key_values: object, use_cache: bool) -> None:
-        assert logits_to_keep == 0  # every row's logits, as a batched step keeps them
-        time.sleep(0.030 + 0.002 * input_ids.numel())
-
-
-def test_start_up_times_what_a_pass_and_each_of_its_rows_cost(tiny_models: TinyModels) -> None:
-    fake = SimpleNamespace(model=_TimedModel(), device=torch.device("cpu"))
-    cost = kvcache.pass_cost(fake)  # type: ignore[arg-type]
-    assert cost.fixed_ms == pytest.approx(30, abs=6) and cost.row_ms == pytest.approx(2, abs=0.4)
-    real = kvcache.pass_cost(load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="float32")))
-    assert real.fixed_ms > 0 and real.row_ms >= 0
 
 
 def test_a_token_budget_frees_the_least_recently_used_caches(loaded: LoadedModel) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from specdec.runtime.kvcache import PassCost
 from specdec.runtime.scheduler import (
     ComputeMeter,
     Extend,
@@ -24,7 +23,6 @@ from specdec.runtime.scheduler import (
     StepScheduler,
     _row_tokens,
     _Task,
-    cost_bounded,
     pad_bounded,
 )
 
@@ -215,62 +213,3 @@ def test_a_batched_pass_pads_no_row_to_far_more_than_its_own_length(cached: list
         for i, n in enumerate(cached)
     ]
     assert [[_row_tokens(t) for t in batch] for batch in pad_bounded(tasks)] == passes
-
-
-def _block(tokens: int) -> Job[int]:
-    logits = yield Extend(_NO_CACHE, [1] * tokens, tokens)  # type: ignore[arg-type]
-    return logits.shape[0]
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize(
-    ("cost", "passes"),
-    [
-        # a CPU: a padded row costs about a 26th of a pass (the 1.5B target on 2 cores: 318 + 13 ms a row)
-        (PassCost(fixed_ms=318.0, row_ms=13.0), [[1] * 15, [16]]),
-        (None, [[1] * 15 + [16]]),  # not measured: one pass, as before
-        (PassCost(fixed_ms=8.0, row_ms=0.01), [[1] * 15 + [16]]),  # a GPU: padding is nearly free
-    ],
-    ids=["cpu", "unmeasured", "gpu"],
-)
-async def test_short_steps_are_not_padded_to_a_long_block_where_a_second_pass_is_cheaper(
-    cost: PassCost | None, passes: list[list[int]]
-) -> None:
-    """A batched pass right-pads every step to its longest: 15 sessions decoding one token beside
-    one verifying a 16-token block computed 256 rows, as much as 16 such blocks (the 1.5B target:
-    3.59 s against 0.59 s for the 15 tokens alone and 0.50 s for the block alone). Where the
-    worker measured that a padded row costs more than its share of a second pass, the steps run
-    as two passes."""
-    scheduler = StepScheduler(max_batch=32)
-    caches = _RecordingCaches()
-    scheduler.attach(caches, pass_cost=cost)  # type: ignore[arg-type]
-    try:
-        blocker = asyncio.ensure_future(scheduler.run("blocker", lambda: _job(ComputeMeter(), 1)))
-        await _queued(scheduler, 1)
-        jobs = [asyncio.ensure_future(scheduler.run(f"s{i}", lambda: _block(1))) for i in range(15)]
-        jobs.append(asyncio.ensure_future(scheduler.run("long", lambda: _block(16))))
-        while scheduler._inbox.qsize() < 16:  # noqa: ASYNC110 (all submitted before the gate opens)
-            await asyncio.sleep(0.005)
-        caches.gate.set()
-        await blocker
-        assert await asyncio.gather(*jobs) == [1] * 15 + [16]
-        assert sorted(caches.passes[1:]) == sorted(passes)
-    finally:
-        scheduler.stop()
-
-
-@pytest.mark.parametrize(
-    ("tokens", "passes"),
-    [
-        ([1] * 15 + [16], [[1] * 15, [16]]),
-        ([1] * 8 + [2] * 8, [[1] * 8 + [2] * 8]),  # 8 padded rows cost less than a second pass
-        ([1] * 6 + [9] * 6 + [16] * 6, [[1] * 6, [9] * 6, [16] * 6]),
-        ([1] * 8 + [5] * 8, [[1] * 8, [5] * 8]),  # 32 padded rows cost more than a pass
-        ([16], [[16]]),
-        ([3, 3, 3], [[3, 3, 3]]),
-    ],
-)
-def test_steps_are_cut_into_the_passes_that_cost_least(tokens: list[int], passes: list[list[int]]) -> None:
-    tasks = [_Task(f"s{i}", None, None, step=Extend(_NO_CACHE, [1] * n, 1)) for i, n in enumerate(tokens)]  # type: ignore[arg-type]
-    cut = cost_bounded(tasks, PassCost(fixed_ms=318.0, row_ms=13.0))
-    assert sorted(sorted(len(t.step.token_ids) for t in batch) for batch in cut) == sorted(passes)  # type: ignore[union-attr]

@@ -7,14 +7,11 @@ import asyncio
 import contextlib
 import threading
 from pathlib import Path
-from unittest import mock
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from specdec.runtime.kvcache import PassCost
 from specdec.runtime.scheduler import Extend, Job
-from specdec.serving import worker
 from specdec.serving.server import ServerControl
 from specdec.serving.settings import ModelWorkerSettings
 from specdec.serving.worker import WorkerCore
@@ -62,22 +59,6 @@ def test_a_job_that_made_the_cache_and_was_abandoned_frees_it(tiny_models: TinyM
 
     late, kept = asyncio.run(scenario())
     assert not late and kept
-
-
-def test_a_loaded_worker_batches_by_the_pass_cost_it_measured(tiny_models: TinyModels) -> None:
-    async def scenario() -> tuple[PassCost, PassCost]:
-        core = WorkerCore(ModelWorkerSettings(model=str(tiny_models.target), device="cpu"), ServerControl(),
-                          CollectorRegistry())  # fmt: skip
-        with mock.patch.object(worker, "pass_cost", return_value=PassCost(fixed_ms=300.0, row_ms=12.0)) as measure:
-            await core.load()
-        try:
-            measure.assert_called_once()
-            return measure.return_value, core.scheduler._pass_cost
-        finally:
-            core.close()
-
-    measured, used = asyncio.run(scenario())
-    assert used == measured
 
 
 @pytest.mark.parametrize(

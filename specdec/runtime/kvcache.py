@@ -107,41 +107,10 @@ def prefill_rates(loaded: LoadedModel) -> PrefillRates:
     return PrefillRates(took * 1000 / tokens, per_1k)
 
 
-@dataclass(frozen=True)
-class PassCost:
-    """What a batched forward pass costs, in milliseconds: a part every pass pays (reading the
-    weights) and a part per row it computes. A pass right-pads every step to its longest step, so
-    its rows are its steps times the longest step's tokens. Zero: not measured."""
-
-    fixed_ms: float = 0.0
-    row_ms: float = 0.0
-
-
-PASS_COST_PROBE_ROWS = 4  # the batch the start-up passes of pass_cost run: 1 token a row, then 8
-PASS_COST_PROBE_TOKENS = 8
-
-
-def pass_cost(loaded: LoadedModel) -> PassCost:
-    """Times batched passes of PASS_COST_PROBE_ROWS rows of 1 token and of PASS_COST_PROBE_TOKENS
-    tokens each, every row's logits kept as a batched step's are, twice each in turn (the faster
-    kept): the difference is the cost of the rows, the rest the pass's own. Call it after a first
-    pass has taken the one-time costs (prefill_rates)."""
-    rows, tokens = PASS_COST_PROBE_ROWS, PASS_COST_PROBE_TOKENS
-    times: dict[int, float] = {}
-    with torch.inference_mode():
-        for length in (1, tokens, 1, tokens):
-            ids = torch.zeros(rows, length, dtype=torch.long, device=loaded.device)
-            took = _timed_pass(loaded, ids, DynamicCache(config=loaded.model.config), keep=0)
-            times[length] = min(times.get(length, took), took)
-    row_s = max(times[tokens] - times[1], 0.0) / (rows * (tokens - 1))
-    return PassCost(fixed_ms=max(times[1] - rows * row_s, 0.0) * 1000, row_ms=row_s * 1000)
-
-
-def _timed_pass(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache, keep: int = 1) -> float:
-    """Seconds one forward pass of ``ids`` over ``cache`` takes (the device's work included), with
-    the logits of its last ``keep`` positions (0 = all)."""
+def _timed_pass(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache) -> float:
+    """Seconds one forward pass of ``ids`` over ``cache`` takes (the device's work included)."""
     started = time.perf_counter()
-    loaded.model(input_ids=ids, logits_to_keep=keep, **cache_argument(loaded.model, cache))
+    loaded.model(input_ids=ids, logits_to_keep=1, **cache_argument(loaded.model, cache))
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
     return time.perf_counter() - started

@@ -3,8 +3,7 @@
 A request is a *job*: a generator that yields ``Extend`` steps (run these tokens through the model
 on top of a session's cache, give me the last N logits) and finally returns its result. Each
 scheduler iteration takes the pending step of every active job and runs them as one batched
-forward pass (continuous batching: new requests join at the next step), or as a few where padding
-every step to the longest would cost more than another pass (cost_bounded). Short steps (decoding,
+forward pass (continuous batching: new requests join at the next step). Short steps (decoding,
 verification blocks) are batched together; long ones (prefills) run one at a time, so that a
 long prompt does not pad every row of a batch, and a chunk at a time (chunked prefill): each
 iteration runs the short steps, then the next chunk of one long step, so a long prompt holds the
@@ -31,7 +30,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 import torch
 
-from specdec.runtime.kvcache import EarlierLogits, PassCost, SessionCache, SessionCaches
+from specdec.runtime.kvcache import EarlierLogits, SessionCache, SessionCaches
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -134,7 +133,6 @@ class StepScheduler:
     def __init__(self, max_batch: int, host_lock: HostLock | None = None) -> None:
         self._max_batch = max_batch
         self._chunk_tokens = 0  # a long step's tokens per pass (0 = all at once); set by attach()
-        self._pass_cost = PassCost()  # set by attach(); unmeasured: short steps share one pass
         self._host_lock = host_lock or HostLock(None)
         self._inbox: queue.SimpleQueue[_Task[Any] | None] = queue.SimpleQueue()
         self._waiting: dict[str, collections.deque[_Task[Any]]] = collections.defaultdict(collections.deque)
@@ -145,11 +143,10 @@ class StepScheduler:
         self.batched_forwards = 0
         self.batched_requests = 0
 
-    def attach(self, caches: SessionCaches, chunk_tokens: int = 0, pass_cost: PassCost | None = None) -> None:
-        """Gives the model thread its caches, how many tokens of a long step (a prefill) one pass
-        runs (0 = the whole step in one pass) and what a pass costs (see cost_bounded)."""
+    def attach(self, caches: SessionCaches, chunk_tokens: int = 0) -> None:
+        """Gives the model thread its caches, and how many tokens of a long step (a prefill) one
+        pass runs (0 = the whole step in one pass)."""
         self._chunk_tokens = chunk_tokens
-        self._pass_cost = pass_cost or PassCost()
         self._caches = caches
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -183,8 +180,7 @@ class StepScheduler:
             short = [t for t in self._active.values() if t.step and _batchable(t.step)]
             long = [t for t in self._active.values() if t.step and not _batchable(t.step)]
             for batch in pad_bounded(short[: self._max_batch]):
-                for part in cost_bounded(batch, self._pass_cost):
-                    self._forward(part)
+                self._forward(batch)
             if long:
                 self._forward_part(long[0])
 
@@ -319,35 +315,6 @@ def pad_bounded(tasks: list[_Task[Any]]) -> list[list[_Task[Any]]]:
         else:
             passes.append([task])
     return passes
-
-
-def cost_bounded(tasks: list[_Task[Any]], cost: PassCost) -> list[list[_Task[Any]]]:
-    """Steps cut into the passes that cost least in all, where a pass costs ``cost.fixed_ms`` plus
-    ``cost.row_ms`` for each of its rows, padding included: a pass pads every step to its longest,
-    so 15 one-token steps beside a 16-token block compute 256 rows. Steps of similar length share
-    a pass; a long block runs apart where its padding would cost the others more than a pass of
-    its own. Unmeasured costs: one pass, as before."""
-    if cost.row_ms <= 0 or len(tasks) < 2:
-        return [tasks]
-    by_length: dict[int, list[_Task[Any]]] = collections.defaultdict(list)
-    for task in tasks:
-        assert task.step is not None
-        by_length[len(task.step.token_ids)].append(task)
-    lengths = sorted(by_length)
-    # best[j]: the least cost of the steps of the j shortest lengths; a pass takes a run of lengths
-    best, start = [0.0] + [float("inf")] * len(lengths), [0] * (len(lengths) + 1)
-    for j in range(1, len(lengths) + 1):
-        steps = 0
-        for i in range(j - 1, -1, -1):
-            steps += len(by_length[lengths[i]])
-            total = best[i] + cost.fixed_ms + cost.row_ms * steps * lengths[j - 1]
-            if total < best[j]:
-                best[j], start[j] = total, i
-    passes, j = [], len(lengths)
-    while j:
-        passes.append([task for length in lengths[start[j] : j] for task in by_length[length]])
-        j = start[j]
-    return passes[::-1]
 
 
 def _row_tokens(task: _Task[Any]) -> int:

@@ -14,7 +14,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from specdec.runtime.grammar import NO_GRAMMARS
-from specdec.runtime.kvcache import PrefillRates, SessionCaches, auto_token_budget, pass_cost, prefill_rates
+from specdec.runtime.kvcache import PrefillRates, SessionCaches, auto_token_budget, prefill_rates
 from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
 from specdec.serving.errors import (
@@ -117,11 +117,9 @@ class WorkerCore:
             ms_per_token=round(self.prefill.per_token_ms, 3),
             ms_per_token_per_1k_context=round(self.prefill.per_1k_context_ms, 3),
         )
-        cost = await self.scheduler.call(pass_cost, self._loaded)
-        log.info("pass_cost_measured", fixed_ms=round(cost.fixed_ms, 3), row_ms=round(cost.row_ms, 3))
         chunk = s.prefill_chunk(self._loaded.device.type)
         log.info("prefill_chunk", tokens=chunk, configured=bool(s.prefill_chunk_tokens))
-        self.scheduler.attach(caches, chunk, cost)
+        self.scheduler.attach(caches, chunk)
         self._caches = caches
 
     async def run(self, session_id: str, start: Callable[[], Job[T]]) -> T:
