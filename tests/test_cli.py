@@ -229,7 +229,12 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     assert len(data["methods"]["service model K"]["acceptance_by_position"]) == 4
     assert data["methods"]["service ngram K"]["lookup_round_share"] > 0
     assert data["methods"]["service model K"]["lookup_round_share"] == 0
+    # the sweep measures the default against target-only decoding, every repeat, at each count
     assert set(report["concurrency"]) == {"1", "2"}
+    for row in report["concurrency"].values():
+        assert set(row["methods"]) == {"service default (hybrid, adaptive)", "service target-only"}
+        assert row["default / service target-only"] > 0
+    assert "2 concurrent requests, tok/s aggregate: default (hybrid, adaptive) " in result.stdout
     assert {"default / hf target-only", "worst prompt: default / service target-only"} <= set(data["ratios"])
     for name in ("tokens_per_s.png", "acceptance_by_position.png", "concurrency.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

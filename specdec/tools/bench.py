@@ -15,11 +15,13 @@ replies (each repeat as another caller, so it never sees the same prompt's earli
 method runs ``repeats`` times over each workload (interleaved: one repeat of every HF method, one
 of every service row, then the next; a host whose speed drifts moves both sides alike); the
 report has the median and the spread, greedy token identity against HF target-only,
-per-position acceptance, a concurrency sweep, and PNG plots.
+per-position acceptance, a concurrency sweep (the default against target-only decoding, N
+requests at once, also ``repeats`` times) and PNG plots.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import json
 import os
@@ -604,28 +606,38 @@ def service_runs(
             channel.close()
 
 
+SWEEP_METHODS = (HEADLINE, "service target-only")  # the concurrency sweep's rows: is speculating worth it under load?
+
+
 def concurrency_runs(
     cfg: BenchConfig, prompts: Sequence[Prompt], address: str, tick: Callable[[str], None]
-) -> dict[int, dict[str, float]]:
-    """Aggregate tokens/s with N one-shot requests at once (the server's default method)."""
+) -> dict[int, dict[str, Any]]:
+    """Aggregate tokens/s with N one-shot requests at once, for the default and for target-only
+    decoding (the same prompts), each ``cfg.repeats`` times, interleaved: median, spread and
+    their ratio."""
     import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
 
-    sweep: dict[int, dict[str, float]] = {}
+    rates: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
     with grpc.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        for n in cfg.concurrency:
-            tick(f"{n} sessions")
-            batch = [prompts[i % len(prompts)] for i in range(n)]
-            started = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                replies = list(
-                    pool.map(lambda p: stub.Generate(_request(cfg, p, SERVICE_METHODS[HEADLINE]), timeout=3600), batch)
-                )
-            seconds = time.perf_counter() - started
-            tokens = sum(len(r.token_ids) for r in replies)
-            sweep[n] = {"sessions": n, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        for _ in range(cfg.repeats):
+            for n in cfg.concurrency:
+                batch = [prompts[i % len(prompts)] for i in range(n)]
+                for method in SWEEP_METHODS:
+                    tick(f"{n} sessions, {method}")
+                    requests = [_request(cfg, p, SERVICE_METHODS[method]) for p in batch]
+                    started = time.perf_counter()
+                    with ThreadPoolExecutor(max_workers=n) as pool:
+                        replies = list(pool.map(lambda r: stub.Generate(r, timeout=3600), requests))
+                    seconds = time.perf_counter() - started
+                    rates[n, method].append(sum(len(r.token_ids) for r in replies) / seconds)
+    sweep: dict[int, dict[str, Any]] = {}
+    for n in cfg.concurrency:
+        methods = {method: {"tokens_per_s": _spread(rates[n, method])} for method in SWEEP_METHODS}
+        ratio = _median(methods, HEADLINE) / _median(methods, "service target-only")
+        sweep[n] = {"sessions": n, "methods": methods, "default / service target-only": ratio}
     return sweep
 
 
@@ -676,7 +688,7 @@ def _method_row(mine: Sequence[Run]) -> dict[str, Any]:
     return row
 
 
-def summarize(cfg: BenchConfig, runs: list[Run], sweep: dict[int, dict[str, float]]) -> dict[str, Any]:
+def summarize(cfg: BenchConfig, runs: list[Run], sweep: dict[int, dict[str, Any]]) -> dict[str, Any]:
     workloads: dict[str, Any] = {}
     for workload in dict.fromkeys(r.workload for r in runs):
         here = [r for r in runs if r.workload == workload]
@@ -769,7 +781,12 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"  {name:60} {value:.2f}x")
         lines.append("")
     for n, row in report["concurrency"].items():
-        lines.append(f"{n} concurrent requests (default method): {row['tokens_per_s']:.2f} tok/s aggregate")
+        rates = [
+            f"{method.removeprefix('service ')} {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+            for method, r in ((m, row["methods"][m]["tokens_per_s"]) for m in SWEEP_METHODS)
+        ]
+        ratio = row["default / service target-only"]
+        lines.append(f"{n} concurrent requests, tok/s aggregate: {', '.join(rates)}; {ratio:.2f}x target-only")
     return "\n".join(lines)
 
 
@@ -823,7 +840,13 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     if sweep:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ns = sorted(int(n) for n in sweep)
-        ax.plot(ns, [sweep[n if n in sweep else str(n)]["tokens_per_s"] for n in ns], marker="o")
+        rows = [sweep[n if n in sweep else str(n)]["methods"] for n in ns]
+        for method in SWEEP_METHODS:
+            rates = [row[method]["tokens_per_s"] for row in rows]
+            med = [r["median"] for r in rates]
+            err = [[r["median"] - r["min"] for r in rates], [r["max"] - r["median"] for r in rates]]
+            ax.errorbar(ns, med, yerr=err, marker="o", capsize=2, label=method.removeprefix("service "))
+        ax.legend(fontsize=7)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("aggregate tokens/s")
         ax.set_xticks(ns)
@@ -851,7 +874,8 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     check_config(cfg)
     prompts = tokenize_prompts(cfg)
     per_repeat = len(prompts) * ((0 if cfg.skip_hf else len(hf_methods(cfg))) + len(service_methods(cfg)))
-    with tqdm(total=per_repeat * cfg.repeats + len(cfg.concurrency), unit="run", desc="bench") as bar:
+    sweep_runs = len(cfg.concurrency) * len(SWEEP_METHODS) * cfg.repeats
+    with tqdm(total=per_repeat * cfg.repeats + sweep_runs, unit="run", desc="bench") as bar:
 
         def tick(label: str) -> None:
             bar.set_postfix_str(label)

@@ -350,7 +350,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument(
         "--method", action="append", default=[], help="run this row (a name as in the table; repeat it; default: all)"
     )
-    p.add_argument("--concurrency", default="1,2,4", help="request counts for the concurrency sweep ('' = none)")
+    p.add_argument(
+        "--concurrency",
+        default="1,2,4",
+        help="request counts for the concurrency sweep of the default and target-only ('' = none)",
+    )
     p.add_argument("--device", default="cpu", help="device of the workers and of the HF baselines")
     p.add_argument("--out", type=Path, default=Path("bench-results/bench.json"), help="where to write the JSON report")
     p.add_argument("--skip-hf", action="store_true", help="leave out the in-process HF baselines")
