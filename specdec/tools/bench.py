@@ -790,6 +790,12 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _bars(rates: Sequence[dict[str, float]]) -> tuple[list[float], list[list[float]]]:
+    """Medians and their min-max error bars (below, above) of tokens/s spreads."""
+    below = [r["median"] - r["min"] for r in rates]
+    return [r["median"] for r in rates], [below, [r["max"] - r["median"] for r in rates]]
+
+
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """tokens/s by method and workload (median, min-max bars), acceptance by draft position,
     aggregate tokens/s by concurrency."""
@@ -807,9 +813,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     for j, workload in enumerate(workloads):
         rows = report["workloads"][workload]["methods"]
         ys = [i + j * height for i, m in enumerate(methods) if m in rows]
-        rates = [rows[m]["tokens_per_s"] for m in methods if m in rows]
-        med = [r["median"] for r in rates]
-        err = [[r["median"] - r["min"] for r in rates], [r["max"] - r["median"] for r in rates]]
+        med, err = _bars([rows[m]["tokens_per_s"] for m in methods if m in rows])
         ax.barh(ys, med, height=height, xerr=err, capsize=2, label=workload)
     ax.set_yticks([i + 0.4 - height / 2 for i in range(len(methods))], methods)
     ax.invert_yaxis()
@@ -842,9 +846,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         ns = sorted(int(n) for n in sweep)
         rows = [sweep[n if n in sweep else str(n)]["methods"] for n in ns]
         for method in SWEEP_METHODS:
-            rates = [row[method]["tokens_per_s"] for row in rows]
-            med = [r["median"] for r in rates]
-            err = [[r["median"] - r["min"] for r in rates], [r["max"] - r["median"] for r in rates]]
+            med, err = _bars([row[method]["tokens_per_s"] for row in rows])
             ax.errorbar(ns, med, yerr=err, marker="o", capsize=2, label=method.removeprefix("service "))
         ax.legend(fontsize=7)
         ax.set_xlabel("concurrent requests")
