@@ -137,8 +137,9 @@ T = TypeVar("T")
 CHAT_WORKLOADS = frozenset({"edit"})  # sent through the chat template (instructions to an instruct model)
 HEADLINE = "service default (hybrid, adaptive)"
 HF_TARGET = "hf target-only"
+SERVICE_TARGET = "service target-only"
 HF_DEFAULT = "hf assisted default"
-_REFERENCES = (HF_TARGET, "service target-only")
+_REFERENCES = (HF_TARGET, SERVICE_TARGET)
 
 
 MAX_K = 16  # the bench's coordinators take blocks up to this long (--max-speculative-tokens)
@@ -308,7 +309,7 @@ VOCAB_DEFAULT = "service default, draft vocabulary"
 REPLY_INDEX = "service default, reply index"
 NO_GUESS = "service default without guessing"
 SERVICE_METHODS: dict[str, ServiceRow] = {
-    "service target-only": ServiceRow("main", "default", True, True),
+    SERVICE_TARGET: ServiceRow("main", "default", True, True),
     "service model K": ServiceRow("main", "model", False, True),
     "service model adaptive": ServiceRow("main", "model", False, False),
     "service ngram K": ServiceRow("main", "ngram", False, True),
@@ -606,7 +607,7 @@ def service_runs(
             channel.close()
 
 
-SWEEP_METHODS = (HEADLINE, "service target-only")  # the concurrency sweep's rows: is speculating worth it under load?
+SWEEP_METHODS = (HEADLINE, SERVICE_TARGET)  # the concurrency sweep's rows: is speculating worth it under load?
 
 
 def concurrency_runs(
@@ -636,7 +637,7 @@ def concurrency_runs(
     sweep: dict[int, dict[str, Any]] = {}
     for n in cfg.concurrency:
         methods = {method: {"tokens_per_s": _spread(rates[n, method])} for method in SWEEP_METHODS}
-        ratio = _median(methods, HEADLINE) / _median(methods, "service target-only")
+        ratio = _median(methods, HEADLINE) / _median(methods, SERVICE_TARGET)
         sweep[n] = {"sessions": n, "methods": methods, "default / service target-only": ratio}
     return sweep
 
@@ -714,9 +715,9 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
     """Ratios of the headline (the default) to the baselines, per prompt, and token identity."""
     hf_spec = [m for m in methods if m.startswith("hf ") and m != HF_TARGET]
     best_hf = max(hf_spec, key=lambda m: _median(methods, m)) if hf_spec else None
-    baseline = "service target-only"
+    baseline = SERVICE_TARGET
     per_prompt = _per_prompt(runs, HEADLINE, baseline) if HEADLINE in methods and baseline in methods else {}
-    reference_method = HF_TARGET if HF_TARGET in methods else "service target-only"
+    reference_method = HF_TARGET if HF_TARGET in methods else SERVICE_TARGET
     reference = {r.prompt: r.token_ids for r in runs if r.method == reference_method and r.repeat == 0}
     identical = {m: all(r.token_ids == reference[r.prompt] for r in runs if r.method == m) for m in methods}
     ratios: dict[str, float] = {}
@@ -781,10 +782,10 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"  {name:60} {value:.2f}x")
         lines.append("")
     for n, row in report["concurrency"].items():
-        rates = [
-            f"{method.removeprefix('service ')} {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
-            for method, r in ((m, row["methods"][m]["tokens_per_s"]) for m in SWEEP_METHODS)
-        ]
+        rates = []
+        for method, spec in row["methods"].items():
+            r = spec["tokens_per_s"]
+            rates.append(f"{method.removeprefix('service ')} {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
         ratio = row["default / service target-only"]
         lines.append(f"{n} concurrent requests, tok/s aggregate: {', '.join(rates)}; {ratio:.2f}x target-only")
     return "\n".join(lines)
