@@ -2,7 +2,8 @@
 
 ``StepCosts`` (one per coordinator) learns what a round costs on the deployed hardware: draft time
 per token, verification time by the number of tokens in the pass, and the per-round overhead (with
-and without a call to the draft worker), each the median of its last samples. ``KController`` (one
+and without a call to the draft worker), each the median of its last samples, kept apart by the
+number of requests in flight when measured. ``KController`` (one
 per turn) learns the session's acceptance rate of each proposer and picks, each round, the proposer
 and K with the best expected tokens per second (Leviathan et al.: a round with per-token acceptance
 a yields (1 - a^(K+1)) / (1 - a) tokens; with the draft's confidence stop, which ends a block
@@ -23,7 +24,7 @@ failing is not tried at all.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import median_low
 
@@ -134,20 +135,63 @@ class Plan:
 TARGET_ONLY = Plan(NONE, 0)
 
 
+@dataclass(frozen=True)
+class LoadLimit:
+    """Speculation off while more than ``max_requests`` requests are generating (0 = no limit),
+    as vLLM's ``speculative_disable_by_batch_size``. A batched pass costs a part every pass pays
+    (reading the weights) and a part per row: on a CPU target many requests decoding one token
+    each share one pass, while speculating requests drift out of step and each pays more of its
+    passes, so beyond some load target-only decoding serves more tokens per second (see the
+    README's Under load). A round's choice prices only its own session's costs, not what it adds
+    to the passes others share, so this bound is the operator's, from the benchmark's sweep."""
+
+    max_requests: int = 0
+    in_flight: Callable[[], int] = field(default=lambda: 0)
+
+    def exceeded(self) -> bool:
+        return 0 < self.max_requests < self.in_flight()
+
+
 def drafting_method(wanted: str, has_draft_model: bool) -> str:
     """The method ``model``, ``ngram`` or ``hybrid`` that runs when ``wanted`` is asked for: without a
     draft model only the lookup can draft."""
     return wanted if has_draft_model else NGRAM
 
 
+LOAD_BUCKETS = 5  # requests in flight, as costs are kept apart: 1, 2-3, 4-7, 8-15, 16 or more
+
+
+def load_bucket(in_flight: int) -> int:
+    """The class (1 to LOAD_BUCKETS) of a number of requests in flight that costs are kept by."""
+    return min(max(in_flight, 1).bit_length(), LOAD_BUCKETS)
+
+
+class _LoadCost:
+    """A cost of ``StepCosts`` kept per load: read, the one measured at the load now (else at the
+    nearest load measured; None: none yet); set, the load now's."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, costs: StepCosts | None, owner: type | None = None) -> float | None:
+        return None if costs is None else costs._scalar(self.name)
+
+    def __set__(self, costs: StepCosts, value: float | None) -> None:
+        costs._set_scalar(self.name, value)
+
+
 @dataclass
 class StepCosts:
-    """Measured costs of the deployed models (milliseconds), shared by all sessions."""
+    """Measured costs of the deployed models (milliseconds), shared by all sessions.
 
-    draft_per_token: float | None = None
-    overhead: float | None = None  # rounds that call the draft worker
-    local_overhead: float | None = None  # rounds that do not (lookup drafts, target-only)
-    verify: dict[int, float] = field(default_factory=dict)  # tokens in the pass -> ms
+    A round's model costs are its share of the passes it was in, and a share depends on how many
+    sessions the passes served: with 16 requests at once a target-only step cost 37 ms of a pass
+    it would pay 330 ms for alone. So the round costs (draft, verify, overheads) are kept apart
+    by ``load`` (the requests in flight on this coordinator when measured, in LOAD_BUCKETS
+    classes), and a round is priced with those of the load now, or of the nearest load measured.
+    """
+
+    load: Callable[[], int] = field(default=lambda: 1, repr=False)
     prefill_per_token: float | None = None  # the target's ms per token of a pass that computed a prefix too
     draft_prefill_per_token: float | None = None  # the same for the draft model
     # what a prefill token costs more per 1,000 tokens before it (the workers' start-up timing)
@@ -162,8 +206,44 @@ class StepCosts:
     # token a confidence stop ended a block on (unsure; counted where the target got to it).
     sure: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
     unsure: Acceptance = field(default_factory=lambda: Acceptance(_POOL_DECAY))
-    # The last samples behind draft_per_token, verify and the overheads (see ``typical``).
-    _samples: dict[str | int, deque[float]] = field(default_factory=lambda: defaultdict(_cost_window), repr=False)
+    # Per load bucket: the last samples behind draft_per_token, verify and the overheads (see
+    # ``typical``), and what they give.
+    _samples: dict[tuple[int, str | int], deque[float]] = field(
+        default_factory=lambda: defaultdict(_cost_window), repr=False
+    )
+    _verify: dict[int, dict[int, float]] = field(default_factory=lambda: defaultdict(dict), repr=False)
+    _scalars: dict[int, dict[str, float | None]] = field(default_factory=lambda: defaultdict(dict), repr=False)
+
+    def _nearest(self) -> list[int]:
+        """The load buckets, the load now's first, then by distance from it (lower first)."""
+        now = load_bucket(self.load())
+        return sorted(range(1, LOAD_BUCKETS + 1), key=lambda b: (abs(b - now), b))
+
+    def _scalar(self, name: str) -> float | None:
+        return next((v for b in self._nearest() if (v := self._scalars[b].get(name)) is not None), None)
+
+    def _set_scalar(self, name: str, value: float | None) -> None:
+        self._scalars[load_bucket(self.load())][name] = value
+
+    # costs read at the load now (else the nearest load measured) and set at the load now
+    draft_per_token = _LoadCost()
+    overhead = _LoadCost()  # a round's time besides model time, rounds that call the draft worker
+    local_overhead = _LoadCost()  # the same for rounds that do not (lookup drafts, target-only)
+
+    @property
+    def verify(self) -> dict[int, float]:
+        """Tokens in the pass -> ms, measured at the load now (the dict itself: setting it sets them)."""
+        return self._verify[load_bucket(self.load())]
+
+    def _verify_known(self) -> dict[int, float]:
+        """Every block size measured at some load, each at the nearest load it was measured at."""
+        known: dict[int, float] = {}
+        for bucket in reversed(self._nearest()):
+            known.update(self._verify[bucket])
+        return known
+
+    def verify_measured(self, tokens: int) -> bool:
+        return tokens in self._verify_known()
 
     @property
     def alpha(self) -> float | None:
@@ -173,13 +253,16 @@ class StepCosts:
     def observe_acceptance(self, k: int, accepted: int, method: str = MODEL) -> None:
         self.acceptance[method].observe(k, accepted)
 
+    def _typical(self, key: str | int, ms: float) -> float:
+        return typical(self._samples[load_bucket(self.load()), key], ms)
+
     def observe_draft(self, tokens: int, ms: float) -> None:
         if tokens > 0:
-            self.draft_per_token = typical(self._samples["draft"], ms / tokens)
+            self.draft_per_token = self._typical("draft", ms / tokens)
 
     def observe_verify(self, tokens: int, ms: float) -> None:
         if 0 < tokens <= _MAX_TOKENS:
-            self.verify[tokens] = typical(self._samples[tokens], ms)
+            self.verify[tokens] = self._typical(tokens, ms)
 
     def observe_prefill(self, tokens: int, ms: float, draft: bool = False) -> None:
         """A pass of the target (or the draft) that computed ``tokens`` with a prefix among them
@@ -205,9 +288,9 @@ class StepCosts:
     def observe_overhead(self, ms: float, drafted: bool = True) -> None:
         """A round's time besides model time; ``drafted``: the round called the draft worker."""
         if drafted:
-            self.overhead = typical(self._samples["overhead"], max(ms, 0.0))
+            self.overhead = self._typical("overhead", max(ms, 0.0))
         else:
-            self.local_overhead = typical(self._samples["local_overhead"], max(ms, 0.0))
+            self.local_overhead = self._typical("local_overhead", max(ms, 0.0))
 
     def overhead_ms(self, drafted: bool) -> float:
         own = self.overhead if drafted else self.local_overhead
@@ -224,9 +307,10 @@ class StepCosts:
 
     def verify_ms(self, tokens: int) -> float | None:
         """Measured, else linearly interpolated/extrapolated from the nearest measurements."""
-        if tokens in self.verify:
-            return self.verify[tokens]
-        known = sorted(self.verify)
+        verify = self._verify_known()
+        if tokens in verify:
+            return verify[tokens]
+        known = sorted(verify)
         if len(known) < 2:
             return None
         lower = [n for n in known if n < tokens][-2:] or known[:2]
@@ -234,8 +318,8 @@ class StepCosts:
         a, b = (lower[-1], upper[0]) if lower and upper and lower[-1] < tokens < upper[0] else (known[-2], known[-1])
         if tokens < known[0]:
             a, b = known[0], known[1]
-        slope = (self.verify[b] - self.verify[a]) / (b - a)
-        return max(self.verify[a] + slope * (tokens - a), 0.0)
+        slope = (verify[b] - verify[a]) / (b - a)
+        return max(verify[a] + slope * (tokens - a), 0.0)
 
 
 def lookup_key(match_len: int, from_replies: bool = False) -> str:
@@ -412,7 +496,7 @@ class KController:
         limits = {MODEL: model, NGRAM: lookup}
         if max(limits.values()) <= 0:
             return TARGET_ONLY
-        if 1 not in self.costs.verify:
+        if not self.costs.verify_measured(1):
             return TARGET_ONLY  # learn what target-only decoding costs first (one round per coordinator)
         rates = {TARGET_ONLY: self._rate(TARGET_ONLY)}
         for method, upper in limits.items():

@@ -12,7 +12,7 @@ import grpc
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import StepCosts
+from coordinator.adaptive import LoadLimit, StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import CLEANUP_TIMEOUT_S, Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
@@ -128,6 +128,7 @@ def server_info(
         default_max_new_tokens=limits.default_max_new_tokens,
         max_message_bytes=settings.max_message_bytes,
         max_concurrent_requests=settings.max_concurrent_requests,
+        speculation_max_requests=settings.speculation_max_requests,
         max_prompt_chars=limits.max_prompt_chars,
         speculation_mode="pipelined" if pipelined else "sequential",
         adaptive_k=settings.adaptive_k,
@@ -342,6 +343,7 @@ class Engine:
         # the prefill rates the workers timed at start-up (the slowest replica's), until calls are measured
         targets = [r.info for r in self.targets.replicas]
         costs = StepCosts(
+            load=lambda: self._active,  # the requests in flight: costs measured under load price load
             prefill_per_token=max((i.prefill_ms_per_token for i in targets), default=0.0) or None,
             draft_prefill_per_token=(draft_info.prefill_ms_per_token or None) if draft_info is not None else None,
             prefill_per_1k_context=max((i.prefill_ms_per_token_per_1k_context for i in targets), default=0.0),
@@ -353,7 +355,7 @@ class Engine:
             costs, pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
             prefix_block=s.prefix_block_tokens, prefix_ttl_s=prefix_ttl_s(s.session_ttl_s, target_info),
             ngram=(s.ngram_min, s.ngram_max),
-            replies=self._replies,
+            replies=self._replies, load_limit=LoadLimit(s.speculation_max_requests, lambda: self._active),
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self._info_from = (target_info, draft_info, pipelined, has_template)  # GetInfo's other sources

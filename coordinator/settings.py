@@ -119,6 +119,13 @@ class CoordinatorSettings(ServiceSettings):
         description="with speculation off for a session, probe it every N rounds (with K below the longest block "
         "allowed, draft that block every N rounds to measure it again)",
     )
+    speculation_max_requests: int = Field(
+        0,
+        ge=0,
+        description="rounds decode target-only while more requests than this are generating on this coordinator "
+        "(requests with fixed K excepted: their seeds replay); batched target-only passes can serve many requests "
+        "faster than speculation (0 = no limit)",
+    )
     prefix_block_tokens: int = Field(
         16,
         ge=0,

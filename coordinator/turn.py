@@ -27,6 +27,7 @@ from coordinator.adaptive import (
     REPLY,
     TARGET_ONLY,
     KController,
+    LoadLimit,
     Plan,
     StepCosts,
     lookup_key,
@@ -128,6 +129,7 @@ class TurnDeps:
     prefix_ttl_s: float = 900.0  # how long a prefix record is kept: as long as a worker keeps an unused cache
     ngram: tuple[int, int] = (2, 5)  # suffix lengths a lookup draft matches (n_min, n_max)
     replies: ReplyIndex | None = None  # recent replies of all sessions, by caller (None = off)
+    load_limit: LoadLimit = field(default_factory=LoadLimit)  # speculation off above this many requests
 
 
 @dataclass
@@ -363,6 +365,9 @@ class Turn:
         req, limits = self.request, self.deps.limits
         budget = req.max_new_tokens - self._generated - 1
         if req.k <= 0 or budget <= 0:
+            return TARGET_ONLY, NO_DRAFT
+        if self.adaptive and self.deps.load_limit.exceeded():  # fixed K keeps its K: its seed replays
+            self.deps.metrics.load_target_only_rounds.inc()
             return TARGET_ONLY, NO_DRAFT
         found = NO_DRAFT
         if self._index is not None:

@@ -6,6 +6,7 @@ import pytest
 
 from coordinator.adaptive import (
     KController,
+    LoadLimit,
     Plan,
     StepCosts,
     expected_length,
@@ -20,6 +21,13 @@ def costs(draft: float, verify: dict[int, float], overhead: float = 0.0) -> Step
     c.draft_per_token, c.overhead = draft, overhead
     c.verify.update(verify)
     return c
+
+
+def test_the_load_limit_trips_only_above_a_set_limit() -> None:
+    assert not LoadLimit().exceeded()  # no limit set
+    assert not LoadLimit(0, lambda: 1000).exceeded()
+    assert not LoadLimit(8, lambda: 8).exceeded()  # at the limit: still speculating
+    assert LoadLimit(8, lambda: 9).exceeded()
 
 
 def test_expected_tokens_matches_the_closed_form() -> None:
@@ -104,6 +112,41 @@ def test_verify_cost_interpolates_between_measurements() -> None:
     assert c.verify_ms(5) == 180.0
     assert StepCosts().verify_ms(2) is None
     assert c.verify_at(2.5) == pytest.approx(130.0) and c.verify_at(5.0) == 180.0
+
+
+def _learn(c: StepCosts, verify: dict[int, float], draft: float) -> None:
+    for _ in range(7):
+        for tokens, ms in verify.items():
+            c.observe_verify(tokens, ms)
+        c.observe_draft(1, draft)
+        c.observe_overhead(10.0)
+
+
+def test_costs_learned_under_load_do_not_price_a_lone_request() -> None:
+    """A round's costs are its share of the passes it was in, and with 16 requests at once a
+    target-only step shared a pass with 15 others: 37 ms where it costs 330 alone. Priced by
+    those shares (and by the waits of rounds under load), a lone request after two bursts of 16
+    requests on a coordinator with --speculation-max-requests 8 (the 1.5B target on a 2-core
+    host) decoded 26 of its 38 rounds target-only, 3.31 tok/s where the one before the bursts made
+    4.45. Costs are kept apart by how many requests were in flight; a load never seen takes the
+    nearest one's."""
+    load = [1]
+    c = StepCosts(load=lambda: load[0])
+    _learn(c, {1: 330.0, 6: 450.0}, draft=55.0)
+    load[0] = 16
+    assert c.verify_ms(1) == 330.0  # none measured at this load yet: the nearest load's
+    _learn(c, {1: 37.0, 6: 150.0}, draft=20.0)
+    assert (c.verify_ms(1), c.verify_ms(6), c.draft_per_token) == (37.0, 150.0, 20.0)
+    load[0] = 1
+    assert (c.verify_ms(1), c.verify_ms(6), c.draft_per_token) == (330.0, 450.0, 55.0)
+    load[0] = 12
+    assert c.verify_ms(1) == 37.0
+    controller = KController(k_max=5, costs=c)
+    for _ in range(20):
+        controller.observe(5, 4)
+    assert controller.choose(budget=100) == 0  # at 16 requests target-only is cheaper: 1 token in 47 ms
+    load[0] = 1
+    assert controller.choose(budget=100) >= 4  # alone, speculation pays: 1 token in 340 ms, ~3.7 in 735
 
 
 def test_unmeasured_costs_are_learned_target_only_first_then_at_the_maximum() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import fault_cluster, metric
+from tests.clusters import fault_cluster, metric, wait_for
 from tests.reference import make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_stalling
 
@@ -153,3 +153,41 @@ def test_one_stalled_draft_call_does_not_turn_speculation_off(
         "rounds": stats.rounds,
         "target_only_rounds": stats.target_only_rounds,
     }
+
+
+def test_speculation_stops_above_the_request_limit_and_resumes_below_it(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """``--speculation-max-requests 1``: while a long request streams, a second adaptive request
+    decodes every round target-only (so does the long one), with its tokens unchanged; a request
+    with fixed K keeps its K (its seed must replay whatever the load); alone again, the same
+    request speculates. Every target pass takes 30 ms more, so the long request (200 tokens,
+    target-only while the others run) outlasts them many times over."""
+    slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.0, pass_s=0.03)
+    limit = ["--speculation-max-requests", "1"]
+    with (
+        fault_cluster(
+            tmp_path / "run", slow, tiny_models.target, worker_args=["--trust-remote-code"], coordinator_args=limit
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        assert stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10).speculation_max_requests == 1
+        short = make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True)
+        long_stream = stub.GenerateStream(make_request(PROMPTS[1], k=4, max_new=200, fixed=False, ignore_eos=True))
+        next(long_stream)  # the long request is generating
+        beside = stub.Generate(short, timeout=60)
+        fixed = make_request(PROMPTS[0], k=4, max_new=12, fixed=True, ignore_eos=True)
+        fixed_beside = stub.Generate(fixed, timeout=60)
+        assert not long_stream.done(), "the long request ended before the others: the test proves nothing"
+        long_stream.cancel()
+        wait_for(lambda: metric(cluster, "coordinator", "specdec_active_requests") == 0, timeout_s=30)
+        alone = stub.Generate(short, timeout=60)
+        load_rounds = metric(cluster, "coordinator", "specdec_load_target_only_rounds_total")
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[0]), 12, ignore_eos=True)
+    for reply in (beside, fixed_beside, alone):
+        assert list(reply.token_ids) == expected
+    assert beside.stats.target_only_rounds == beside.stats.rounds == 12, beside.stats
+    assert fixed_beside.stats.target_only_rounds == 0 and fixed_beside.stats.rounds <= 4, fixed_beside.stats
+    assert alone.stats.target_only_rounds < alone.stats.rounds // 2, alone.stats
+    assert load_rounds > beside.stats.rounds  # the long request's rounds meanwhile too

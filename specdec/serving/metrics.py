@@ -111,6 +111,11 @@ class CoordinatorMetrics:
             "specdec_proposer_rounds", "Rounds by who drafted: model, ngram (lookup) or none (target-only)",
             ["proposer"], registry=registry,
         )  # fmt: skip
+        self.load_target_only_rounds = Counter(
+            "specdec_load_target_only_rounds",
+            "Rounds decoded target-only because more requests were generating than --speculation-max-requests",
+            registry=registry,
+        )
         self.proposer_tokens_proposed = Counter(
             "specdec_proposer_tokens_proposed", "Draft tokens proposed, by proposer", ["proposer"], registry=registry
         )
