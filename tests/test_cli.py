@@ -190,7 +190,8 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     result = run(
         "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy), "--prompts", str(prompts),
         "--max-new-tokens", "12", "--repeats", "2", "--early-exit-layers", "1", "--concurrency", "1,2",
-        "--draft-vocab", str(vocab), "--reply-index-tokens", "256", "--out", str(out), timeout=600,
+        "--draft-vocab", str(vocab), "--reply-index-tokens", "256", "--speculation-max-requests", "1",
+        "--out", str(out), timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -229,12 +230,16 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     assert len(data["methods"]["service model K"]["acceptance_by_position"]) == 4
     assert data["methods"]["service ngram K"]["lookup_round_share"] > 0
     assert data["methods"]["service model K"]["lookup_round_share"] == 0
-    # the sweep measures the default against target-only decoding, every repeat, at each count
+    # the sweep measures the default, also through a coordinator that stops speculating above 1
+    # request, against target-only decoding, every repeat, at each count
     assert set(report["concurrency"]) == {"1", "2"}
+    limited = "service default, speculation-max-requests 1"
     for row in report["concurrency"].values():
-        assert set(row["methods"]) == {"service default (hybrid, adaptive)", "service target-only"}
+        assert set(row["methods"]) == {"service default (hybrid, adaptive)", limited, "service target-only"}
         assert row["default / service target-only"] > 0
+        assert row["default, speculation-max-requests 1 / service target-only"] > 0
     assert "2 concurrent requests, tok/s aggregate: default (hybrid, adaptive) " in result.stdout
+    assert re.search(r"of target-only: default [\d.]+x, default, speculation-max-requests 1 [\d.]+x", result.stdout)
     assert {"default / hf target-only", "worst prompt: default / service target-only"} <= set(data["ratios"])
     for name in ("tokens_per_s.png", "acceptance_by_position.png", "concurrency.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -160,6 +160,9 @@ class BenchConfig:
     cross_draft_model: str = ""  # a draft with another tokenizer: TLI and SLEM rows ("" = no such rows)
     draft_vocab: str = ""  # a `specdec draft-vocab` file: rows whose draft scores only its tokens ("" = none)
     reply_index_tokens: int = 0  # rows whose lookups also match earlier replies (--reply-index-tokens); 0 = none
+    # the concurrency sweep's row of the default through a coordinator that stops speculating above
+    # this many requests (its --speculation-max-requests); 0 = no such row
+    speculation_max_requests: int = 0
     methods: tuple[str, ...] = ()  # run only these rows (names as in the table); () = all
     prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens
     out: Path = Path("bench-results/bench.json")
@@ -423,6 +426,7 @@ def check_numbers(cfg: BenchConfig) -> None:
         "--max-new-tokens": (cfg.max_new_tokens, 1, ""),
         "--early-exit-layers": (cfg.early_exit_layers, 0, " (0 = no such rows)"),
         "--reply-index-tokens": (cfg.reply_index_tokens, 0, " (0 = no such row)"),
+        "--speculation-max-requests": (cfg.speculation_max_requests, 0, " (0 = no such row)"),
     }
     for flag, (value, least, meaning) in bounds.items():
         if value < least:
@@ -505,6 +509,10 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
             args = [*cluster.processes["coordinator"].args, "--reply-index-tokens", str(cfg.reply_index_tokens),
                     "--auth-tokens-file", str(tokens)]  # fmt: skip
             coordinators["reply-index"] = start("coordinator", args, "coordinator-reply-index")
+        if limited_row(cfg) in sweep_methods(cfg):  # the main workers, another coordinator: speculation off above N
+            limit = ["--speculation-max-requests", str(cfg.speculation_max_requests)]
+            args = [*cluster.processes["coordinator"].args, *limit]
+            coordinators[LOAD_LIMIT] = start("coordinator", args, f"coordinator-{LOAD_LIMIT}")
         for name, model_args in _extra_drafts(cfg).items():
             if name not in used:
                 continue
@@ -607,38 +615,59 @@ def service_runs(
             channel.close()
 
 
-SWEEP_METHODS = (HEADLINE, SERVICE_TARGET)  # the concurrency sweep's rows: is speculating worth it under load?
+LOAD_LIMIT = "load-limit"  # the coordinator of the sweep's row with --speculation-max-requests
+OF_TARGET = f" / {SERVICE_TARGET}"  # a sweep row's ratio to target-only: "<row> / service target-only"
+
+
+def limited_row(cfg: BenchConfig) -> str:
+    """The sweep's row of the default through the coordinator with --speculation-max-requests."""
+    return f"service default, speculation-max-requests {cfg.speculation_max_requests}"
+
+
+def sweep_methods(cfg: BenchConfig) -> tuple[str, ...]:
+    """The concurrency sweep's rows: is speculating worth it under load, and with the load limit?"""
+    limited = (limited_row(cfg),) if cfg.speculation_max_requests and cfg.concurrency else ()
+    return (HEADLINE, *limited, SERVICE_TARGET)
 
 
 def concurrency_runs(
-    cfg: BenchConfig, prompts: Sequence[Prompt], address: str, tick: Callable[[str], None]
+    cfg: BenchConfig, prompts: Sequence[Prompt], addresses: dict[str, str], tick: Callable[[str], None]
 ) -> dict[int, dict[str, Any]]:
-    """Aggregate tokens/s with N one-shot requests at once, for the default and for target-only
-    decoding (the same prompts), each ``cfg.repeats`` times, interleaved: median, spread and
-    their ratio."""
+    """Aggregate tokens/s with N one-shot requests at once, for the default (also through the
+    coordinator with --speculation-max-requests, if the run has it) and for target-only decoding
+    (the same prompts), each ``cfg.repeats`` times, interleaved: median, spread and each row's
+    ratio to target-only."""
     import grpc
 
     from specdec.v1 import coordinator_pb2_grpc
 
     rates: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
-    with grpc.insecure_channel(address) as channel:
-        stub = coordinator_pb2_grpc.GenerationStub(channel)
+    limited, methods = limited_row(cfg), sweep_methods(cfg)
+    with ExitStack() as stack:
+        stubs = {
+            name: coordinator_pb2_grpc.GenerationStub(stack.enter_context(grpc.insecure_channel(addresses[name])))
+            for name in ("main", *([LOAD_LIMIT] if limited in methods else []))
+        }
         for _ in range(cfg.repeats):
             for n in cfg.concurrency:
                 batch = [prompts[i % len(prompts)] for i in range(n)]
-                for method in SWEEP_METHODS:
+                for method in methods:
                     tick(f"{n} sessions, {method}")
-                    requests = [_request(cfg, p, SERVICE_METHODS[method]) for p in batch]
+                    stub = stubs[LOAD_LIMIT if method == limited else "main"]
+                    row = SERVICE_METHODS[HEADLINE if method == limited else method]
+                    requests = [_request(cfg, p, row) for p in batch]
                     started = time.perf_counter()
                     with ThreadPoolExecutor(max_workers=n) as pool:
-                        replies = list(pool.map(lambda r: stub.Generate(r, timeout=3600), requests))
+                        replies = list(pool.map(lambda r, stub=stub: stub.Generate(r, timeout=3600), requests))
                     seconds = time.perf_counter() - started
                     rates[n, method].append(sum(len(r.token_ids) for r in replies) / seconds)
     sweep: dict[int, dict[str, Any]] = {}
     for n in cfg.concurrency:
-        methods = {method: {"tokens_per_s": _spread(rates[n, method])} for method in SWEEP_METHODS}
-        ratio = _median(methods, HEADLINE) / _median(methods, SERVICE_TARGET)
-        sweep[n] = {"sessions": n, "methods": methods, "default / service target-only": ratio}
+        rows = {method: {"tokens_per_s": _spread(rates[n, method])} for method in methods}
+        sweep[n] = {"sessions": n, "methods": rows}
+        for method in methods[:-1]:
+            name = "default" if method == HEADLINE else method.removeprefix("service ")
+            sweep[n][name + OF_TARGET] = _median(rows, method) / _median(rows, SERVICE_TARGET)
     return sweep
 
 
@@ -786,8 +815,10 @@ def format_table(report: dict[str, Any]) -> str:
         for method, spec in row["methods"].items():
             r = spec["tokens_per_s"]
             rates.append(f"{method.removeprefix('service ')} {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
-        ratio = row["default / service target-only"]
-        lines.append(f"{n} concurrent requests, tok/s aggregate: {', '.join(rates)}; {ratio:.2f}x target-only")
+        ratios = ", ".join(
+            f"{key.removesuffix(OF_TARGET)} {x:.2f}x" for key, x in row.items() if key.endswith(OF_TARGET)
+        )
+        lines.append(f"{n} concurrent requests, tok/s aggregate: {', '.join(rates)}; of target-only: {ratios}")
     return "\n".join(lines)
 
 
@@ -846,7 +877,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ns = sorted(int(n) for n in sweep)
         rows = [sweep[n if n in sweep else str(n)]["methods"] for n in ns]
-        for method in SWEEP_METHODS:
+        for method in rows[0]:
             med, err = _bars([row[method]["tokens_per_s"] for row in rows])
             ax.errorbar(ns, med, yerr=err, marker="o", capsize=2, label=method.removeprefix("service "))
         ax.legend(fontsize=7)
@@ -877,7 +908,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     check_config(cfg)
     prompts = tokenize_prompts(cfg)
     per_repeat = len(prompts) * ((0 if cfg.skip_hf else len(hf_methods(cfg))) + len(service_methods(cfg)))
-    sweep_runs = len(cfg.concurrency) * len(SWEEP_METHODS) * cfg.repeats
+    sweep_runs = len(cfg.concurrency) * len(sweep_methods(cfg)) * cfg.repeats
     with tqdm(total=per_repeat * cfg.repeats + sweep_runs, unit="run", desc="bench") as bar:
 
         def tick(label: str) -> None:
@@ -891,7 +922,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             hf = iter(()) if cfg.skip_hf or not hf_methods(cfg) else hf_runs(cfg, prompts, tick)
             for batch in interleave(hf, service_runs(cfg, prompts, addresses, tick)):
                 runs += batch
-            sweep = concurrency_runs(cfg, prompts, addresses["main"], tick)
+            sweep = concurrency_runs(cfg, prompts, addresses, tick)
     report = summarize(cfg, runs, sweep)
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     report["prompt_tokens"] = {f"{p.workload}/{p.index}": len(p.token_ids) for p in prompts}

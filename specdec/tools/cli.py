@@ -348,6 +348,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         "index of N tokens; each repeat is another caller, so it never sees the same prompt's earlier reply)",
     )  # fmt: skip
     p.add_argument(
+        "--speculation-max-requests", type=int, default=0,
+        help="add a row to the concurrency sweep: the default through a coordinator that decodes target-only "
+        "while more than N requests are generating (its --speculation-max-requests; 0 = no such row)",
+    )  # fmt: skip
+    p.add_argument(
         "--method", action="append", default=[], help="run this row (a name as in the table; repeat it; default: all)"
     )
     p.add_argument(
@@ -379,6 +384,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         cross_draft_model=args.cross_draft_model,
         draft_vocab=args.draft_vocab,
         reply_index_tokens=args.reply_index_tokens,
+        speculation_max_requests=args.speculation_max_requests,
         methods=tuple(args.method),
         out=args.out,
         skip_hf=args.skip_hf,
