@@ -166,6 +166,13 @@ def load_bucket(in_flight: int) -> int:
     return min(max(in_flight, 1).bit_length(), LOAD_BUCKETS)
 
 
+# Each load class's classes, nearest first (itself, then by distance, the lower first).
+_NEAREST = {
+    now: sorted(range(1, LOAD_BUCKETS + 1), key=lambda b, now=now: (abs(b - now), b))
+    for now in range(1, LOAD_BUCKETS + 1)
+}
+
+
 class _LoadCost:
     """A cost of ``StepCosts`` kept per load: read, the one measured at the load now (else at the
     nearest load measured; None: none yet); set, the load now's."""
@@ -213,17 +220,31 @@ class StepCosts:
     )
     _verify: dict[int, dict[int, float]] = field(default_factory=lambda: defaultdict(dict), repr=False)
     _scalars: dict[int, dict[str, float | None]] = field(default_factory=lambda: defaultdict(dict), repr=False)
+    # What _known last gave: (requests in flight, _version, verify, scalars). A round's plan reads the
+    # costs of every K of every proposer; merging the load classes on each read made it 4x slower.
+    _version: int = field(default=0, repr=False)  # bumped by every change to the costs
+    _view: tuple[int, int, dict[int, float], dict[str, float]] | None = field(default=None, repr=False)
 
-    def _nearest(self) -> list[int]:
-        """The load buckets, the load now's first, then by distance from it (lower first)."""
-        now = load_bucket(self.load())
-        return sorted(range(1, LOAD_BUCKETS + 1), key=lambda b: (abs(b - now), b))
+    def _known(self) -> tuple[dict[int, float], dict[str, float]]:
+        """Every verify cost (by block size) and every other cost measured at some load, each
+        from the nearest load it was measured at."""
+        in_flight, view = self.load(), self._view
+        if view is not None and view[0] == in_flight and view[1] == self._version:
+            return view[2], view[3]
+        verify: dict[int, float] = {}
+        scalars: dict[str, float] = {}
+        for bucket in reversed(_NEAREST[load_bucket(in_flight)]):
+            verify.update(self._verify[bucket])
+            scalars.update((name, v) for name, v in self._scalars[bucket].items() if v is not None)
+        self._view = (in_flight, self._version, verify, scalars)
+        return verify, scalars
 
     def _scalar(self, name: str) -> float | None:
-        return next((v for b in self._nearest() if (v := self._scalars[b].get(name)) is not None), None)
+        return self._known()[1].get(name)
 
     def _set_scalar(self, name: str, value: float | None) -> None:
         self._scalars[load_bucket(self.load())][name] = value
+        self._version += 1
 
     # costs read at the load now (else the nearest load measured) and set at the load now
     draft_per_token = _LoadCost()
@@ -233,17 +254,11 @@ class StepCosts:
     @property
     def verify(self) -> dict[int, float]:
         """Tokens in the pass -> ms, measured at the load now (the dict itself: setting it sets them)."""
+        self._version += 1  # the caller may change it
         return self._verify[load_bucket(self.load())]
 
-    def _verify_known(self) -> dict[int, float]:
-        """Every block size measured at some load, each at the nearest load it was measured at."""
-        known: dict[int, float] = {}
-        for bucket in reversed(self._nearest()):
-            known.update(self._verify[bucket])
-        return known
-
     def verify_measured(self, tokens: int) -> bool:
-        return tokens in self._verify_known()
+        return tokens in self._known()[0]
 
     @property
     def alpha(self) -> float | None:
@@ -307,7 +322,7 @@ class StepCosts:
 
     def verify_ms(self, tokens: int) -> float | None:
         """Measured, else linearly interpolated/extrapolated from the nearest measurements."""
-        verify = self._verify_known()
+        verify = self._known()[0]
         if tokens in verify:
             return verify[tokens]
         known = sorted(verify)
