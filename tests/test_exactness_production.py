@@ -5,19 +5,24 @@ and ``lookahead_job`` (per-position generators, the top-n proposal), the wire en
 block (``encode_block`` -> protobuf bytes -> the target's ``decode_block``), and the target's
 ``verify_job`` (per-position generators, rejection sampling, cache rollback), for several rounds,
 with and without blocks drafted ahead (pipelining), with temperature != 1, top-k and top-p, for
-K in {1, 4, 8}. Only gRPC and the scheduler thread are left out (a job's steps are run here
-directly, as the scheduler runs them). A chi-square test with pooling (tests/spec_oracle.py) compares the first three
-tokens with the exactly enumerated target distribution; a power check shows that the same test
-catches a planted bug in the production sampler.
+K in {1, 4, 8}. Only gRPC and the scheduler thread are left out: a job's steps are run here
+directly, as the scheduler runs them, 64 requests at a time whose steps share batched passes
+(``extend_many``, the pass the scheduler runs for concurrent sessions; the samples are those of
+one request at a time, where no reply index links the requests). A chi-square test with pooling
+(tests/spec_oracle.py) compares the first three tokens with the exactly enumerated target
+distribution; a power check shows that the same test catches a planted bug in the production
+sampler.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -35,7 +40,7 @@ from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.processing import NO_PROCESSING, Processing, process_logits
 from specdec.runtime.proposals import encode_block
 from specdec.runtime.sampling import Verdict, Warp, warped_probs
-from specdec.runtime.scheduler import Job
+from specdec.runtime.scheduler import Extend, Job, _batchable
 from specdec.runtime.tokens import common_prefix_len
 from specdec.runtime.vocab import VocabBridge
 from specdec.v1 import common_pb2
@@ -49,16 +54,59 @@ PROMPT = (5, 17, 99, 3)
 WARP = Warp(temperature=0.8, top_k=4, top_p=0.9)
 LENGTH = 3  # tokens whose joint distribution is tested (support <= 4^3)
 NO_LOGPROBS = LogprobsAsk()
+T = TypeVar("T")
 
 
-def run_job(job: Job, caches: SessionCaches):  # type: ignore[no-untyped-def, type-arg]
-    """Runs a job's Extend steps as the scheduler does (one session, so one row per pass)."""
+# A request's steps: each job step it waits on, with the caches (the model) it runs on
+Steps = Generator[tuple[SessionCaches, Extend], torch.Tensor, T]
+
+
+def run_job(job: Job[T], caches: SessionCaches) -> Steps[T]:
+    """A job's Extend steps handed to ``together``, which runs each in a pass with the steps of
+    the other requests in flight; the job's result."""
     try:
         step = next(job)
         while True:
-            step = job.send(caches.extend(step.entry, step.token_ids, step.num_logits))
+            step = job.send((yield caches, step))
     except StopIteration as done:
         return done.value
+
+
+def together(requests: Iterable[Steps[T]], width: int) -> list[T]:
+    """Runs ``requests`` ``width`` at a time, as the workers' schedulers run concurrent sessions:
+    each round takes the step every request in flight waits on, and per model runs the steps the
+    scheduler batches (short, no earlier rows) in one ``extend_many`` pass and any other alone. The
+    requests' results, in their order. (Deterministic: the same requests make the same passes.)"""
+    results: dict[int, T] = {}
+    waiting: dict[int, tuple[Steps[T], tuple[SessionCaches, Extend]]] = {}  # request number -> its step
+
+    def advance(number: int, request: Steps[T], logits: torch.Tensor | None) -> None:
+        try:
+            waiting[number] = (request, request.send(logits))  # type: ignore[arg-type]  # None starts it
+        except StopIteration as done:
+            waiting.pop(number, None)
+            results[number] = done.value
+
+    queued = enumerate(requests)
+    while True:
+        for number, request in itertools.islice(queued, width - len(waiting)):
+            advance(number, request, None)
+        if not waiting:
+            return [results[number] for number in range(len(results))]
+        by_model: dict[int, list[int]] = collections.defaultdict(list)
+        for number, (_, (caches, _)) in waiting.items():
+            by_model[id(caches)].append(number)
+        for numbers in by_model.values():
+            caches = waiting[numbers[0]][1][0]
+            steps = {number: waiting[number][1][1] for number in numbers}
+            shared = [number for number, step in steps.items() if _batchable(step)]
+            ops = [(steps[number].entry, steps[number].token_ids, steps[number].num_logits) for number in shared]
+            logits = dict(zip(shared, caches.extend_many(ops), strict=True)) if ops else {}
+            for number, step in steps.items():
+                if number not in logits:
+                    logits[number] = caches.extend(step.entry, step.token_ids, step.num_logits, step.earlier)
+            for number in numbers:
+                advance(number, waiting[number][0], logits[number])
 
 
 def on_the_wire(block: Block) -> common_pb2.DraftBlock:
@@ -87,7 +135,8 @@ class Tally:
 
 @dataclass
 class Speculation:
-    """The coordinator's round loop over the workers' production jobs (one session at a time)."""
+    """The coordinator's round loop over the workers' production jobs, for ``width`` requests at
+    once (each its own session on either worker)."""
 
     target: LoadedModel
     draft: LoadedModel
@@ -103,15 +152,18 @@ class Speculation:
     min_confidence: float = 0.0  # the draft's confidence stops (blocks of 1 to K tokens)
     min_block_confidence: float = 0.0
     guess_tokens: int = 0  # the draft worker's --guess-tokens
+    width: int = 64  # requests in flight at once (sessions whose steps share passes)
 
     def __post_init__(self) -> None:
-        self.target_caches = SessionCaches(self.target, 4, 600)
-        self.draft_caches = SessionCaches(self.draft, 4, 600)
+        self.target_caches = SessionCaches(self.target, self.width, 600)
+        self.draft_caches = SessionCaches(self.draft, self.width, 600)
         self.tally = Tally()
 
-    def generate(self, seed: int, max_new: int, stop_after: int) -> list[int]:
-        """``max_new`` sets K's budget as in a request; the loop stops once ``stop_after`` tokens
-        are committed (later rounds cannot change them)."""
+    def generate(self, seed: int, max_new: int, stop_after: int) -> Steps[list[int]]:
+        """Request number ``seed`` (its session id and its seed). ``max_new`` sets K's budget as
+        in a request; the loop stops once ``stop_after`` tokens are committed (later rounds
+        cannot change them)."""
+        session = f"s{seed}"
         committed, generated = list(self.prompt), 0
         target_len = draft_len = 0
         ahead: Block | None = None  # the block drafted ahead (pipelining), if any
@@ -120,20 +172,20 @@ class Speculation:
             if self.lookup:
                 wire = self._lookup_block(committed, k)
             else:
-                block = self._block(committed, draft_len, k, seed, ahead) if k > 0 else None
+                block = (yield from self._block(session, committed, draft_len, k, seed, ahead)) if k > 0 else None
                 ahead = None
                 if block is not None and self.pipelined:  # drafted while the target verifies `block`
-                    ahead = run_job(lookahead_job(self.draft_caches, self.draft, "s", block, self._params(k, seed)),
-                                    self.draft_caches)  # fmt: skip
+                    job = lookahead_job(self.draft_caches, self.draft, session, block, self._params(k, seed))
+                    ahead = yield from run_job(job, self.draft_caches)
                     self.tally.guesses_taken += ahead.guesses_taken if ahead is not None else 0
                 wire = common_pb2.DraftBlock() if block is None else on_the_wire(block)
                 wire = _first(wire, k)
                 if k == self.k:
                     self.tally.block_lengths[len(wire.token_ids)] += 1
             sync = prefix_sync(committed, target_len)
-            result = run_job(
+            result = yield from run_job(
                 target_engine.verify_job(
-                    self.target_caches, self.target, "s", sync, wire, self.warp, seed, self.processing, NO_LOGPROBS
+                    self.target_caches, self.target, session, sync, wire, self.warp, seed, self.processing, NO_LOGPROBS
                 ),
                 self.target_caches,
             )
@@ -151,10 +203,11 @@ class Speculation:
             if self.bridge is not None:  # its cache is in its own ids: it holds the prefix it drafted after
                 draft_len = start
             else:
-                draft_tokens = self.draft_caches._entries["s"].tokens if "s" in self.draft_caches._entries else []
+                draft_entry = self.draft_caches._entries.get(session)
+                draft_tokens = draft_entry.tokens if draft_entry is not None else []
                 draft_len = min(common_prefix_len(draft_tokens, committed), len(committed) - 1)
-        self.target_caches.release("s")
-        self.draft_caches.release("s")
+        self.target_caches.release(session)
+        self.draft_caches.release(session)
         if self.replies is not None:  # as the coordinator does with a finished reply
             self.replies.add("", self.prompt, committed[len(self.prompt) :])
         return committed[len(self.prompt) :]
@@ -173,20 +226,22 @@ class Speculation:
             self.min_block_confidence, self.guess_tokens,
         )  # fmt: skip
 
-    def _block(self, committed: list[int], draft_len: int, k: int, seed: int, ahead: Block | None) -> Block:
+    def _block(
+        self, session: str, committed: list[int], draft_len: int, k: int, seed: int, ahead: Block | None
+    ) -> Steps[Block]:
         if ahead is not None and ahead.samples and list(ahead.assumed) == committed[ahead.start - len(ahead.assumed) :]:
             self.tally.ahead_used += 1
             return ahead  # the previous block was fully taken and the guessed token was right
         if self.bridge is not None:
             sync = prefix_sync(committed, draft_len)
-            job = translated_propose_job(self.draft_caches, self.draft, self.bridge, "s", sync, self._params(k, seed))
-            translated = run_job(job, self.draft_caches)
+            params = self._params(k, seed)
+            job = translated_propose_job(self.draft_caches, self.draft, self.bridge, session, sync, params)
+            translated = yield from run_job(job, self.draft_caches)
             assert translated is not None
             return translated
-        block = run_job(
-            propose_job(self.draft_caches, self.draft, "s", prefix_sync(committed, draft_len), self._params(k, seed)),
-            self.draft_caches,
-        )
+        sync = prefix_sync(committed, draft_len)
+        job = propose_job(self.draft_caches, self.draft, session, sync, self._params(k, seed))
+        block = yield from run_job(job, self.draft_caches)
         assert block is not None
         self.tally.guesses_taken += block.guesses_taken
         return block
@@ -245,14 +300,14 @@ def sample_counts(speculation: Speculation, n: int) -> collections.Counter[tuple
     """The first LENGTH tokens of ``n`` requests (seed = request number), each started with a
     full first block of K drafts. Half the requests run in a forked process beside this one (each
     request is decided by its seed alone; with a reply index each half's requests see the replies
-    of the earlier requests of their own half); their tallies are added to ``speculation``'s."""
+    of the requests of their own half that finished before they started); their tallies are added
+    to ``speculation``'s."""
 
     def requests(seeds: range) -> tuple[collections.Counter[tuple[int, ...]], Tally]:
         speculation.tally = Tally()
         budget = max(speculation.k + 1, LENGTH + 1)
-        counts = collections.Counter(
-            tuple(speculation.generate(seed, max_new=budget, stop_after=LENGTH)[:LENGTH]) for seed in seeds
-        )
+        pending = (speculation.generate(seed, max_new=budget, stop_after=LENGTH) for seed in seeds)
+        counts = collections.Counter(tuple(reply[:LENGTH]) for reply in together(pending, speculation.width))
         return counts, speculation.tally
 
     (first, first_tally), (second, second_tally) = in_two_processes(requests, n)
@@ -627,21 +682,28 @@ def test_drafts_that_guess_ahead_follow_the_target_distribution(
 class _GuessProposedUndrawn:
     """The planted bug: where a guess is run, the guessed token is proposed as if the draft had
     drawn it (with the distribution of its position), not the token the draft drew: a shortcut
-    that is right for a greedy draft only."""
+    that is right for a greedy draft only. Kept per session: requests' passes interleave."""
 
     def __init__(self) -> None:
-        self.pending: list[int] = []  # the guess run by the last pass, one token per draw to come
+        self.pending: dict[int, list[int]] = {}  # per cache: the guess its last pass ran, a token per draw to come
+        self.drawing: int | None = None  # the cache whose position is being drawn
 
     def worth_running(self, entry, guess):  # type: ignore[no-untyped-def]
-        self.pending = list(_worth_running(entry, guess))
-        return list(self.pending)
+        self.pending[id(entry)] = list(_worth_running(entry, guess))
+        return list(self.pending[id(entry)])
+
+    def processed(self, entry, logits, params, position):  # type: ignore[no-untyped-def]
+        self.drawing = id(entry)  # the draft shapes a position's logits right before it draws there
+        return _processed(entry, logits, params, position)
 
     def sample(self, logits, warp, top_n, generator):  # type: ignore[no-untyped-def]
         drawn = _sample_draft_token(logits, warp, top_n, generator)
-        return dataclasses.replace(drawn, token_id=self.pending.pop(0)) if self.pending else drawn
+        pending = self.pending.get(self.drawing, []) if self.drawing is not None else []
+        return dataclasses.replace(drawn, token_id=pending.pop(0)) if pending else drawn
 
 
 _worth_running = draft_engine._worth_running
+_processed = draft_engine._processed
 
 
 @pytest.mark.slow
@@ -651,6 +713,7 @@ def test_the_guessing_test_catches_a_planted_bug(
     """The same settings (sequential) and number of requests: the planted bug is rejected at p < 1e-6."""
     bug = _GuessProposedUndrawn()
     monkeypatch.setattr(draft_engine, "_worth_running", bug.worth_running)
+    monkeypatch.setattr(draft_engine, "_processed", bug.processed)
     monkeypatch.setattr(draft_engine, "sample_draft_token", bug.sample)
     speculation = guessing_speculation(models, sure_bigram, False)
     samples = sample_counts(speculation, 1500)
