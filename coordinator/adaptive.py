@@ -23,6 +23,7 @@ failing is not tried at all.
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -143,13 +144,19 @@ class LoadLimit:
     each share one pass, while speculating requests drift out of step and each pays more of its
     passes, so beyond some load target-only decoding serves more tokens per second (see the
     README's Under load). A round's choice prices only its own session's costs, not what it adds
-    to the passes others share, so this bound is the operator's, from the benchmark's sweep."""
+    to the passes others share, so this bound is the operator's, from the benchmark's sweep.
+
+    The requests counted are this coordinator's (``in_flight``) or, when more, those of every
+    coordinator that uses the target replica, as its last verify reply reported them (each
+    verify tells the target ``coordinator_id`` and this coordinator's count)."""
 
     max_requests: int = 0
     in_flight: Callable[[], int] = field(default=lambda: 0)
+    coordinator_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def exceeded(self) -> bool:
-        return 0 < self.max_requests < self.in_flight()
+    def exceeded(self, reported: int = 0) -> bool:
+        """``reported``: the requests of all coordinators, from the session's last verify (0: none yet)."""
+        return 0 < self.max_requests < max(self.in_flight(), reported)
 
 
 def drafting_method(wanted: str, has_draft_model: bool) -> str:

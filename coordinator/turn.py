@@ -168,7 +168,7 @@ class Turn:
         d = self.deps
         self.workers = WorkerSession(
             self.session_id, d.targets, d.drafts, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined, d.costs,
-            constrained=bool(self.request.processing.grammar),
+            constrained=bool(self.request.processing.grammar), load=d.load_limit,
         )  # fmt: skip
         self.controller = KController(
             self.request.k,
@@ -366,7 +366,9 @@ class Turn:
         budget = req.max_new_tokens - self._generated - 1
         if req.k <= 0 or budget <= 0:
             return TARGET_ONLY, NO_DRAFT
-        if self.adaptive and self.deps.load_limit.exceeded():  # fixed K keeps its K: its seed replays
+        # the requests of every coordinator on the target, as its last verify reported them; fixed K
+        # keeps its K (its seed replays)
+        if self.adaptive and self.deps.load_limit.exceeded(self.workers.service_requests):
             self.deps.metrics.load_target_only_rounds.inc()
             return TARGET_ONLY, NO_DRAFT
         found = NO_DRAFT

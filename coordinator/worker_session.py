@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from coordinator.adaptive import MODEL, NGRAM, NO_STOP, PREFILL_MIN_TOKENS, ConfidenceStop, StepCosts
+from coordinator.adaptive import MODEL, NGRAM, NO_STOP, PREFILL_MIN_TOKENS, ConfidenceStop, LoadLimit, StepCosts
 from coordinator.workers import (
     NO_GRAMMAR_REPLICA,
     DraftClient,
@@ -139,11 +139,13 @@ class WorkerSession:
         pipelined: bool = False,
         costs: StepCosts | None = None,
         constrained: bool = False,
+        load: LoadLimit | None = None,
     ) -> None:
         """``deadline``: the caller's deadline (event-loop time), None for none; ``costs``: the
         measured model costs (a call that prefills gets the time its tokens are expected to take);
         ``constrained``: the turn has a structured-output grammar, so only target replicas that
-        apply grammars verify it."""
+        apply grammars verify it; ``load``: the coordinator's id and requests, sent with each
+        verify (the reply's count of all coordinators' requests is kept in ``service_requests``)."""
         self.session_id = session_id
         self.constrained = constrained
         self._targets = targets
@@ -157,6 +159,8 @@ class WorkerSession:
         self._metrics = metrics
         self._worker_timeout_s = worker_timeout_s
         self._costs = costs
+        self._load = load
+        self.service_requests = 0  # requests of all coordinators, from the last verify reply (0: none yet)
         self._deadline = deadline
         self._stream: DraftStream | None = None
         self._draft_refused = False  # the draft failed one of this turn's requests: target-only for the rest
@@ -493,11 +497,14 @@ class WorkerSession:
                 seed=decoding.seed, processing=processing_to_proto(decoding.processing), logprobs=ask.tokens,
                 top_logprobs=ask.top, prompt_logprobs_count=ask.prompt_count, prompt_top_logprobs=ask.prompt_top,
             )  # fmt: skip
+            if self._load is not None:
+                request.coordinator_id, request.coordinator_requests = self._load.coordinator_id, self._load.in_flight()
             with replica.prefills.holding(_prefill_ms(self._costs, len(sync.tail_token_ids), len(committed))):
                 reply = await replica.verify(request, timeout_s)
             self._target_source = ""  # the worker has its own copy now, or refused the source
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 self.counters.target_passes += 1
+                self.service_requests = reply.service_requests
                 if decoding.processing.grammar and not reply.constrained:  # a worker older than grammars
                     raise GrammarsRefused(NO_GRAMMAR_REPLICA)
                 if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1 or (

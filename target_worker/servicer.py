@@ -11,6 +11,7 @@ from specdec.serving.errors import InvalidRequest
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_worker.engine import verify_job
+from target_worker.load import ServiceLoad
 from target_worker.settings import TargetSettings
 
 
@@ -18,6 +19,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     def __init__(self, core: WorkerCore, settings: TargetSettings) -> None:
         self._core = core
         self._settings = settings
+        self._load = ServiceLoad()
 
     async def Info(
         self, request: target_pb2.TargetInfoRequest, context: grpc.aio.ServicerContext
@@ -38,6 +40,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         self._core.check_request(request.session_id, request.sync, k)
         if max(request.top_logprobs, request.prompt_top_logprobs) > MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"at most {MAX_TOP_LOGPROBS} top logprobs per token")
+        service_requests = self._load.report(request.coordinator_id, request.coordinator_requests)
         warp, core = warp_from_proto(request.warp), self._core
         processing = processing_from_proto(request.processing)
         await core.prepare_grammar(processing.grammar, required=True)
@@ -73,6 +76,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             logprobs=result.logprobs,
             prompt_logprobs=result.prompt_logprobs,
             constrained=bool(processing.grammar),  # verify_job masked every row, or raised
+            service_requests=service_requests,
         )
 
     async def ReleaseSession(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -191,3 +192,40 @@ def test_speculation_stops_above_the_request_limit_and_resumes_below_it(
     assert fixed_beside.stats.target_only_rounds == 0 and fixed_beside.stats.rounds <= 4, fixed_beside.stats
     assert alone.stats.target_only_rounds < alone.stats.rounds // 2, alone.stats
     assert load_rounds > beside.stats.rounds  # the long request's rounds meanwhile too
+
+
+def test_the_request_limit_counts_the_requests_of_every_coordinator(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Two coordinators over the same workers (as the k8s manifests run them), each with
+    ``--speculation-max-requests 1``: while a long request streams through one, an adaptive request
+    through the other decodes target-only from its second round on (each verify tells the target
+    how many requests its coordinator has generating, and the reply how many all of them have; a
+    request's first round knows only its own coordinator's), with its tokens unchanged. Once the
+    long request has ended, the other coordinator's requests speculate again."""
+    from specdec.tools.launch import spawn
+
+    slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.0, pass_s=0.03)
+    limit = ["--speculation-max-requests", "1"]
+    with fault_cluster(
+        tmp_path / "run", slow, tiny_models.target, worker_args=["--trust-remote-code"], coordinator_args=limit
+    ) as cluster:
+        second = spawn("coordinator", cluster.processes["coordinator"].args, tmp_path / "run", name="coordinator-2")
+        try:
+            second.wait_ready(60)
+            with grpc.insecure_channel(cluster.address) as one, grpc.insecure_channel(second.address) as other:
+                first_stub, second_stub = (coordinator_pb2_grpc.GenerationStub(c) for c in (one, other))
+                short = make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True)
+                long_request = make_request(PROMPTS[1], k=4, max_new=200, fixed=False, ignore_eos=True)
+                long_stream = first_stub.GenerateStream(long_request)
+                next(long_stream)  # the long request is generating
+                beside = second_stub.Generate(short, timeout=60)
+                assert not long_stream.done(), "the long request ended before the other: the test proves nothing"
+                long_stream.cancel()
+                wait_for(lambda: metric(cluster, "coordinator", "specdec_active_requests") == 0, timeout_s=30)
+                time.sleep(1.5)  # the target forgets a coordinator it has not heard from since (1 s or more)
+                alone = second_stub.Generate(short, timeout=60)
+        finally:
+            second.stop()
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[0]), 12, ignore_eos=True)
+    assert list(beside.token_ids) == list(alone.token_ids) == expected
+    assert beside.stats.target_only_rounds >= beside.stats.rounds - 1 and beside.stats.rounds >= 11, beside.stats
+    assert alone.stats.target_only_rounds < alone.stats.rounds // 2, alone.stats

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x13\n\x11TargetInfoRequest\":\n\x12TargetInfoResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.specdec.v1.WorkerInfo\"\x9b\x03\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64raft\x18\x05 \x01(\x0b\x32\x16.specdec.v1.DraftBlock\x12$\n\x04warp\x18\x06 \x01(\x0b\x32\x16.specdec.v1.WarpParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12$\n\x04sync\x18\x08 \x01(\x0b\x32\x16.specdec.v1.PrefixSync\x12,\n\nprocessing\x18\t \x01(\x0b\x32\x18.specdec.v1.LogitsParams\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x1d\n\x15prompt_logprobs_count\x18\x0c \x01(\r\x12\x1b\n\x13prompt_top_logprobs\x18\r \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x0e \x01(\t\x12\x12\n\nvocab_size\x18\x0f \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\x08\x62\x61se_lenR\x0bprefix_hashR\x0etail_token_ids\"\x9c\x02\n\x0eVerifyResponse\x12-\n\x0c\x63\x61\x63he_status\x18\x01 \x01(\x0e\x32\x17.specdec.v1.CacheStatus\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x12\n\ncompute_ms\x18\x06 \x01(\x02\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x13\n\x0b\x63onstrained\x18\t \x01(\x08\"1\n\x1bTargetReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"/\n\x1cTargetReleaseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xfb\x01\n\x0cTargetWorker\x12\x45\n\x04Info\x12\x1d.specdec.v1.TargetInfoRequest\x1a\x1e.specdec.v1.TargetInfoResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x63\n\x0eReleaseSession\x12\'.specdec.v1.TargetReleaseSessionRequest\x1a(.specdec.v1.TargetReleaseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x13\n\x11TargetInfoRequest\":\n\x12TargetInfoResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.specdec.v1.WorkerInfo\"\xd1\x03\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x05\x64raft\x18\x05 \x01(\x0b\x32\x16.specdec.v1.DraftBlock\x12$\n\x04warp\x18\x06 \x01(\x0b\x32\x16.specdec.v1.WarpParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12$\n\x04sync\x18\x08 \x01(\x0b\x32\x16.specdec.v1.PrefixSync\x12,\n\nprocessing\x18\t \x01(\x0b\x32\x18.specdec.v1.LogitsParams\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x1d\n\x15prompt_logprobs_count\x18\x0c \x01(\r\x12\x1b\n\x13prompt_top_logprobs\x18\r \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x0e \x01(\t\x12\x12\n\nvocab_size\x18\x0f \x01(\r\x12\x16\n\x0e\x63oordinator_id\x18\x10 \x01(\t\x12\x1c\n\x14\x63oordinator_requests\x18\x11 \x01(\rJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05R\x08\x62\x61se_lenR\x0bprefix_hashR\x0etail_token_ids\"\xb6\x02\n\x0eVerifyResponse\x12-\n\x0c\x63\x61\x63he_status\x18\x01 \x01(\x0e\x32\x17.specdec.v1.CacheStatus\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x12\n\ncompute_ms\x18\x06 \x01(\x02\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12\x13\n\x0b\x63onstrained\x18\t \x01(\x08\x12\x18\n\x10service_requests\x18\n \x01(\r\"1\n\x1bTargetReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"/\n\x1cTargetReleaseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xfb\x01\n\x0cTargetWorker\x12\x45\n\x04Info\x12\x1d.specdec.v1.TargetInfoRequest\x1a\x1e.specdec.v1.TargetInfoResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12\x63\n\x0eReleaseSession\x12\'.specdec.v1.TargetReleaseSessionRequest\x1a(.specdec.v1.TargetReleaseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TARGETINFORESPONSE']._serialized_start=85
   _globals['_TARGETINFORESPONSE']._serialized_end=143
   _globals['_VERIFYREQUEST']._serialized_start=146
-  _globals['_VERIFYREQUEST']._serialized_end=557
-  _globals['_VERIFYRESPONSE']._serialized_start=560
-  _globals['_VERIFYRESPONSE']._serialized_end=844
-  _globals['_TARGETRELEASESESSIONREQUEST']._serialized_start=846
-  _globals['_TARGETRELEASESESSIONREQUEST']._serialized_end=895
-  _globals['_TARGETRELEASESESSIONRESPONSE']._serialized_start=897
-  _globals['_TARGETRELEASESESSIONRESPONSE']._serialized_end=944
-  _globals['_TARGETWORKER']._serialized_start=947
-  _globals['_TARGETWORKER']._serialized_end=1198
+  _globals['_VERIFYREQUEST']._serialized_end=611
+  _globals['_VERIFYRESPONSE']._serialized_start=614
+  _globals['_VERIFYRESPONSE']._serialized_end=924
+  _globals['_TARGETRELEASESESSIONREQUEST']._serialized_start=926
+  _globals['_TARGETRELEASESESSIONREQUEST']._serialized_end=975
+  _globals['_TARGETRELEASESESSIONRESPONSE']._serialized_start=977
+  _globals['_TARGETRELEASESESSIONRESPONSE']._serialized_end=1024
+  _globals['_TARGETWORKER']._serialized_start=1027
+  _globals['_TARGETWORKER']._serialized_end=1278
 # @@protoc_insertion_point(module_scope)

@@ -18,7 +18,7 @@ class TargetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "draft", "warp", "seed", "sync", "processing", "logprobs", "top_logprobs", "prompt_logprobs_count", "prompt_top_logprobs", "tokenizer_hash", "vocab_size")
+    __slots__ = ("session_id", "draft", "warp", "seed", "sync", "processing", "logprobs", "top_logprobs", "prompt_logprobs_count", "prompt_top_logprobs", "tokenizer_hash", "vocab_size", "coordinator_id", "coordinator_requests")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     WARP_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class VerifyRequest(_message.Message):
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     draft: _common_pb2.DraftBlock
     warp: _common_pb2.WarpParams
@@ -43,10 +45,12 @@ class VerifyRequest(_message.Message):
     prompt_top_logprobs: int
     tokenizer_hash: str
     vocab_size: int
-    def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs_count: _Optional[int] = ..., prompt_top_logprobs: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    coordinator_id: str
+    coordinator_requests: int
+    def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs_count: _Optional[int] = ..., prompt_top_logprobs: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., coordinator_requests: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("cache_status", "num_accepted", "token_ids", "cache_len", "computed_tokens", "compute_ms", "logprobs", "prompt_logprobs", "constrained")
+    __slots__ = ("cache_status", "num_accepted", "token_ids", "cache_len", "computed_tokens", "compute_ms", "logprobs", "prompt_logprobs", "constrained", "service_requests")
     CACHE_STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +60,7 @@ class VerifyResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     cache_status: _common_pb2.CacheStatus
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +70,8 @@ class VerifyResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     constrained: bool
-    def __init__(self, cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., constrained: _Optional[bool] = ...) -> None: ...
+    service_requests: int
+    def __init__(self, cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., constrained: _Optional[bool] = ..., service_requests: _Optional[int] = ...) -> None: ...
 
 class TargetReleaseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
