@@ -78,35 +78,36 @@ def together(requests: Iterable[Steps[T]], width: int) -> list[T]:
     scheduler batches (short, no earlier rows) in one ``extend_many`` pass and any other alone. The
     requests' results, in their order. (Deterministic: the same requests make the same passes.)"""
     results: dict[int, T] = {}
-    waiting: dict[int, tuple[Steps[T], tuple[SessionCaches, Extend]]] = {}  # request number -> its step
+    running: dict[int, Steps[T]] = {}  # request number -> the request
+    waiting: dict[int, tuple[SessionCaches, Extend]] = {}  # request number -> the step it waits on
 
-    def advance(number: int, request: Steps[T], logits: torch.Tensor | None) -> None:
+    def advance(number: int, logits: torch.Tensor | None) -> None:
         try:
-            waiting[number] = (request, request.send(logits))  # type: ignore[arg-type]  # None starts it
+            waiting[number] = running[number].send(logits)  # type: ignore[arg-type]  # None starts it
         except StopIteration as done:
+            del running[number]
             waiting.pop(number, None)
             results[number] = done.value
 
     queued = enumerate(requests)
     while True:
-        for number, request in itertools.islice(queued, width - len(waiting)):
-            advance(number, request, None)
-        if not waiting:
+        for number, request in itertools.islice(queued, width - len(running)):
+            running[number] = request
+            advance(number, None)
+        if not running:
             return [results[number] for number in range(len(results))]
-        by_model: dict[int, list[int]] = collections.defaultdict(list)
-        for number, (_, (caches, _)) in waiting.items():
-            by_model[id(caches)].append(number)
-        for numbers in by_model.values():
-            caches = waiting[numbers[0]][1][0]
-            steps = {number: waiting[number][1][1] for number in numbers}
+        by_model: dict[SessionCaches, dict[int, Extend]] = collections.defaultdict(dict)
+        for number, (caches, step) in waiting.items():
+            by_model[caches][number] = step
+        for caches, steps in by_model.items():
             shared = [number for number, step in steps.items() if _batchable(step)]
             ops = [(steps[number].entry, steps[number].token_ids, steps[number].num_logits) for number in shared]
             logits = dict(zip(shared, caches.extend_many(ops), strict=True)) if ops else {}
             for number, step in steps.items():
                 if number not in logits:
                     logits[number] = caches.extend(step.entry, step.token_ids, step.num_logits, step.earlier)
-            for number in numbers:
-                advance(number, waiting[number][0], logits[number])
+            for number in steps:
+                advance(number, logits[number])
 
 
 def on_the_wire(block: Block) -> common_pb2.DraftBlock:
