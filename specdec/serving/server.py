@@ -488,12 +488,17 @@ def run_service(service: Coroutine[Any, Any, int]) -> NoReturn:
     """Runs a service's ``serve`` to its end and exits the process with its exit code.
 
     Once the service has shut down (in-flight calls drained, workers and stores closed, the last
-    log line written) nothing is left to do, so the interpreter's own teardown is skipped: it
-    collects the whole torch / transformers object graph, which took 0.8-2.5 s per process on a
-    2-core host, time a stopping pod or a restart would wait out. A service that fails (raises)
+    log line written) nothing is left to do, so neither the event loop nor the interpreter is torn
+    down. The interpreter's teardown collects the whole torch / transformers object graph, which
+    took 0.8-2.5 s per process on a 2-core host, time a stopping pod or a restart would wait out.
+    The loop's (``asyncio.run``'s) cancels the tasks still pending, and grpc's own task for a call
+    it has just cancelled at the stop may be one: grpc logs such a cancellation as an unhandled
+    error and prints its traceback to stderr, outside the JSON log. A service that fails (raises)
     exits the usual way, with its traceback.
     """
-    code = asyncio.run(service)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    code = loop.run_until_complete(service)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
