@@ -146,17 +146,17 @@ class LoadLimit:
     README's Under load). A round's choice prices only its own session's costs, not what it adds
     to the passes others share, so this bound is the operator's, from the benchmark's sweep.
 
-    The requests counted are this coordinator's (``in_flight``) or, when more, those of every
-    coordinator that uses the target replica, as its last verify reply reported them (each
-    verify tells the target ``coordinator_id`` and this coordinator's count)."""
+    The requests counted are those on the target replica that verifies the session: this
+    coordinator's turns there or, when more, those of every coordinator that uses it, as its
+    last verify reply reported them (each verify tells the replica ``coordinator_id`` and this
+    coordinator's turns on it). Requests on other replicas share none of its passes."""
 
     max_requests: int = 0
-    in_flight: Callable[[], int] = field(default=lambda: 0)
     coordinator_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def exceeded(self, reported: int = 0) -> bool:
-        """``reported``: the requests of all coordinators, from the session's last verify (0: none yet)."""
-        return 0 < self.max_requests < max(self.in_flight(), reported)
+    def exceeded(self, requests: int) -> bool:
+        """``requests``: those generating on the session's target replica."""
+        return 0 < self.max_requests < requests
 
 
 def drafting_method(wanted: str, has_draft_model: bool) -> str:

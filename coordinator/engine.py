@@ -355,7 +355,7 @@ class Engine:
             costs, pipelined, s.adaptive_k, s.probe_every, lease_s=s.session_lease_s,
             prefix_block=s.prefix_block_tokens, prefix_ttl_s=prefix_ttl_s(s.session_ttl_s, target_info),
             ngram=(s.ngram_min, s.ngram_max),
-            replies=self._replies, load_limit=LoadLimit(s.speculation_max_requests, lambda: self._active),
+            replies=self._replies, load_limit=LoadLimit(s.speculation_max_requests),
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self._info_from = (target_info, draft_info, pipelined, has_template)  # GetInfo's other sources

@@ -122,9 +122,9 @@ class CoordinatorSettings(ServiceSettings):
     speculation_max_requests: int = Field(
         0,
         ge=0,
-        description="rounds decode target-only while more requests than this are generating on this coordinator, or "
-        "on all the coordinators that use the session's target replica as it reports them (requests with fixed K "
-        "excepted: their seeds replay); batched target-only passes can serve many requests faster than speculation "
+        description="rounds decode target-only while more requests than this are generating on the session's target "
+        "replica: this coordinator's there, or all the coordinators' as the replica reports them (requests with fixed "
+        "K excepted: their seeds replay); batched target-only passes can serve many requests faster than speculation "
         "(0 = no limit)",
     )
     prefix_block_tokens: int = Field(

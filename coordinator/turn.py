@@ -366,9 +366,9 @@ class Turn:
         budget = req.max_new_tokens - self._generated - 1
         if req.k <= 0 or budget <= 0:
             return TARGET_ONLY, NO_DRAFT
-        # the requests of every coordinator on the target, as its last verify reported them; fixed K
-        # keeps its K (its seed replays)
-        if self.adaptive and self.deps.load_limit.exceeded(self.workers.service_requests):
+        # the requests of every coordinator on the session's target replica; fixed K keeps its K
+        # (its seed replays)
+        if self.adaptive and self.deps.load_limit.exceeded(self.workers.target_requests):
             self.deps.metrics.load_target_only_rounds.inc()
             return TARGET_ONLY, NO_DRAFT
         found = NO_DRAFT

@@ -144,8 +144,9 @@ class WorkerSession:
         """``deadline``: the caller's deadline (event-loop time), None for none; ``costs``: the
         measured model costs (a call that prefills gets the time its tokens are expected to take);
         ``constrained``: the turn has a structured-output grammar, so only target replicas that
-        apply grammars verify it; ``load``: the coordinator's id and requests, sent with each
-        verify (the reply's count of all coordinators' requests is kept in ``service_requests``)."""
+        apply grammars verify it; ``load``: the coordinator's id, sent with each verify beside its
+        turns on the replica called (the reply's count of all coordinators' requests on that
+        replica is kept for ``target_requests``)."""
         self.session_id = session_id
         self.constrained = constrained
         self._targets = targets
@@ -160,7 +161,8 @@ class WorkerSession:
         self._worker_timeout_s = worker_timeout_s
         self._costs = costs
         self._load = load
-        self.service_requests = 0  # requests of all coordinators, from the last verify reply (0: none yet)
+        # requests of all coordinators on a target replica, from its last verify reply: (address, count)
+        self._reported: tuple[str, int] = ("", 0)
         self._deadline = deadline
         self._stream: DraftStream | None = None
         self._draft_refused = False  # the draft failed one of this turn's requests: target-only for the rest
@@ -188,6 +190,16 @@ class WorkerSession:
     @property
     def target_address(self) -> str | None:
         return self._target.address if self._target is not None else None
+
+    @property
+    def target_requests(self) -> int:
+        """Requests generating on the session's target replica: this coordinator's turns there or,
+        when more, all coordinators' as the replica's last verify reply to this session counted
+        them (0 before the turn has a replica)."""
+        if self._target is None:
+            return 0
+        address, reported = self._reported
+        return max(self._target.turns, reported if address == self._target.address else 0)
 
     def _bind(self, old: TargetClient | DraftClient | None, new: TargetClient | DraftClient) -> None:
         """Moves this turn's count in the replicas' turns from ``old`` to ``new``."""
@@ -498,13 +510,13 @@ class WorkerSession:
                 top_logprobs=ask.top, prompt_logprobs_count=ask.prompt_count, prompt_top_logprobs=ask.prompt_top,
             )  # fmt: skip
             if self._load is not None:
-                request.coordinator_id, request.coordinator_requests = self._load.coordinator_id, self._load.in_flight()
+                request.coordinator_id, request.coordinator_requests = self._load.coordinator_id, replica.turns
             with replica.prefills.holding(_prefill_ms(self._costs, len(sync.tail_token_ids), len(committed))):
                 reply = await replica.verify(request, timeout_s)
             self._target_source = ""  # the worker has its own copy now, or refused the source
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 self.counters.target_passes += 1
-                self.service_requests = reply.service_requests
+                self._reported = (replica.address, reply.service_requests)
                 if decoding.processing.grammar and not reply.constrained:  # a worker older than grammars
                     raise GrammarsRefused(NO_GRAMMAR_REPLICA)
                 if not 0 < len(reply.token_ids) <= len(block.token_ids) + 1 or (

@@ -1,8 +1,8 @@
 """How many requests are generating on the coordinators that use this target worker.
 
-Each verify call carries its coordinator's id and the requests it has generating at that moment
-(``VerifyRequest.coordinator_id`` / ``coordinator_requests``); the worker keeps each
-coordinator's latest count and answers every call with their sum
+Each verify call carries its coordinator's id and how many of its requests are generating on this
+worker at that moment (``VerifyRequest.coordinator_id`` / ``coordinator_requests``); the worker
+keeps each coordinator's latest count and answers every call with their sum
 (``VerifyResponse.service_requests``), which ``--speculation-max-requests`` compares against: with
 several coordinators in front of one target (the k8s manifests run two) each would otherwise see
 only its own requests.

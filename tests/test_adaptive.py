@@ -24,14 +24,9 @@ def costs(draft: float, verify: dict[int, float], overhead: float = 0.0) -> Step
 
 
 def test_the_load_limit_trips_only_above_a_set_limit() -> None:
-    assert not LoadLimit().exceeded()  # no limit set
-    assert not LoadLimit(0, lambda: 1000).exceeded()
-    assert not LoadLimit(8, lambda: 8).exceeded()  # at the limit: still speculating
-    assert LoadLimit(8, lambda: 9).exceeded()
-    # the requests of every coordinator on the target, as its last verify reported them
-    assert LoadLimit(8, lambda: 2).exceeded(reported=9)
-    assert not LoadLimit(8, lambda: 2).exceeded(reported=8)
-    assert not LoadLimit(0, lambda: 2).exceeded(reported=100)
+    assert not LoadLimit().exceeded(1000)  # no limit set
+    assert not LoadLimit(8).exceeded(8)  # at the limit: still speculating
+    assert LoadLimit(8).exceeded(9)
     assert LoadLimit().coordinator_id != LoadLimit().coordinator_id  # each coordinator its own
 
 

@@ -229,3 +229,32 @@ def test_the_request_limit_counts_the_requests_of_every_coordinator(tmp_path: Pa
     assert list(beside.token_ids) == list(alone.token_ids) == expected
     assert beside.stats.target_only_rounds >= beside.stats.rounds - 1 and beside.stats.rounds >= 11, beside.stats
     assert alone.stats.target_only_rounds < alone.stats.rounds // 2, alone.stats
+
+
+def test_the_request_limit_counts_each_target_replica_s_requests(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Two target replicas, ``--speculation-max-requests 1``: a long request streams on one
+    replica while an adaptive request runs on the other, so each replica verifies one request at
+    a time and both speculate, with tokens unchanged. The limit is the load on the target that
+    verifies a request: before, the coordinator counted all its requests, whichever replica they
+    ran on, and with two requests on two replicas every round of the second was target-only."""
+    slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.0, pass_s=0.03)
+    limit = ["--speculation-max-requests", "1"]
+    with fault_cluster(
+        tmp_path / "run", slow, tiny_models.target, targets=2, worker_args=["--trust-remote-code"],
+        coordinator_args=limit,
+    ) as cluster:  # fmt: skip
+        channel = grpc.insecure_channel(cluster.address)
+        try:
+            long_request = make_request(PROMPTS[1], k=4, max_new=200, fixed=False, ignore_eos=True)
+            long_stream = coordinator_pb2_grpc.GenerationStub(channel).GenerateStream(long_request)
+            next(long_stream)  # the long request is generating on one replica
+            beside = generate(cluster, make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True))
+            assert not long_stream.done(), "the long request ended before the other: the test proves nothing"
+            holding = [worker_info(cluster.processes[n].address, n).active_sessions for n in ("target-0", "target-1")]
+            long_stream.cancel()
+        finally:
+            channel.close()
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[0]), 12, ignore_eos=True)
+    assert list(beside.token_ids) == expected
+    assert holding == [1, 1], "the two requests were not on two replicas: the test proves nothing"
+    assert beside.stats.target_only_rounds < beside.stats.rounds // 2, beside.stats
