@@ -491,14 +491,12 @@ def run_service(service: Coroutine[Any, Any, int]) -> NoReturn:
     log line written) nothing is left to do, so neither the event loop nor the interpreter is torn
     down. The interpreter's teardown collects the whole torch / transformers object graph, which
     took 0.8-2.5 s per process on a 2-core host, time a stopping pod or a restart would wait out.
-    The loop's (``asyncio.run``'s) cancels the tasks still pending, and grpc's own task for a call
-    it has just cancelled at the stop may be one: grpc logs such a cancellation as an unhandled
-    error and prints its traceback to stderr, outside the JSON log. A service that fails (raises)
-    exits the usual way, with its traceback.
+    The loop's (closing the runner, as ``asyncio.run`` does) cancels the tasks still pending, and
+    grpc's own task for a call it has just cancelled at the stop may be one: grpc logs such a
+    cancellation as an unhandled error and prints its traceback to stderr, outside the JSON log.
+    A service that fails (raises) exits the usual way, with its traceback.
     """
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    code = loop.run_until_complete(service)
+    code = asyncio.Runner().run(service)  # never closed: see above
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
