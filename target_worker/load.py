@@ -1,4 +1,4 @@
-"""How many requests are generating on the coordinators that use this target worker.
+"""How many requests of the coordinators that use this target worker are generating on it.
 
 Each verify call carries its coordinator's id and how many of its requests are generating on this
 worker at that moment (``VerifyRequest.coordinator_id`` / ``coordinator_requests``); the worker
