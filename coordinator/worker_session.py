@@ -510,7 +510,11 @@ class WorkerSession:
                 top_logprobs=ask.top, prompt_logprobs_count=ask.prompt_count, prompt_top_logprobs=ask.prompt_top,
             )  # fmt: skip
             if self._load is not None:
-                request.coordinator_id, request.coordinator_requests = self._load.coordinator_id, replica.turns
+                # this turn is among them also on the call that moves it to this replica, before
+                # it is counted in the replica's turns (once the call succeeds)
+                joining = self._holding and replica is not self._target
+                request.coordinator_id = self._load.coordinator_id
+                request.coordinator_requests = replica.turns + int(joining)
             with replica.prefills.holding(_prefill_ms(self._costs, len(sync.tail_token_ids), len(committed))):
                 reply = await replica.verify(request, timeout_s)
             self._target_source = ""  # the worker has its own copy now, or refused the source
