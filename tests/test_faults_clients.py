@@ -36,10 +36,11 @@ def live_caches(cluster: LocalCluster) -> int:
     return sum(worker_info(cluster.processes[r].address, r).active_sessions for r in ("target-0", "draft"))
 
 
-def idle(cluster: LocalCluster, kept: int = 0) -> bool:
+def idle(cluster: LocalCluster, kept: int | tuple[int, ...] = 0) -> bool:
     """No request running and no cache but the ``kept`` ones (finished one-shot requests leave
-    theirs for prefix reuse)."""
-    return live_caches(cluster) == kept and metric(cluster, "coordinator", "specdec_active_requests") == 0
+    theirs for prefix reuse); a tuple: any of those numbers of caches."""
+    allowed = kept if isinstance(kept, tuple) else (kept,)
+    return live_caches(cluster) in allowed and metric(cluster, "coordinator", "specdec_active_requests") == 0
 
 
 def open_fds(pid: int) -> int:
@@ -767,8 +768,11 @@ def test_a_client_that_stops_reading_a_stream_loses_its_turn(
             next(stream)  # then read nothing
             started = time.monotonic()
             # the native turn is held at its blocked write and rolled back; an engine request runs
-            # on in its own task (its chunks queue up) and, one-shot, keeps its caches for reuse
-            freed = wait_for(lambda: idle(cluster, kept=0 if api == "native" else 2), 10, 0.05)
+            # on in its own task (its chunks queue up) and, one-shot, keeps its caches for reuse,
+            # unless a slow host had not finished it when the write timeout ended the call, which
+            # frees them (a CI run waited for its caches in vain)
+            kept = (0,) if api == "native" else (0, 2)
+            freed = wait_for(lambda: idle(cluster, kept=kept), 10, 0.05)
             time.sleep(max(0.0, 1.5 - (time.monotonic() - started)))  # past the write timeout
             with pytest.raises(grpc.RpcError) as error:
                 list(stream)
