@@ -832,3 +832,51 @@ def test_a_unary_reply_over_the_message_limit_rolls_the_turn_back(tmp_path: Path
         assert "GenerateStream" in (error.value.details() or "")
         assert sum(len(m.token_ids) for m in streamed) == 150
         assert sum(len(m.logprobs) for m in streamed) == 150
+
+
+class _CancelledAtWrite:
+    """A stream call's server context whose client cancels while the first message is written
+    (it took the message at once and cancelled: grpc ends the call before the write returns)."""
+
+    def __init__(self) -> None:
+        self.written: list[object] = []
+
+    async def write(self, item: object) -> None:
+        import asyncio
+
+        self.written.append(item)
+        raise asyncio.CancelledError
+
+    def code(self) -> None:
+        return None
+
+    def time_remaining(self) -> None:
+        return None
+
+
+async def test_a_stream_cancelled_during_its_first_write_counts_that_message() -> None:
+    """`specdec_rpc_first_message_seconds` times each stream to its first message, when it is
+    handed to grpc to send: a client that takes the first message and cancels at once can end
+    the call before the server's write returns, and that stream's first message went uncounted
+    (main: 0 here; a full run's test_every_rpc_is_counted_by_method_and_status_code_and_timed
+    counted 1 of its 2 streams)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from specdec.serving.metrics import RpcMetrics
+    from specdec.serving.security import Authenticator
+    from specdec.serving.server import ServerControl, _Rpc, _wrap_stream
+
+    async def messages(request: object, context: object) -> object:
+        yield "first"
+        yield "second"
+
+    registry = CollectorRegistry()
+    rpc = _Rpc("s/Stream", "Stream", ServerControl(), Authenticator(), RpcMetrics(registry))
+    context = _CancelledAtWrite()
+    with pytest.raises(asyncio.CancelledError):
+        await _wrap_stream(messages, rpc, 0.0)(None, context)
+    assert context.written == ["first"]
+    assert registry.get_sample_value("specdec_rpc_first_message_seconds_count", {"method": "s/Stream"}) == 1
+    assert registry.get_sample_value("specdec_rpcs_total", {"method": "s/Stream", "code": "CANCELLED"}) == 1

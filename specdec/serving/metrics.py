@@ -40,7 +40,7 @@ class RpcMetrics:
         )
         self.first_message_seconds = Histogram(
             "specdec_rpc_first_message_seconds",
-            "Streaming RPCs: time to the first message sent (GenerateStream: to the first tokens)",
+            "Streaming RPCs: time until the first message is handed to grpc to send (GenerateStream: the first tokens)",
             ["method"], buckets=_RPC_BUCKETS, registry=registry,
         )  # fmt: skip
 

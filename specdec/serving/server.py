@@ -214,10 +214,10 @@ def _wrap_stream(
                     async with contextlib.aclosing(fn(request, context)) as items:
                         first = True
                         async for item in items:
-                            await _write(context, item, write_timeout_s)
-                            if first:
+                            if first:  # timed when handed to grpc: a client may take it and cancel first
                                 rpc.metrics.first_message(rpc.path, began)
                             first = False
+                            await _write(context, item, write_timeout_s)
                 finally:
                     rpc.control.exit()
             except asyncio.CancelledError:
