@@ -12,6 +12,7 @@ import torch
 
 from specdec.tools import launch
 from specdec.tools.launch import LocalCluster
+from tests import forkserver
 from tests.forkserver import ForkServer
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
@@ -28,7 +29,9 @@ def fork_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer
     tests/forkserver.py); what those imports wrote to stderr, a service's log would have held."""
     server = ForkServer(tmp_path_factory.mktemp("forkserver") / "stderr.log")
     launch.use_starter(server.start)
+    forkserver.serve_commands(server)
     yield server
+    forkserver.serve_commands(None)
     launch.use_starter(None)
     written = server.close()
     assert not written, f"the fork server's imports wrote to stderr:\n{written[-2000:]}"

@@ -19,18 +19,27 @@ Protocol, one JSON object per line: requests on the server's stdin ``{"argv", "e
 "log"}``, answered on its stdout in order with ``{"pid"}``; each child's exit is reported as
 ``{"exited": pid, "code": N}`` (N as Popen.returncode: -signal for a signal). When its stdin
 closes the server kills the children it has left and exits.
+
+The suite's CLI commands (``specdec generate``, ``specdec bench``) start services themselves: a
+command forked with ``"fork_server"`` (the server's Unix socket) starts them through this server
+too, over a connection of its own with the same protocol (a child whose connection closes, its
+command gone, is killed). Such a command's stdout and stderr go to the files ``"stdout"`` and
+``"stderr"`` (``ForkServer.run``: what subprocess.run with capture_output gives).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,17 +69,21 @@ def _child(request: dict) -> list[str]:
     os.environ.clear()
     os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(request.get(name, request.get("log")), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     sys.argv = [str(ROOT / "specdec" / "__main__.py"), *request["argv"]]
+    if request.get("fork_server"):  # a command that starts services: forked by this server as well
+        from specdec.tools import launch
+
+        launch.use_starter(_SocketClient(request["fork_server"]).start)
     return list(request["argv"])
 
 
-def _serve() -> list[str] | None:
-    """The server's loop; returns in a forked child only (with the child's argv)."""
+def _serve(listen: str | None) -> list[str] | None:
+    """The server's loop; returns in a forked child only (with the child's argv). ``listen``: a
+    Unix socket path where commands it forked ask for their services."""
     for name in PRELOAD:
         __import__(name)
     loaded = sorted(m for m in ("grpc", "specdec.serving") if m in sys.modules)
@@ -80,41 +93,79 @@ def _serve() -> list[str] | None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: set[int] = set()
-    pending = b""
+    owners: dict[int, Callable[[dict], None]] = {}  # child pid -> where its exit is reported
+    pending: dict[int, bytes] = {0: b""}  # what each requester (stdin: 0, or a connection's fd) sent so far
+    connections: dict[int, socket.socket] = {}
     selector = selectors.DefaultSelector()
     selector.register(0, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
+    listener = None
+    if listen:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(listen)
+        listener.listen()
+        selector.register(listener, selectors.EVENT_READ)
 
-    def send(message: dict) -> None:
+    def to_suite(message: dict) -> None:
         os.write(1, json.dumps(message).encode() + b"\n")
 
+    def to_connection(connection: socket.socket) -> Callable[[dict], None]:
+        def send(message: dict) -> None:
+            with contextlib.suppress(OSError):  # the command has gone
+                connection.sendall(json.dumps(message).encode() + b"\n")
+
+        return send
+
+    def kill(send: Callable[[dict], None] | None) -> None:
+        """Kills the children of one requester (None: all)."""
+        for pid, owner in owners.items():
+            if send is None or owner is send:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    senders: dict[int, Callable[[dict], None]] = {0: to_suite}
     while True:
         for key, _ in selector.select():
             if key.fd == wake_r:
                 os.read(wake_r, 4096)
-                while children:
+                while owners:
                     pid, status = os.waitpid(-1, os.WNOHANG)
                     if pid == 0:
                         break
-                    children.discard(pid)
-                    send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+                    owner = owners.pop(pid, None)
+                    if owner is not None:
+                        owner({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
                 continue
-            chunk = os.read(0, 1 << 16)
-            if not chunk:  # the suite has gone: so do the services it left
-                for pid in children:
-                    os.kill(pid, signal.SIGKILL)
-                return None
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
+            if listener is not None and key.fileobj is listener:
+                connection, _ = listener.accept()
+                fd = connection.fileno()
+                connections[fd], pending[fd], senders[fd] = connection, b"", to_connection(connection)
+                selector.register(connection, selectors.EVENT_READ)
+                continue
+            fd = key.fd
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                if fd == 0:  # the suite has gone: so do the services it left
+                    kill(None)
+                    return None
+                kill(senders[fd])  # a command has gone: so do the services it left
+                selector.unregister(connections[fd])
+                connections.pop(fd).close()
+                del pending[fd], senders[fd]
+                continue
+            pending[fd] += chunk
+            while b"\n" in pending[fd]:
+                line, pending[fd] = pending[fd].split(b"\n", 1)
                 request = json.loads(line)
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
+                    for held in (listener, *connections.values()):  # their fds are closed by _child;
+                        if held is not None:  # their objects must not close the numbers again later
+                            held.detach()
                     return _child(request)
-                children.add(pid)
-                send({"pid": pid})
+                owners[pid] = senders[fd]
+                senders[fd]({"pid": pid})
 
 
 def _import_time(env: dict[str, str]) -> dict[str, str]:
@@ -154,35 +205,43 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-class ForkServer:
-    """The suite's side: starts the server on first use; ``start`` is a launch.ProcessStarter."""
+class _Client:
+    """Asks a fork server for processes over a stream of JSON lines (see the module doc): the
+    suite over the server's stdin and stdout, a command over a socket connection."""
 
-    def __init__(self, stderr_file: Path) -> None:
-        self.stderr_file = stderr_file
-        self._server: subprocess.Popen[bytes] | None = None
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pids: list[int] = []
         self._pid_ready = threading.Condition()
         self._processes: dict[int, ForkedProcess] = {}
         self._early_exits: dict[int, int] = {}
-        self._gone = False  # the server's stdout closed
+        self._gone = False  # the server's stream closed
         self._loaded_env: dict[str, str] = {}
+        self._where = "the fork server's stderr"
+
+    def _connect(self) -> None:
+        """Makes sure there is a server to send to (and a thread reading its answers)."""
+        raise NotImplementedError
+
+    def _send(self, data: bytes) -> None:
+        raise NotImplementedError
 
     def start(self, argv: Sequence[str], log_file: Path, env: dict[str, str]) -> ForkedProcess:
-        request = {"argv": list(argv), "env": env, "cwd": os.getcwd(), "log": str(log_file)}
+        """launch.ProcessStarter: ``specdec <argv>`` with stdout and stderr in ``log_file``."""
+        return self.request({"argv": list(argv), "env": env, "cwd": os.getcwd(), "log": str(log_file)})
+
+    def request(self, request: dict) -> ForkedProcess:
         with self._lock:
-            server = self._ensure_server()
-            if _import_time(env) != self._loaded_env:
+            self._connect()
+            if _import_time(request["env"]) != self._loaded_env:
                 raise ValueError("a service needs another import-time environment than the fork server loaded with")
-            assert server.stdin is not None
-            server.stdin.write(json.dumps(request).encode() + b"\n")
-            server.stdin.flush()
+            self._send(json.dumps(request).encode() + b"\n")
             with self._pid_ready:
                 if not self._pid_ready.wait_for(lambda: self._pids or self._gone, timeout=120):
-                    raise RuntimeError(f"the fork server did not answer; see {self.stderr_file}")
+                    raise RuntimeError(f"the fork server did not answer; see {self._where}")
                 if not self._pids:
-                    raise RuntimeError(f"the fork server exited: {self.stderr_file.read_text()[-2000:]}")
-                process = ForkedProcess(self._pids.pop(0), list(argv))
+                    raise RuntimeError(f"the fork server has gone; see {self._where}")
+                process = ForkedProcess(self._pids.pop(0), list(request["argv"]))
                 self._processes[process.pid] = process
                 if process.pid in self._early_exits:
                     process._exit(self._early_exits.pop(process.pid))
@@ -193,27 +252,15 @@ class ForkServer:
         with self._pid_ready:
             return [process for process in self._processes.values() if process.returncode is None]
 
-    def _ensure_server(self) -> subprocess.Popen[bytes]:
-        if self._server is None:
-            self._loaded_env = _import_time(dict(os.environ))
-            with self.stderr_file.open("ab") as stderr:
-                self._server = subprocess.Popen(
-                    [sys.executable, "-m", "tests.forkserver"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT,
-                )  # fmt: skip
-            threading.Thread(target=self._read, args=(self._server,), daemon=True).start()
-        return self._server
-
-    def _read(self, server: subprocess.Popen[bytes]) -> None:
-        assert server.stdout is not None
-        for line in server.stdout:
+    def _read(self, lines: Iterable[bytes]) -> None:
+        for line in lines:
             message = json.loads(line)
             with self._pid_ready:
                 if "pid" in message:
                     self._pids.append(message["pid"])
                 else:
                     process = self._processes.get(message["exited"])
-                    if process is None:  # exited before start() had recorded it
+                    if process is None:  # exited before request() had recorded it
                         self._early_exits[message["exited"]] = message["code"]
                     else:
                         process._exit(message["code"])
@@ -221,6 +268,78 @@ class ForkServer:
         with self._pid_ready:
             self._gone = True
             self._pid_ready.notify_all()
+
+
+class _SocketClient(_Client):
+    """A forked command's side: its services are forked by the server at ``path`` too."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._path = path
+        self._socket: socket.socket | None = None
+        self._loaded_env = _import_time(dict(os.environ))  # the server's: this process was forked with it
+
+    def _connect(self) -> None:
+        if self._socket is None:
+            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._socket.connect(self._path)
+            threading.Thread(target=self._read, args=(self._socket.makefile("rb"),), daemon=True).start()
+
+    def _send(self, data: bytes) -> None:
+        assert self._socket is not None
+        self._socket.sendall(data)
+
+
+class ForkServer(_Client):
+    """The suite's side: starts the server on first use; ``start`` is a launch.ProcessStarter."""
+
+    def __init__(self, stderr_file: Path) -> None:
+        super().__init__()
+        self.stderr_file = stderr_file
+        self._where = str(stderr_file)
+        self.socket_path = stderr_file.parent / "forkserver.sock"
+        self._server: subprocess.Popen[bytes] | None = None
+
+    def _connect(self) -> None:
+        if self._server is None:
+            self._loaded_env = _import_time(dict(os.environ))
+            with self.stderr_file.open("ab") as stderr:
+                self._server = subprocess.Popen(
+                    [sys.executable, "-m", "tests.forkserver", str(self.socket_path)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, cwd=ROOT,
+                )  # fmt: skip
+            threading.Thread(target=self._read, args=(self._server.stdout,), daemon=True).start()
+
+    def _send(self, data: bytes) -> None:
+        assert self._server is not None and self._server.stdin is not None
+        self._server.stdin.write(data)
+        self._server.stdin.flush()
+
+    def run(
+        self, argv: Sequence[str], timeout: float, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """``python -m specdec <argv>`` as subprocess.run with capture_output and text gives it
+        (stdin empty; on ``timeout`` the command is killed, with the services it started, and
+        TimeoutExpired raised), but forked, the services it starts forked too."""
+        env = dict(os.environ if env is None else env)
+        with self._lock:
+            self._connect()
+        if _import_time(env) != self._loaded_env:  # not one the server can fork: a fresh process
+            return _fresh(argv, timeout, env)
+        folder = Path(tempfile.mkdtemp(prefix="command-", dir=self.stderr_file.parent))
+        out, err = folder / "stdout", folder / "stderr"
+        process = self.request({
+            "argv": list(argv), "env": env, "cwd": os.getcwd(),
+            "stdout": str(out), "stderr": str(err), "fork_server": str(self.socket_path),
+        })  # fmt: skip
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
+            raise
+        args = [sys.executable, "-m", "specdec", *argv]
+        return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
 
     def close(self) -> str:
         """Stops the server (and any service still running); returns what it wrote to stderr."""
@@ -231,8 +350,29 @@ class ForkServer:
         return self.stderr_file.read_text() if self.stderr_file.exists() else ""
 
 
+_commands: ForkServer | None = None  # the suite's server, for run_command
+
+
+def serve_commands(server: ForkServer | None) -> None:
+    """Makes ``run_command`` fork commands from ``server`` (None: start them as fresh processes)."""
+    global _commands
+    _commands = server
+
+
+def run_command(
+    argv: Sequence[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m specdec <argv>`` with its output captured (see ForkServer.run)."""
+    return _commands.run(argv, timeout, env) if _commands is not None else _fresh(argv, timeout, env)
+
+
+def _fresh(argv: Sequence[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+    args = [sys.executable, "-m", "specdec", *argv]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
 if __name__ == "__main__":
-    argv = _serve()
+    argv = _serve(sys.argv[1] if len(sys.argv) > 1 else None)
     if argv is not None:
         from specdec.tools.cli import main
 

@@ -15,12 +15,13 @@ from typing import Any
 
 import pytest
 
-from tests.forkserver import ForkServer
+from tests.forkserver import ForkServer, run_command
 from tests.tiny_models import TinyModels
 
 
 def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=timeout)
+    """``python -m specdec <args>``, forked by the suite's fork server with the services it starts."""
+    return run_command(args, timeout)
 
 
 def test_generate_starts_three_services_and_prints_text_and_summary(tiny_models: TinyModels) -> None:

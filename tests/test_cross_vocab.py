@@ -18,6 +18,7 @@ from specdec.tools.launch import LaunchError, LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
+from tests.forkserver import run_command
 from tests.helpers import RedisServer, real_tokenizer
 from tests.netproxy import LateLink
 from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
@@ -178,8 +179,6 @@ def test_bench_measures_drafts_of_another_tokenizer(pair: tuple[Path, Path], tmp
     """`specdec bench --cross-draft-model`: TLI and SLEM rows, fixed K and the adaptive default,
     with their ratios to target-only and to the same-family draft's default."""
     import json
-    import subprocess
-    import sys
 
     target, draft = pair
     prompts = tmp_path / "prompts.txt"
@@ -194,9 +193,7 @@ def test_bench_measures_drafts_of_another_tokenizer(pair: tuple[Path, Path], tmp
         "--prompts", str(prompts), "--max-new-tokens", "24", "--repeats", "1", "--concurrency", "",
         *(arg for row in rows for arg in ("--method", row)), "--no-plots", "--out", str(out),
     ]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
-    )
+    done = run_command(args, 600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())["workloads"]["file"]
     assert list(data["methods"]) == rows
