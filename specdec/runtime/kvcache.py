@@ -86,7 +86,8 @@ def prefill_rates(loaded: LoadedModel) -> PrefillRates:
     """Times a pass of PREFILL_PROBE_TOKENS tokens (fewer if the context is shorter) on an empty
     cache, after a short pass that takes the one-time costs of a first forward pass, and the same
     pass over a cache of PREFILL_CONTEXT_PROBE_TOKENS tokens (its keys and values copies of the
-    first pass's: a pass's cost is not the values'), where the context has room for it. The
+    first pass's: a pass's cost is not the values'), where the context has room for it and some
+    layer keeps more than a sliding window of it (else the rate is 0). The
     context rate is the difference of the two: while the second comes out no slower (another
     process slowed the first; services start side by side), the pair is timed again, up to
     PREFILL_PROBE_TRIES pairs, and the fastest time of each pass counts. The caches are dropped."""
@@ -99,13 +100,16 @@ def prefill_rates(loaded: LoadedModel) -> PrefillRates:
         short = _timed_pass(loaded, ids, first)
         if copies < 1:
             return PrefillRates(short * 1000 / tokens, 0.0)
-        long = float("inf")
         try:
-            for tries in range(1, PREFILL_PROBE_TRIES + 1):
-                long = min(long, _timed_pass(loaded, ids, _copied(loaded, first, copies)))
-                if long > short or tries == PREFILL_PROBE_TRIES:
+            longer = _copied(loaded, first, copies)
+            if _cached_tokens(longer) <= _cached_tokens(first):  # sliding windows keep no more: no context cost
+                return PrefillRates(short * 1000 / tokens, 0.0)
+            long = _timed_pass(loaded, ids, longer)
+            for _ in range(PREFILL_PROBE_TRIES - 1):
+                if long > short:
                     break
                 short = min(short, _timed_pass(loaded, ids, DynamicCache(config=loaded.model.config)))
+                long = min(long, _timed_pass(loaded, ids, _copied(loaded, first, copies)))
         except Exception as exc:  # a cache this copy does not fit: time limits go by the first rate
             log.warning("prefill_context_not_timed", error=repr(exc))
             return PrefillRates(short * 1000 / tokens, 0.0)
@@ -113,6 +117,11 @@ def prefill_rates(loaded: LoadedModel) -> PrefillRates:
         log.warning("prefill_context_rate_not_measured", pairs_timed=PREFILL_PROBE_TRIES, short_s=short, long_s=long)
     per_1k = max(long - short, 0.0) * 1000 / tokens * 1000 / (copies * tokens)
     return PrefillRates(short * 1000 / tokens, per_1k)
+
+
+def _cached_tokens(cache: DynamicCache) -> int:
+    """The positions all the layers of ``cache`` hold (a sliding-window layer keeps its window)."""
+    return sum(layer.keys.shape[-2] for layer in cache.layers if layer.keys is not None)
 
 
 def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int) -> DynamicCache:
