@@ -30,45 +30,6 @@ def test_the_load_limit_trips_only_above_a_set_limit() -> None:
     assert LoadLimit().coordinator_id != LoadLimit().coordinator_id  # each coordinator its own
 
 
-class _Target:
-    """A target replica that answers every verify at once with the count a lone coordinator's
-    report gives back, or (``fails``) is unavailable; ``sent``: the counts verifies told it."""
-
-    role = "target"
-
-    def __init__(self, address: str, fails: bool = False) -> None:
-        from coordinator.workers import PrefillQueue, _Breaker
-        from specdec.v1 import common_pb2
-
-        self.address, self.fails, self.sent = address, fails, list[int]()
-        self.breaker, self.prefills, self.turns, self.grammars = _Breaker(1.0), PrefillQueue(), 0, False
-        self.info = common_pb2.WorkerInfo(max_draft_tokens=64)
-
-    async def verify(self, request: object, timeout_s: float) -> object:
-        from coordinator.workers import WorkerUnavailable
-        from specdec.v1 import common_pb2, target_pb2
-
-        assert isinstance(request, target_pb2.VerifyRequest)
-        if self.fails:
-            raise WorkerUnavailable("the target worker is unavailable; retry later")
-        self.sent.append(request.coordinator_requests)
-        return target_pb2.VerifyResponse(
-            cache_status=common_pb2.CACHE_STATUS_OK, token_ids=[7], cache_len=len(request.sync.tail_token_ids) + 1,
-            service_requests=request.coordinator_requests,
-        )  # fmt: skip
-
-
-class _Targets:
-    def __init__(self, *replicas: _Target) -> None:
-        self.replicas = list(replicas)
-
-    def candidates(self, session_id: str, current: str | None) -> list[_Target]:
-        return sorted(self.replicas, key=lambda r: r.address != current)
-
-    def get(self, address: str) -> _Target | None:
-        return next((r for r in self.replicas if r.address == address), None)
-
-
 async def test_a_verify_that_fails_over_counts_its_own_request_on_the_new_replica() -> None:
     """The turns a verify tells a replica (for --speculation-max-requests) include the session's
     own when the verify moves it there from a replica that failed: it is counted on the new
@@ -81,11 +42,12 @@ async def test_a_verify_that_fails_over_counts_its_own_request_on_the_new_replic
     from specdec.serving.metrics import CoordinatorMetrics
     from specdec.state.base import CacheLocation
     from specdec.v1 import common_pb2
+    from tests.fakes import FakeTarget, FakeTargets
 
-    down, up = _Target("down:1", fails=True), _Target("up:1")
+    down, up = FakeTarget("down:1", fails=True), FakeTarget("up:1")
     metrics = CoordinatorMetrics(CollectorRegistry())
     limit = LoadLimit(max_requests=1)
-    session = WorkerSession("s", _Targets(down, up), None, metrics, 5.0, None, load=limit)  # type: ignore[arg-type]
+    session = WorkerSession("s", FakeTargets(down, up), None, metrics, 5.0, None, load=limit)  # type: ignore[arg-type]
     session.restore(CacheLocation("down:1", 0), None)  # the session's cache is on the replica that fails
     assert session.target_requests == 1 and (down.turns, up.turns) == (1, 0)
     await session.verify([5, 17, 99], common_pb2.DraftBlock(), Decoding(Warp(), 0))

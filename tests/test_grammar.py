@@ -18,7 +18,8 @@ from coordinator.validation import Limits, parse_request
 from specdec.runtime.grammar import MAX_GRAMMAR_CHARS, GrammarMasks, GrammarState, _checked, constrain, grammar_of
 from specdec.serving.errors import GrammarsUnavailable, InvalidRequest
 from specdec.state.base import CacheLocation
-from specdec.v1 import common_pb2, coordinator_pb2, target_pb2
+from specdec.v1 import common_pb2, coordinator_pb2
+from tests.fakes import FakeTarget, FakeTargets
 from tests.tiny_models import build_tokenizer
 
 SO = common_pb2.StructuredOutput
@@ -288,39 +289,6 @@ def test_a_constraint_seen_lately_is_not_checked_again() -> None:
     assert grammar_of(SO(json_schema=schema), "other.field") == first  # the field names its errors only
 
 
-class _Replica:
-    """A target replica that answers every verify at once; ``applies``: its verdicts say that the
-    grammar masked them (a worker older than grammars leaves the field unset)."""
-
-    role = "target"
-
-    def __init__(self, address: str, applies: bool) -> None:
-        from coordinator.workers import PrefillQueue, _Breaker
-
-        self.address, self.applies, self.calls = address, applies, 0
-        self.grammars = True  # what the coordinator believes (its Info said so before a restart)
-        self.breaker, self.prefills, self.turns = _Breaker(1.0), PrefillQueue(), 0
-        self.info = common_pb2.WorkerInfo(max_draft_tokens=64)
-
-    async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
-        self.calls += 1
-        return target_pb2.VerifyResponse(
-            cache_status=common_pb2.CACHE_STATUS_OK, token_ids=[7], cache_len=len(request.sync.tail_token_ids) + 1,
-            constrained=self.applies and bool(request.processing.grammar),
-        )  # fmt: skip
-
-
-class _Pool:
-    def __init__(self, *replicas: _Replica) -> None:
-        self.replicas = list(replicas)
-
-    def candidates(self, session_id: str, current: str | None) -> list[_Replica]:
-        return sorted(self.replicas, key=lambda r: r.address != current)
-
-    def get(self, address: str) -> _Replica | None:
-        return next((r for r in self.replicas if r.address == address), None)
-
-
 async def test_a_verdict_that_says_nothing_of_the_grammar_is_not_taken() -> None:
     """A replica that ignores the grammar (a worker older than structured output, which drops the
     field it does not know, after a rollback the coordinator has not read yet) answers a
@@ -333,10 +301,10 @@ async def test_a_verdict_that_says_nothing_of_the_grammar_is_not_taken() -> None
     from specdec.runtime.sampling import Warp
     from specdec.serving.metrics import CoordinatorMetrics
 
-    old, new = _Replica("old:1", applies=False), _Replica("new:1", applies=True)
+    old, new = FakeTarget("old:1", applies=False), FakeTarget("new:1", applies=True)
     metrics = CoordinatorMetrics(CollectorRegistry())
     decoding = Decoding(Warp(), 0, Processing(grammar=grammar_of(common_pb2.StructuredOutput(regex="[a-c]+"))))
-    session = WorkerSession("s", _Pool(old, new), None, metrics, 5.0, None, constrained=True)  # type: ignore[arg-type]
+    session = WorkerSession("s", FakeTargets(old, new), None, metrics, 5.0, None, constrained=True)  # type: ignore[arg-type]
     session.restore(CacheLocation("old:1", 0), None)  # the session's cache is on the old replica
     reply, _ = await session.verify([5, 17, 99], common_pb2.DraftBlock(), decoding)
     assert reply.constrained and (old.calls, new.calls) == (1, 1)
@@ -344,11 +312,11 @@ async def test_a_verdict_that_says_nothing_of_the_grammar_is_not_taken() -> None
     assert session.target_address == "new:1"
     reply, _ = await session.verify([5, 17, 99, 7], common_pb2.DraftBlock(), decoding)
     assert reply.constrained and (old.calls, new.calls) == (1, 2)
-    free = WorkerSession("t", _Pool(old, new), None, metrics, 5.0, None)  # type: ignore[arg-type]
+    free = WorkerSession("t", FakeTargets(old, new), None, metrics, 5.0, None)  # type: ignore[arg-type]
     free.restore(CacheLocation("old:1", 0), None)
     await free.verify([5, 17], common_pb2.DraftBlock(), Decoding(Warp(), 0))
     assert (old.calls, new.calls) == (2, 2)  # unconstrained turns still use it
-    alone = WorkerSession("u", _Pool(old), None, metrics, 5.0, None, constrained=True)  # type: ignore[arg-type]
+    alone = WorkerSession("u", FakeTargets(old), None, metrics, 5.0, None, constrained=True)  # type: ignore[arg-type]
     with pytest.raises(GrammarsRefused, match="no target worker that applies structured-output constraints"):
         await alone.verify([5, 17], common_pb2.DraftBlock(), decoding)
     assert old.calls == 2 and GrammarsRefused.code == grpc.StatusCode.UNAVAILABLE

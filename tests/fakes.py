@@ -1,0 +1,49 @@
+"""Fakes for unit tests of the coordinator's WorkerSession: target replicas and their pool."""
+
+from __future__ import annotations
+
+from specdec.v1 import common_pb2, target_pb2
+
+
+class FakeTarget:
+    """A target replica that answers every verify at once, or (``fails``) is unavailable.
+    ``applies``: its verdicts say that the grammar masked them (a worker older than grammars
+    leaves the field unset). Each verdict's ``service_requests`` is the count the verify told it,
+    as a lone coordinator's report gives back; ``sent``: those counts, ``calls``: the verifies."""
+
+    role = "target"
+
+    def __init__(self, address: str, applies: bool = True, fails: bool = False) -> None:
+        from coordinator.workers import PrefillQueue, _Breaker
+
+        self.address, self.applies, self.fails = address, applies, fails
+        self.calls, self.sent = 0, list[int]()
+        self.grammars = True  # what the coordinator believes (its Info said so before a restart)
+        self.breaker, self.prefills, self.turns = _Breaker(1.0), PrefillQueue(), 0
+        self.info = common_pb2.WorkerInfo(max_draft_tokens=64)
+
+    async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
+        from coordinator.workers import WorkerUnavailable
+
+        self.calls += 1
+        if self.fails:
+            raise WorkerUnavailable("the target worker is unavailable; retry later")
+        self.sent.append(request.coordinator_requests)
+        return target_pb2.VerifyResponse(
+            cache_status=common_pb2.CACHE_STATUS_OK, token_ids=[7], cache_len=len(request.sync.tail_token_ids) + 1,
+            constrained=self.applies and bool(request.processing.grammar),
+            service_requests=request.coordinator_requests,
+        )  # fmt: skip
+
+
+class FakeTargets:
+    """A TargetPool of FakeTargets: the session's replica first, then the others in order."""
+
+    def __init__(self, *replicas: FakeTarget) -> None:
+        self.replicas = list(replicas)
+
+    def candidates(self, session_id: str, current: str | None) -> list[FakeTarget]:
+        return sorted(self.replicas, key=lambda r: r.address != current)
+
+    def get(self, address: str) -> FakeTarget | None:
+        return next((r for r in self.replicas if r.address == address), None)
