@@ -359,7 +359,16 @@ def test_sigterm_drains_gracefully(
     target replicas, a draining one hands over.)"""
     expected = reference_greedy(str(tiny_models.target), tuple(PROMPT), 100, ignore_eos=True)
     targets = 2 if role.startswith("target") else 1
-    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, targets=targets, route=routes(0.01)) as cluster:
+    # The stream runs to its end under the coordinator's drain: about 2 s after the stop on a quiet
+    # host, over 5 s (the fault clusters' grace period) on a loaded one, so a longer grace here.
+    with fault_cluster(
+        tmp_path,
+        tiny_models.target,
+        tiny_models.noisy,
+        targets=targets,
+        route=routes(0.01),
+        coordinator_args=["--grace-period-s", "60"],
+    ) as cluster:
         process = cluster.processes[role]
         if role.startswith("target"):
             # drain the replica that holds the stream's session
