@@ -168,7 +168,7 @@ class Turn:
         d = self.deps
         self.workers = WorkerSession(
             self.session_id, d.targets, d.drafts, d.metrics, d.worker_timeout_s, self.deadline, d.pipelined, d.costs,
-            constrained=bool(self.request.processing.grammar), load=d.load_limit,
+            constrained=bool(self.request.processing.grammar), coordinator_id=d.load_limit.coordinator_id,
         )  # fmt: skip
         self.controller = KController(
             self.request.k,

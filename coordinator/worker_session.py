@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from coordinator.adaptive import MODEL, NGRAM, NO_STOP, PREFILL_MIN_TOKENS, ConfidenceStop, LoadLimit, StepCosts
+from coordinator.adaptive import MODEL, NGRAM, NO_STOP, PREFILL_MIN_TOKENS, ConfidenceStop, StepCosts
 from coordinator.workers import (
     NO_GRAMMAR_REPLICA,
     DraftClient,
@@ -139,14 +139,15 @@ class WorkerSession:
         pipelined: bool = False,
         costs: StepCosts | None = None,
         constrained: bool = False,
-        load: LoadLimit | None = None,
+        coordinator_id: str = "",
     ) -> None:
         """``deadline``: the caller's deadline (event-loop time), None for none; ``costs``: the
         measured model costs (a call that prefills gets the time its tokens are expected to take);
         ``constrained``: the turn has a structured-output grammar, so only target replicas that
-        apply grammars verify it; ``load``: the coordinator's id, sent with each verify beside its
-        turns on the replica called (the reply's count of all coordinators' requests on that
-        replica is kept for ``target_requests``)."""
+        apply grammars verify it; ``coordinator_id``: this coordinator's (``LoadLimit``'s), sent
+        with each verify beside its turns on the replica called (the reply's count of all
+        coordinators' requests on that replica is kept for ``target_requests``); empty: neither
+        is sent."""
         self.session_id = session_id
         self.constrained = constrained
         self._targets = targets
@@ -160,7 +161,7 @@ class WorkerSession:
         self._metrics = metrics
         self._worker_timeout_s = worker_timeout_s
         self._costs = costs
-        self._load = load
+        self._coordinator_id = coordinator_id
         # requests of all coordinators on a target replica, from its last verify reply: (address, count)
         self._reported: tuple[str, int] = ("", 0)
         self._deadline = deadline
@@ -509,11 +510,11 @@ class WorkerSession:
                 seed=decoding.seed, processing=processing_to_proto(decoding.processing), logprobs=ask.tokens,
                 top_logprobs=ask.top, prompt_logprobs_count=ask.prompt_count, prompt_top_logprobs=ask.prompt_top,
             )  # fmt: skip
-            if self._load is not None:
+            if self._coordinator_id:
                 # this turn is among them also on the call that moves it to this replica, before
                 # it is counted in the replica's turns (once the call succeeds)
                 joining = self._holding and replica is not self._target
-                request.coordinator_id = self._load.coordinator_id
+                request.coordinator_id = self._coordinator_id
                 request.coordinator_requests = replica.turns + int(joining)
             with replica.prefills.holding(_prefill_ms(self._costs, len(sync.tail_token_ids), len(committed))):
                 reply = await replica.verify(request, timeout_s)

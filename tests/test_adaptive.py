@@ -47,7 +47,15 @@ async def test_a_verify_that_fails_over_counts_its_own_request_on_the_new_replic
     down, up = FakeTarget("down:1", fails=True), FakeTarget("up:1")
     metrics = CoordinatorMetrics(CollectorRegistry())
     limit = LoadLimit(max_requests=1)
-    session = WorkerSession("s", FakeTargets(down, up), None, metrics, 5.0, None, load=limit)  # type: ignore[arg-type]
+    session = WorkerSession(
+        "s",
+        FakeTargets(down, up),  # type: ignore[arg-type]
+        None,
+        metrics,
+        5.0,
+        None,
+        coordinator_id=limit.coordinator_id,
+    )
     session.restore(CacheLocation("down:1", 0), None)  # the session's cache is on the replica that fails
     assert session.target_requests == 1 and (down.turns, up.turns) == (1, 0)
     await session.verify([5, 17, 99], common_pb2.DraftBlock(), Decoding(Warp(), 0))
