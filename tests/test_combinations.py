@@ -42,6 +42,7 @@ PIECES = [
     "é",
 ]
 VOCAB = 259  # the tiny models' byte tokenizer
+GRAMMAR = 'root ::= "x" [0-9]+ ("," [0-9]+)* "."'  # GBNF
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 
 
@@ -180,6 +181,8 @@ def random_sampling(rng: random.Random, greedy: bool) -> common_pb2.SamplingPara
         s.structured_output.choice.values.extend(["yes", "no", "maybe"])
     elif constraint < 0.14:
         s.structured_output.json_schema = SCHEMA
+    elif constraint < 0.16:
+        s.structured_output.grammar = GRAMMAR
     return s
 
 
