@@ -14,6 +14,7 @@ from coordinator.engine_api import SERVICE_NAME as ENGINE_SERVICE_NAME
 from coordinator.engine_api import VllmEngineServicer
 from coordinator.servicer import GenerationServicer
 from coordinator.settings import CoordinatorSettings
+from coordinator.turn import cut_off_cleanup_s
 from specdec.serving.logging import configure_logging
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.serving.server import ServerControl, ServiceSpec, run_service, serve
@@ -39,7 +40,9 @@ async def run(settings: CoordinatorSettings) -> int:
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(engine), server)
 
     services = [SERVICE_NAME, ENGINE_SERVICE_NAME]
-    return await serve(settings, ServiceSpec(services, register, engine.start, engine.stop, registry), control)
+    cut_off = cut_off_cleanup_s(settings.state_retry_s)
+    spec = ServiceSpec(services, register, engine.start, engine.stop, registry, cancel_wait_s=cut_off)
+    return await serve(settings, spec, control)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -107,6 +107,14 @@ class RoundOutput:
 CLEANUP_TIMEOUT_S = 2.0  # freeing a session's worker caches is best effort: a hung worker gets this long
 
 
+def cut_off_cleanup_s(state_retry_s: float) -> float:
+    """How long a stopping coordinator gives the turns it cut off (past --grace-period-s) to roll
+    back before their calls end: the state store's retry budget (a store that answers takes
+    milliseconds) and the workers' cache release. Each call ends UNAVAILABLE once its turn is
+    rolled back, so a client that retries finds its session as the turn before left it."""
+    return state_retry_s + CLEANUP_TIMEOUT_S
+
+
 @dataclass
 class TurnDeps:
     """What a turn needs from the coordinator."""

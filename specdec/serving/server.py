@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -39,8 +40,9 @@ STARTUP = "specdec.startup"  # SERVING once start-up (model loading) has finishe
 # After the drain: how long calls still in flight (health checks) get to finish; a Watch stream
 # is the only call that would use it all.
 _STOP_GRACE_S = 0.5
-# Once the grace period has run out: how long the cancelled calls get to undo their work (a turn's
-# rollback, a cache release) and end.
+# Once the grace period has run out: how long the cancelled calls get to undo their work and end,
+# unless the service says otherwise (``ServiceSpec.cancel_wait_s``: the coordinator's turns roll
+# back through the state store).
 _CANCEL_WAIT_S = 2.0
 
 
@@ -78,10 +80,10 @@ class ServerControl:
         if not self._calls:
             self._idle.set()
 
-    async def drain(self, grace_s: float) -> bool:
+    async def drain(self, grace_s: float, cancel_wait_s: float) -> bool:
         """Refuses new RPCs and waits for in-flight ones; when the grace period runs out, cancels
-        them (each ends UNAVAILABLE, its work undone as for a cancelled call) and waits up to
-        ``_CANCEL_WAIT_S`` for them to end. False when the grace period ran out."""
+        them (each undoes its work as a cancelled call does, then ends UNAVAILABLE) and waits up to
+        ``cancel_wait_s`` for them to end. False when the grace period ran out."""
         self.draining = True
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)
@@ -93,7 +95,7 @@ class ServerControl:
         for task in self._calls:
             task.cancel()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), _CANCEL_WAIT_S)
+            await asyncio.wait_for(self._idle.wait(), cancel_wait_s)
         return False
 
 
@@ -317,6 +319,8 @@ class ServiceSpec:
     start: Callable[[], Awaitable[None]]
     stop: Callable[[], Awaitable[None]]
     registry: CollectorRegistry
+    # how long calls cancelled at the end of the grace period get to undo their work (``drain``)
+    cancel_wait_s: float = _CANCEL_WAIT_S
 
 
 class Health:
@@ -464,13 +468,11 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
         # refused by grpc before any handler runs, and the client sends it again over a new
         # connection, which leads to another replica (gRPC channels keep their connection, so a
         # Service or load balancer steers only new ones). The calls in flight go on, under the
-        # drain; grpc's own stop waits longer than the drain, which ends them first.
-        going += [
-            asyncio.create_task(serving.stop(settings.grace_period_s + _CANCEL_WAIT_S + _STOP_GRACE_S))
-            for serving in (server, local)
-            if serving is not None
-        ]
-        drained = await control.drain(settings.grace_period_s)
+        # drain, which ends them; grpc's own stop has no deadline of its own (one of its own could
+        # cut a call still rolling back, with grpc's words): the stop below, after the drain, ends
+        # what is left.
+        going += [asyncio.create_task(serving.stop(math.inf)) for serving in (server, local) if serving is not None]
+        drained = await control.drain(settings.grace_period_s, spec.cancel_wait_s)
         log.info("drained" if drained else "calls_cancelled", still_running=control.inflight)
     finally:
         # the drain has ended every call but health checks; those still in flight get to answer
