@@ -5,23 +5,42 @@ unary or stream calls it asks for, equals the same request decoded target-only b
 service (speculation disabled; that path is itself checked against HF ``generate`` feature by
 feature in test_features.py and test_e2e.py). A request one path refuses, the other refuses with
 the same status and message; no request ends in any other status than OK or INVALID_ARGUMENT.
-Sampled requests of the same mixes must also end OK or INVALID_ARGUMENT (their distribution is
-the chi-square tests' concern: test_exactness_production.py). Planted in the coordinator by
-hand, a stop token that comes first in a block of several not ending the reply failed 2 of the 6
-cases."""
+Sampled requests of the same mixes must also end OK or INVALID_ARGUMENT. Planted in the
+coordinator by hand, a stop token that comes first in a block of several not ending the reply
+failed 2 of the 6 cases.
+
+Sampled mixes are checked for their distribution too (MIXES): three requests of several
+features at once, each sent 1,500 times with other seeds through the whole service, whose first
+three tokens must follow the exact distribution of the target alone with the same processing
+(enumerated with plain forward passes and the independent references of tests/spec_oracle.py;
+chi-square p > 1e-3), and must reject the distribution a planted bug would give (the power
+check). Planted in the services by hand, each failed its mix: the residual after a rejection
+drawn from p (the session mix at p = 6e-5, the lookup mix at p = 3e-66; the draft that is always
+right is rarely rejected), penalties and min_tokens counted from the session's start, and a stop
+string found only at a round's last token (both: sequences the target cannot give)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import grpc
 import pytest
+import torch
+from google.protobuf import json_format
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specdec.runtime.grammar import grammar_of
+from specdec.runtime.processing import Processing
+from specdec.runtime.sampling import Warp, warped_probs
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.reference import coordinator_stub
+from tests.spec_oracle import chi_square_pvalue, reference_grammar, reference_processing
+from tests.tiny_models import TinyModels, build_tokenizer
 
 CASES = 30  # per cluster and seed: 12-21 s a case on the 2-core host
 PIECES = [
@@ -42,6 +61,7 @@ PIECES = [
     "é",
 ]
 VOCAB = 259  # the tiny models' byte tokenizer
+EOS = 257
 GRAMMAR = 'root ::= "x" [0-9]+ ("," [0-9]+)* "."'  # GBNF
 SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 
@@ -254,3 +274,296 @@ def test_random_feature_mixes_decode_as_the_target_alone(
                 expected = call(stub, target_only(asked), stream=False)
                 assert got.agrees(expected), (case, turn, asked, got, expected)
     assert seen.get("OK", 0) >= CASES, seen  # most mixes are valid: the comparison is not vacuous
+
+
+# Sampled mixes: their distribution through the whole service, against an exact enumeration.
+
+SAMPLES = 1500  # requests per mix (about 10 ms a request on the 2-core host, 8 at a time)
+FIRST = 3  # tokens whose joint distribution is tested (fewer where the reply ends sooner)
+MAX_NEW = 8  # each reply's budget: rounds past the tested tokens are drafted ahead too
+FIRST_TURN = 4  # the greedy first turn's tokens, where a mix has a history
+BYTES = build_tokenizer()  # the tiny models' tokenizer
+
+
+@dataclass(frozen=True)
+class SampledMix:
+    """A sampled request of several features at once on one of the clusters. With ``history``
+    the request is the second turn of a session whose first turn sent ``history`` and was greedy,
+    so the penalties and the lookup see the history. ``stop``: "favourite id" adds the target's
+    favourite first token to the stop ids (min_tokens bans it); "likely char" adds a stop string,
+    the character most likely to come second or third. ``bug``: the planted bug the power check
+    plants in the enumeration (see Enumerator)."""
+
+    cluster: str
+    prompt: tuple[int, ...]
+    sampling: dict[str, object]
+    speculation: dict[str, object]
+    bug: str
+    shown: tuple[str, ...]  # what the replies' stats must show happened (Sampled's fields), besides accepted drafts
+    history: tuple[int, ...] = ()
+    stop: str = ""
+
+
+MIXES = {
+    # pipelined, the default hybrid drafting with adaptive K; penalties over a session's history,
+    # logit bias, min_tokens banning a stop id, min_p (the prompt repeats the history: lookups match)
+    "session-penalties-hybrid": SampledMix(
+        "pipelined",
+        prompt=(122, 24, 157, 91),
+        history=(122, 24, 157, 91, 36, 154, 206),
+        sampling={
+            "temperature": 0.9,
+            "top_k": 4,
+            "min_p": 0.1,
+            "repetition_penalty": 1.8,
+            "presence_penalty": -2.0,
+            "frequency_penalty": 0.5,
+            "logit_bias": "favourites",
+            "min_tokens": 2,
+            "ignore_eos": True,
+        },
+        speculation={},
+        bug="min_tokens counts the history",
+        shown=("lookup_rounds", "pipelined_rounds"),
+        stop="favourite id",
+    ),
+    # lookup drafts only (one-hot proposals, right some of the time), fixed K = 4, a regex whose
+    # next character depends on the ones before; top_p; logprobs asked for; sessions in Redis
+    "regex-ngram-top-p": SampledMix(
+        "other",
+        prompt=tuple(BYTES.encode("x= abx, y= ba1, z= ")),
+        sampling={
+            "temperature": 1.2,
+            "top_p": 0.95,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "logit_bias": {BYTES.encode("a")[0]: -1.5, BYTES.encode("c")[0]: 1.0},
+            "structured_output": {"regex": r"(ab|ba|cc)x|[a-c][0-9]"},
+        },
+        speculation={"method": coordinator_pb2.DRAFT_METHOD_NGRAM, "num_speculative_tokens": 4, "fixed": True},
+        bug="the mask ignores the reply",
+        shown=("lookup_rounds",),
+    ),
+    # a draft always right (blocks of up to 8, ended by the block stop) and a stop string met inside
+    # accepted blocks; a repetition penalty below 1, a negative presence penalty, a -100 bias
+    "stop-string-model-draft": SampledMix(
+        "same",
+        prompt=(9, 200, 31, 77, 9, 200),
+        sampling={
+            "temperature": 1.3,
+            "top_k": 5,
+            "repetition_penalty": 0.7,
+            "presence_penalty": -2.0,
+            "frequency_penalty": -1.0,
+            "logit_bias": "favourites",
+            "include_stop_str_in_output": True,
+        },
+        speculation={
+            "method": coordinator_pb2.DRAFT_METHOD_MODEL,
+            "num_speculative_tokens": 8,
+            "draft_block_confidence": 0.5,
+        },
+        bug="stop strings ignored",
+        shown=("stop_strings",),
+        stop="likely char",
+    ),
+}
+
+
+class Enumerator:
+    """The exact distribution of a sampled mix's first FIRST tokens: a plain forward pass of the
+    target (HF, fp32, no cache, no speculation) per position over the whole sequence, the
+    independent reference processing and structured-output mask of tests/spec_oracle.py, the
+    request's warp; a sequence ends at a stop id (EOS unless ignore_eos, stop_token_ids) or a
+    stop string, once the reply has min_tokens tokens. With a ``bug``, the distribution a service
+    with that bug would sample: "min_tokens counts the history" (the session's tokens before the
+    reply count towards min_tokens), "the mask ignores the reply" (every position is masked with
+    the grammar's state at the reply's start), "stop strings ignored"."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def distribution(
+        self, context: tuple[int, ...], sampling: common_pb2.SamplingParams, bug: str = ""
+    ) -> dict[tuple[int, ...], float]:
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else {EOS})
+        processing = Processing(
+            repetition_penalty=sampling.repetition_penalty or 1.0,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logit_bias=tuple(sampling.logit_bias.items()),
+        )
+        banned = Processing(min_tokens=sampling.min_tokens, banned_until_min=tuple(sorted(stop_ids)))
+        processors = [
+            reference_processing(processing, len(context)),
+            reference_processing(banned, 0 if bug == "min_tokens counts the history" else len(context)),
+        ]
+        if sampling.HasField("structured_output"):
+            grammar = grammar_of(sampling.structured_output)
+            mask = reference_grammar(grammar, self.model_dir, VOCAB, [EOS], len(context))
+            if bug == "the mask ignores the reply":
+                processors.append(lambda logits, _: mask(logits, context))
+            else:
+                processors.append(mask)
+        stops = () if bug == "stop strings ignored" else tuple(sampling.stop)
+        min_tokens = 0 if bug == "min_tokens counts the history" else sampling.min_tokens
+        warp = Warp(sampling.temperature, sampling.top_k, sampling.top_p or 1.0, sampling.min_p)
+        out: dict[tuple[int, ...], float] = {}
+
+        def walk(reply: tuple[int, ...], prob: float) -> None:
+            if len(reply) == FIRST or (reply and self._ends(reply, min_tokens, stop_ids, stops)):
+                out[reply] = prob
+                return
+            with torch.inference_mode():
+                logits = self.model(torch.tensor([[*context, *reply]])).logits[0, -1]
+            for processor in processors:
+                logits = processor(logits, (*context, *reply))
+            p = warped_probs(logits, warp)
+            for token in torch.nonzero(p).flatten().tolist():
+                walk((*reply, token), prob * float(p[token]))
+
+        walk((), 1.0)
+        return out
+
+    def _ends(self, reply: tuple[int, ...], min_tokens: int, stop_ids: set[int], stops: tuple[str, ...]) -> bool:
+        """Whether the reply's last token ends it (the reply's text is its tokens' own: the byte
+        tokenizer's tokens are whole characters here)."""
+        if len(reply) < min_tokens:
+            return False
+        if reply[-1] in stop_ids:
+            return True
+        before, text = self.tokenizer.decode(reply[:-1]), self.tokenizer.decode(reply)
+        return any(stop in text[max(0, len(before) - len(stop) + 1) :] for stop in stops)
+
+    def likely_char(self, distribution: dict[tuple[int, ...], float]) -> str:
+        """The printable ASCII character most likely to come second or third (its token's
+        probability summed over the sequences): a stop string of it ends many replies inside a
+        block."""
+        weight: collections.Counter[str] = collections.Counter()
+        for reply, prob in distribution.items():
+            for token in reply[1:]:
+                text = self.tokenizer.decode([token])
+                if len(text) == 1 and text.isascii() and text.isprintable():
+                    weight[text] += prob
+        return weight.most_common(1)[0][0]
+
+    def favourite_bias(self, context: tuple[int, ...]) -> dict[int, float]:
+        """A logit bias that moves the first token's distribution: -100 on the target's second
+        choice after ``context`` (never sampled), +2 on its fourth."""
+        with torch.inference_mode():
+            ranked = self.model(torch.tensor([context])).logits[0, -1].argsort(descending=True).tolist()
+        return {ranked[1]: -100.0, ranked[3]: 2.0}
+
+    def greedy(self, context: tuple[int, ...], n: int) -> tuple[int, ...]:
+        """The target's ``n`` greedy tokens after ``context`` (EOS ignored)."""
+        out = list(context)
+        with torch.inference_mode():
+            for _ in range(n):
+                out.append(int(self.model(torch.tensor([out])).logits[0, -1].argmax()))
+        return tuple(out[len(context) :])
+
+
+def sampled_request(mix: SampledMix, seed: int, session_id: str = "") -> coordinator_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_new_tokens=MAX_NEW, seed=seed)
+    json_format.ParseDict({k: v for k, v in mix.sampling.items() if k != "logit_bias"}, sampling)
+    sampling.logit_bias.update(mix.sampling.get("logit_bias", {}))  # type: ignore[call-overload]
+    request = coordinator_pb2.GenerateRequest(
+        session_id=session_id, sampling=sampling, speculation=coordinator_pb2.SpeculationParams(**mix.speculation)
+    )
+    request.prompt_token_ids.ids.extend(mix.prompt)
+    return request
+
+
+@dataclass
+class Sampled:
+    """What a mix's requests gave: the first FIRST tokens of each reply, counted, and what
+    speculation did (summed over the replies)."""
+
+    counts: collections.Counter[tuple[int, ...]]
+    proposed: int = 0  # draft tokens, model and lookup
+    accepted: int = 0
+    lookup_rounds: int = 0
+    pipelined_rounds: int = 0
+    stop_strings: int = 0  # replies a stop string ended
+
+
+def sample_mix(
+    stub: coordinator_pb2_grpc.GenerationStub, mix: SampledMix, name: str
+) -> tuple[Sampled, tuple[int, ...]]:
+    """SAMPLES requests of ``mix`` (seed = request number), 8 at a time; with a history each is the
+    second turn of a session of its own. Also the context the replies followed."""
+    first_turns: set[tuple[int, ...]] = set()
+
+    def one(seed: int) -> coordinator_pb2.GenerateResponse:
+        session = f"sampled-{name}-{seed}" if mix.history else ""
+        if mix.history:
+            turn = coordinator_pb2.GenerateRequest(
+                session_id=session,
+                sampling=common_pb2.SamplingParams(max_new_tokens=FIRST_TURN, temperature=0.0, ignore_eos=True),
+            )
+            turn.prompt_token_ids.ids.extend(mix.history)
+            first_turns.add((*mix.history, *stub.Generate(turn, timeout=60).token_ids))
+        reply = stub.Generate(sampled_request(mix, seed, session), timeout=60)
+        if session:
+            stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id=session), timeout=60)
+        return reply
+
+    with ThreadPoolExecutor(8) as pool:  # several at once, as clients send them: the workers batch them
+        replies = list(pool.map(one, range(SAMPLES)))
+    assert len(first_turns) <= 1, first_turns  # greedy: every session has the same history
+    sampled = Sampled(collections.Counter(tuple(reply.token_ids[:FIRST]) for reply in replies))
+    for reply in replies:
+        sampled.proposed += reply.stats.draft_tokens_proposed
+        sampled.accepted += reply.stats.draft_tokens_accepted
+        sampled.lookup_rounds += reply.stats.lookup_rounds
+        sampled.pipelined_rounds += reply.stats.pipelined_rounds
+        sampled.stop_strings += reply.HasField("stop_string")
+    return sampled, (*first_turns.pop(), *mix.prompt) if first_turns else mix.prompt
+
+
+def rejects(samples: collections.Counter[tuple[int, ...]], distribution: dict[tuple[int, ...], float]) -> bool:
+    """The chi-square test rejects: a sequence the distribution cannot give, or p < 1e-6."""
+    if any(distribution.get(outcome, 0.0) == 0.0 for outcome in samples):
+        return True
+    return chi_square_pvalue(samples, distribution, samples.total()) < 1e-6
+
+
+def prepared(mix: SampledMix, enumerator: Enumerator) -> tuple[SampledMix, tuple[int, ...]]:
+    """The mix with the values that depend on the target filled in, and the context its replies
+    follow (with a history: the history, the target's greedy first turn, the prompt)."""
+    context = (*mix.history, *enumerator.greedy(mix.history, FIRST_TURN), *mix.prompt) if mix.history else mix.prompt
+    if mix.sampling.get("logit_bias") == "favourites":
+        mix = replace(mix, sampling={**mix.sampling, "logit_bias": enumerator.favourite_bias(context)})
+    if mix.stop == "favourite id":
+        favourite = enumerator.greedy(context, 1)[0]
+        mix = replace(mix, sampling={**mix.sampling, "stop_token_ids": [favourite]})
+    elif mix.stop == "likely char":
+        plain = enumerator.distribution(context, sampled_request(mix, 0).sampling)
+        mix = replace(mix, sampling={**mix.sampling, "stop": [enumerator.likely_char(plain)]})
+    return mix, context
+
+
+@pytest.fixture(scope="module")
+def enumerator(tiny_models: TinyModels) -> Enumerator:
+    return Enumerator(str(tiny_models.target))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MIXES))
+def test_sampled_feature_mixes_follow_the_exact_distribution(
+    name: str, enumerator: Enumerator, request: pytest.FixtureRequest
+) -> None:
+    """SAMPLES seeded requests of a mix through the whole service: their first tokens follow the
+    exact distribution of the target with the mix's processing (chi-square, p > 1e-3), and the
+    same samples reject the distribution of the mix's planted bug (the power check)."""
+    mix, context = prepared(MIXES[name], enumerator)
+    cluster = request.getfixturevalue(f"cluster_{mix.cluster}")
+    with grpc.insecure_channel(cluster.address) as channel:
+        sampled, sent = sample_mix(coordinator_pb2_grpc.GenerationStub(channel), mix, name)
+    assert sent == context  # the first turns gave the target's greedy tokens
+    sampling = sampled_request(mix, 0).sampling
+    assert sampled.accepted > 0 and all(getattr(sampled, field) > 0 for field in mix.shown), sampled
+    assert chi_square_pvalue(sampled.counts, enumerator.distribution(context, sampling), SAMPLES) > 1e-3
+    assert rejects(sampled.counts, enumerator.distribution(context, sampling, mix.bug))
