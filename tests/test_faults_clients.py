@@ -898,3 +898,51 @@ async def test_a_stream_cancelled_during_its_first_write_counts_that_message() -
     assert context.written == ["first"]
     assert registry.get_sample_value("specdec_rpc_first_message_seconds_count", {"method": "s/Stream"}) == 1
     assert registry.get_sample_value("specdec_rpcs_total", {"method": "s/Stream", "code": "CANCELLED"}) == 1
+
+
+async def test_calls_that_outlive_the_cancel_wait_are_a_warning() -> None:
+    """At a stop, the calls cut off at the end of the grace period get ``cancel_wait_s`` to undo
+    their work; one still running after it (its rollback's store did not answer) is ended by
+    grpc's own stop with its work left undone, and the operator is told so at warning level,
+    with what is left and where it goes, beside the info line of a drain that cancelled calls."""
+    import asyncio
+
+    from structlog.testing import capture_logs
+
+    from specdec.serving.server import ServerControl
+
+    control = ServerControl()
+    release = asyncio.Event()
+
+    async def call(undo_s: float) -> None:
+        control.enter()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(undo_s)  # undoing its work, past the wait when undo_s is long
+            await release.wait()
+        finally:
+            control.exit()
+
+    quick = asyncio.create_task(call(0.0))
+    slow = asyncio.create_task(call(30.0))
+    await asyncio.sleep(0)
+    release.set()
+    with capture_logs() as logs:
+        assert not await control.drain(0.05, 0.2)
+    assert quick.done() and not slow.done()
+    warnings = [entry for entry in logs if entry["event"] == "calls_outlived_cancel_wait"]
+    assert len(warnings) == 1, logs
+    assert warnings == [
+        {
+            "event": "calls_outlived_cancel_wait",
+            "log_level": "warning",
+            "still_running": 1,
+            "cancel_wait_s": 0.2,
+            "hint": warnings[0]["hint"],
+        }
+    ]
+    assert "--session-lease-s" in warnings[0]["hint"]
+    slow.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await slow

@@ -96,6 +96,15 @@ class ServerControl:
             task.cancel()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), cancel_wait_s)
+        if self._calls:
+            log.warning(
+                "calls_outlived_cancel_wait",
+                still_running=len(self._calls),
+                cancel_wait_s=cancel_wait_s,
+                hint="the server's stop ends them with their work left undone: a coordinator turn's session "
+                "is undone by its next request once the turn's lease lapses (--session-lease-s); a worker "
+                "call's caches go with the process",
+            )
         return False
 
 
