@@ -14,10 +14,17 @@ import torch
 from llguidance import LLMatcher
 from llguidance.hf import from_tokenizer
 from scipy import stats
-from transformers import AutoTokenizer, MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
+from specdec.runtime.grammar import grammar_of
 from specdec.runtime.processing import Processing
 from specdec.runtime.sampling import Verdict, Warp, proposal_matrix, rejection_sample, sample_draft_token, warped_probs
+from specdec.v1 import common_pb2
 
 LogitFn = Callable[[tuple[int, ...]], torch.Tensor]
 Sampler = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Warp, torch.Generator | None], Verdict]
@@ -144,3 +151,111 @@ def reference_grammar(grammar: str, model_dir: str, vocab: int, eos: list[int], 
         return logits.float().masked_fill(~allowed, float("-inf"))
 
     return apply
+
+
+class Enumerator:
+    """The exact distribution of a sampled request's first ``length`` tokens: a plain forward
+    pass of the target (HF, fp32, no cache, no speculation) per position over the whole sequence,
+    the independent reference processing and structured-output mask above, the request's warp;
+    a sequence ends at a stop id (EOS unless ignore_eos, stop_token_ids) or a stop string, once
+    the reply has min_tokens tokens. With a ``bug``, the distribution a service
+    with that bug would sample: "min_tokens counts the history" (the session's tokens before the
+    reply count towards min_tokens), "the mask ignores the reply" (every position is masked with
+    the grammar's state at the reply's start), "stop strings ignored", "the temperature ignored"
+    (sampled at temperature 1)."""
+
+    def __init__(self, model_dir: str, length: int) -> None:
+        self.model_dir, self.length = model_dir, length
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos = self.model.config.eos_token_id
+        self.eos = set(eos) if isinstance(eos, list) else {eos}
+
+    def distribution(
+        self, context: tuple[int, ...], sampling: common_pb2.SamplingParams, bug: str = ""
+    ) -> dict[tuple[int, ...], float]:
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos)
+        processing = Processing(
+            repetition_penalty=sampling.repetition_penalty or 1.0,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logit_bias=tuple(sampling.logit_bias.items()),
+        )
+        banned = Processing(min_tokens=sampling.min_tokens, banned_until_min=tuple(sorted(stop_ids)))
+        processors = [
+            reference_processing(processing, len(context)),
+            reference_processing(banned, 0 if bug == "min_tokens counts the history" else len(context)),
+        ]
+        if sampling.HasField("structured_output"):
+            grammar = grammar_of(sampling.structured_output)
+            mask = reference_grammar(
+                grammar, self.model_dir, self.model.config.vocab_size, sorted(self.eos), len(context)
+            )
+            if bug == "the mask ignores the reply":
+                processors.append(lambda logits, _: mask(logits, context))
+            else:
+                processors.append(mask)
+        stops = () if bug == "stop strings ignored" else tuple(sampling.stop)
+        min_tokens = 0 if bug == "min_tokens counts the history" else sampling.min_tokens
+        temperature = 1.0 if bug == "the temperature ignored" else sampling.temperature
+        warp = Warp(temperature, sampling.top_k, sampling.top_p or 1.0, sampling.min_p)
+        out: dict[tuple[int, ...], float] = {}
+
+        def walk(reply: tuple[int, ...], prob: float) -> None:
+            if len(reply) == self.length or (reply and self._ends(reply, min_tokens, stop_ids, stops)):
+                out[reply] = prob
+                return
+            with torch.inference_mode():
+                logits = self.model(torch.tensor([[*context, *reply]])).logits[0, -1]
+            for processor in processors:
+                logits = processor(logits, (*context, *reply))
+            p = warped_probs(logits, warp)
+            for token in torch.nonzero(p).flatten().tolist():
+                walk((*reply, token), prob * float(p[token]))
+
+        walk((), 1.0)
+        return out
+
+    def _ends(self, reply: tuple[int, ...], min_tokens: int, stop_ids: set[int], stops: tuple[str, ...]) -> bool:
+        """Whether the reply's last token ends it (the reply's text is its tokens' own: the byte
+        tokenizer's tokens are whole characters here)."""
+        if len(reply) < min_tokens:
+            return False
+        if reply[-1] in stop_ids:
+            return True
+        before, text = self.tokenizer.decode(reply[:-1]), self.tokenizer.decode(reply)
+        return any(stop in text[max(0, len(before) - len(stop) + 1) :] for stop in stops)
+
+    def likely_char(self, distribution: dict[tuple[int, ...], float]) -> str:
+        """The printable ASCII character most likely to come second or third (its token's
+        probability summed over the sequences): a stop string of it ends many replies inside a
+        block."""
+        weight: collections.Counter[str] = collections.Counter()
+        for reply, prob in distribution.items():
+            for token in reply[1:]:
+                text = self.tokenizer.decode([token])
+                if len(text) == 1 and text.isascii() and text.isprintable():
+                    weight[text] += prob
+        return weight.most_common(1)[0][0]
+
+    def favourite_bias(self, context: tuple[int, ...]) -> dict[int, float]:
+        """A logit bias that moves the first token's distribution: -100 on the target's second
+        choice after ``context`` (never sampled), +2 on its fourth."""
+        with torch.inference_mode():
+            ranked = self.model(torch.tensor([context])).logits[0, -1].argsort(descending=True).tolist()
+        return {ranked[1]: -100.0, ranked[3]: 2.0}
+
+    def greedy(self, context: tuple[int, ...], n: int) -> tuple[int, ...]:
+        """The target's ``n`` greedy tokens after ``context`` (EOS ignored)."""
+        out = list(context)
+        with torch.inference_mode():
+            for _ in range(n):
+                out.append(int(self.model(torch.tensor([out])).logits[0, -1].argmax()))
+        return tuple(out[len(context) :])
+
+
+def rejects(samples: collections.Counter[tuple[int, ...]], distribution: dict[tuple[int, ...], float]) -> bool:
+    """The chi-square test rejects: a sequence the distribution cannot give, or p < 1e-6."""
+    if any(distribution.get(outcome, 0.0) == 0.0 for outcome in samples):
+        return True
+    return chi_square_pvalue(samples, distribution, samples.total()) < 1e-6

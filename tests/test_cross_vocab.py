@@ -1,12 +1,14 @@
 """A draft with another tokenizer, end to end over real processes: a tiny model with SmolLM2's
 tokenizer drafts for a tiny model with Qwen2.5's (both know one text, tokenized differently: some
 words are one token for one and two for the other). TLI and SLEM; greedy output equals HF
-``generate`` on the target alone. The sampled distribution is tested in
-tests/test_exactness_production.py."""
+``generate`` on the target alone; sampled replies follow the target's exact distribution
+(chi-square, as tests/test_exactness_production.py checks the workers' jobs)."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,6 +24,7 @@ from tests.forkserver import run_command
 from tests.helpers import RedisServer, real_tokenizer
 from tests.netproxy import LateLink
 from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
+from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.tiny_models import build_text_bigram
 
 # " warms" is one SmolLM2 token and two Qwen tokens; " fibonacci", " recursion" and " rollback"
@@ -124,6 +127,45 @@ def test_sampled_requests_repeat_with_their_seed(cluster: tuple[LocalCluster, st
     first, again = generate(service, request), generate(service, request)
     assert list(first.token_ids) == list(again.token_ids) and len(first.token_ids) == 24
     assert first.stats.draft_tokens_proposed > 0
+
+
+SAMPLES = 1500  # requests (seeds 0 .. SAMPLES-1), 8 at a time
+
+
+@pytest.mark.slow
+def test_sampled_replies_follow_the_target_distribution(
+    cluster: tuple[LocalCluster, str], pair: tuple[Path, Path]
+) -> None:
+    """Through the whole service, with the draft's proposals translated into the target's tokens
+    (TLI: pipelined; SLEM): the first three tokens of SAMPLES seeded replies follow the target's
+    exact distribution (chi-square against an enumeration with plain forward passes), and reject
+    that of a service that ignored the request's temperature (the power check). At temperature 3
+    with top-k 4 the text's next token has about three chances in four: about two in three of the
+    draft's translated proposals are accepted. Planted in the target worker by hand, a residual
+    drawn from p after a rejection failed both (p = 8e-70 with TLI, 3e-116 with SLEM)."""
+    service, _ = cluster
+    enumerator = Enumerator(str(pair[0]), 3)
+    prompt = enumerator.tokenizer.encode(PROMPTS["in-text"])
+
+    replies_asked = make_request(prompt, k=4, max_new=3, ignore_eos=True, temperature=3.0, top_k=4)
+    replies_asked.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+
+    def sample(seed: int) -> coordinator_pb2.GenerateResponse:
+        request = coordinator_pb2.GenerateRequest()
+        request.CopyFrom(replies_asked)
+        request.sampling.seed = seed
+        return stub.Generate(request, timeout=120)
+
+    with grpc.insecure_channel(service.address) as channel, ThreadPoolExecutor(8) as pool:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        replies = list(pool.map(sample, range(SAMPLES)))
+    counts = collections.Counter(tuple(reply.token_ids[:3]) for reply in replies)
+    proposed = sum(reply.stats.draft_tokens_proposed for reply in replies)
+    accepted = sum(reply.stats.draft_tokens_accepted for reply in replies)
+    assert 0.3 * proposed < accepted < 0.95 * proposed, (accepted, proposed)  # rejections decide tokens too
+    sampling = replies_asked.sampling
+    assert chi_square_pvalue(counts, enumerator.distribution(tuple(prompt), sampling), SAMPLES) > 1e-3
+    assert rejects(counts, enumerator.distribution(tuple(prompt), sampling, "the temperature ignored"))
 
 
 def test_info_names_the_translation(
