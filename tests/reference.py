@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import grpc
@@ -70,6 +71,23 @@ def make_request(
         sampling=common_pb2.SamplingParams(max_new_tokens=max_new, **sampling),
         speculation=coordinator_pb2.SpeculationParams(num_speculative_tokens=k, fixed=fixed),
     )
+
+
+def seeded_replies(
+    address: str, request: coordinator_pb2.GenerateRequest, n: int, metadata: tuple[tuple[str, str], ...] = ()
+) -> list[coordinator_pb2.GenerateResponse]:
+    """``request`` sent ``n`` times with seeds 0 .. n-1, 8 at a time over one channel (the workers
+    batch them, as they do concurrent clients); the replies in seed order."""
+
+    def one(seed: int) -> coordinator_pb2.GenerateResponse:
+        seeded = coordinator_pb2.GenerateRequest()
+        seeded.CopyFrom(request)
+        seeded.sampling.seed = seed
+        return stub.Generate(seeded, metadata=metadata, timeout=120)
+
+    with grpc.insecure_channel(address) as channel, ThreadPoolExecutor(8) as pool:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        return list(pool.map(one, range(n)))
 
 
 def coordinator_stub(cluster: LocalCluster) -> Iterator[coordinator_pb2_grpc.GenerationStub]:

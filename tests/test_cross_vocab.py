@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -23,7 +22,7 @@ from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.forkserver import run_command
 from tests.helpers import RedisServer, real_tokenizer
 from tests.netproxy import LateLink
-from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
+from tests.reference import coordinator_stub, make_request, reference_greedy, seeded_replies, worker_info
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.tiny_models import build_text_bigram
 
@@ -129,7 +128,7 @@ def test_sampled_requests_repeat_with_their_seed(cluster: tuple[LocalCluster, st
     assert first.stats.draft_tokens_proposed > 0
 
 
-SAMPLES = 1500  # requests (seeds 0 .. SAMPLES-1), 8 at a time
+SAMPLES = 1500  # seeded requests
 
 
 @pytest.mark.slow
@@ -146,26 +145,15 @@ def test_sampled_replies_follow_the_target_distribution(
     service, _ = cluster
     enumerator = Enumerator(str(pair[0]), 3)
     prompt = enumerator.tokenizer.encode(PROMPTS["in-text"])
-
-    replies_asked = make_request(prompt, k=4, max_new=3, ignore_eos=True, temperature=3.0, top_k=4)
-    replies_asked.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
-
-    def sample(seed: int) -> coordinator_pb2.GenerateResponse:
-        request = coordinator_pb2.GenerateRequest()
-        request.CopyFrom(replies_asked)
-        request.sampling.seed = seed
-        return stub.Generate(request, timeout=120)
-
-    with grpc.insecure_channel(service.address) as channel, ThreadPoolExecutor(8) as pool:
-        stub = coordinator_pb2_grpc.GenerationStub(channel)
-        replies = list(pool.map(sample, range(SAMPLES)))
+    asked = make_request(prompt, k=4, max_new=3, ignore_eos=True, temperature=3.0, top_k=4)
+    asked.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+    replies = seeded_replies(service.address, asked, SAMPLES)
     counts = collections.Counter(tuple(reply.token_ids[:3]) for reply in replies)
     proposed = sum(reply.stats.draft_tokens_proposed for reply in replies)
     accepted = sum(reply.stats.draft_tokens_accepted for reply in replies)
     assert 0.3 * proposed < accepted < 0.95 * proposed, (accepted, proposed)  # rejections decide tokens too
-    sampling = replies_asked.sampling
-    assert chi_square_pvalue(counts, enumerator.distribution(tuple(prompt), sampling), SAMPLES) > 1e-3
-    assert rejects(counts, enumerator.distribution(tuple(prompt), sampling, "the temperature ignored"))
+    assert chi_square_pvalue(counts, enumerator.distribution(tuple(prompt), asked.sampling), SAMPLES) > 1e-3
+    assert rejects(counts, enumerator.distribution(tuple(prompt), asked.sampling, "the temperature ignored"))
 
 
 def test_info_names_the_translation(

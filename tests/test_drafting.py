@@ -1,9 +1,11 @@
 """Other ways to draft, end to end over real processes: n-gram lookup (with and without a draft
 model), the hybrid of lookup and model, and an early-exit draft cut from the target's checkpoint.
-Greedy output equals HF ``generate`` on the target alone for every method."""
+Greedy output equals HF ``generate`` on the target alone for every method; sampled output follows
+the target's exact distribution with the reply index, the early-exit draft and guessing ahead."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.helpers import draft_vocab_file
-from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
+from tests.reference import coordinator_stub, make_request, reference_greedy, seeded_replies, worker_info
+from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.tiny_models import TinyModels
 
 # The bigram target's greedy output cycles within a few dozen tokens (lookup drafts then match).
@@ -293,3 +296,49 @@ def test_a_bad_draft_layer_count_stops_start_up(tmp_path: Path, tiny_models: Tin
             process.wait_ready(60)
     finally:
         process.stop()
+
+
+# Sampled requests through each kind of draft: (cluster, target, method)
+SAMPLED = {
+    "reply-index": ("cluster_replies", "target", "ngram"),
+    "early-exit": ("cluster_early_exit", "bigram", "model"),
+    "guessing-ahead": ("cluster_guessing", "bigram", "model"),
+}
+SAMPLES = 1500  # seeded requests
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(SAMPLED))
+def test_sampled_replies_follow_the_target_distribution(
+    kind: str, tiny_models: TinyModels, request: pytest.FixtureRequest
+) -> None:
+    """Through the whole service, one prompt sent SAMPLES times with other seeds (adaptive K,
+    temperature 0.4, top-k 4, 8 new tokens): the first three tokens follow the target's exact
+    distribution (chi-square against an enumeration with plain forward passes) and reject that at
+    temperature 1 (the power check). With the reply index the earlier requests' sampled replies
+    are proposed one-hot to the later ones (about 6,000 such rounds a run here); the early-exit
+    draft (about one token in six accepted) and the draft that guesses ahead (its guesses saved a
+    few dozen steps a run) propose from their own distributions. Every kind's drafts are both
+    accepted and rejected. Planted in the target worker by hand, a residual drawn from p after a
+    rejection failed the reply-index case (p = 3e-29) and passed the other two: that bug moves the
+    distribution by about how often the draft is right where it is not certain, and this early-exit
+    draft is seldom right, the guessing one (the target itself) nearly always (the worker jobs'
+    chi-square tests in tests/test_exactness_production.py catch it with drafts between)."""
+    fixture, target, method = SAMPLED[kind]
+    cluster: LocalCluster = request.getfixturevalue(fixture)
+    enumerator = Enumerator(str(getattr(tiny_models, target)), 3)
+    prompt = [61, 8, 150, 33]
+    asked = make_request(prompt, k=4, max_new=8, fixed=False, ignore_eos=True, temperature=0.4, top_k=4)
+    asked.speculation.method = METHODS[method]
+    metadata = (("authorization", f"Bearer {CALLERS['alice']}"),) if kind == "reply-index" else ()
+    guesses_before = metric(cluster, "draft", GUESS_METRICS[0]) if kind == "guessing-ahead" else 0.0
+    replies = seeded_replies(cluster.address, asked, SAMPLES, metadata)
+    if kind == "guessing-ahead":  # the draft's guesses saved some of its steps
+        assert metric(cluster, "draft", GUESS_METRICS[0]) > guesses_before
+    counts = collections.Counter(tuple(reply.token_ids[:3]) for reply in replies)
+    proposed = sum(reply.stats.draft_tokens_proposed for reply in replies)
+    accepted = sum(reply.stats.draft_tokens_accepted for reply in replies)
+    assert 0 < accepted < proposed
+    assert kind != "reply-index" or sum(reply.stats.reply_lookup_rounds for reply in replies) > 0
+    assert chi_square_pvalue(counts, enumerator.distribution(tuple(prompt), asked.sampling), SAMPLES) > 1e-3
+    assert rejects(counts, enumerator.distribution(tuple(prompt), asked.sampling, "the temperature ignored"))
