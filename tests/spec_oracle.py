@@ -245,14 +245,6 @@ class Enumerator:
             ranked = self.model(torch.tensor([context])).logits[0, -1].argsort(descending=True).tolist()
         return {ranked[1]: -100.0, ranked[3]: 2.0}
 
-    def greedy(self, context: tuple[int, ...], n: int) -> tuple[int, ...]:
-        """The target's ``n`` greedy tokens after ``context`` (EOS ignored)."""
-        out = list(context)
-        with torch.inference_mode():
-            for _ in range(n):
-                out.append(int(self.model(torch.tensor([out])).logits[0, -1].argmax()))
-        return tuple(out[len(context) :])
-
 
 def rejects(samples: collections.Counter[tuple[int, ...]], distribution: dict[tuple[int, ...], float]) -> bool:
     """The chi-square test rejects: a sequence the distribution cannot give, or p < 1e-6."""

@@ -33,7 +33,7 @@ import pytest
 from google.protobuf import json_format
 
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.reference import coordinator_stub
+from tests.reference import coordinator_stub, reference_greedy
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.tiny_models import TinyModels, build_tokenizer
 
@@ -381,8 +381,7 @@ class Sampled:
     speculation did (summed over the replies)."""
 
     counts: collections.Counter[tuple[int, ...]]
-    proposed: int = 0  # draft tokens, model and lookup
-    accepted: int = 0
+    accepted: int = 0  # draft tokens, model and lookup
     lookup_rounds: int = 0
     pipelined_rounds: int = 0
     stop_strings: int = 0  # replies a stop string ended
@@ -414,7 +413,6 @@ def sample_mix(
     assert len(first_turns) <= 1, first_turns  # greedy: every session has the same history
     sampled = Sampled(collections.Counter(tuple(reply.token_ids[:FIRST]) for reply in replies))
     for reply in replies:
-        sampled.proposed += reply.stats.draft_tokens_proposed
         sampled.accepted += reply.stats.draft_tokens_accepted
         sampled.lookup_rounds += reply.stats.lookup_rounds
         sampled.pipelined_rounds += reply.stats.pipelined_rounds
@@ -425,11 +423,12 @@ def sample_mix(
 def prepared(mix: SampledMix, enumerator: Enumerator) -> tuple[SampledMix, tuple[int, ...]]:
     """The mix with the values that depend on the target filled in, and the context its replies
     follow (with a history: the history, the target's greedy first turn, the prompt)."""
-    context = (*mix.history, *enumerator.greedy(mix.history, FIRST_TURN), *mix.prompt) if mix.history else mix.prompt
+    first_turn = reference_greedy(enumerator.model_dir, mix.history, FIRST_TURN, ignore_eos=True) if mix.history else []
+    context = (*mix.history, *first_turn, *mix.prompt)
     if mix.sampling.get("logit_bias") == "favourites":
         mix = replace(mix, sampling={**mix.sampling, "logit_bias": enumerator.favourite_bias(context)})
     if mix.stop == "favourite id":
-        favourite = enumerator.greedy(context, 1)[0]
+        (favourite,) = reference_greedy(enumerator.model_dir, context, 1, ignore_eos=True)
         mix = replace(mix, sampling={**mix.sampling, "stop_token_ids": [favourite]})
     elif mix.stop == "likely char":
         plain = enumerator.distribution(context, sampled_request(mix, 0).sampling)
