@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
+from specdec.serving.errors import InvalidRequest
 from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import FAULT_COORDINATOR_ARGS, HUGE_TEXT, fault_cluster, loop_stall_during, metric, wait_for
@@ -943,3 +944,115 @@ async def test_calls_that_outlive_the_cancel_wait_are_a_warning() -> None:
     slow.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await slow
+
+
+def _fail_after_the_deadline() -> None:
+    time.sleep(0.6)  # holds the event loop: grpc's core ends the call at the deadline meanwhile
+    raise InvalidRequest("bad input")
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+async def test_an_error_whose_caller_already_left_is_counted_as_the_caller_saw_it(
+    streaming: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request that fails (bad input, say) just as its caller's deadline runs out, through a
+    real grpc server: grpc's core has ended the call, so sending the error fails inside grpc. The
+    call was counted with the error's code (INVALID_ARGUMENT) though the caller got
+    DEADLINE_EXCEEDED; and where grpc learnt of the failed send before it learnt the call had
+    ended, it logged an error with a traceback ("ExecuteBatchError raised in core by servicer
+    method": 4 times in 70,000 random requests with short deadlines against a cluster). The
+    window is held open here by a handler that keeps the event loop past the deadline."""
+    import asyncio
+    import logging
+
+    from prometheus_client import CollectorRegistry
+    from structlog.testing import capture_logs
+
+    from specdec.serving.metrics import RpcMetrics
+    from specdec.serving.server import ErrorInterceptor, ServerControl
+
+    async def unary(request: bytes, context: object) -> bytes:
+        _fail_after_the_deadline()
+        return b""
+
+    async def stream(request: bytes, context: object) -> object:
+        _fail_after_the_deadline()
+        yield b""
+
+    method = grpc.unary_stream_rpc_method_handler(stream) if streaming else grpc.unary_unary_rpc_method_handler(unary)
+    registry = CollectorRegistry()
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(ServerControl(), RpcMetrics(registry))])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.S", {"M": method})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+
+    def call() -> grpc.StatusCode:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                if streaming:
+                    list(channel.unary_stream("/t.S/M")(b"", timeout=0.2))
+                else:
+                    channel.unary_unary("/t.S/M")(b"", timeout=0.2)
+            except grpc.RpcError as exc:
+                return exc.code()
+        return grpc.StatusCode.OK
+
+    try:
+        with caplog.at_level(logging.WARNING), capture_logs() as logs:
+            assert await asyncio.to_thread(call) == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(0.3)  # grpc logs a failed send after the handler returns
+    finally:
+        await server.stop(None)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert not [entry for entry in logs if entry["log_level"] in ("error", "critical")], logs
+    counted = {
+        code: registry.get_sample_value("specdec_rpcs_total", {"method": "t.S/M", "code": code})
+        for code in ("DEADLINE_EXCEEDED", "INVALID_ARGUMENT")
+    }
+    assert counted == {"DEADLINE_EXCEEDED": 1.0, "INVALID_ARGUMENT": None}
+
+
+class _EndedBeforeTheStatus:
+    """A call's server context that grpc's core ended (the caller's deadline ran out) before the
+    handler's error status could be sent: the send fails inside grpc."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        from grpc._cython import cygrpc
+
+        raise cygrpc.ExecuteBatchError("Failed execute_batch: the call has ended")
+
+    def code(self) -> None:
+        return None
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["unary", "stream"])
+async def test_a_status_grpc_could_not_send_does_not_leave_the_handler(streaming: bool) -> None:
+    """grpc logs a failed send that leaves a handler as an error with a traceback unless it has
+    already learnt that the call ended, which depends on the order of two events in grpc's core
+    (the failure above, seen in a cluster but not reproducible on demand): the handler itself must
+    take it as the caller having left, count it so and end quietly."""
+    from prometheus_client import CollectorRegistry
+
+    from specdec.serving.metrics import RpcMetrics
+    from specdec.serving.security import Authenticator
+    from specdec.serving.server import ServerControl, _Rpc, _wrap_stream, _wrap_unary
+
+    async def unary(request: object, context: object) -> object:
+        raise InvalidRequest("bad input")
+
+    async def stream(request: object, context: object) -> object:
+        raise InvalidRequest("bad input")
+        yield
+
+    registry = CollectorRegistry()
+    rpc = _Rpc("s/M", "M", ServerControl(), Authenticator(), RpcMetrics(registry))
+    handler = _wrap_stream(stream, rpc, 0.0) if streaming else _wrap_unary(unary, rpc)
+    assert await handler(None, _EndedBeforeTheStatus()) is None
+    counted = {
+        code: registry.get_sample_value("specdec_rpcs_total", {"method": "s/M", "code": code})
+        for code in ("DEADLINE_EXCEEDED", "INVALID_ARGUMENT")
+    }
+    assert counted == {"DEADLINE_EXCEEDED": 1.0, "INVALID_ARGUMENT": None}

@@ -116,22 +116,36 @@ def _current_task() -> asyncio.Task[Any]:
 
 async def _end_cut_off(context: grpc.aio.ServicerContext) -> None:
     """Ends a call the drain cancelled (its grace period ran out) UNAVAILABLE, saying so (grpc would
-    log a handler it has to cancel itself as an error with a traceback)."""
+    log a handler it has to cancel itself as an error with a traceback); returns only where the
+    call had already ended."""
     _current_task().uncancel()
-    await context.abort(
+    await _end_with_status(
+        context,
         grpc.StatusCode.UNAVAILABLE,
         "the server is shutting down and this call outlived its grace period (--grace-period-s); retry",
     )
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """Ends the call with the status ``exc`` maps to; returns only where the call had already ended."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
     if isinstance(exc, SpecdecError):
         log.info("rpc_failed", code=exc.code.name, error=str(exc))
-        await context.abort(exc.code, str(exc))
+        await _end_with_status(context, exc.code, str(exc))
+        return
     log.exception("rpc_crashed")
-    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+    await _end_with_status(context, grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+async def _end_with_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """Ends the call with an error status: raises grpc's AbortError, which grpc takes as the end of
+    the handler. Returns only where the send failed because grpc's core had already ended the call
+    (the caller's deadline ran out, or it cancelled, as the error was on its way): that failure,
+    left to grpc, is logged as an error with a traceback whenever grpc learns of it before it
+    learns that the call ended."""
+    with contextlib.suppress(*_SEND_FAILED):
+        await context.abort(code, details)
 
 
 def _authenticate(auth: Authenticator, context: grpc.aio.ServicerContext) -> None:
@@ -174,8 +188,10 @@ def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]], rpc: _Rpc) -> Callable
                     client_left = True
                     raise  # the client went away
                 await _end_cut_off(context)
+                client_left = True  # reached only where the call ended before its status was sent
             except Exception as exc:
                 await _abort(context, exc)
+                client_left = True  # as above
             finally:
                 rpc.ended(context, began, client_left)
 
@@ -187,10 +203,11 @@ class _ClientLeft(Exception):
     message could be sent."""
 
 
-# What a write raises when grpc's core has ended the call but Python was not told yet (a cancel
-# that lands between two messages): the call is gone, so it is no crash of ours. A private class
-# of grpc's: should a later grpc drop it, such a write is logged as a crash again (the cancel
-# test says so), not an import error.
+# What a write or a status send raises when grpc's core has ended the call but Python was not
+# told yet (a cancel that lands between two messages, a deadline that runs out as an error is
+# sent): the call is gone, so it is no crash of ours. A private class of grpc's: should a later
+# grpc drop it, such a write is logged as a crash again (the cancel test says so), not an import
+# error.
 _SEND_FAILED: tuple[type[Exception], ...] = tuple(filter(None, [getattr(cygrpc, "ExecuteBatchError", None)]))
 
 
@@ -236,10 +253,12 @@ def _wrap_stream(
                     client_left = True
                     raise  # the client went away
                 await _end_cut_off(context)
+                client_left = True  # reached only where the call ended before its status was sent
             except _ClientLeft:
                 client_left = True
             except Exception as exc:
                 await _abort(context, exc)
+                client_left = True  # as above
             finally:
                 rpc.ended(context, began, client_left)
 
