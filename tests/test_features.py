@@ -233,6 +233,25 @@ def test_a_grammar_past_its_work_limits_is_the_request_s_invalid_argument(
         assert len(reply.token_ids) == 4
 
 
+def test_a_grammar_that_cannot_go_on_is_the_request_s_invalid_argument_saying_why(cluster_same: LocalCluster) -> None:
+    """A grammar no reply can begin is refused before any worker sees it; one that can begin but
+    not go on (`x` is defined only through itself) fails once the reply is "a", saying so (both
+    said only llguidance's "NoExtensionBias" before, the first after both workers had failed)."""
+    never = common_pb2.StructuredOutput(grammar='start: start "a"')
+    stuck = common_pb2.StructuredOutput(grammar='start: "a" x\nx: x "b"')
+    with grpc.insecure_channel(cluster_same.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        for constraint, message in ((never, "matches no string"), (stuck, "allows no token after the reply so far")):
+            sampling = common_pb2.SamplingParams(max_new_tokens=8, structured_output=constraint)
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Generate(coordinator_pb2.GenerateRequest(prompt="hi", sampling=sampling), timeout=60)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
+            assert message in (error.value.details() or ""), error.value.details()
+            assert "fix the constraint" in (error.value.details() or "")
+        reply = stub.Generate(make_request([5, 6, 7], max_new=4), timeout=60)
+        assert len(reply.token_ids) == 4
+
+
 def _forward_logprobs(model_dir: str, sequence: list[int]) -> torch.Tensor:
     """log-softmax of one plain forward pass over ``sequence``: row j scores token j + 1."""
     with torch.inference_mode():

@@ -343,3 +343,36 @@ async def test_a_replica_whose_info_cannot_be_read_again_keeps_what_was_known(
     assert broken.grammars and silent.grammars and pool.grammars
     assert "target_info_refresh_failed" in capsys.readouterr().out  # structlog, unconfigured in tests
     await pool.close()
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        SO(grammar='start: start "a"'),  # a rule defined only through itself
+        SO(grammar='root ::= root "x"'),
+        SO(regex="[^\\x00-\\U0010FFFF]"),  # an empty character class
+        SO(grammar="start: /[^\\x00-\\U0010FFFF]/"),
+    ],
+)
+def test_a_constraint_no_reply_can_begin_is_refused_saying_so(constraint: common_pb2.StructuredOutput) -> None:
+    """A grammar or regex no string can begin (its language is empty) passed the check and
+    reached the workers, whose first mask failed with llguidance's bare "NoExtensionBias"
+    (the client's INVALID_ARGUMENT said only "the structured-output constraint failed:
+    NoExtensionBias", after warnings from both workers): it is refused when checked."""
+    kind = constraint.WhichOneof("constraint")
+    with pytest.raises(InvalidRequest, match=rf"structured_output.{kind} matches no string: no reply can begin"):
+        grammar_of(constraint)
+
+
+def test_a_grammar_that_cannot_go_on_after_the_reply_so_far_says_so(
+    masks: GrammarMasks, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """A grammar whose every way on from the reply so far needs a rule no string completes (here
+    `x`, defined only through itself, after "a"): no token is allowed there, and the request
+    fails saying so, not with llguidance's bare "NoExtensionBias"; the check cannot see it
+    before, since the reply can begin."""
+    grammar = grammar_of(SO(grammar='start: "a" x\nx: x "b"'))
+    reply = ids(tokenizer, "P:a")
+    for strict in (True, False):
+        with pytest.raises(InvalidRequest, match=r"allows no token after the reply so far .*fix the constraint"):
+            constrain(torch.zeros(1, len(tokenizer)), GrammarState(masks), reply, len(reply), grammar, 2, strict=strict)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import structlog
 import torch
-from llguidance import LLMatcher, LLParserLimits, LLTokenizer, grammar_from
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper, grammar_from
 from llguidance.hf import from_tokenizer
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -38,6 +38,8 @@ CONSTRAINT_ERROR = "the structured-output constraint "
 # How a worker's refusal of any grammar begins (GrammarsUnavailable, UNIMPLEMENTED): the coordinator
 # then verifies the session on a replica that applies grammars.
 NO_GRAMMARS = "this worker does not apply structured-output constraints"
+# llguidance's error where a mask allows no token, not even the end (the grammar is not complete)
+_NO_TOKEN_ALLOWED = "NoExtensionBias"
 MAX_GRAMMAR_CHARS = 100_000  # a schema, expression or grammar longer than this is refused
 MAX_CHOICES = 1024
 _TEMPLATES_KEPT = 64  # compiled grammars a worker keeps (a session copies one)
@@ -98,7 +100,52 @@ def _checked(wire: bytes, field: str) -> str:
     failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, None, limits=_limits())
     if failed:
         raise InvalidRequest(f"{name} is not valid: {_first_line(messages[0])}")
+    if kind in ("regex", "grammar") and not _can_begin(grammar):  # llguidance refuses empty schemas itself
+        raise InvalidRequest(
+            f"{name} matches no string: no reply can begin to follow it (a rule defined only through "
+            'itself, such as `x: x "b"`, or a character class that holds no character); fix the constraint'
+        )
     return grammar
+
+
+class _Bytes:
+    """A vocabulary of every byte and an end-of-sequence token, as llguidance's TokenizerWrapper
+    reads one: any text can be spelt with it, so a grammar whose first mask here allows nothing
+    allows nothing with any model's tokenizer."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = (*(bytes([byte]) for byte in range(256)), b"</s>")
+    special_token_ids = (256,)
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.cache
+def _byte_tokenizer() -> LLTokenizer:
+    return LLTokenizer(TokenizerWrapper(_Bytes()))
+
+
+def _can_begin(grammar: str) -> bool:
+    """Whether a reply can begin under ``grammar`` (llguidance finds out only when it computes a
+    mask: one with no byte and no end allowed stops it with NoExtensionBias)."""
+    matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=_limits())
+    if not matcher.is_error():  # (a grammar naming a model's special tokens does not compile here)
+        matcher.compute_bitmask()
+    return _first_line(matcher.get_error()) != _NO_TOKEN_ALLOWED
+
+
+def _failure(matcher: LLMatcher) -> InvalidRequest:
+    """The request's error for a matcher that stopped in error, in words a client can act on."""
+    error = _first_line(matcher.get_error())
+    if error == _NO_TOKEN_ALLOWED:
+        return InvalidRequest(
+            f"{CONSTRAINT_ERROR}allows no token after the reply so far (every way on needs a rule no string "
+            "completes, such as one defined only through itself, or text this model's tokens cannot spell); "
+            "fix the constraint"
+        )
+    return InvalidRequest(f"{CONSTRAINT_ERROR}failed: {error}")
 
 
 def _first_line(message: str) -> str:
@@ -207,7 +254,7 @@ class GrammarState:
             return None
         if added and not matcher.consume_tokens(added):  # a work limit, not a token: the grammar's fault
             self._matcher = None
-            raise InvalidRequest(f"{CONSTRAINT_ERROR}failed: {_first_line(matcher.get_error())}")
+            raise _failure(matcher)
         self._consumed += added
         return matcher
 
@@ -240,7 +287,7 @@ class GrammarState:
         if advanced:
             matcher.rollback(advanced)
         if matcher.is_error():
-            raise InvalidRequest(f"{CONSTRAINT_ERROR}failed: {_first_line(matcher.get_error())}")
+            raise _failure(matcher)
         allowed = self.masks.allowed(bitmask.to(logits.device), vocab)  # unpacked where the logits are
         return logits.masked_fill(~allowed, float("-inf"))
 
