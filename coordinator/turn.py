@@ -40,7 +40,7 @@ from coordinator.workers import DraftPool, TargetPool
 from specdec.runtime.logprobs import LogprobsAsk
 from specdec.runtime.lookup import NO_DRAFT, LookupDraft, NgramIndex, ReplyIndex, lookup_draft
 from specdec.runtime.tokens import block_hashes, common_prefix_len
-from specdec.serving.errors import InvalidRequest, SpecdecError, StateUnavailable
+from specdec.serving.errors import InvalidRequest, SessionGone, SpecdecError, StateUnavailable
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.serving.security import caller_identity
 from specdec.state import CacheLocation, Commit, CommitResult, PrefixLocation, SessionRecord, StateStore
@@ -599,6 +599,8 @@ class Turn:
             for name, step in steps:
                 try:
                     await self._retrying_state(step, budget, name)
+                except SessionGone:  # closed (CloseSession) or expired meanwhile: nothing is left to undo
+                    log.info("session_gone_before_cleanup", step=name)
                 except SpecdecError as exc:
                     log.warning("session_cleanup_failed", step=name, error=str(exc))
         if finished and self.deps.prefix_block:

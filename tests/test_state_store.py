@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from specdec.runtime.tokens import pack_tokens
-from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict, StateLost
+from specdec.serving.errors import SessionBusy, SessionGone, SessionNotFound, StateConflict, StateLost
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store, store_location
 from specdec.state.redis_store import RedisStateStore
 from tests.helpers import RedisServer
@@ -75,8 +75,9 @@ async def test_stale_version_is_a_conflict(store: StateStore) -> None:
     session = sid()
     await store.acquire(session, "o", create=True)
     await store.commit(session, "o", Commit(0, "a", [1]))
-    with pytest.raises(StateConflict, match="changed by another request"):
+    with pytest.raises(StateConflict, match="changed by another request") as conflict:
         await store.commit(session, "o", Commit(0, "b", [2]))
+    assert not isinstance(conflict.value, SessionGone)  # the session is there: a turn must undo its work
     got = await store.get(session)
     assert got is not None and got.tokens == [1]
 
@@ -106,8 +107,14 @@ async def test_missing_session(store: StateStore) -> None:
     with pytest.raises(SessionNotFound, match="does not exist"):
         await store.acquire(sid(), "o", create=False)
     assert await store.get(sid()) is None
-    with pytest.raises(StateConflict, match="expired or was closed"):
+    with pytest.raises(SessionGone, match="expired or was closed"):
         await store.commit(sid(), "o", Commit(0, "s", [1]))
+    session = sid()
+    await store.acquire(session, "o", create=True)
+    await store.commit(session, "o", Commit(0, "a", [1]))
+    assert await store.delete(session)  # CloseSession while a request holds the session
+    with pytest.raises(SessionGone, match="expired or was closed"):  # a turn has nothing left to undo
+        await store.commit(session, "o", Commit(None, "rollback", [], truncate_to=0))
 
 
 async def test_delete(store: StateStore) -> None:

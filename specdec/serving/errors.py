@@ -52,6 +52,10 @@ class StateConflict(SpecdecError):
     code = grpc.StatusCode.ABORTED
 
 
+class SessionGone(StateConflict):
+    """The session was closed (CloseSession) or expired while this request was using it."""
+
+
 class StateUnavailable(SpecdecError):
     """The state store cannot be reached, or lost its data."""
 

@@ -164,8 +164,8 @@ class StateStore(ABC):
     async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
         """Applies ``commit`` atomically (compare-and-set on the version; refreshes lease and TTL).
 
-        Raises StateConflict when the session is gone, the version moved on, or ``owner`` no
-        longer holds the lease.
+        Raises SessionGone (a StateConflict) when the session is gone (closed or expired),
+        StateConflict when the version moved on or ``owner`` no longer holds the lease.
         """
 
     @abstractmethod

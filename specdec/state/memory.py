@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict
+from specdec.serving.errors import SessionBusy, SessionGone, SessionNotFound, StateConflict
 from specdec.state.base import (
     RECENT_STEPS,
     TOMBSTONE_EXTRA_MS,
@@ -123,7 +123,7 @@ class MemoryStateStore(StateStore):
             now = time.time()
             record = self._live(session_id, now)
             if record is None:
-                raise StateConflict(f"session {session_id!r} expired or was closed during the request")
+                raise SessionGone(f"session {session_id!r} expired or was closed during the request")
             if commit.step_id in record.recent_steps:
                 return CommitResult(CommitOutcome.ALREADY_APPLIED, record.version)
             if commit.expected_version is not None and record.version != commit.expected_version:

@@ -18,6 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from specdec.runtime.tokens import pack_tokens, unpack_tokens
 from specdec.serving.errors import (
     SessionBusy,
+    SessionGone,
     SessionNotFound,
     StateConflict,
     StateLost,
@@ -342,8 +343,9 @@ class RedisStateStore(StateStore):
             return CommitResult(CommitOutcome.APPLIED, int(version))
         if status == "already":
             return CommitResult(CommitOutcome.ALREADY_APPLIED, int(version))
+        if status == "missing":
+            raise SessionGone(f"session {session_id!r} expired or was closed during the request")
         reasons = {
-            "missing": "expired or was closed during the request",
             "conflict": "was changed by another request",
             "not_owner": "was taken over by another request",
         }
