@@ -105,6 +105,9 @@ def _in_engine_terms(error: InvalidRequest) -> InvalidRequest:
     return type(error)(message)
 
 
+_TOP_K_MAX = 2**31 - 1  # the native top_k's largest value
+
+
 def native_request(
     request: vllm_pb2.GenerateRequest, prompt: Sequence[int], index: int
 ) -> coordinator_pb2.GenerateRequest:
@@ -112,7 +115,9 @@ def native_request(
     p = request.sampling_params
     sampling = common_pb2.SamplingParams(
         temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_k=p.top_k,
+        # unsigned here, signed 32-bit natively: past 2^31 - 1 (vLLM's -1, "off", sent unsigned, or
+        # more than any vocabulary holds) it filters nothing, as 2^31 - 1 does
+        top_k=min(p.top_k, _TOP_K_MAX),
         min_p=p.min_p,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,

@@ -434,6 +434,20 @@ def test_engine_rejects_what_it_cannot_honour(
     assert "sampling." not in details and "max_new_tokens" not in details and "top_logprobs" not in details
 
 
+@pytest.mark.parametrize("top_k", [2**31, 2**32 - 1])
+def test_engine_top_k_past_any_vocabulary_filters_nothing(engine_stub: vllm_grpc.VllmEngineStub, top_k: int) -> None:
+    """The engine protocol's top_k is unsigned and the native one a signed 32-bit field: a top_k
+    of 2^31 or more (more than any vocabulary holds, so no filter; 2^32 - 1 is vLLM's -1, "off",
+    sent unsigned) failed the request INTERNAL, a ValueError building the native request (found
+    by a random run against the engine API). It samples as top_k 0 does: the same seeded tokens."""
+
+    def tokens(k: int) -> list[int]:
+        request = _engine_request([1, 2, 3], f"top-k-{k}", temperature=1.0, seed=7, max_tokens=8, top_k=k)
+        return list(list(engine_stub.Generate(request, timeout=60))[-1].complete.output_ids)
+
+    assert tokens(top_k) == tokens(0)
+
+
 def test_engine_text_input_is_tokenized_within_the_prompt_limit(
     engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway
 ) -> None:
