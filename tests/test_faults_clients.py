@@ -18,6 +18,7 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
@@ -738,8 +739,6 @@ def test_a_cancellation_swallowed_by_a_library_call_still_ends_the_turn(cluster_
     runs over the real workers; the consumer cancels its own task after the first round."""
     import asyncio
 
-    from prometheus_client import CollectorRegistry
-
     from coordinator.engine import Engine
     from coordinator.settings import CoordinatorSettings
     from coordinator.validation import parse_request
@@ -930,8 +929,6 @@ async def test_a_stream_cancelled_during_its_first_write_counts_that_message() -
     counted 1 of its 2 streams)."""
     import asyncio
 
-    from prometheus_client import CollectorRegistry
-
     from specdec.serving.metrics import RpcMetrics
     from specdec.serving.security import Authenticator
     from specdec.serving.server import ServerControl, _Rpc, _wrap_stream
@@ -995,6 +992,12 @@ async def test_calls_that_outlive_the_cancel_wait_are_a_warning() -> None:
         await slow
 
 
+def _calls_by_code(registry: CollectorRegistry, method: str) -> dict[str, float | None]:
+    """How many calls of ``method`` were counted DEADLINE_EXCEEDED and INVALID_ARGUMENT."""
+    codes = ("DEADLINE_EXCEEDED", "INVALID_ARGUMENT")
+    return {code: registry.get_sample_value("specdec_rpcs_total", {"method": method, "code": code}) for code in codes}
+
+
 def _fail_after_the_deadline() -> None:
     time.sleep(0.6)  # holds the event loop: grpc's core ends the call at the deadline meanwhile
     raise InvalidRequest("bad input")
@@ -1014,7 +1017,6 @@ async def test_an_error_whose_caller_already_left_is_counted_as_the_caller_saw_i
     import asyncio
     import logging
 
-    from prometheus_client import CollectorRegistry
     from structlog.testing import capture_logs
 
     from specdec.serving.metrics import RpcMetrics
@@ -1054,11 +1056,7 @@ async def test_an_error_whose_caller_already_left_is_counted_as_the_caller_saw_i
         await server.stop(None)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert not [entry for entry in logs if entry["log_level"] in ("error", "critical")], logs
-    counted = {
-        code: registry.get_sample_value("specdec_rpcs_total", {"method": "t.S/M", "code": code})
-        for code in ("DEADLINE_EXCEEDED", "INVALID_ARGUMENT")
-    }
-    assert counted == {"DEADLINE_EXCEEDED": 1.0, "INVALID_ARGUMENT": None}
+    assert _calls_by_code(registry, "t.S/M") == {"DEADLINE_EXCEEDED": 1.0, "INVALID_ARGUMENT": None}
 
 
 class _EndedBeforeTheStatus:
@@ -1083,8 +1081,6 @@ async def test_a_status_grpc_could_not_send_does_not_leave_the_handler(streaming
     already learnt that the call ended, which depends on the order of two events in grpc's core
     (the failure above, seen in a cluster but not reproducible on demand): the handler itself must
     take it as the caller having left, count it so and end quietly."""
-    from prometheus_client import CollectorRegistry
-
     from specdec.serving.metrics import RpcMetrics
     from specdec.serving.security import Authenticator
     from specdec.serving.server import ServerControl, _Rpc, _wrap_stream, _wrap_unary
@@ -1100,8 +1096,4 @@ async def test_a_status_grpc_could_not_send_does_not_leave_the_handler(streaming
     rpc = _Rpc("s/M", "M", ServerControl(), Authenticator(), RpcMetrics(registry))
     handler = _wrap_stream(stream, rpc, 0.0) if streaming else _wrap_unary(unary, rpc)
     assert await handler(None, _EndedBeforeTheStatus()) is None
-    counted = {
-        code: registry.get_sample_value("specdec_rpcs_total", {"method": "s/M", "code": code})
-        for code in ("DEADLINE_EXCEEDED", "INVALID_ARGUMENT")
-    }
-    assert counted == {"DEADLINE_EXCEEDED": 1.0, "INVALID_ARGUMENT": None}
+    assert _calls_by_code(registry, "s/M") == {"DEADLINE_EXCEEDED": 1.0, "INVALID_ARGUMENT": None}
