@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -163,10 +164,13 @@ class _ProposeStream:
             request.min_block_confidence,
             self._settings.guess_tokens,
         )
+        # a translating draft does not mask (its tokens are not the grammar's); a grammar still
+        # compiling is left out of this proposal (see prepare_grammar)
+        grammar = params.processing.grammar
+        if bridge is None and grammar and not await core.prepare_grammar(grammar):
+            params = dataclasses.replace(params, processing=dataclasses.replace(params.processing, grammar=""))
         self._params = params
         sync = request.sync
-        if bridge is None:  # a translating draft does not mask (its tokens are not the grammar's)
-            await core.prepare_grammar(params.processing.grammar)
 
         def job() -> Job[Block | None]:
             if bridge is None:

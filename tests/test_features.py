@@ -20,7 +20,7 @@ from specdec.runtime.processing import Processing
 from specdec.tools.launch import LocalCluster
 from specdec.tools.model_fetch import fetch_tokenizer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import HUGE_TEXT, loop_stall_during, wait_for
+from tests.clusters import HUGE_TEXT, loop_stall_during, metric, wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.helpers import RedisServer
 from tests.reference import AsLogitsProcessor, coordinator_stub, make_request, read_session
@@ -250,6 +250,45 @@ def test_a_grammar_that_cannot_go_on_is_the_request_s_invalid_argument_saying_wh
             assert "fix the constraint" in (error.value.details() or "")
         reply = stub.Generate(make_request([5, 6, 7], max_new=4), timeout=60)
         assert len(reply.token_ids) == 4
+
+
+def test_a_draft_s_first_constrained_request_does_not_time_it_out(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A worker built llguidance's tokenizer on its first constrained request (1.4 s for Qwen2.5's
+    151,936 ids on the CI host, holding Python's GIL throughout): the draft's proposal waited for
+    it, so the coordinator gave up on the draft (a draft_unavailable warning, and speculation off
+    for every session for --draft-retry-s; found by a random run through the gateway with the
+    default 2 s timeout on a loaded host; here the timeout is 1 s). It is now built when the
+    worker loads, and a draft does not wait long for a grammar still compiling. The reply is that
+    of target-only decoding with the mask, and the draft's masked proposals are accepted."""
+    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
+    tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer("qwen2.5-coder-0.5b", cache_dir))
+    target = build_model(tmp_path / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
+    cluster = LocalCluster(
+        str(target),
+        str(target),  # a draft identical to the target: every masked proposal is accepted
+        tmp_path / "run",
+        worker_args=CLUSTER_WORKER_ARGS,
+        coordinator_args=[*CLUSTER_COORDINATOR_ARGS, "--draft-timeout-s", "1", "--no-adaptive-k"],
+        startup_timeout_s=180,
+    )
+    constraint = common_pb2.StructuredOutput(json_object=True)
+    prompt = PROMPTS[1]
+    with cluster, grpc.insecure_channel(cluster.address) as channel:
+        request = make_request(prompt, k=4, max_new=MAX_NEW)
+        request.sampling.structured_output.CopyFrom(constraint)
+        reply = coordinator_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+        log = cluster.processes["coordinator"].log_tail(1_000_000)
+    assert failures == 0 and "draft_unavailable" not in log, log
+    stats = reply.stats
+    assert stats.target_only_rounds == 0, stats
+    assert stats.draft_tokens_accepted > 0, stats  # masked proposals once the draft's grammar was ready
+    model = _model(str(target))
+    eos = model.config.eos_token_id
+    mask = reference_grammar(grammar_of(constraint), str(target), model.config.vocab_size, [eos], len(prompt))
+    assert list(reply.token_ids) == hf_greedy(str(target), prompt, Processing(), [eos], mask)
 
 
 def _forward_logprobs(model_dir: str, sequence: list[int]) -> torch.Tensor:

@@ -155,18 +155,21 @@ def _first_line(message: str) -> str:
 class GrammarMasks:
     """One model's grammar compiler: its tokenizer as llguidance sees it (the end-of-sequence ids
     are the model's: a finished grammar allows only them) and the grammars compiled lately. The
-    llguidance tokenizer is built on the first grammar (1 s and 165 MB for Qwen2.5's 151,936 ids),
-    so a worker that is never asked for structured output does not pay for it."""
+    llguidance tokenizer is built with the model (1.4 s and 165 MB for Qwen2.5's 151,936 ids):
+    building it holds Python's GIL throughout, so built on a first constrained request it stopped
+    the worker's event loop and every session's steps meanwhile."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos_ids: Sequence[int]) -> None:
-        self._source: PreTrainedTokenizerFast | None = tokenizer
-        self._tokenizer: LLTokenizer | None = None
         self._n_vocab = max(vocab_size, len(tokenizer))
         self.words = (self._n_vocab + 31) // 32
         self.eos = frozenset(eos_ids)
+        self._tokenizer: LLTokenizer | None = None
+        try:
+            self._tokenizer = from_tokenizer(tokenizer, n_vocab=self._n_vocab, eos_token=sorted(self.eos))
+        except Exception as exc:  # a Rust-backed tokenizer llguidance still cannot read
+            log.warning("structured_output_unavailable", reason=_first_line(str(exc)))
         self._templates: collections.OrderedDict[str, LLMatcher] = collections.OrderedDict()
         self._lock = threading.Lock()  # compiles run off the model thread
-        self._building = threading.Lock()
 
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_ids: Sequence[int]) -> GrammarMasks | None:
@@ -179,22 +182,13 @@ class GrammarMasks:
     @property
     def failed(self) -> bool:
         """llguidance could not read the tokenizer: no grammars here (Info says so)."""
-        return self._tokenizer is None and self._source is None
+        return self._tokenizer is None
 
     @property
     def tokenizer(self) -> LLTokenizer:
-        with self._building:
-            if self._tokenizer is None:
-                if self._source is None:  # an earlier build failed
-                    raise GrammarsUnavailable(f"{NO_GRAMMARS}: llguidance cannot read its tokenizer")
-                try:
-                    built = from_tokenizer(self._source, n_vocab=self._n_vocab, eos_token=sorted(self.eos))
-                except Exception as exc:  # llguidance cannot read this tokenizer after all
-                    log.warning("structured_output_unavailable", reason=_first_line(str(exc)))
-                    self._source = None
-                    raise GrammarsUnavailable(f"{NO_GRAMMARS}: llguidance cannot read its tokenizer") from None
-                self._tokenizer, self._source = built, None
-            return self._tokenizer
+        if self._tokenizer is None:
+            raise GrammarsUnavailable(f"{NO_GRAMMARS}: llguidance cannot read its tokenizer")
+        return self._tokenizer
 
     def holds(self, grammar: str) -> bool:
         with self._lock:

@@ -35,6 +35,11 @@ from specdec.v1 import common_pb2
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
+# How long a draft's proposal waits for a grammar it does not hold yet: a schema compiles in a few
+# ms once the worker's llguidance tokenizer exists; its first grammar builds that (1.6 s for
+# Qwen2.5's vocabulary), longer than a coordinator waits for a proposal.
+DRAFT_GRAMMAR_WAIT_S = 0.1
+
 
 def cpu_quota(proc_cgroup: str, cgroup_root: Path) -> int | None:
     """The whole CPUs this process's cgroup quota allows (at least 1; a Kubernetes pod's
@@ -92,6 +97,7 @@ class WorkerCore:
         self._loaded: LoadedModel | None = None
         self._caches: SessionCaches | None = None
         self._background: set[asyncio.Future[bool]] = set()
+        self._compiling: dict[str, asyncio.Future[object]] = {}  # grammars compiling, by text
         self.prefill = PrefillRates(0.0, 0.0)  # measured once the model is loaded
 
     async def load(self) -> None:
@@ -222,24 +228,44 @@ class WorkerCore:
             structured_output=self.loaded.grammar is not None and not self.loaded.grammar.failed,
         )
 
-    async def prepare_grammar(self, grammar: str, *, required: bool = False) -> None:
+    async def prepare_grammar(self, grammar: str, *, required: bool = False) -> bool:
         """Compiles a request's structured-output grammar off the model thread (kept for the
-        job, which would otherwise compile it there while every other session waits).
-        ``required`` (the target, whose masks make the output exact): a worker that does not
-        apply grammars refuses the request here, before any model work."""
+        job, which would otherwise compile it there while every other session waits); requests
+        asking for the same grammar meanwhile share one compile. Whether the job can mask with it.
+
+        ``required`` (the target, whose masks make the output exact): waits for the compile; a
+        worker that does not apply grammars refuses the request here, before any model work.
+        Otherwise (the draft, whose masks only raise acceptance): waits at most
+        ``DRAFT_GRAMMAR_WAIT_S``; a grammar still compiling then goes on compiling for the rounds
+        after, and this one proposes unmasked."""
         masks = self.loaded.grammar
         if not grammar:
-            return
+            return False
         if masks is None or masks.failed:
             if required:
                 raise GrammarsUnavailable(f"{NO_GRAMMARS} (turned off, or its tokenizer is not one llguidance reads)")
-            return
-        if not masks.holds(grammar):
-            try:
-                await asyncio.to_thread(masks.compile, grammar)
-            except GrammarsUnavailable:  # llguidance cannot read the tokenizer after all
-                if required:
-                    raise
+            return False
+        if masks.holds(grammar):
+            return True
+        compiling = self._compiling.get(grammar)
+        if compiling is None:
+            compiling = asyncio.ensure_future(asyncio.to_thread(masks.compile, grammar))
+            self._compiling[grammar] = compiling
+            compiling.add_done_callback(lambda done: self._compiled(grammar, done))
+        try:  # shielded: a caller that leaves or stops waiting leaves the compile to the others
+            await (
+                asyncio.shield(compiling)
+                if required
+                else asyncio.wait_for(asyncio.shield(compiling), DRAFT_GRAMMAR_WAIT_S)
+            )
+        except TimeoutError:
+            return False
+        return True
+
+    def _compiled(self, grammar: str, done: asyncio.Future[object]) -> None:
+        self._compiling.pop(grammar, None)
+        if not done.cancelled():
+            done.exception()  # retrieved here: a caller that stopped waiting never reads it
 
     def check_request(
         self,
