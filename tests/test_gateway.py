@@ -528,9 +528,10 @@ def test_what_the_gateway_does_before_the_engine(gateway: Gateway) -> None:
 
 def test_fields_the_gateway_drops_before_the_engine(gateway: Gateway) -> None:
     """smg 1.13.0 does not pass `logit_bias`, `include_stop_str_in_output` or, on chat completions,
-    `min_tokens` to a vLLM engine (nor `prompt_logprobs`, which no OpenAI reply carries): the reply
-    is what the request without them gives, where the native API with them gives another. The
-    README says so; a gateway that starts passing them fails this test."""
+    `min_tokens` and SGLang's top-level `json_schema` to a vLLM engine (nor `prompt_logprobs`,
+    which no OpenAI reply carries): the reply is what the request without them gives, where the
+    native API with them gives another. The README says so (it said `json_schema` reached the
+    engine on both endpoints); a gateway that starts passing them fails this test."""
     client, model, ids = gateway.client, gateway.model, chat_ids(gateway)
     plain = native(gateway, ids, max_new_tokens=8, ignore_eos=True)
     first = plain.token_ids[0]
@@ -566,3 +567,14 @@ def test_fields_the_gateway_drops_before_the_engine(gateway: Gateway) -> None:
     assert kept.text.endswith(stop)
     reply = chat(stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert reply.choices[0].finish_reason == "stop" and reply.choices[0].message.content == kept.text[: -len(stop)]
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    constraint = common_pb2.StructuredOutput(json_schema=schema)
+    free = chat().choices[0].message.content
+    constrained = native(gateway, ids, max_new_tokens=8, structured_output=constraint)
+    assert constrained.text.lstrip().startswith("{") and constrained.text != free  # the engine honours it
+    assert chat(extra_body={"json_schema": schema}).choices[0].message.content == free
+    completion = client.completions.create(
+        model=model, prompt="hi", max_tokens=8, temperature=0, extra_body={"json_schema": schema}
+    )
+    assert completion.choices[0].text.lstrip().startswith("{")  # passed on by /v1/completions
