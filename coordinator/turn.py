@@ -593,9 +593,10 @@ class Turn:
             steps: list[tuple[str, Callable[[], Awaitable[object]]]] = []
             if not finished and self._dirty and not self.one_shot and not self._created:
                 steps.append(("rollback", self._rollback))
-            steps.append(("release", lambda: store.release(self.session_id, self.owner)))
-            if self.one_shot or (self._created and not finished):
-                steps.append(("delete", lambda: store.delete(self.session_id)))
+            # a session this turn made and did not finish (or a one-shot's) goes, unless another
+            # request holds it by now (it was closed meanwhile and made again under its id)
+            drop = self.one_shot or (self._created and not finished)
+            steps.append(("release", lambda: store.release(self.session_id, self.owner, delete=drop)))
             for name, step in steps:
                 try:
                     await self._retrying_state(step, budget, name)

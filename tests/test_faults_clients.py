@@ -156,6 +156,39 @@ def test_a_session_closed_during_its_turn_stays_closed_without_warnings(
         assert warnings == [], "\n".join(warnings)
 
 
+def test_a_turn_that_made_its_session_leaves_the_one_made_after_a_close_alone(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes]
+) -> None:
+    """A turn that made its session deletes it when it does not finish. When that session was
+    closed meanwhile (a chat deleted mid-reply) and another request made a new one under the
+    same id (the chat started again), the delete removed the other request's session: that
+    request ended ABORTED at its next commit ("expired or was closed") and its conversation was
+    gone. The clean-up now deletes only a session its turn still holds. The target link is
+    slowed (0.25 s each way) so that the close and the new turn land inside the first turn."""
+    route = routes(0.0)
+    cluster_context = fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, route=route)
+    with cluster_context as cluster, grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(make_request(PROMPT, max_new=4))  # warm up the links
+        route.proxies["target-0"].delay_s = 0.25
+        first = stub.GenerateStream(make_request(PROMPT, session_id="reused", max_new=40, ignore_eos=True))
+        next(first)  # the session made, its first round committed
+        closed = stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="reused"))
+        assert closed.existed
+        second = stub.GenerateStream(make_request(PROMPT, session_id="reused", max_new=8, ignore_eos=True))
+        next(second)  # a new session under the same id, its first round committed
+        with pytest.raises(grpc.RpcError) as ended:
+            list(first)
+        assert ended.value.code() == grpc.StatusCode.ABORTED, ended.value.details()
+        route.proxies["target-0"].delay_s = 0.0
+        rest = list(second)  # the new session's turn finishes
+        assert rest and rest[-1].finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+        follow = make_request([5, 6], session_id="reused", max_new=2)
+        follow.require_existing_session = True
+        again = stub.Generate(follow, timeout=60)  # and the session is there to go on with
+        assert len(again.token_ids) == 2
+
+
 def test_callers_short_deadlines_are_not_counted_against_the_draft(cluster_same: LocalCluster) -> None:
     """A caller whose deadline runs out while the draft drafts ends the draft call early: that is
     the caller's doing. It was counted as a draft request error (the metric says "by their own

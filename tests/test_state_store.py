@@ -352,6 +352,28 @@ async def test_an_acquire_arriving_after_its_release_is_refused(store: StateStor
     assert (await store.acquire(session, "next", create=False)).owner == "next"
 
 
+async def test_a_release_deletes_only_a_session_its_owner_still_holds(store: StateStore) -> None:
+    """A turn that made its session and did not finish deletes it on release; a session closed
+    meanwhile and made again by another request is that request's and stays (a plain delete
+    removed it under its new owner). Either way the owner can never acquire again."""
+    made, reused = sid(), sid()
+    maker, first, second = (f"{name}-{reused}" for name in ("maker", "first", "second"))  # tombstones outlive a test
+    await store.acquire(made, maker, create=True)
+    await store.commit(made, maker, Commit(0, "prompt", [1, 2]))
+    await store.release(made, maker, delete=True)
+    assert await store.get(made) is None
+    await store.acquire(reused, first, create=True)
+    await store.commit(reused, first, Commit(0, "prompt", [1, 2]))
+    assert await store.delete(reused)  # CloseSession mid-turn
+    await store.acquire(reused, second, create=True)  # the same id made again
+    await store.commit(reused, second, Commit(0, "prompt", [7]))
+    await store.release(reused, first, delete=True)
+    record = await store.get(reused)
+    assert record is not None and record.owner == second and record.tokens == [7]
+    with pytest.raises(StateConflict, match="already ended"):
+        await store.acquire(reused, first, create=True)
+
+
 async def test_cache_locations_written_by_an_older_version_still_load() -> None:
     old = '{"address": "t:1", "instance_id": "abc", "length": 7}'
     assert CacheLocation.from_json(old) == CacheLocation("t:1", 7)

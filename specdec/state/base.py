@@ -173,10 +173,13 @@ class StateStore(ABC):
         """Extends ``owner``'s lease by the lease time (and the TTL); False when it holds none."""
 
     @abstractmethod
-    async def release(self, session_id: str, owner: str) -> None:
-        """Gives the lease up (a no-op when ``owner`` does not hold it). ``owner`` can never
-        acquire again: an acquire of it that arrives after the release (a cancelled call still in
-        flight) raises StateConflict, so acquire and release may reach the store in any order."""
+    async def release(self, session_id: str, owner: str, *, delete: bool = False) -> None:
+        """Gives the lease up (a no-op when ``owner`` does not hold it); ``delete``: deletes the
+        session instead, if ``owner`` still holds it (a turn that made its session and did not
+        finish: a session closed and made again by another request meanwhile is that request's).
+        ``owner`` can never acquire again: an acquire of it that arrives after the release (a
+        cancelled call still in flight) raises StateConflict, so acquire and release may reach
+        the store in any order."""
 
     @abstractmethod
     async def get(self, session_id: str) -> SessionRecord | None:

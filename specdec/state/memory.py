@@ -174,7 +174,7 @@ class MemoryStateStore(StateStore):
             self._touch(session_id, now)
             return True
 
-    async def release(self, session_id: str, owner: str) -> None:
+    async def release(self, session_id: str, owner: str, *, delete: bool = False) -> None:
         async with self._lock:
             now = time.time()
             while self._released and next(iter(self._released.values())) <= now:
@@ -183,6 +183,9 @@ class MemoryStateStore(StateStore):
             self._released.move_to_end(owner)
             record = self._live(session_id, now)
             if record is not None and record.owner == owner:
+                if delete:
+                    self._drop(session_id)
+                    return
                 record.owner = ""
                 self._lease_until.pop(session_id, None)
 

@@ -170,13 +170,18 @@ return 1
 """
 )
 
-# KEYS: session, the owner's tombstone; ARGV: owner, tombstone_ms. The tombstone makes an
+# KEYS: session, the owner's tombstone, session tokens; ARGV: owner, tombstone_ms, '1' = delete the
+# session (if the owner still holds it) instead of giving the lease up. The tombstone makes an
 # acquire by this owner that reaches Redis later (sent before a cancellation, delayed by a stall,
 # on another connection) a no-op: release and acquire may then arrive in either order.
 _RELEASE = """
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'owner', '', 'lease', 0)
+  if ARGV[3] == '1' then
+    redis.call('DEL', KEYS[1], KEYS[3])
+  else
+    redis.call('HSET', KEYS[1], 'owner', '', 'lease', 0)
+  end
 end
 return 1
 """
@@ -356,8 +361,9 @@ class RedisStateStore(StateStore):
         keys = [self.key(session_id), self.tokens_key(session_id)]
         return bool(await self._call(lambda: self._renew(keys=keys, args=args)))
 
-    async def release(self, session_id: str, owner: str) -> None:
-        keys, args = [self.key(session_id), self._tombstone(owner)], [owner, self._lease_ms + TOMBSTONE_EXTRA_MS]
+    async def release(self, session_id: str, owner: str, *, delete: bool = False) -> None:
+        keys = [self.key(session_id), self._tombstone(owner), self.tokens_key(session_id)]
+        args = [owner, self._lease_ms + TOMBSTONE_EXTRA_MS, int(delete)]
         await self._call(lambda: self._release(keys=keys, args=args))
 
     async def get(self, session_id: str) -> SessionRecord | None:
