@@ -18,11 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from specdec.runtime.grammar import grammar_of
 from specdec.runtime.processing import Processing
 from specdec.tools.launch import LocalCluster
-from specdec.tools.model_fetch import fetch_tokenizer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import HUGE_TEXT, loop_stall_during, metric, wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, real_tokenizer
 from tests.reference import AsLogitsProcessor, coordinator_stub, make_request, read_session
 from tests.spec_oracle import Processor, reference_grammar, reference_processing
 from tests.tiny_models import TinyModels, build_model
@@ -262,8 +261,7 @@ def test_a_draft_s_first_constrained_request_does_not_time_it_out(
     default 2 s timeout on a loaded host; here the timeout is 1 s). It is now built when the
     worker loads, and a draft does not wait long for a grammar still compiling. The reply is that
     of target-only decoding with the mask, and the draft's masked proposals are accepted."""
-    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
-    tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer("qwen2.5-coder-0.5b", cache_dir))
+    tokenizer = real_tokenizer("qwen2.5-coder-0.5b", tmp_path_factory)
     target = build_model(tmp_path / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
     cluster = LocalCluster(
         str(target),
@@ -356,8 +354,7 @@ def chat_cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
 ) -> Iterator[tuple[LocalCluster, str]]:
     """Target + draft (two random models with the real tokenizer) + coordinator on Redis."""
-    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
-    tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer(request.param, cache_dir))
+    tokenizer = real_tokenizer(request.param, tmp_path_factory)
     root = tmp_path_factory.mktemp(f"chat-{request.param}")
     target = build_model(root / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
     draft = build_model(root / "draft", seed=4, hidden=32, layers=1, vocab=len(tokenizer), tokenizer=tokenizer)

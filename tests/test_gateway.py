@@ -30,10 +30,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from coordinator.engine_api import _derived_seed
 from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster
-from specdec.tools.model_fetch import fetch_tokenizer
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CLUSTER_WORKER_ARGS
-from tests.helpers import free_port
+from tests.helpers import free_port, real_tokenizer
 from tests.reference import worker_info
 from tests.tiny_models import build_model
 
@@ -112,8 +111,7 @@ def launch(
 
 
 def _qwen_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
-    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
-    return AutoTokenizer.from_pretrained(fetch_tokenizer("qwen2.5-coder-0.5b", cache_dir))
+    return real_tokenizer("qwen2.5-coder-0.5b", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

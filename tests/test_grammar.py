@@ -9,22 +9,21 @@ import json
 import random
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from llguidance import LLMatcher
 from prometheus_client import CollectorRegistry
-from transformers import AutoTokenizer, PreTrainedTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizer, PreTrainedTokenizerBase
 
 from coordinator.validation import Limits, parse_request
 from specdec.runtime.grammar import MAX_GRAMMAR_CHARS, GrammarMasks, GrammarState, _checked, constrain, grammar_of
 from specdec.serving.errors import GrammarsUnavailable, InvalidRequest
 from specdec.state.base import CacheLocation
-from specdec.tools.model_fetch import fetch_tokenizer
 from specdec.v1 import common_pb2, coordinator_pb2
 from tests.fakes import FakeTarget, FakeTargets
+from tests.helpers import real_tokenizer
 from tests.tiny_models import build_tokenizer
 
 SO = common_pb2.StructuredOutput
@@ -263,8 +262,7 @@ def test_the_first_grammar_does_not_hold_up_the_worker_s_other_threads(
     tokenizer, then llguidance's own build): nothing else in the worker ran meanwhile (the
     draft's proposals timed out, every session's steps waited). It is now built with the model;
     a compile lets go of the GIL."""
-    cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
-    qwen = AutoTokenizer.from_pretrained(fetch_tokenizer("qwen2.5-coder-0.5b", cache_dir))
+    qwen = real_tokenizer("qwen2.5-coder-0.5b", tmp_path_factory)
     masks = GrammarMasks.build(qwen, len(qwen), [qwen.eos_token_id])  # as the worker loads
     assert masks is not None
     ticks: list[float] = []
