@@ -243,8 +243,8 @@ ANSWER_SCHEMA = {
 
 
 def test_structured_outputs_through_the_gateway(gateway: Gateway) -> None:
-    """response_format json_schema on chat completions and an SGLang-style ``ebnf`` on
-    completions reach the engine, which constrains the reply: greedy, each equals the native
+    """response_format json_schema and json_object on chat completions and an SGLang-style
+    ``ebnf`` on completions reach the engine, which constrains the reply: greedy, each equals the native
     API's reply for the same tokens and constraint, and follows it."""
     reply = gateway.client.chat.completions.create(
         model=gateway.model,
@@ -257,6 +257,14 @@ def test_structured_outputs_through_the_gateway(gateway: Gateway) -> None:
     assert reply.choices[0].finish_reason == "stop" and json.loads(content)["answer"] in ("yes", "no")
     constraint = common_pb2.StructuredOutput(json_schema=json.dumps(ANSWER_SCHEMA))
     assert content == native(gateway, chat_ids(gateway), max_new_tokens=16, structured_output=constraint).text
+    reply = gateway.client.chat.completions.create(
+        model=gateway.model, messages=MESSAGES, max_tokens=8, temperature=0, response_format={"type": "json_object"}
+    )
+    content = reply.choices[0].message.content or ""
+    assert content.startswith("{")  # a JSON object so far (tiny random models seldom close one in 8 tokens)
+    assert not native(gateway, chat_ids(gateway), max_new_tokens=8).text.startswith("{")  # the constraint did it
+    constraint = common_pb2.StructuredOutput(json_object=True)
+    assert content == native(gateway, chat_ids(gateway), max_new_tokens=8, structured_output=constraint).text
     grammar = 'root ::= "id-" [0-9] [0-9]'
     completion = gateway.client.completions.create(
         model=gateway.model, prompt="hello", max_tokens=8, temperature=0, extra_body={"ebnf": grammar}
@@ -387,8 +395,8 @@ def test_engine_abort_cancels_a_running_request(engine_stub: vllm_grpc.VllmEngin
 
 
 def test_engine_constraints_map_to_the_native_ones(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
-    """The engine protocol's choice and json_object (which the gateway does not exercise here)
-    constrain the reply as the native API's do."""
+    """The engine protocol's choice (smg drops vLLM's `guided_choice`) and json_object, sent straight to the
+    engine, constrain the reply as the native API's do."""
     ids = chat_ids(gateway)
     choice = vllm_pb2.ChoiceConstraint(choices=["yes", "no", "maybe so"])
     for params, native_constraint in (
