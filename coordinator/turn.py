@@ -168,6 +168,7 @@ class Turn:
     _acquiring: bool = False  # the lease was asked for (it may be ours even if the call was cut short)
     _dirty: bool = False  # this turn may have changed the session: roll back unless it finishes
     _created: bool = False
+    _born: float | None = None  # the session's creation time: every commit names it (Commit.created_at)
     _renewal: asyncio.Task[None] | None = None
     prefix_donor: Turn | None = None  # a running turn of the same prompt whose caches this one starts from
 
@@ -234,7 +235,7 @@ class Turn:
         store = self.deps.store
         self._acquiring = True  # from here on, _end releases the lease (a no-op if we never got it)
         record = await store.acquire(self.session_id, self.owner, create=not self.request.require_existing)
-        self._version, self._chat_before = record.version, record.chat
+        self._version, self._chat_before, self._born = record.version, record.chat, record.created_at
         self._created = record.version == 0  # a session this turn made: an unfinished turn deletes it
         self._renewal = asyncio.create_task(self._renew_lease())
         if self.request.messages is not None:
@@ -249,8 +250,9 @@ class Turn:
         chat = None if self._chat is None else json.dumps(self._chat)
         truncate = kept if self._replaced else None
         opening = Commit(
-            record.version, f"{self.owner}:prompt", prompt, truncate_to=truncate, chat=chat, opens_turn=True
-        )
+            record.version, f"{self.owner}:prompt", prompt, truncate_to=truncate, chat=chat, opens_turn=True,
+            created_at=self._born,
+        )  # fmt: skip
         await self._commit(opening)
         self._committed = [*record.tokens[:kept], *prompt]
         self.workers.restore(_upto(record.target, kept), _upto(record.draft, kept))
@@ -438,9 +440,11 @@ class Turn:
             chat = json.dumps([*self._chat, {"role": "assistant", "content": self._reply.text}])
         step = f"{self.owner}:{self._round}"
         closes = finish is not None
-        await self._commit(
-            Commit(self._version, step, tokens, target=target, draft=draft, chat=chat, closes_turn=closes)
-        )
+        commit = Commit(
+            self._version, step, tokens, target=target, draft=draft, chat=chat, closes_turn=closes,
+            created_at=self._born,
+        )  # fmt: skip
+        await self._commit(commit)
         self._account(
             proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000, source
         )  # fmt: skip
@@ -615,7 +619,7 @@ class Turn:
         target, draft = self.workers.locations()
         commit = Commit(
             None, f"{self.owner}:rollback", self._replaced, self._kept, target, draft, chat=self._chat_before,
-            closes_turn=True,
+            closes_turn=True, created_at=self._born,
         )  # fmt: skip
         return await self.deps.store.commit(self.session_id, self.owner, commit)
 

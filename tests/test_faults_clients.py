@@ -156,37 +156,49 @@ def test_a_session_closed_during_its_turn_stays_closed_without_warnings(
         assert warnings == [], "\n".join(warnings)
 
 
-def test_a_turn_that_made_its_session_leaves_the_one_made_after_a_close_alone(
+def test_a_session_closed_and_made_again_during_a_turn_is_the_new_request_s(
     tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes]
 ) -> None:
-    """A turn that made its session deletes it when it does not finish. When that session was
-    closed meanwhile (a chat deleted mid-reply) and another request made a new one under the
-    same id (the chat started again), the delete removed the other request's session: that
-    request ended ABORTED at its next commit ("expired or was closed") and its conversation was
-    gone. The clean-up now deletes only a session its turn still holds. The target link is
-    slowed (0.25 s each way) so that the close and the new turn land inside the first turn."""
+    """CloseSession while a turn runs, then a new turn under the same id (the chat deleted
+    mid-reply and started again) before the first turn's next commit, for a turn that made its
+    session and for one that continued it. The first turn ends ABORTED "expired or was closed
+    during the request", as when the session stays closed; its clean-up leaves the new session
+    alone and logs no warning; the new turn finishes and its session is there to go on with.
+    Before: a turn that made its session deleted the new one on its clean-up (a plain delete), so
+    the new turn ended ABORTED too; and the first turn was told the session "was taken over by"
+    (made) or "was changed by another request" (continued), as for a lease that lapsed, the one
+    that continued it also logging the warning session_cleanup_failed (its rollback refused).
+    Each commit now names the session's creation time, and a session made since is gone for it.
+    The target link is slowed (0.25 s each way) so that the close and the new turn land inside
+    the first turn."""
     route = routes(0.0)
     cluster_context = fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, route=route)
     with cluster_context as cluster, grpc.insecure_channel(cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         stub.Generate(make_request(PROMPT, max_new=4))  # warm up the links
-        route.proxies["target-0"].delay_s = 0.25
-        first = stub.GenerateStream(make_request(PROMPT, session_id="reused", max_new=40, ignore_eos=True))
-        next(first)  # the session made, its first round committed
-        closed = stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="reused"))
-        assert closed.existed
-        second = stub.GenerateStream(make_request(PROMPT, session_id="reused", max_new=8, ignore_eos=True))
-        next(second)  # a new session under the same id, its first round committed
-        with pytest.raises(grpc.RpcError) as ended:
-            list(first)
-        assert ended.value.code() == grpc.StatusCode.ABORTED, ended.value.details()
-        route.proxies["target-0"].delay_s = 0.0
-        rest = list(second)  # the new session's turn finishes
-        assert rest and rest[-1].finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
-        follow = make_request([5, 6], session_id="reused", max_new=2)
-        follow.require_existing_session = True
-        again = stub.Generate(follow, timeout=60)  # and the session is there to go on with
-        assert len(again.token_ids) == 2
+        stub.Generate(make_request(PROMPT, session_id="continued", max_new=2))  # a turn behind it
+        for session in ("made", "continued"):
+            route.proxies["target-0"].delay_s = 0.25
+            first = stub.GenerateStream(make_request(PROMPT, session_id=session, max_new=40, ignore_eos=True))
+            next(first)  # a round committed
+            closed = stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id=session))
+            assert closed.existed
+            second = stub.GenerateStream(make_request(PROMPT, session_id=session, max_new=8, ignore_eos=True))
+            next(second)  # a new session under the same id, its first round committed
+            with pytest.raises(grpc.RpcError) as ended:
+                list(first)
+            assert ended.value.code() == grpc.StatusCode.ABORTED, ended.value.details()
+            assert "closed during the request" in (ended.value.details() or ""), (session, ended.value.details())
+            route.proxies["target-0"].delay_s = 0.0
+            rest = list(second)  # the new session's turn finishes
+            assert rest and rest[-1].finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+            follow = make_request([5, 6], session_id=session, max_new=2)
+            follow.require_existing_session = True
+            again = stub.Generate(follow, timeout=60)  # and the session is there to go on with
+            assert len(again.token_ids) == 2
+        log = cluster.processes["coordinator"].log_tail(1_000_000)
+        warnings = [line for line in log.splitlines() if '"level": "warning"' in line and "session_id" in line]
+        assert warnings == [], "\n".join(warnings)
 
 
 def test_callers_short_deadlines_are_not_counted_against_the_draft(cluster_same: LocalCluster) -> None:

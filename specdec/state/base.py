@@ -125,6 +125,9 @@ class Commit:
     chat: str | None = None  # the new conversation (JSON) of a chat session; None = unchanged
     opens_turn: bool = False  # a turn's first commit: keep what it replaces until the turn closes
     closes_turn: bool = False  # the turn finished or rolled itself back: nothing left to undo
+    # the creation time of the session the committer acquired (SessionRecord.created_at): a session
+    # made since (that one closed or expired, another made under its id) is gone for it; None = any
+    created_at: float | None = None
 
 
 class CommitOutcome(enum.Enum):

@@ -122,7 +122,7 @@ class MemoryStateStore(StateStore):
         async with self._lock:
             now = time.time()
             record = self._live(session_id, now)
-            if record is None:
+            if record is None or commit.created_at not in (None, record.created_at):
                 raise SessionGone(f"session {session_id!r} expired or was closed during the request")
             if commit.step_id in record.recent_steps:
                 return CommitResult(CommitOutcome.ALREADY_APPLIED, record.version)

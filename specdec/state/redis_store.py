@@ -107,14 +107,15 @@ return {'ok', redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[4]) or ''}
 # KEYS: session, epoch, session tokens; ARGV: epoch, owner, expected_version (-1 = any: the owner's rollback), step,
 # append (packed uint32), truncate_to (-1 = none), target json ('' = unchanged), target length (-1 = none), draft json,
 # draft length, lease_ms, ttl_ms, recent steps kept, chat ('' = unchanged, else '=' .. the new value),
-# turn ('open' / 'close' / '': see Commit.opens_turn)
+# turn ('open' / 'close' / '': see Commit.opens_turn), the session's creation time in ms ('' = any: see
+# Commit.created_at)
 _COMMIT = (
     _EPOCH
     + _NOW_MS
     + _CUT_LOCATIONS
     + """
-local cur = redis.call('HMGET', KEYS[1], 'version', 'steps', 'owner')
-if not cur[1] then return {'missing', 0} end
+local cur = redis.call('HMGET', KEYS[1], 'version', 'steps', 'owner', 'created')
+if not cur[1] or (ARGV[16] ~= '' and cur[4] and cur[4] ~= ARGV[16]) then return {'missing', 0} end
 if string.find(cur[2], '|' .. ARGV[4] .. '|', 1, true) then return {'already', tonumber(cur[1])} end
 if tonumber(ARGV[3]) >= 0 and tonumber(cur[1]) ~= tonumber(ARGV[3]) then return {'conflict', tonumber(cur[1])} end
 if cur[3] ~= ARGV[2] then return {'not_owner', tonumber(cur[1])} end
@@ -335,6 +336,7 @@ class RedisStateStore(StateStore):
             RECENT_STEPS,
             "" if commit.chat is None else "=" + commit.chat,
             "open" if commit.opens_turn else "close" if commit.closes_turn else "",
+            "" if commit.created_at is None else str(round(commit.created_at * 1000)),
         ]
         keys = [self.key(session_id), self._epoch_key, self.tokens_key(session_id)]
         status_raw, *rest = await self._call(lambda: self._commit(keys=keys, args=args))
