@@ -310,13 +310,19 @@ class Turn:
             log.warning("prefix_record_failed", error=str(exc))
 
     async def _renew_lease(self) -> None:
-        """Keeps the lease while the turn runs (a long prefill commits nothing for a while)."""
+        """Keeps the lease while the turn runs (a long prefill commits nothing for a while). Once
+        the session is closed (or made again) or its lease taken, renewing ends: the turn's next
+        commit ends the turn, saying which."""
         every = self.deps.lease_s / 3
         while True:
             await asyncio.sleep(every)
             try:
-                if not await self.deps.store.renew(self.session_id, self.owner):
+                if not await self.deps.store.renew(self.session_id, self.owner, self._born):
                     log.warning("session_lease_lost")
+                    return
+            except SessionGone:  # CloseSession during the turn: nothing an operator must see
+                log.info("session_gone_during_turn")
+                return
             except SpecdecError as exc:
                 log.warning("session_lease_renewal_failed", error=str(exc))
 

@@ -116,9 +116,13 @@ def test_a_session_closed_during_its_turn_stays_closed_without_warnings(
     leave the session closed, free the workers' caches and log no warning. Each logged the
     warning session_cleanup_failed (its rollback found no session: 71 times in a 6-minute random
     run with closes), which alerts on warnings would page for. The target link is slowed (0.25 s
-    each way) so that the close lands inside a round."""
+    each way) so that the close lands inside a round. The turn that goes on waits for its round
+    longer than a third of its lease (the link held 2.2 s, the lease 6 s), so its lease renewal
+    finds the session closed too: it logged the warning session_lease_lost, as for a lease taken
+    by another request; it now ends renewing with an info line."""
     route = routes(0.0)
-    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, route=route) as cluster:
+    lease = ["--session-lease-s", "6", "--worker-timeout-s", "4.5", "--state-retry-s", "0.5"]
+    with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, route=route, coordinator_args=lease) as cluster:
         with grpc.insecure_channel(cluster.address) as channel:
             stub = coordinator_pb2_grpc.GenerationStub(channel)
             stub.Generate(make_request(PROMPT, max_new=4))  # warm up the links
@@ -138,6 +142,10 @@ def test_a_session_closed_during_its_turn_stays_closed_without_warnings(
                 time.sleep(0.1)  # the session is deleted (the memory store answers at once); the round is in flight
                 if cancel:
                     call.cancel()
+                else:  # the round's reply held past a lease renewal (every 2 s), within the worker timeout
+                    route.proxies["target-0"].set_blackhole(True)
+                    time.sleep(2.2)
+                    route.proxies["target-0"].set_blackhole(False)
                 with pytest.raises(grpc.RpcError) as ended:
                     list(call)
                 closing.join()
@@ -154,6 +162,8 @@ def test_a_session_closed_during_its_turn_stays_closed_without_warnings(
         log = cluster.processes["coordinator"].log_tail(1_000_000)
         warnings = [line for line in log.splitlines() if '"level": "warning"' in line and "closed-" in line]
         assert warnings == [], "\n".join(warnings)
+        renewals = [line for line in log.splitlines() if "session_gone_during_turn" in line]
+        assert len(renewals) == 1 and "closed-while-running" in renewals[0], renewals
 
 
 def test_a_session_closed_and_made_again_during_a_turn_is_the_new_request_s(

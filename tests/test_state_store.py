@@ -380,27 +380,37 @@ async def test_a_session_made_again_under_its_id_is_gone_for_the_turn_that_held_
     """A commit names the creation time of the session its turn acquired. Once that session was
     closed and another request made one under the same id, the old turn's commits (a round, its
     rollback) find their session gone, as when it stays closed, and change nothing; they said
-    "taken over", which is what a turn whose lease lapsed is told, and still is."""
+    "taken over", which is what a turn whose lease lapsed is told, and still is. Its lease
+    renewal, named the same way, finds the session gone too (it said False, "lease lost", when
+    the session was closed, made again or not), and leaves the new owner's lease alone."""
     session, other = sid(), sid()
     first, second, third = (f"{name}-{session}" for name in ("first", "second", "third"))
     born = (await store.acquire(session, first, create=True)).created_at
     applied = await store.commit(session, first, Commit(0, "p", [1, 2], created_at=born))
     assert applied.outcome is CommitOutcome.APPLIED
+    assert await store.renew(session, first, born)
     assert await store.delete(session)  # CloseSession mid-turn
+    with pytest.raises(SessionGone, match="expired or was closed during the request"):
+        await store.renew(session, first, born)
     await asyncio.sleep(0.01)  # a later creation time (Redis keeps milliseconds)
     await store.acquire(session, second, create=True)  # the same id made again
     await store.commit(session, second, Commit(0, "p2", [7]))
     for commit in (Commit(1, "round", [3], created_at=born), Commit(None, "rollback", [], 0, created_at=born)):
         with pytest.raises(SessionGone, match="expired or was closed during the request"):
             await store.commit(session, first, commit)
+    with pytest.raises(SessionGone, match="expired or was closed during the request"):
+        await store.renew(session, first, born)
     record = await store.get(session)
     assert record is not None and record.owner == second and record.tokens == [7] and record.version == 1
+    with pytest.raises(SessionBusy):  # the new owner's lease stands
+        await store.acquire(session, third, create=False)
     born = (await store.acquire(other, first, create=True)).created_at  # taken over, not made again:
     await store.release(other, first)
     await store.acquire(other, third, create=True)
     with pytest.raises(StateConflict, match="taken over") as taken:
         await store.commit(other, first, Commit(None, "rollback", [], 0, created_at=born))
     assert not isinstance(taken.value, SessionGone)
+    assert not await store.renew(other, first, born)  # its lease is lost, the session still there
 
 
 async def test_cache_locations_written_by_an_older_version_still_load() -> None:

@@ -172,8 +172,11 @@ class StateStore(ABC):
         """
 
     @abstractmethod
-    async def renew(self, session_id: str, owner: str) -> bool:
-        """Extends ``owner``'s lease by the lease time (and the TTL); False when it holds none."""
+    async def renew(self, session_id: str, owner: str, created_at: float | None = None) -> bool:
+        """Extends ``owner``'s lease by the lease time (and the TTL); False when another request
+        holds the session (the lease lapsed and was taken). Raises SessionGone when the session is
+        gone (closed or expired), or was made again since it was created at ``created_at``
+        (SessionRecord.created_at; None: any), as a commit does."""
 
     @abstractmethod
     async def release(self, session_id: str, owner: str, *, delete: bool = False) -> None:

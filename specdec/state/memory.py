@@ -64,6 +64,13 @@ class MemoryStateStore(StateStore):
             self._drop(session_id)
         return self._records.get(session_id)
 
+    def _gone_unless_live(self, session_id: str, created_at: float | None, now: float) -> SessionRecord:
+        """The live session made at ``created_at`` (None: any); SessionGone when there is none."""
+        record = self._live(session_id, now)
+        if record is None or created_at not in (None, record.created_at):
+            raise SessionGone(f"session {session_id!r} expired or was closed during the request")
+        return record
+
     def _drop(self, session_id: str) -> None:
         self._records.pop(session_id, None)
         self._expires.pop(session_id, None)
@@ -121,9 +128,7 @@ class MemoryStateStore(StateStore):
     async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
         async with self._lock:
             now = time.time()
-            record = self._live(session_id, now)
-            if record is None or commit.created_at not in (None, record.created_at):
-                raise SessionGone(f"session {session_id!r} expired or was closed during the request")
+            record = self._gone_unless_live(session_id, commit.created_at, now)
             if commit.step_id in record.recent_steps:
                 return CommitResult(CommitOutcome.ALREADY_APPLIED, record.version)
             if commit.expected_version is not None and record.version != commit.expected_version:
@@ -165,11 +170,11 @@ class MemoryStateStore(StateStore):
                 return index, hit[0]
         return None
 
-    async def renew(self, session_id: str, owner: str) -> bool:
+    async def renew(self, session_id: str, owner: str, created_at: float | None = None) -> bool:
         async with self._lock:
             now = time.time()
-            record = self._live(session_id, now)
-            if record is None or record.owner != owner:
+            record = self._gone_unless_live(session_id, created_at, now)
+            if record.owner != owner:
                 return False
             self._touch(session_id, now)
             return True

@@ -159,11 +159,14 @@ return {'applied', version}
 """
 )
 
-# KEYS: session, session tokens; ARGV: owner, lease_ms, ttl_ms
+# KEYS: session, session tokens; ARGV: owner, lease_ms, ttl_ms, the session's creation time in ms ('' = any);
+# returns -1 when the session is gone or was made again since, 0 when another request holds it
 _RENEW = (
     _NOW_MS
     + """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local cur = redis.call('HMGET', KEYS[1], 'owner', 'created')
+if not cur[1] or (ARGV[4] ~= '' and cur[2] and cur[2] ~= ARGV[4]) then return -1 end
+if cur[1] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'lease', now + tonumber(ARGV[2]))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
@@ -191,6 +194,14 @@ _LOST = (
     "the state store lost its data (was Redis restarted without persistence?); "
     "session {sid!r} cannot continue: start it again"
 )
+
+
+_GONE = "session {sid!r} expired or was closed during the request"
+
+
+def _created_ms(created_at: float | None) -> str:
+    """A session's creation time as its hash keeps it (ms; '' = any session of the id)."""
+    return "" if created_at is None else str(round(created_at * 1000))
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -336,7 +347,7 @@ class RedisStateStore(StateStore):
             RECENT_STEPS,
             "" if commit.chat is None else "=" + commit.chat,
             "open" if commit.opens_turn else "close" if commit.closes_turn else "",
-            "" if commit.created_at is None else str(round(commit.created_at * 1000)),
+            _created_ms(commit.created_at),
         ]
         keys = [self.key(session_id), self._epoch_key, self.tokens_key(session_id)]
         status_raw, *rest = await self._call(lambda: self._commit(keys=keys, args=args))
@@ -351,17 +362,20 @@ class RedisStateStore(StateStore):
         if status == "already":
             return CommitResult(CommitOutcome.ALREADY_APPLIED, int(version))
         if status == "missing":
-            raise SessionGone(f"session {session_id!r} expired or was closed during the request")
+            raise SessionGone(_GONE.format(sid=session_id))
         reasons = {
             "conflict": "was changed by another request",
             "not_owner": "was taken over by another request",
         }
         raise StateConflict(f"session {session_id!r} {reasons[status]}")
 
-    async def renew(self, session_id: str, owner: str) -> bool:
-        args = [owner, self._lease_ms, self._ttl_ms]
+    async def renew(self, session_id: str, owner: str, created_at: float | None = None) -> bool:
+        args = [owner, self._lease_ms, self._ttl_ms, _created_ms(created_at)]
         keys = [self.key(session_id), self.tokens_key(session_id)]
-        return bool(await self._call(lambda: self._renew(keys=keys, args=args)))
+        renewed = int(await self._call(lambda: self._renew(keys=keys, args=args)))
+        if renewed < 0:
+            raise SessionGone(_GONE.format(sid=session_id))
+        return renewed == 1
 
     async def release(self, session_id: str, owner: str, *, delete: bool = False) -> None:
         keys = [self.key(session_id), self._tombstone(owner), self.tokens_key(session_id)]
