@@ -100,19 +100,17 @@ def _close(ours: float | None, theirs: float | None) -> bool:
 
 def _tops_agree(ours: tuple[tuple[int, float], ...], theirs: tuple[tuple[int, float], ...]) -> bool:
     """The same logprobs in order, and the same tokens but where a tie (within TOLERANCE) with
-    the next or the one left out may have ordered them otherwise."""
+    another or with the one left out may have ordered them otherwise: a token tied in either
+    list is left out of both (each list's own values decide, which differ by rounding)."""
     if len(ours) != len(theirs) or any(abs(a[1] - b[1]) > TOLERANCE for a, b in zip(ours, theirs, strict=True)):
         return False
-    cut = ours[-1][1] if ours else 0.0
-    clear = [
-        [token for token, value in top if value > cut + 2 * TOLERANCE and _apart(top, token, value)]
-        for top in (ours, theirs)
-    ]
-    return clear[0] == clear[1]
+    tied = {token for top in (ours, theirs) for token, value in top if not _clear(top, token, value)}
+    return [t for t, _ in ours if t not in tied] == [t for t, _ in theirs if t not in tied]
 
 
-def _apart(top: tuple[tuple[int, float], ...], token: int, value: float) -> bool:
-    return all(abs(value - other) > 2 * TOLERANCE for t, other in top if t != token)
+def _clear(top: tuple[tuple[int, float], ...], token: int, value: float) -> bool:
+    """Above the list's last value (a token left out could tie it) and apart from every other."""
+    return value > top[-1][1] + 2 * TOLERANCE and all(abs(value - v) > 2 * TOLERANCE for t, v in top if t != token)
 
 
 def _entry(e: common_pb2.TokenLogprob) -> Entry:

@@ -1,4 +1,5 @@
-"""The test helpers' own checks: work split over two processes, tests that run alone."""
+"""The test helpers' own checks: work split over two processes, tests that run alone, the
+comparison of two replies' logprobs."""
 
 from __future__ import annotations
 
@@ -93,3 +94,20 @@ def test_tests_marked_alone_run_while_no_other_test_runs(tmp_path: Path, plugin:
     assert len(times) == 9
     assert _overlaps(times, "shared"), times  # two workers really ran tests at once
     assert bool(_overlaps(times, "alone")) is not plugin, times
+
+
+def test_top_logprobs_tied_at_the_cut_agree_in_either_order() -> None:
+    """Two replies' top-5 alternatives from passes of other shapes (a session's turn and its
+    target-only replay, from a random run): the 4th and 5th choices 2.0e-4 apart, the logprobs
+    within 3e-6. The comparison found the 4th clear of the cut in one reply and not in the
+    other, and failed them. A token is compared by position only where it is clear in both."""
+    from tests.test_combinations import _tops_agree
+
+    ours = ((221, -2.5199532508850098), (170, -2.8230385780334473), (164, -3.23317289352417),
+            (124, -3.5545032024383545), (150, -3.5547025203704834))  # fmt: skip
+    theirs = ((221, -2.5199522972106934), (170, -2.8230361938476562), (164, -3.233170747756958),
+              (124, -3.554502010345459), (150, -3.5547022819519043))  # fmt: skip
+    assert _tops_agree(ours, theirs) and _tops_agree(theirs, ours)
+    values = [value for _, value in theirs]
+    for tokens in ([221, 164, 170, 124, 150], [221, 170, 99, 124, 150]):  # clear choices swapped, or another one
+        assert not _tops_agree(ours, tuple(zip(tokens, values, strict=True)))
