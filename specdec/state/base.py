@@ -15,10 +15,25 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from specdec.serving.errors import SessionGone, StateConflict
+
 RECENT_STEPS = 16  # a re-sent commit is recognised while it is among the last this many applied
 # A released owner's acquire is refused for the lease time plus this (an acquire delayed longer
 # than any socket timeout and retry cannot come back from the dead).
 TOMBSTONE_EXTRA_MS = 60_000
+
+
+def session_gone(session_id: str) -> SessionGone:
+    """What a turn's commit or renewal meets when its session expired, was closed, or was made
+    again since the turn acquired it (every store says it alike)."""
+    return SessionGone(f"session {session_id!r} expired or was closed during the request")
+
+
+def session_conflict(session_id: str, *, taken: bool) -> StateConflict:
+    """A commit refused: another request holds the lease (``taken``), or the session's version
+    moved on from the one the commit expected."""
+    what = "was taken over by another request" if taken else "was changed by another request"
+    return StateConflict(f"session {session_id!r} {what}")
 
 
 @dataclass(frozen=True)

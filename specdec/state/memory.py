@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from specdec.serving.errors import SessionBusy, SessionGone, SessionNotFound, StateConflict
+from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict
 from specdec.state.base import (
     RECENT_STEPS,
     TOMBSTONE_EXTRA_MS,
@@ -20,6 +20,8 @@ from specdec.state.base import (
     PrefixLocation,
     SessionRecord,
     StateStore,
+    session_conflict,
+    session_gone,
 )
 
 MAX_PREFIXES = 100_000  # prefix entries kept (the oldest go first)
@@ -68,7 +70,7 @@ class MemoryStateStore(StateStore):
         """The live session made at ``created_at`` (None: any); SessionGone when there is none."""
         record = self._live(session_id, now)
         if record is None or created_at not in (None, record.created_at):
-            raise SessionGone(f"session {session_id!r} expired or was closed during the request")
+            raise session_gone(session_id)
         return record
 
     def _drop(self, session_id: str) -> None:
@@ -132,9 +134,9 @@ class MemoryStateStore(StateStore):
             if commit.step_id in record.recent_steps:
                 return CommitResult(CommitOutcome.ALREADY_APPLIED, record.version)
             if commit.expected_version is not None and record.version != commit.expected_version:
-                raise StateConflict(f"session {session_id!r} was changed by another request")
+                raise session_conflict(session_id, taken=False)
             if record.owner != owner:
-                raise StateConflict(f"session {session_id!r} was taken over by another request")
+                raise session_conflict(session_id, taken=True)
             commit.check(len(record.tokens))
             if commit.opens_turn:
                 self._open_turns[session_id] = _OpenTurn(list(record.tokens), record.chat, record.version == 0)

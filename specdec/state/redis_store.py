@@ -18,7 +18,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from specdec.runtime.tokens import pack_tokens, unpack_tokens
 from specdec.serving.errors import (
     SessionBusy,
-    SessionGone,
     SessionNotFound,
     StateConflict,
     StateLost,
@@ -36,6 +35,8 @@ from specdec.state.base import (
     PrefixLocation,
     SessionRecord,
     StateStore,
+    session_conflict,
+    session_gone,
 )
 
 T = TypeVar("T")
@@ -194,9 +195,6 @@ _LOST = (
     "the state store lost its data (was Redis restarted without persistence?); "
     "session {sid!r} cannot continue: start it again"
 )
-
-
-_GONE = "session {sid!r} expired or was closed during the request"
 
 
 def _created_ms(created_at: float | None) -> str:
@@ -362,19 +360,15 @@ class RedisStateStore(StateStore):
         if status == "already":
             return CommitResult(CommitOutcome.ALREADY_APPLIED, int(version))
         if status == "missing":
-            raise SessionGone(_GONE.format(sid=session_id))
-        reasons = {
-            "conflict": "was changed by another request",
-            "not_owner": "was taken over by another request",
-        }
-        raise StateConflict(f"session {session_id!r} {reasons[status]}")
+            raise session_gone(session_id)
+        raise session_conflict(session_id, taken=status == "not_owner")
 
     async def renew(self, session_id: str, owner: str, created_at: float | None = None) -> bool:
         args = [owner, self._lease_ms, self._ttl_ms, _created_ms(created_at)]
         keys = [self.key(session_id), self.tokens_key(session_id)]
         renewed = int(await self._call(lambda: self._renew(keys=keys, args=args)))
         if renewed < 0:
-            raise SessionGone(_GONE.format(sid=session_id))
+            raise session_gone(session_id)
         return renewed == 1
 
     async def release(self, session_id: str, owner: str, *, delete: bool = False) -> None:
