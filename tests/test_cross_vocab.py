@@ -7,6 +7,7 @@ words are one token for one and two for the other). TLI and SLEM; greedy output 
 from __future__ import annotations
 
 import collections
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,13 +18,14 @@ from transformers import PreTrainedTokenizerBase
 from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LaunchError, LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import wait_for
+from tests.clusters import metric, wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.forkserver import run_command
 from tests.helpers import RedisServer, real_tokenizer
 from tests.netproxy import LateLink
 from tests.reference import coordinator_stub, make_request, reference_greedy, seeded_replies, worker_info
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
+from tests.test_combinations import decode_random_mixes
 from tests.tiny_models import build_text_bigram
 
 # " warms" is one SmolLM2 token and two Qwen tokens; " fibonacci", " recursion" and " rollback"
@@ -126,6 +128,31 @@ def test_sampled_requests_repeat_with_their_seed(cluster: tuple[LocalCluster, st
     first, again = generate(service, request), generate(service, request)
     assert list(first.token_ids) == list(again.token_ids) and len(first.token_ids) == 24
     assert first.stats.draft_tokens_proposed > 0
+
+
+MIX_CASES = 10  # random mixes per translation: 14-16 s each on the 2-core host
+# Seeds whose valid mixes hold greedy session turns, structured output, stop strings, penalties, logprobs
+# and fixed-K model drafts (proposed whatever adaptive K would price).
+MIX_SEEDS = {"tli": "tli-44", "slem": "slem-73"}
+
+
+def test_random_feature_mixes_decode_as_the_target_alone(cluster: tuple[LocalCluster, str]) -> None:
+    """The suite's random feature mixes (tests/test_combinations.py: stop strings and ids,
+    min_tokens, penalties, logit bias, logprobs, prompt logprobs, structured output, drafting
+    method, K, confidence stops, sessions of 2-3 turns, unary and stream calls) with the draft's
+    proposals translated: each greedy reply equals the same request decoded with speculation
+    disabled, and the translated model drafts are accepted inside the mixes."""
+    service, method = cluster
+
+    def accepted() -> float:
+        return metric(service, "coordinator", "specdec_proposer_tokens_accepted_total", 'proposer="model"')
+
+    before = accepted()
+    with grpc.insecure_channel(service.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        seen = decode_random_mixes(stub, random.Random(MIX_SEEDS[method]), MIX_CASES, f"cross-mix-{method}")
+    assert seen.get("OK", 0) >= MIX_CASES, seen  # most mixes are valid: the comparison is not vacuous
+    assert accepted() > before
 
 
 SAMPLES = 1500  # seeded requests
