@@ -16,9 +16,11 @@ odds too). The proposers: ``model`` (the draft worker; costs draft time per toke
 (lookup in the session's own tokens; free to draft, only where the suffix matches). K = 0 is
 target-only decoding; it is chosen whenever speculation would be slower; then cheap probes (first
 after 4 target-only rounds, the gap doubling up to ``probe_every``) keep the acceptance estimate
-fresh. A lookup draft needs no probes: it costs nothing to make, so a round that did not use it
-still scores it against the tokens the target committed (``lookup_score``), and a lookup that keeps
-failing is not tried at all.
+fresh. Target-only decoding's cost is timed only by target-only rounds, so while the plan chosen
+expects so few tokens a round that its lead is the costs' alone, a round decodes target-only now
+and then (the same backoff) to time it again. A lookup draft needs no probes: it costs nothing
+to make, so a round that did not use it still scores it against the tokens the target committed
+(``lookup_score``), and a lookup that keeps failing is not tried at all.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ _EWMA = 0.2
 _COST_SAMPLES = 7
 _POOL_DECAY = 0.98  # per round: the global acceptance remembers roughly the last 50 rounds
 _FIRST_PROBE = 4  # rounds a proposer stays unused before the first probe; the gap doubles up to probe_every
+# A plan that expects fewer tokens a round than this beats target-only decoding by its costs alone
+# (a draft right a third of the time at K 1 adds 0.33 a round), so those costs must stay current.
+_THIN_LEAD_TOKENS = 1.5
 _MAX_TOKENS = 64
 # A pass that computed at least this many tokens (a prompt, a resync) measures the prefill rate;
 # fewer are dominated by the pass's fixed costs.
@@ -408,6 +413,7 @@ class KController:
     _stop_dropped: bool = field(default=False, init=False)  # only whole blocks paid: the turn drafts without it
     _probes: _Backoff = field(default_factory=_Backoff, init=False)  # rounds since the model was used or probed
     _widest: _Backoff = field(default_factory=_Backoff, init=False)  # model rounds below the longest block allowed
+    _untimed: _Backoff = field(default_factory=_Backoff, init=False)  # thin-lead rounds since target-only was timed
 
     def __post_init__(self) -> None:
         self._seen = defaultdict(lambda: Acceptance(self.decay))
@@ -534,6 +540,8 @@ class KController:
         if best.method == MODEL and self.block_stop_bounds_blocks:
             best = Plan(MODEL, limits[MODEL])
         self._reset(best.method)
+        if (retime := self._retime_target_only(best, lookup_source)) is not None:
+            return retime
         # With speculation off, the model is probed with a short block, soon at first (acceptance
         # often changes within a response), then backing off (a useless draft costs ever less).
         if best.method == NONE and limits[MODEL] and (probe := self._probe(limits[MODEL])):
@@ -591,6 +599,18 @@ class KController:
             self._widest.reset()
             return None
         return Plan(MODEL, upper) if self._widest.due(self.probe_every) else None
+
+    def _retime_target_only(self, best: Plan, lookup_source: str) -> Plan | None:
+        """Target-only decoding now and then (after 4 such rounds, then the gap doubling up to
+        ``probe_every``) while the plan chosen expects fewer than _THIN_LEAD_TOKENS tokens a round:
+        its lead is then the costs' alone, and target-only's cost is measured only by rounds that
+        decode target-only, so one slow sample (a busy host) would stand for good and keep a useless
+        draft on. A plan that expects more does not hang on it: no round is given to timing it."""
+        ms, rate = self.expected_ms(best.k, best.method), self._rate(best, lookup_source)
+        if best.method == NONE or ms is None or rate is None or rate * ms >= _THIN_LEAD_TOKENS:
+            self._untimed.reset()
+            return None
+        return TARGET_ONLY if self._untimed.due(self.probe_every) else None
 
     def _probe(self, upper: int) -> Plan | None:
         return Plan(MODEL, min(2, upper)) if self._probes.due(self.probe_every) else None

@@ -117,7 +117,8 @@ class CoordinatorSettings(ServiceSettings):
         32,
         gt=0,
         description="with speculation off for a session, probe it every N rounds (with K below the longest block "
-        "allowed, draft that block every N rounds to measure it again)",
+        "allowed, draft that block every N rounds to measure it again; with a plan expecting under 1.5 tokens a "
+        "round, decode a round target-only every N rounds to time that again)",
     )
     speculation_max_requests: int = Field(
         0,

@@ -508,3 +508,37 @@ def test_a_replica_counts_the_prefills_sent_to_it_until_they_are_answered() -> N
             raise RuntimeError("the call failed")
         assert queue.ahead_ms == 300.0
     assert queue.ahead_ms == 0.0
+
+
+def test_a_slow_first_target_only_round_does_not_keep_a_useless_draft_on() -> None:
+    """A draft that is never right, costs with a fixed part per call (draft 6 + 1 ms a token,
+    verify 5 + 1 ms a row, 3 ms a round): target-only decoding is the best (9 ms a token against
+    17 at K 1). The first target-only round took four times its cost (a busy host), so K 1 looked
+    cheaper, and target-only decoding, never chosen again, was never timed again: the turn drafted
+    at K 1 to the end (CI: 117 of 120 rounds of test_pipelining's useless draft). Where the plan
+    chosen expects so few tokens a round that the costs alone decide, target-only decoding is timed
+    again now and then (after 4 rounds, the gap doubling), and speculation goes off."""
+    costs = StepCosts()
+    controller = KController(k_max=4, costs=costs)
+    ks: list[int] = []
+    for _ in range(60):
+        k = controller.choose(100)
+        slow = 4.0 if k == 0 and 0 not in ks else 1.0
+        ks.append(k)
+        if k:
+            costs.observe_draft(k, 6.0 + k)
+            controller.observe(k, 0, asked=k)
+        costs.observe_verify(k + 1, slow * (5.0 + (k + 1)))
+        costs.observe_overhead(3.0, drafted=bool(k))
+    assert ks[:2] == [0, 4]
+    assert ks[-40:].count(0) >= 35, ks  # target-only but for the model's probes
+
+
+def test_target_only_decoding_is_not_timed_again_while_the_draft_pays() -> None:
+    """A draft right half the time at K 4 (about 1.9 tokens a round): speculation's lead does not
+    hang on the target-only cost, so no round is given to timing it again."""
+    controller = KController(k_max=4, costs=costs(10, {1: 100, 2: 110, 5: 150}), probe_every=8)
+    for _ in range(20):
+        controller.observe(4, 1)
+    choices = [controller.choose(100) for _ in range(100)]
+    assert 0 not in choices, choices
