@@ -577,14 +577,16 @@ class KController:
 
     def _rate(self, plan: Plan, lookup_source: str = NGRAM) -> float | None:
         ms = self.expected_ms(plan.k, plan.method)
-        if not ms:
-            return None
+        return self._tokens(plan, lookup_source) / ms if ms else None
+
+    def _tokens(self, plan: Plan, lookup_source: str = NGRAM) -> float:
+        """The tokens a round of ``plan`` is expected to commit."""
         if plan.method == MODEL and self.stopping:
             sure = self._estimate(self.costs.sure, self._sure_seen, self.alpha_of(MODEL))
             unsure = self._estimate(self.costs.unsure, self._unsure_seen, self.alpha_of(MODEL))
-            return expected_tokens(sure, plan.k, self.going_on, unsure) / ms
+            return expected_tokens(sure, plan.k, self.going_on, unsure)
         alpha = self.alpha_of(lookup_source if plan.method == NGRAM else plan.method) if plan.k else 0.0
-        return expected_tokens(alpha, plan.k, self.going_on if plan.method == MODEL else 1.0) / ms
+        return expected_tokens(alpha, plan.k, self.going_on if plan.method == MODEL else 1.0)
 
     def _reset(self, method: str) -> None:
         if method == MODEL:
@@ -606,8 +608,7 @@ class KController:
         its lead is then the costs' alone, and target-only's cost is measured only by rounds that
         decode target-only, so one slow sample (a busy host) would stand for good and keep a useless
         draft on. A plan that expects more does not hang on it: no round is given to timing it."""
-        ms, rate = self.expected_ms(best.k, best.method), self._rate(best, lookup_source)
-        if best.method == NONE or ms is None or rate is None or rate * ms >= _THIN_LEAD_TOKENS:
+        if best.method == NONE or self._tokens(best, lookup_source) >= _THIN_LEAD_TOKENS:
             self._untimed.reset()
             return None
         return TARGET_ONLY if self._untimed.due(self.probe_every) else None

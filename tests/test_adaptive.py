@@ -356,6 +356,17 @@ def test_one_stalled_call_is_not_a_cost_but_a_lasting_change_is() -> None:
     assert steady.draft_per_token == 6.0
 
 
+def _play(controller: KController, k: int, taken: int, draft_slow: float = 1.0, verify_slow: float = 1.0) -> None:
+    """Records a round of K ``k`` (``taken`` drafts accepted) at costs with a fixed part per call:
+    draft 6 + 1 ms a token, verify 5 + 1 ms a row, 3 ms a round; each pass ``*_slow`` times that."""
+    costs = controller.costs
+    if k:
+        costs.observe_draft(k, draft_slow * (6.0 + k))
+        controller.observe(k, taken, asked=k)
+    costs.observe_verify(k + 1, verify_slow * (5.0 + (k + 1)))
+    costs.observe_overhead(3.0, drafted=bool(k))
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_slow_first_block_does_not_hold_k_below_the_best_for_good(pipelined: bool) -> None:
     """A draft that is always right, costs with a fixed part per call (draft 6 + 1 ms a token,
@@ -373,11 +384,7 @@ def test_a_slow_first_block_does_not_hold_k_below_the_best_for_good(pipelined: b
             k = controller.choose(100)
             slow = 3.0 if k and not any(ks) else 1.0
             ks.append(k)
-            if k:
-                costs.observe_draft(k, slow * (6.0 + k))
-                controller.observe(k, k, asked=k)
-            costs.observe_verify(k + 1, slow * (5.0 + (k + 1)))
-            costs.observe_overhead(3.0, drafted=bool(k))
+            _play(controller, k, taken=k, draft_slow=slow, verify_slow=slow)
     assert ks[:2] == [0, 4]
     assert ks[-30:].count(4) >= 27, ks  # the second turn and the end of the first: K 4 but for re-measuring
 
@@ -518,18 +525,13 @@ def test_a_slow_first_target_only_round_does_not_keep_a_useless_draft_on() -> No
     at K 1 to the end (CI: 117 of 120 rounds of test_pipelining's useless draft). Where the plan
     chosen expects so few tokens a round that the costs alone decide, target-only decoding is timed
     again now and then (after 4 rounds, the gap doubling), and speculation goes off."""
-    costs = StepCosts()
-    controller = KController(k_max=4, costs=costs)
+    controller = KController(k_max=4, costs=StepCosts())
     ks: list[int] = []
     for _ in range(60):
         k = controller.choose(100)
         slow = 4.0 if k == 0 and 0 not in ks else 1.0
         ks.append(k)
-        if k:
-            costs.observe_draft(k, 6.0 + k)
-            controller.observe(k, 0, asked=k)
-        costs.observe_verify(k + 1, slow * (5.0 + (k + 1)))
-        costs.observe_overhead(3.0, drafted=bool(k))
+        _play(controller, k, taken=0, verify_slow=slow)
     assert ks[:2] == [0, 4]
     assert ks[-40:].count(0) >= 35, ks  # target-only but for the model's probes
 
