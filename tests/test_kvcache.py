@@ -131,9 +131,8 @@ def test_a_step_run_in_chunks_gives_the_rows_of_one_pass(
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
 def test_start_up_times_a_prefill_and_what_its_context_adds(tmp_path: Path, tiny_models: TinyModels, arch: str) -> None:
     """The second timed pass runs over a cache of copied keys and values, also for models whose
-    layers keep a sliding window; a context too short for it leaves the context rate at 0, and so
-    does a model whose every layer keeps a window no longer than the first pass (it was timed up
-    to 4 pairs, found no cost and warned: a CI run of the change that times again)."""
+    attention is windowed (their caches keep every position, whose keys the pass reads, masked or
+    not); a context too short for it leaves the context rate at 0."""
     path = tiny_models.target if arch == "llama" else build_sliding(tmp_path / arch, arch, seed=0)
     loaded = dataclasses.replace(
         load_model(str(path), LoadOptions(device="cpu", dtype="float32")), max_context_len=4096
@@ -142,8 +141,6 @@ def test_start_up_times_a_prefill_and_what_its_context_adds(tmp_path: Path, tiny
         rates = kvcache.prefill_rates(loaded)
     warning.assert_not_called()
     assert rates.per_token_ms > 0 and rates.per_1k_context_ms >= 0
-    if arch == "mistral":  # every layer keeps a 16-token window: the longer cache is not timed
-        assert rates.per_1k_context_ms == 0
     short = kvcache.prefill_rates(dataclasses.replace(loaded, max_context_len=300))
     assert short.per_token_ms > 0 and short.per_1k_context_ms == 0
 
@@ -339,6 +336,36 @@ def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedM
     torch.testing.assert_close(logits, full_logits(loaded, seq)[-2:], atol=1e-4, rtol=1e-4)
     assert caches.sync("donor", 8, prefix_hash(donor_seq)).tokens == donor_seq
     assert caches.extend(caches.sync("donor", 8, prefix_hash(donor_seq)), [2], 1).shape[0] == 1
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3"])
+def test_a_windowed_models_caches_are_cut_back_copied_and_batched_past_its_window(tmp_path: Path, arch: str) -> None:
+    """A model whose attention is windowed (16 positions here, 256 in its context) is loaded with
+    its whole context, and its session caches keep every position: cut back past the window,
+    copied for another session's prefix and run in one batched pass, they give the logits of a
+    full forward pass, in which the window is applied (the same weights without it differ from
+    position 16 on)."""
+    path = build_sliding(tmp_path / arch, arch, seed=0)
+    loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
+    assert loaded.max_context_len == 256
+    seq = torch.randint(3, 250, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
+    caches.extend(caches.sync("s", 0, 0), seq[:40], 1)
+    entry = caches.sync("s", 30, prefix_hash(seq[:30]))  # 10 back, where the window is full
+    assert entry.cache.get_seq_length() == 30
+    logits = caches.extend(entry, seq[30:50], 20)
+    full = full_logits(loaded, seq[:55])
+    torch.testing.assert_close(logits, full[30:50], atol=1e-4, rtol=1e-4)
+    copied = caches.sync("t", 22, prefix_hash(seq[:22]), source="s")
+    caches.extend(copied, [7, 7], 1)  # the batched rows differ in length before the pass and in it
+    both = caches.extend_many([(caches.sync("s", 50, prefix_hash(seq[:50])), seq[50:55], 5), (copied, [9], 1)])
+    torch.testing.assert_close(both[0], full[50:55], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(both[1], full_logits(loaded, [*seq[:22], 7, 7, 9])[-1:], atol=1e-4, rtol=1e-4)
+    assert copied.tokens == [*seq[:22], 7, 7, 9]
+    loaded.model.config.sliding_window = 1000  # the masks read it on every pass
+    unwindowed = full_logits(loaded, seq[:55])
+    torch.testing.assert_close(unwindowed[:16], full[:16])
+    assert float((unwindowed[16:] - full[16:]).abs().amax(-1).min()) > 1e-3
 
 
 def test_the_cache_goes_by_the_keyword_the_model_takes(loaded: LoadedModel) -> None:

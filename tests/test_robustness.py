@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -308,32 +309,38 @@ def test_same_tokenizer_different_padded_vocabularies(tmp_path: Path, tiny_model
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3"])
-def test_sliding_window_models_are_served_up_to_their_window(tmp_path: Path, arch: str) -> None:
-    """Windowed KV layers cannot be cut back once the window is full: such a model is served up
-    to its window - 1 tokens (Info says so), every rollback inside it is exact, and a request
-    beyond it gets INVALID_ARGUMENT instead of a crash mid-session."""
+def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch: str) -> None:
+    """A model whose attention is windowed (16 positions here) is served up to its whole context
+    (256): the workers keep every position's keys and values and the attention mask applies the
+    window, so drafts rejected past the window are cut back like any others. Replies sent at once
+    and a multi-turn session, all past the window and with rollbacks, equal HF's target-only greedy
+    (whose cache keeps the window); a request past the context gets INVALID_ARGUMENT."""
     target = build_sliding(tmp_path / "target", arch, seed=0)
     draft = build_sliding(tmp_path / "draft", arch, seed=1)  # unrelated: most drafts are rejected
-    prompt = [5, 17, 99, 3]
+    prompts = [[5, 17, 99, 3], list(range(20, 40)), [9] * 7]
     with (
         fault_cluster(tmp_path / "run", target, draft) as cluster,
         grpc.insecure_channel(cluster.address) as channel,
+        ThreadPoolExecutor(len(prompts)) as pool,
     ):
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        assert worker_info(cluster.processes["target-0"].address, "target").max_context_len == 15
-        reply = stub.Generate(make_request(prompt, k=4, max_new=11, ignore_eos=True), timeout=60)
-        session = [stub.Generate(make_request([p], k=3, max_new=2, session_id="w", ignore_eos=True)) for p in (7, 8, 9)]
+        assert worker_info(cluster.processes["target-0"].address, "target").max_context_len == 256
+        replies = list(
+            pool.map(lambda p: stub.Generate(make_request(p, k=4, max_new=40, ignore_eos=True), timeout=120), prompts)
+        )
+        session = [stub.Generate(make_request([p], k=3, max_new=8, session_id="w", ignore_eos=True)) for p in (7, 8, 9)]
         with pytest.raises(grpc.RpcError) as err:
-            stub.Generate(make_request(prompt, k=4, max_new=12), timeout=60)
+            stub.Generate(make_request(prompts[0], k=4, max_new=253), timeout=60)
         pids_alive = all(p.proc.poll() is None for p in cluster.processes.values())
-    assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 11, ignore_eos=True)
-    assert reply.stats.draft_tokens_proposed > reply.stats.draft_tokens_accepted  # rollbacks happened
+    for prompt, reply in zip(prompts, replies, strict=True):
+        assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 40, ignore_eos=True)
+        assert reply.stats.draft_tokens_proposed > reply.stats.draft_tokens_accepted  # rollbacks happened
     history: list[int] = []
     for p, turn in zip((7, 8, 9), session, strict=True):
         history.append(p)
-        assert list(turn.token_ids) == reference_greedy(str(target), tuple(history), 2, ignore_eos=True)
+        assert list(turn.token_ids) == reference_greedy(str(target), tuple(history), 8, ignore_eos=True)
         history += list(turn.token_ids)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length 15" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length 256" in err.value.details()
     assert pids_alive
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.runtime.grammar import GrammarState
@@ -59,9 +60,23 @@ def cache_argument(model: torch.nn.Module, cache: DynamicCache) -> dict[str, obj
     return {_cache_keyword(type(model)): cache, "use_cache": True}
 
 
+def new_cache(config: Any) -> DynamicCache:
+    """An empty KV cache for a model of ``config`` whose attention layers keep every position.
+    transformers keeps a windowed layer (Mistral, Gemma-2/3, Phi-3 with a sliding window) to its
+    last window - 1 positions, and such a layer cannot be cut back once the window is full, as every
+    rejected draft needs; kept whole, it is cut back anywhere, and the model still applies the
+    window through the attention mask it builds from its config on every pass. The cost: the
+    memory of the positions outside the window, as a model without one takes."""
+    cache = DynamicCache(config=config)
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[index] = DynamicLayer()
+    return cache
+
+
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
     """The KV-cache bytes one token takes in this model (measured on a 2-token pass)."""
-    cache = DynamicCache(config=loaded.model.config)
+    cache = new_cache(loaded.model.config)
     with torch.inference_mode():
         loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), **cache_argument(loaded.model, cache))
     tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
@@ -86,29 +101,26 @@ def prefill_rates(loaded: LoadedModel) -> PrefillRates:
     """Times a pass of PREFILL_PROBE_TOKENS tokens (fewer if the context is shorter) on an empty
     cache, after a short pass that takes the one-time costs of a first forward pass, and the same
     pass over a cache of PREFILL_CONTEXT_PROBE_TOKENS tokens (its keys and values copies of the
-    first pass's: a pass's cost is not the values'), where the context has room for it and some
-    layer keeps more than a sliding window of it (else the rate is 0). The
-    context rate is the difference of the two: while the second comes out no slower (another
+    first pass's: a pass's cost is not the values'), where the context has room for it (else the
+    rate is 0). The context rate is the difference of the two: while the second comes out no slower (another
     process slowed the first; services start side by side), the pair is timed again, up to
     PREFILL_PROBE_TRIES pairs, and the fastest time of each pass counts. The caches are dropped."""
     tokens = max(1, min(PREFILL_PROBE_TOKENS, loaded.max_context_len - 1))
     ids = torch.zeros(1, tokens, dtype=torch.long, device=loaded.device)  # a pass's cost is not the ids'
     copies = min(PREFILL_CONTEXT_PROBE_TOKENS, loaded.max_context_len - 1 - tokens) // tokens
     with torch.inference_mode():
-        _timed_pass(loaded, ids[:, : min(tokens, 8)], DynamicCache(config=loaded.model.config))
-        first = DynamicCache(config=loaded.model.config)
+        _timed_pass(loaded, ids[:, : min(tokens, 8)], new_cache(loaded.model.config))
+        first = new_cache(loaded.model.config)
         short = _timed_pass(loaded, ids, first)
         if copies < 1:
             return PrefillRates(short * 1000 / tokens, 0.0)
         try:
             longer = _copied(loaded, first, copies)
-            if _cached_tokens(longer) <= _cached_tokens(first):  # sliding windows keep no more: no context cost
-                return PrefillRates(short * 1000 / tokens, 0.0)
             long = _timed_pass(loaded, ids, longer)
             for _ in range(PREFILL_PROBE_TRIES - 1):
                 if long > short:
                     break
-                short = min(short, _timed_pass(loaded, ids, DynamicCache(config=loaded.model.config)))
+                short = min(short, _timed_pass(loaded, ids, new_cache(loaded.model.config)))
                 long = min(long, _timed_pass(loaded, ids, _copied(loaded, first, copies)))
         except Exception as exc:  # a cache this copy does not fit: time limits go by the first rate
             log.warning("prefill_context_not_timed", error=repr(exc))
@@ -119,14 +131,9 @@ def prefill_rates(loaded: LoadedModel) -> PrefillRates:
     return PrefillRates(short * 1000 / tokens, per_1k)
 
 
-def _cached_tokens(cache: DynamicCache) -> int:
-    """The positions all the layers of ``cache`` hold (a sliding-window layer keeps its window)."""
-    return sum(layer.keys.shape[-2] for layer in cache.layers if layer.keys is not None)
-
-
 def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int) -> DynamicCache:
     """A cache of ``copies`` copies of ``cache``'s keys and values, one after another."""
-    longer = DynamicCache(config=loaded.model.config)
+    longer = new_cache(loaded.model.config)
     for index, layer in enumerate(cache.layers):
         longer.update(layer.keys.repeat(1, 1, copies, 1), layer.values.repeat(1, 1, copies, 1), index)
     return longer
@@ -230,7 +237,7 @@ class SessionCaches:
         self.evict_idle()
         entry = self._entries.get(session_id)
         if base_len == 0:
-            entry = self._new_entry([], DynamicCache(config=self._loaded.model.config))
+            entry = self._new_entry([], new_cache(self._loaded.model.config))
             self._entries[session_id] = entry
             self._evict_over_capacity()
         elif _holds(entry, base_len, base_hash):
@@ -420,7 +427,7 @@ class _Batch:
             input_ids[row, : new_lens[row]] = torch.tensor(list(tokens), dtype=torch.long, device=device)
             mask[row, past - past_lens[row] : past + new_lens[row]] = 1
         positions = torch.tensor(past_lens, device=device)[:, None] + torch.arange(width, device=device)[None, :]
-        cache = DynamicCache(config=loaded.model.config)
+        cache = new_cache(loaded.model.config)
         if past:
             template = next(entry.cache for entry, _, _ in ops if entry.tokens)
             for layer in range(len(template.layers)):

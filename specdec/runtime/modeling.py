@@ -187,7 +187,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         device=device,
         dtype=dtype,
         vocab_size=vocab_size,
-        max_context_len=_context_len(model_id, config, tokenizer),
+        max_context_len=_context_len(config, tokenizer),
         eos_token_ids=eos_token_ids,
         tokenizer_hash=fingerprint,
         grammar=GrammarMasks.build(tokenizer, vocab_size, eos_token_ids) if options.structured_output else None,
@@ -227,33 +227,11 @@ def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
         config.layer_types = config.layer_types[:layers]
 
 
-def sliding_window(config: Any) -> int | None:
-    """The smallest attention window among the layers that the KV cache keeps windowed (Mistral,
-    Gemma-2/3, Phi-3 configs), None when every layer keeps the whole context."""
-    from transformers import DynamicCache
-
-    windows = [layer.sliding_window for layer in DynamicCache(config=config).layers if getattr(layer, "is_sliding", 0)]
-    return min(windows) if windows else None
-
-
-def _context_len(model_id: str, config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
-    """The longest sequence served. A windowed cache layer drops positions once the window is
-    full, and then cannot be cut back to an earlier length, which every rejected draft needs: so a
-    model with windowed layers is served up to its window (minus one) and no further, with a
-    warning, instead of failing mid-session."""
-    context = int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
-    window = sliding_window(config)
-    if window is not None and window - 1 < context:
-        log.warning(
-            "context_capped_at_sliding_window",
-            model=model_id,
-            sliding_window=window,
-            model_context_len=context,
-            served_context_len=window - 1,
-            reason="speculative rollback cannot cut a sliding-window cache back once the window is full",
-        )
-        return window - 1
-    return context
+def _context_len(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
+    """The longest sequence served: the model's positions (its tokenizer's limit where the config
+    names none). A model with windowed attention is served to the same length: its caches keep
+    every position (``kvcache.new_cache``)."""
+    return int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
 
 
 def _wants_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
