@@ -21,6 +21,8 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy, worker_info
+from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
+from tests.test_combinations import FIRST, SAMPLES, SampledMix, sample_mix, sampled_request
 from tests.tiny_models import TinyModels, build_model, build_resized, build_sliding, build_tokenizer
 
 PROMPT = [5, 17, 99, 3]
@@ -342,6 +344,40 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
         history += list(turn.token_ids)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length 256" in err.value.details()
     assert pids_alive
+
+
+@pytest.mark.slow
+def test_a_windowed_model_samples_its_exact_distribution_past_its_window(tmp_path: Path) -> None:
+    """Sampled requests whose 22-token prompt is past a 16-position window, on Gemma-3's mix of
+    windowed and whole layers with an unrelated draft (nearly every draft rejected: the caches are
+    cut back past the window every round): the first three tokens follow the target's exact
+    distribution (chi-square against plain forward passes), and reject the distribution of the
+    same weights without the window, which a cache or mask that let the window lapse would give."""
+    target = build_sliding(tmp_path / "target", "gemma3", seed=0)
+    draft = build_sliding(tmp_path / "draft", "gemma3", seed=1)
+    mix = SampledMix(
+        "",
+        prompt=tuple(range(30, 52)),
+        sampling={
+            "max_new_tokens": FIRST,
+            "temperature": 0.1,
+            "top_k": 5,
+            "ignore_eos": True,
+            "repetition_penalty": 1.2,
+        },
+        speculation={"num_speculative_tokens": 4, "fixed": True},
+        bug="",
+        shown=(),
+    )
+    with fault_cluster(tmp_path / "run", target, draft) as cluster, grpc.insecure_channel(cluster.address) as channel:
+        sampled, sent = sample_mix(coordinator_pb2_grpc.GenerationStub(channel), mix, "windowed")
+        proposed = metric(cluster, "coordinator", "specdec_proposer_tokens_proposed_total", 'proposer="model"')
+    sampling = sampled_request(mix, 0).sampling
+    exact, unwindowed = Enumerator(str(target), FIRST), Enumerator(str(target), FIRST)
+    unwindowed.model.config.sliding_window = 1000  # its masks read it on every pass
+    assert sent == mix.prompt and proposed > 2 * SAMPLES  # drafts in most rounds, nearly all rejected
+    assert chi_square_pvalue(sampled.counts, exact.distribution(mix.prompt, sampling), SAMPLES) > 1e-3
+    assert rejects(sampled.counts, unwindowed.distribution(mix.prompt, sampling))
 
 
 def test_a_draft_with_a_shorter_context_drafts_up_to_it(tmp_path: Path, tiny_models: TinyModels) -> None:
