@@ -338,13 +338,13 @@ def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedM
     assert caches.extend(caches.sync("donor", 8, prefix_hash(donor_seq)), [2], 1).shape[0] == 1
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4"])
 def test_a_windowed_models_caches_are_cut_back_copied_and_batched_past_its_window(tmp_path: Path, arch: str) -> None:
-    """A model whose attention is windowed (16 positions here, 256 in its context) is loaded with
-    its whole context, and its session caches keep every position: cut back past the window,
-    copied for another session's prefix and run in one batched pass, they give the logits of a
-    full forward pass, in which the window is applied (the same weights without it differ from
-    position 16 on)."""
+    """A model whose attention is windowed (16 positions here, or Llama-4's chunks of 16; 256 in
+    its context) is loaded with its whole context, and its session caches keep every position:
+    cut back past the window, copied for another session's prefix and run in one batched pass,
+    they give the logits of a full forward pass, in which the window is applied (the same weights
+    without it differ from position 16 on)."""
     path = build_sliding(tmp_path / arch, arch, seed=0)
     loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
     assert loaded.max_context_len == 256
@@ -362,7 +362,9 @@ def test_a_windowed_models_caches_are_cut_back_copied_and_batched_past_its_windo
     torch.testing.assert_close(both[0], full[50:55], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(both[1], full_logits(loaded, [*seq[:22], 7, 7, 9])[-1:], atol=1e-4, rtol=1e-4)
     assert copied.tokens == [*seq[:22], 7, 7, 9]
-    loaded.model.config.sliding_window = 1000  # the masks read it on every pass
+    for window in ("sliding_window", "attention_chunk_size"):  # the masks read them on every pass
+        if getattr(loaded.model.config, window, None):
+            setattr(loaded.model.config, window, 1000)
     unwindowed = full_logits(loaded, seq[:55])
     torch.testing.assert_close(unwindowed[:16], full[:16])
     assert float((unwindowed[16:] - full[16:]).abs().amax(-1).min()) > 1e-3

@@ -249,9 +249,17 @@ def build_resized(source: Path, path: Path, vocab: int, extra_scale: float | Non
 
 
 def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
-    """A tiny random model of an architecture whose KV cache keeps some layers windowed
-    (``mistral``, ``gemma2``, ``gemma3``, ``phi3``), with the byte tokenizer."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config
+    """A tiny random model of an architecture whose attention is windowed in some layers
+    (``mistral``, ``gemma2``, ``gemma3``, ``phi3``: a sliding window; ``llama4``: chunks of
+    ``window`` positions, one layer of four whole), with the byte tokenizer."""
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma2Config,
+        Gemma3TextConfig,
+        Llama4TextConfig,
+        MistralConfig,
+        Phi3Config,
+    )
 
     tokenizer = build_tokenizer()
     common = {
@@ -273,6 +281,14 @@ def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
         "gemma2": lambda: Gemma2Config(head_dim=8, **common),
         "gemma3": lambda: Gemma3TextConfig(head_dim=8, sliding_window_pattern=2, **common),
         "phi3": lambda: Phi3Config(**common),
+        "llama4": lambda: Llama4TextConfig(
+            **{**common, "sliding_window": None, "num_hidden_layers": 4},
+            head_dim=8,
+            attention_chunk_size=window,
+            intermediate_size_mlp=64,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
     }
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(configs[arch]()).eval()

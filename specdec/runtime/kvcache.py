@@ -62,11 +62,11 @@ def cache_argument(model: torch.nn.Module, cache: DynamicCache) -> dict[str, obj
 
 def new_cache(config: Any) -> DynamicCache:
     """An empty KV cache for a model of ``config`` whose attention layers keep every position.
-    transformers keeps a windowed layer (Mistral, Gemma-2/3, Phi-3 with a sliding window) to its
-    last window - 1 positions, and such a layer cannot be cut back once the window is full, as every
-    rejected draft needs; kept whole, it is cut back anywhere, and the model still applies the
-    window through the attention mask it builds from its config on every pass. The cost: the
-    memory of the positions outside the window, as a model without one takes."""
+    transformers keeps a windowed layer (Mistral, Gemma-2/3, Phi-3 with a sliding window; Llama-4's
+    chunks) to its last window - 1 positions, and such a layer cannot be cut back once the window is
+    full, as every rejected draft needs; kept whole, it is cut back anywhere, and the model still
+    applies the window through the attention mask it builds from its config on every pass. The cost:
+    the memory of the positions outside the window, as a model without one takes."""
     cache = DynamicCache(config=config)
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicSlidingWindowLayer:
