@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from specdec.runtime import modeling
@@ -174,3 +175,22 @@ def test_a_model_source_that_is_not_a_checkpoint_says_so(tmp_path, source: str, 
             load_tokenizer(path)
     else:
         assert len(load_tokenizer(path)) == len(build_tokenizer())
+
+
+@pytest.mark.parametrize("arch", ["MambaConfig", "JambaConfig"])
+def test_a_model_with_recurrent_layers_is_refused_at_load(tmp_path, arch: str) -> None:  # type: ignore[no-untyped-def]
+    """A Mamba layer's state (every layer's, or some layers' as in Jamba) cannot be cut back to an
+    earlier token, which speculative decoding does in every round a draft is rejected: such a model
+    is refused at load, saying why and what to serve instead (before: the worker's start-up failed
+    on "'LinearAttentionLayer' object has no attribute 'keys'" while sizing its cache budget)."""
+    tokenizer = build_tokenizer()
+    small = {"vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "pad_token_id": 0}
+    if arch == "JambaConfig":  # one Mamba layer, one attention layer
+        small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "num_experts": 2}
+        small |= {"attn_layer_period": 2, "attn_layer_offset": 1, "use_mamba_kernels": False}
+    config = getattr(transformers, arch)(**small)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="recurrent state") as error:
+        modeling.load_model(str(tmp_path), modeling.LoadOptions(device="cpu"))
+    assert str(tmp_path) in str(error.value) and "attention" in str(error.value)

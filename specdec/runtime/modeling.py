@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdec.runtime.devices import resolve_device, resolve_dtype
 from specdec.runtime.grammar import GrammarMasks
@@ -163,6 +163,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         raise ValueError("--quantize int8 has its own int8 kernels; use --cpu-kernel auto or torch with it")
     check_source(model_id)
     tokenizer = load_tokenizer(model_id, options.trust_remote_code)
+    _check_cache_rolls_back(model_id, AutoConfig.from_pretrained(model_id, trust_remote_code=options.trust_remote_code))
     model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=options.trust_remote_code)
     if options.layers:
         keep_first_layers(model, options.layers)
@@ -225,6 +226,25 @@ def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
     config.num_hidden_layers = layers
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:layers]
+
+
+def _check_cache_rolls_back(model_id: str, config: Any) -> None:
+    """Refuses a model whose KV cache keeps a recurrent state (Mamba or linear-attention layers:
+    Mamba, Jamba, Qwen3-Next and the like): that state cannot be cut back to an earlier token,
+    which speculative decoding does in every round a draft is rejected."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    from specdec.runtime.kvcache import new_cache
+
+    layers = new_cache(config).layers
+    recurrent = sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
+    if recurrent:
+        kind = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise ValueError(
+            f"{model_id} ({kind}) keeps a recurrent state in {recurrent} of its {len(layers)} layers (Mamba or "
+            "linear attention), which cannot be cut back to an earlier token as speculative decoding does "
+            "whenever a draft is rejected; serve a model whose layers are all attention layers"
+        )
 
 
 def _context_len(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
