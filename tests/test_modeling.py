@@ -177,17 +177,23 @@ def test_a_model_source_that_is_not_a_checkpoint_says_so(tmp_path, source: str, 
         assert len(load_tokenizer(path)) == len(build_tokenizer())
 
 
-@pytest.mark.parametrize("arch", ["MambaConfig", "JambaConfig"])
+@pytest.mark.parametrize("arch", ["MambaConfig", "JambaConfig", "Qwen3NextConfig"])
 def test_a_model_with_recurrent_layers_is_refused_at_load(tmp_path, arch: str) -> None:  # type: ignore[no-untyped-def]
-    """A Mamba layer's state (every layer's, or some layers' as in Jamba) cannot be cut back to an
-    earlier token, which speculative decoding does in every round a draft is rejected: such a model
-    is refused at load, saying why and what to serve instead (before: the worker's start-up failed
-    on "'LinearAttentionLayer' object has no attribute 'keys'" while sizing its cache budget)."""
+    """A Mamba or linear-attention layer's state (every layer's, or some layers' as in Jamba and
+    Qwen3-Next) cannot be cut back to an earlier token, which speculative decoding does in every
+    round a draft is rejected: such a model is refused at load, saying why and what to serve
+    instead (before: the worker's start-up failed on "'LinearAttentionLayer' object has no
+    attribute 'keys'" while sizing its cache budget)."""
     tokenizer = build_tokenizer()
     small = {"vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "pad_token_id": 0}
     if arch == "JambaConfig":  # one Mamba layer, one attention layer
         small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "num_experts": 2}
         small |= {"attn_layer_period": 2, "attn_layer_offset": 1, "use_mamba_kernels": False}
+    if arch == "Qwen3NextConfig":  # gated delta-net (linear attention) layers and attention layers
+        small |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64}
+        small |= {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8}
+        small |= {"linear_value_head_dim": 8, "num_experts": 2, "num_experts_per_tok": 1}
+        small |= {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
     config = getattr(transformers, arch)(**small)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
