@@ -18,7 +18,7 @@ from specdec.runtime.modeling import (
     use_packed_linear,
 )
 from specdec.runtime.tokenizer import load_tokenizer
-from tests.tiny_models import TinyModels, build_tokenizer
+from tests.tiny_models import TinyModels, build_tokenizer, build_weight_reading
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
 
@@ -200,3 +200,17 @@ def test_a_model_with_recurrent_layers_is_refused_at_load(tmp_path, arch: str) -
     with pytest.raises(ValueError, match="recurrent state") as error:
         modeling.load_model(str(tmp_path), modeling.LoadOptions(device="cpu"))
     assert str(tmp_path) in str(error.value) and "attention" in str(error.value)
+
+
+def test_a_model_whose_code_reads_a_linear_weight_is_told_to_use_the_torch_kernel(
+    tmp_path, tiny_models: TinyModels
+) -> None:  # type: ignore[no-untyped-def]
+    """The packed CPU kernel keeps no dense weight; a model whose own code reads a Linear layer's
+    weight (its dtype, say) is refused at load with the kernel to use instead, and runs with it
+    (before: start-up failed on "'PackedLinear' object has no attribute 'weight'")."""
+    path = build_weight_reading(tiny_models.target, tmp_path / "reading")
+    with pytest.raises(ValueError, match="--cpu-kernel torch") as error:
+        load_model(str(path), LoadOptions(device="cpu", trust_remote_code=True))
+    assert str(path) in str(error.value) and "weight" in str(error.value)
+    loaded = load_model(str(path), LoadOptions(device="cpu", cpu_kernel="torch", trust_remote_code=True))
+    assert loaded.model(torch.tensor([[5, 9]])).logits.shape[-1] == loaded.vocab_size

@@ -190,6 +190,24 @@ class StallingLlamaForCausalLM(LlamaForCausalLM):
 '''
 
 
+_WEIGHT_READING_CODE = '''
+"""A Llama whose forward pass reads a Linear layer's weight (its dtype), as some model code does."""
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class ReadingConfig(LlamaConfig):
+    model_type = "reading_llama"
+
+
+class ReadingLlamaForCausalLM(LlamaForCausalLM):
+    config_class = ReadingConfig
+
+    def forward(self, input_ids=None, **kwargs):
+        assert self.model.layers[0].mlp.down_proj.weight.dtype.is_floating_point
+        return super().forward(input_ids=input_ids, **kwargs)
+'''
+
+
 def _with_code(source: Path, path: Path, code: str, name: str, **config_values: object) -> Path:
     """A copy of ``source`` (same weights and tokenizer) whose model class is ``name`` Llama, defined
     by ``code`` (loaded with --trust-remote-code)."""
@@ -217,6 +235,11 @@ def _with_code(source: Path, path: Path, code: str, name: str, **config_values: 
 def build_crashy(source: Path, path: Path, crash_token_id: int) -> Path:
     """A copy of ``source`` whose forward raises on ``crash_token_id``."""
     return _with_code(source, path, _CRASHY_CODE, "crashy", crash_token_id=crash_token_id)
+
+
+def build_weight_reading(source: Path, path: Path) -> Path:
+    """A copy of ``source`` whose forward pass reads an MLP projection's weight."""
+    return _with_code(source, path, _WEIGHT_READING_CODE, "reading")
 
 
 def build_stalling(

@@ -180,6 +180,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         model = quantize_int8(model)
     elif _wants_packed(options.cpu_kernel, device, dtype):
         use_packed_linear(model)
+        _check_runs_packed(model_id, model, device)
     release_freed_memory()
     config = model.config
     loaded = LoadedModel(
@@ -226,6 +227,21 @@ def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
     config.num_hidden_layers = layers
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:layers]
+
+
+def _check_runs_packed(model_id: str, model: torch.nn.Module, device: torch.device) -> None:
+    """Runs a 2-token pass: a model whose own code reads a Linear layer's weight (its dtype, say)
+    fails it, as PackedLinear keeps no dense weight; that is said at load, with the kernel to use."""
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([[0, 1]], device=device), use_cache=False)
+    except AttributeError as exc:
+        if "PackedLinear" not in str(exc):
+            raise
+        raise ValueError(
+            f"{model_id}'s code reads a Linear layer's weight ({exc}), which the packed CPU kernel does not "
+            "keep; start it with --cpu-kernel torch"
+        ) from exc
 
 
 def _check_cache_rolls_back(model_id: str, config: Any) -> None:
