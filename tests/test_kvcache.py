@@ -20,7 +20,7 @@ from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache,
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.scheduler import Extend, split_step
 from specdec.runtime.tokens import PrefixHashes, common_prefix_len, prefix_hash
-from tests.tiny_models import TinyModels, build_sliding
+from tests.tiny_models import FAMILIES, TinyModels, build_family, build_sliding
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +338,30 @@ def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedM
     assert caches.extend(caches.sync("donor", 8, prefix_hash(donor_seq)), [2], 1).shape[0] == 1
 
 
+SEQ = torch.randint(3, 250, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _cut_back_copied_and_batched(loaded: LoadedModel) -> torch.Tensor:
+    """Runs SEQ through session caches cut back 10 tokens at 40 (past a 16-position window),
+    copied for another session's prefix and run in one batched pass with rows that differ in
+    length before the pass and in it; asserts each gives a full pass's logits and returns the full
+    pass's logits of SEQ's first 55 tokens."""
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
+    caches.extend(caches.sync("s", 0, 0), SEQ[:40], 1)
+    entry = caches.sync("s", 30, prefix_hash(SEQ[:30]))
+    assert entry.cache.get_seq_length() == 30
+    logits = caches.extend(entry, SEQ[30:50], 20)
+    full = full_logits(loaded, SEQ[:55])
+    torch.testing.assert_close(logits, full[30:50], atol=1e-4, rtol=1e-4)
+    copied = caches.sync("t", 22, prefix_hash(SEQ[:22]), source="s")
+    caches.extend(copied, [7, 7], 1)
+    both = caches.extend_many([(caches.sync("s", 50, prefix_hash(SEQ[:50])), SEQ[50:55], 5), (copied, [9], 1)])
+    torch.testing.assert_close(both[0], full[50:55], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(both[1], full_logits(loaded, [*SEQ[:22], 7, 7, 9])[-1:], atol=1e-4, rtol=1e-4)
+    assert copied.tokens == [*SEQ[:22], 7, 7, 9]
+    return full
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4"])
 def test_a_windowed_models_caches_are_cut_back_copied_and_batched_past_its_window(tmp_path: Path, arch: str) -> None:
     """A model whose attention is windowed (16 positions here, or Llama-4's chunks of 16; 256 in
@@ -348,26 +372,24 @@ def test_a_windowed_models_caches_are_cut_back_copied_and_batched_past_its_windo
     path = build_sliding(tmp_path / arch, arch, seed=0)
     loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
     assert loaded.max_context_len == 256
-    seq = torch.randint(3, 250, (60,), generator=torch.Generator().manual_seed(0)).tolist()
-    caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
-    caches.extend(caches.sync("s", 0, 0), seq[:40], 1)
-    entry = caches.sync("s", 30, prefix_hash(seq[:30]))  # 10 back, where the window is full
-    assert entry.cache.get_seq_length() == 30
-    logits = caches.extend(entry, seq[30:50], 20)
-    full = full_logits(loaded, seq[:55])
-    torch.testing.assert_close(logits, full[30:50], atol=1e-4, rtol=1e-4)
-    copied = caches.sync("t", 22, prefix_hash(seq[:22]), source="s")
-    caches.extend(copied, [7, 7], 1)  # the batched rows differ in length before the pass and in it
-    both = caches.extend_many([(caches.sync("s", 50, prefix_hash(seq[:50])), seq[50:55], 5), (copied, [9], 1)])
-    torch.testing.assert_close(both[0], full[50:55], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(both[1], full_logits(loaded, [*seq[:22], 7, 7, 9])[-1:], atol=1e-4, rtol=1e-4)
-    assert copied.tokens == [*seq[:22], 7, 7, 9]
+    full = _cut_back_copied_and_batched(loaded)
     for window in ("sliding_window", "attention_chunk_size"):  # the masks read them on every pass
         if getattr(loaded.model.config, window, None):
             setattr(loaded.model.config, window, 1000)
-    unwindowed = full_logits(loaded, seq[:55])
+    unwindowed = full_logits(loaded, SEQ[:55])
     torch.testing.assert_close(unwindowed[:16], full[:16])
     assert float((unwindowed[16:] - full[16:]).abs().amax(-1).min()) > 1e-3
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_model_familys_caches_are_cut_back_copied_and_batched(tmp_path: Path, family: str) -> None:
+    """Model families whose attention, positions or layers differ (learned and ALiBi positions,
+    partial rotary, latent attention, routed experts, layers without positions, attention sinks,
+    sliding windows), loaded as the workers load them (the packed CPU kernel): their whole context
+    is served, and their session caches, cut back, copied and batched, give a full pass's logits."""
+    loaded = load_model(str(build_family(tmp_path / family, family)), LoadOptions(device="cpu", dtype="float32"))
+    assert loaded.max_context_len == 256
+    _cut_back_copied_and_batched(loaded)
 
 
 def test_the_cache_goes_by_the_keyword_the_model_takes(loaded: LoadedModel) -> None:

@@ -323,6 +323,88 @@ def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
     return path
 
 
+_ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64}
+_MLA = {"num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 64, "q_lora_rank": 16}
+_MLA |= {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 4}
+_MLA |= {
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+# Model families by transformers config class, with the fields a tiny one needs beyond the common ones.
+FAMILIES: dict[str, dict[str, object]] = {
+    "LlamaConfig": _ATTENTION,
+    "Qwen2Config": _ATTENTION,
+    "Qwen3MoeConfig": {
+        **_ATTENTION,
+        "head_dim": 8,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
+    "MixtralConfig": {**_ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "GemmaConfig": {**_ATTENTION, "head_dim": 8},
+    "PhiConfig": {"num_attention_heads": 4, "intermediate_size": 64},  # partial rotary, parallel blocks
+    "GPT2Config": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 256},  # learned absolute positions
+    "GPTNeoXConfig": {"num_attention_heads": 4, "intermediate_size": 64},
+    "FalconConfig": {"num_attention_heads": 4, "new_decoder_architecture": True, "num_kv_heads": 2},
+    "BloomConfig": {"n_head": 4},  # ALiBi
+    "OPTConfig": {"ffn_dim": 64, "num_attention_heads": 4, "word_embed_proj_dim": 32},
+    "CohereConfig": _ATTENTION,
+    "SmolLM3Config": _ATTENTION,  # some layers without rotary positions
+    "DeepseekV3Config": _MLA,  # multi-head latent attention, routed experts
+    "Starcoder2Config": {**_ATTENTION, "sliding_window": 16},
+    "GptOssConfig": {
+        **_ATTENTION,
+        "head_dim": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+    },
+    "Cohere2Config": {**_ATTENTION, "sliding_window": 16},
+    "Qwen3Config": {**_ATTENTION, "head_dim": 8},
+    "Olmo2Config": _ATTENTION,
+    "GraniteConfig": _ATTENTION,
+    "Glm4Config": _ATTENTION,
+    "Phi3Config": _ATTENTION,
+    "StableLmConfig": _ATTENTION,
+    "GPTBigCodeConfig": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 256},
+    "Exaone4Config": {**_ATTENTION, "sliding_window": 16},
+    "ApertusConfig": _ATTENTION,
+    "HunYuanDenseV1Config": {**_ATTENTION, "head_dim": 8},
+    "Ernie4_5Config": _ATTENTION,
+    "SeedOssConfig": {**_ATTENTION, "head_dim": 8},
+    "DeepseekV2Config": _MLA,
+}
+
+
+def build_family(path: Path, family: str, seed: int = 0) -> Path:
+    """A tiny random model of a FAMILIES config class (2 layers, 32 wide, 256 positions; weights
+    drawn with standard deviation 0.2, so that its logits are far from flat), with the byte
+    tokenizer."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    common = {"vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "max_position_embeddings": 256}
+    common |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = getattr(transformers, family)(pad_token_id=tokenizer.pad_token_id, **common, **FAMILIES[family])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.normal_(std=0.2)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_text_bigram(
     path: Path, tokenizer: PreTrainedTokenizerBase, text: str, seed: int, strength: float, noise: float
 ) -> Path:
