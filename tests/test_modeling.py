@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from specdec.runtime import modeling
 from specdec.runtime.kvcache import cache_argument
@@ -18,7 +18,7 @@ from specdec.runtime.modeling import (
     use_packed_linear,
 )
 from specdec.runtime.tokenizer import load_tokenizer
-from tests.tiny_models import TinyModels, build_tokenizer, build_weight_reading
+from tests.tiny_models import TinyModels, build_family, build_tokenizer, build_weight_reading
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
 
@@ -214,3 +214,26 @@ def test_a_model_whose_code_reads_a_linear_weight_is_told_to_use_the_torch_kerne
     assert str(path) in str(error.value) and "weight" in str(error.value)
     loaded = load_model(str(path), LoadOptions(device="cpu", cpu_kernel="torch", trust_remote_code=True))
     assert loaded.model(torch.tensor([[5, 9]])).logits.shape[-1] == loaded.vocab_size
+
+
+STACKS = ["LlamaConfig", "GptOssConfig", "DeepseekV3Config", "GPT2Config", "GPTBigCodeConfig", "GPTNeoXConfig"]
+STACKS += ["FalconConfig", "BloomConfig", "OPTConfig"]  # families whose layer stacks are named otherwise
+
+
+@pytest.mark.parametrize("family", STACKS)
+def test_an_early_exit_draft_is_its_checkpoints_first_layers(tmp_path, family: str) -> None:  # type: ignore[no-untyped-def]
+    """``--draft-layers 1`` gives the logits of the same checkpoint loaded with one layer (the
+    final norm and output layer kept), whatever the decoder calls its layer stack (``layers``,
+    GPT-2's ``h``, OPT's ``decoder.layers``; before, those were refused as not decoder-only)."""
+    path = build_family(tmp_path / family, family)
+    draft = load_model(str(path), LoadOptions(device="cpu", layers=1))
+    config = AutoConfig.from_pretrained(path)
+    config.num_hidden_layers = 1
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:1]
+    one_layer = AutoModelForCausalLM.from_pretrained(path, config=config).eval()
+    ids = torch.tensor([[5, 6, 7, 100, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(draft.model(ids).logits, one_layer(ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="between 1 and 1"):
+        load_model(str(path), LoadOptions(device="cpu", layers=2))

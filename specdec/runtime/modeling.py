@@ -212,17 +212,24 @@ def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
     head: an early-exit draft made of the target's own weights (LayerSkip's self-speculation
     without the extra training; how often it agrees with the full model is measured, not assumed).
     """
-    stack = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(stack, torch.nn.ModuleList):
+    count = model.config.num_hidden_layers
+    decoder = model.get_decoder()
+    stacks = [
+        (name, child)
+        for name, child in decoder.named_children()
+        if isinstance(child, torch.nn.ModuleList) and len(child) == count
+    ]
+    if len(stacks) != 1:
         raise ValueError(
-            f"{type(model).__name__} has no model.layers stack to cut; --draft-layers needs a decoder-only model"
+            f"{type(model).__name__}: no single stack of its {count} decoder layers was found to cut "
+            "(--draft-layers); use a draft model instead"
         )
-    total = len(stack)
-    if not 0 < layers < total:
+    name, stack = stacks[0]
+    if not 0 < layers < count:
         raise ValueError(
-            f"--draft-layers must be between 1 and {total - 1} for this model ({total} layers), got {layers}"
+            f"--draft-layers must be between 1 and {count - 1} for this model ({count} layers), got {layers}"
         )
-    model.model.layers = stack[:layers]
+    setattr(decoder, name, stack[:layers])
     config = model.config
     config.num_hidden_layers = layers
     if isinstance(getattr(config, "layer_types", None), list):
