@@ -128,11 +128,12 @@ def test_a_step_run_in_chunks_gives_the_rows_of_one_pass(
     torch.testing.assert_close(last, full[-2:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gemma4"])
 def test_start_up_times_a_prefill_and_what_its_context_adds(tmp_path: Path, tiny_models: TinyModels, arch: str) -> None:
     """The second timed pass runs over a cache of copied keys and values, also for models whose
     attention is windowed (their caches keep every position, whose keys the pass reads, masked or
-    not); a context too short for it leaves the context rate at 0."""
+    not) and for Gemma-4, whose last layers keep none (they read earlier layers'); a context too
+    short for it leaves the context rate at 0."""
     path = tiny_models.target if arch == "llama" else build_sliding(tmp_path / arch, arch, seed=0)
     loaded = dataclasses.replace(
         load_model(str(path), LoadOptions(device="cpu", dtype="float32")), max_context_len=4096
@@ -362,7 +363,7 @@ def _cut_back_copied_and_batched(loaded: LoadedModel) -> torch.Tensor:
     return full
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4", "gemma4"])
 def test_a_windowed_models_caches_are_cut_back_copied_and_batched_past_its_window(tmp_path: Path, arch: str) -> None:
     """A model whose attention is windowed (16 positions here, or Llama-4's chunks of 16; 256 in
     its context) is loaded with its whole context, and its session caches keep every position:

@@ -310,7 +310,7 @@ def test_same_tokenizer_different_padded_vocabularies(tmp_path: Path, tiny_model
         assert failures == 0 and errors == padded_ids_generated
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4", "gemma4"])
 def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch: str) -> None:
     """A model whose attention is windowed (16 positions here) is served up to its whole context
     (256): the workers keep every position's keys and values and the attention mask applies the

@@ -274,11 +274,13 @@ def build_resized(source: Path, path: Path, vocab: int, extra_scale: float | Non
 def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
     """A tiny random model of an architecture whose attention is windowed in some layers
     (``mistral``, ``gemma2``, ``gemma3``, ``phi3``: a sliding window; ``llama4``: chunks of
-    ``window`` positions, one layer of four whole), with the byte tokenizer."""
+    ``window`` positions, one layer of four whole; ``gemma4``: windowed and whole layers, the last
+    two of four reading the keys and values of earlier ones), with the byte tokenizer."""
     from transformers import (
         AutoModelForCausalLM,
         Gemma2Config,
         Gemma3TextConfig,
+        Gemma4TextConfig,
         Llama4TextConfig,
         MistralConfig,
         Phi3Config,
@@ -311,6 +313,14 @@ def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
             intermediate_size_mlp=64,
             num_local_experts=2,
             num_experts_per_tok=1,
+        ),
+        "gemma4": lambda: Gemma4TextConfig(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=8,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=len(tokenizer),
+            layer_types=["sliding_attention", "full_attention"] * 2,
         ),
     }
     torch.manual_seed(seed)
@@ -377,6 +387,14 @@ FAMILIES: dict[str, dict[str, object]] = {
     "Ernie4_5Config": _ATTENTION,
     "SeedOssConfig": {**_ATTENTION, "head_dim": 8},
     "DeepseekV2Config": _MLA,
+    # the last two of four layers read the keys and values of earlier ones (KV sharing), windowed and whole
+    "Gemma4TextConfig": {**_ATTENTION, "head_dim": 8, "num_hidden_layers": 4, "num_kv_shared_layers": 2}
+    | {"sliding_window": 16, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 259}
+    | {"layer_types": ["sliding_attention", "full_attention"] * 2},
+    "Gemma3nTextConfig": {**_ATTENTION, "head_dim": 8, "num_hidden_layers": 4, "num_kv_shared_layers": 2}
+    | {"sliding_window": 16, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 259}
+    | {"layer_types": ["sliding_attention", "full_attention"] * 2, "altup_num_inputs": 2, "laurel_rank": 4}
+    | {"activation_sparsity_pattern": [0.0] * 4},
 }
 
 
@@ -390,7 +408,7 @@ def build_family(path: Path, family: str, seed: int = 0) -> Path:
     tokenizer = build_tokenizer()
     common = {"vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "max_position_embeddings": 256}
     common |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    config = getattr(transformers, family)(pad_token_id=tokenizer.pad_token_id, **common, **FAMILIES[family])
+    config = getattr(transformers, family)(pad_token_id=tokenizer.pad_token_id, **{**common, **FAMILIES[family]})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():

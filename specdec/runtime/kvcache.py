@@ -135,7 +135,8 @@ def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int) -> DynamicCac
     """A cache of ``copies`` copies of ``cache``'s keys and values, one after another."""
     longer = new_cache(loaded.model.config)
     for index, layer in enumerate(cache.layers):
-        longer.update(layer.keys.repeat(1, 1, copies, 1), layer.values.repeat(1, 1, copies, 1), index)
+        if layer.keys is not None:  # a layer that keeps none reads an earlier layer's (KV sharing)
+            longer.update(layer.keys.repeat(1, 1, copies, 1), layer.values.repeat(1, 1, copies, 1), index)
     return longer
 
 
@@ -432,6 +433,8 @@ class _Batch:
             template = next(entry.cache for entry, _, _ in ops if entry.tokens)
             for layer in range(len(template.layers)):
                 like = template.layers[layer].keys
+                if like is None:  # a layer that keeps no keys (it reads an earlier layer's: KV sharing)
+                    continue
                 pairs = [_left_pad(entry.cache, layer, past, like) for entry, _, _ in ops]
                 cache.update(torch.cat([k for k, _ in pairs]), torch.cat([v for _, v in pairs]), layer)
         return cls(input_ids, mask, positions, cache, past)
@@ -439,6 +442,8 @@ class _Batch:
     def scatter_new_kv(self, row: int, entry: SessionCache, count: int) -> None:
         """Appends this row's new keys/values to the session's own cache."""
         for layer, combined in enumerate(self.cache.layers):
+            if combined.keys is None:  # keeps none (KV sharing)
+                continue
             keys = combined.keys[row : row + 1, :, self.past : self.past + count]
             values = combined.values[row : row + 1, :, self.past : self.past + count]
             entry.cache.update(keys.clone(), values.clone(), layer)
