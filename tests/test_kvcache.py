@@ -20,7 +20,14 @@ from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache,
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.scheduler import Extend, split_step
 from specdec.runtime.tokens import PrefixHashes, common_prefix_len, prefix_hash
-from tests.tiny_models import FAMILIES, TinyModels, build_family, build_sliding
+from tests.tiny_models import (
+    FAMILIES,
+    TinyModels,
+    build_family,
+    build_gemma3_with_vision,
+    build_sliding,
+    build_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -391,6 +398,21 @@ def test_each_model_familys_caches_are_cut_back_copied_and_batched(tmp_path: Pat
     loaded = load_model(str(build_family(tmp_path / family, family)), LoadOptions(device="cpu", dtype="float32"))
     assert loaded.max_context_len == 256
     _cut_back_copied_and_batched(loaded)
+
+
+def test_a_model_that_also_takes_images_is_served_as_its_text_decoder(tmp_path: Path) -> None:
+    """Gemma-3 4B and larger come as Gemma3ForConditionalGeneration, whose config keeps the text
+    model's fields in ``text_config``: the worker reads its EOS ids, context and layers there, and
+    its caches are cut back, copied and batched like any other (before: load failed on
+    "'Gemma3Config' object has no attribute 'eos_token_id'"). Its early-exit draft keeps the first
+    text layer."""
+    path = build_gemma3_with_vision(tmp_path / "gemma3")
+    loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
+    assert type(loaded.model).__name__ == "Gemma3ForConditionalGeneration"
+    assert loaded.max_context_len == 256 and loaded.eos_token_ids == (build_tokenizer().eos_token_id,)
+    _cut_back_copied_and_batched(loaded)
+    draft = load_model(str(path), LoadOptions(device="cpu", dtype="float32", layers=1))
+    assert len(draft.model.get_decoder().layers) == 1 and draft.model.config.get_text_config().num_hidden_layers == 1
 
 
 def test_the_cache_goes_by_the_keyword_the_model_takes(loaded: LoadedModel) -> None:

@@ -423,6 +423,51 @@ def build_family(path: Path, family: str, seed: int = 0) -> Path:
     return path
 
 
+def build_gemma3_with_vision(path: Path, seed: int = 0) -> Path:
+    """A tiny Gemma-3 as its 4B and larger checkpoints come: a text decoder (windowed and whole
+    layers, 16 positions) with a vision tower, whose config keeps the text model's fields (EOS,
+    positions, layers) in ``text_config``. AutoModelForCausalLM loads it as
+    Gemma3ForConditionalGeneration."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    vocab = len(tokenizer)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    text = transformers.Gemma3TextConfig(
+        **_ATTENTION,
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        head_dim=8,
+        sliding_window=16,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        **ids,
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=28, patch_size=14
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=vocab - 1,
+        boi_token_index=vocab - 2,
+        eoi_token_index=vocab - 3,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() > 1:
+                weight.normal_(std=0.2)
+    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, **ids)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_text_bigram(
     path: Path, tokenizer: PreTrainedTokenizerBase, text: str, seed: int, strength: float, noise: float
 ) -> Path:
@@ -442,11 +487,19 @@ def build_text_bigram(
     const = hidden - 1
     vocab = len(tokenizer)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     model = LlamaForCausalLM(config).eval()
     generator = torch.Generator().manual_seed(seed)
     scale = (hidden / 2) ** 0.5  # RMS-normalising e_i + e_c multiplies it by this

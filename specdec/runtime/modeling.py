@@ -207,12 +207,19 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
     return loaded
 
 
+def text_config(config: Any) -> Any:
+    """The config of the text decoder: ``config`` itself, or the text model's part of a model that
+    also takes images or audio (Gemma-3 4B and larger, Gemma-4, Llama-4, Mistral-Small-3.1)."""
+    return config.get_text_config(decoder=True)
+
+
 def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
     """Cuts ``model`` to its first ``layers`` decoder layers, keeping the final norm and the LM
     head: an early-exit draft made of the target's own weights (LayerSkip's self-speculation
     without the extra training; how often it agrees with the full model is measured, not assumed).
     """
-    count = model.config.num_hidden_layers
+    config = text_config(model.config)
+    count = config.num_hidden_layers
     decoder = model.get_decoder()
     stacks = [
         (name, child)
@@ -230,7 +237,6 @@ def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
             f"--draft-layers must be between 1 and {count - 1} for this model ({count} layers), got {layers}"
         )
     setattr(decoder, name, stack[:layers])
-    config = model.config
     config.num_hidden_layers = layers
     if isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = config.layer_types[:layers]
@@ -274,7 +280,7 @@ def _context_len(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
     """The longest sequence served: the model's positions (its tokenizer's limit where the config
     names none). A model with windowed attention is served to the same length: its caches keep
     every position (``kvcache.new_cache``)."""
-    return int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
+    return int(getattr(text_config(config), "max_position_embeddings", 0) or tokenizer.model_max_length)
 
 
 def _wants_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
@@ -297,7 +303,7 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tupl
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         candidates.append(generation_config.eos_token_id)
-    candidates += [model.config.eos_token_id, tokenizer.eos_token_id]
+    candidates += [getattr(text_config(model.config), "eos_token_id", None), tokenizer.eos_token_id]
     for value in candidates:
         if value is None:
             continue
