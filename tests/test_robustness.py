@@ -316,7 +316,9 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
     (256): the workers keep every position's keys and values and the attention mask applies the
     window, so drafts rejected past the window are cut back like any others. Replies sent at once
     and a multi-turn session, all past the window and with rollbacks, equal HF's target-only greedy
-    (whose cache keeps the window); a request past the context gets INVALID_ARGUMENT."""
+    (whose cache keeps the window); a request past the context gets INVALID_ARGUMENT. Gemma-4's
+    last layers read earlier layers' keys and values: before, the replies' batched pass ended its
+    target worker."""
     target = build_sliding(tmp_path / "target", arch, seed=0)
     draft = build_sliding(tmp_path / "draft", arch, seed=1)  # unrelated: most drafts are rejected
     prompts = [[5, 17, 99, 3], list(range(20, 40)), [9] * 7]
