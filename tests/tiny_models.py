@@ -271,13 +271,34 @@ def build_resized(source: Path, path: Path, vocab: int, extra_scale: float | Non
     return path
 
 
+def _save_random(
+    path: Path, config: object, tokenizer: PreTrainedTokenizerBase, seed: int, std: float | None = None
+) -> Path:
+    """Saves a model of ``config`` with random weights (seeded; with ``std``, every matrix drawn
+    anew with that standard deviation, so that its logits are far from flat) and ``tokenizer``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if std is not None:
+        with torch.no_grad():
+            for weight in model.parameters():
+                if weight.dim() > 1:
+                    weight.normal_(std=std)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
     """A tiny random model of an architecture whose attention is windowed in some layers
     (``mistral``, ``gemma2``, ``gemma3``, ``phi3``: a sliding window; ``llama4``: chunks of
     ``window`` positions, one layer of four whole; ``gemma4``: windowed and whole layers, the last
     two of four reading the keys and values of earlier ones), with the byte tokenizer."""
     from transformers import (
-        AutoModelForCausalLM,
         Gemma2Config,
         Gemma3TextConfig,
         Gemma4TextConfig,
@@ -323,14 +344,7 @@ def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
             layer_types=["sliding_attention", "full_attention"] * 2,
         ),
     }
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(configs[arch]()).eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save_random(path, configs[arch](), tokenizer, seed)
 
 
 _ATTENTION = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64}
@@ -403,24 +417,12 @@ def build_family(path: Path, family: str, seed: int = 0) -> Path:
     drawn with standard deviation 0.2, so that its logits are far from flat), with the byte
     tokenizer."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
     common = {"vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "max_position_embeddings": 256}
     common |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     config = getattr(transformers, family)(pad_token_id=tokenizer.pad_token_id, **{**common, **FAMILIES[family]})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for weight in model.parameters():
-            if weight.dim() > 1:
-                weight.normal_(std=0.2)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save_random(path, config, tokenizer, seed, std=0.2)
 
 
 def build_gemma3_with_vision(path: Path, seed: int = 0) -> Path:
@@ -429,7 +431,6 @@ def build_gemma3_with_vision(path: Path, seed: int = 0) -> Path:
     positions, layers) in ``text_config``. AutoModelForCausalLM loads it as
     Gemma3ForConditionalGeneration."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
     vocab = len(tokenizer)
@@ -456,16 +457,7 @@ def build_gemma3_with_vision(path: Path, seed: int = 0) -> Path:
         boi_token_index=vocab - 2,
         eoi_token_index=vocab - 3,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for weight in model.parameters():
-            if weight.dim() > 1:
-                weight.normal_(std=0.2)
-    model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id, **ids)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _save_random(path, config, tokenizer, seed, std=0.2)
 
 
 def build_text_bigram(
