@@ -163,8 +163,11 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         raise ValueError("--quantize int8 has its own int8 kernels; use --cpu-kernel auto or torch with it")
     check_source(model_id)
     tokenizer = load_tokenizer(model_id, options.trust_remote_code)
-    _check_cache_rolls_back(model_id, AutoConfig.from_pretrained(model_id, trust_remote_code=options.trust_remote_code))
-    model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=options.trust_remote_code)
+    config = AutoConfig.from_pretrained(model_id, trust_remote_code=options.trust_remote_code)
+    _check_cache_rolls_back(model_id, config)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_id, config=config, dtype=dtype, trust_remote_code=options.trust_remote_code
+    )
     if options.layers:
         keep_first_layers(model, options.layers)
         model_id = f"{model_id} (first {options.layers} layers)"
@@ -182,14 +185,13 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         use_packed_linear(model)
         _check_runs_packed(model_id, model, device)
     release_freed_memory()
-    config = model.config
     loaded = LoadedModel(
         model_id=model_id,
         model=model,
         device=device,
         dtype=dtype,
         vocab_size=vocab_size,
-        max_context_len=_context_len(config, tokenizer),
+        max_context_len=_context_len(model.config, tokenizer),
         eos_token_ids=eos_token_ids,
         tokenizer_hash=fingerprint,
         grammar=GrammarMasks.build(tokenizer, vocab_size, eos_token_ids) if options.structured_output else None,
