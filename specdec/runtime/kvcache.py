@@ -131,12 +131,17 @@ def prefill_rates(loaded: LoadedModel) -> PrefillRates:
     return PrefillRates(short * 1000 / tokens, per_1k)
 
 
+def _keeping(cache: DynamicCache) -> list[tuple[int, Any]]:
+    """The layers of ``cache`` that keep keys and values, with their indices: a layer that reads an
+    earlier layer's (KV sharing: Gemma-3n, Gemma-4) keeps none, and a copy or a batch skips it."""
+    return [(index, layer) for index, layer in enumerate(cache.layers) if layer.keys is not None]
+
+
 def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int) -> DynamicCache:
     """A cache of ``copies`` copies of ``cache``'s keys and values, one after another."""
     longer = new_cache(loaded.model.config)
-    for index, layer in enumerate(cache.layers):
-        if layer.keys is not None:  # a layer that keeps none reads an earlier layer's (KV sharing)
-            longer.update(layer.keys.repeat(1, 1, copies, 1), layer.values.repeat(1, 1, copies, 1), index)
+    for index, layer in _keeping(cache):
+        longer.update(layer.keys.repeat(1, 1, copies, 1), layer.values.repeat(1, 1, copies, 1), index)
     return longer
 
 
@@ -431,19 +436,14 @@ class _Batch:
         cache = new_cache(loaded.model.config)
         if past:
             template = next(entry.cache for entry, _, _ in ops if entry.tokens)
-            for layer in range(len(template.layers)):
-                like = template.layers[layer].keys
-                if like is None:  # a layer that keeps no keys (it reads an earlier layer's: KV sharing)
-                    continue
-                pairs = [_left_pad(entry.cache, layer, past, like) for entry, _, _ in ops]
+            for layer, kept in _keeping(template):
+                pairs = [_left_pad(entry.cache, layer, past, kept.keys) for entry, _, _ in ops]
                 cache.update(torch.cat([k for k, _ in pairs]), torch.cat([v for _, v in pairs]), layer)
         return cls(input_ids, mask, positions, cache, past)
 
     def scatter_new_kv(self, row: int, entry: SessionCache, count: int) -> None:
         """Appends this row's new keys/values to the session's own cache."""
-        for layer, combined in enumerate(self.cache.layers):
-            if combined.keys is None:  # keeps none (KV sharing)
-                continue
+        for layer, combined in _keeping(self.cache):
             keys = combined.keys[row : row + 1, :, self.past : self.past + count]
             values = combined.values[row : row + 1, :, self.past : self.past + count]
             entry.cache.update(keys.clone(), values.clone(), layer)
