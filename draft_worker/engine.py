@@ -305,6 +305,9 @@ def translated_propose_job(
             f"{loaded.max_context_len}: it cannot draft {params.k} more"
         )
     keep = min(common_prefix_len(entry.tokens, wanted), len(wanted) - 1)
+    if not entry.reaches(keep):  # a windowed layer's cache cannot be cut back that far
+        caches.release(session_id)
+        return None
     entry.truncate(keep)
     feed, own = wanted[keep:], dataclasses.replace(params, guess_tokens=0)  # no guesses: see the module doc
     if bridge.method == "slem":

@@ -14,12 +14,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
+from draft_worker.engine import Block, DraftParams, translated_propose_job
 from specdec.runtime import kvcache
 from specdec.runtime import tokens as tokens_module
 from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches, cache_argument
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
+from specdec.runtime.sampling import Warp
 from specdec.runtime.scheduler import Extend, split_step
 from specdec.runtime.tokens import PrefixHashes, common_prefix_len, prefix_hash
+from specdec.runtime.vocab import VocabBridge
+from specdec.v1 import common_pb2
 from tests.tiny_models import (
     FAMILIES,
     TinyModels,
@@ -387,6 +391,104 @@ def test_a_windowed_models_caches_are_cut_back_copied_and_batched_past_its_windo
     unwindowed = full_logits(loaded, SEQ[:55])
     torch.testing.assert_close(unwindowed[:16], full[:16])
     assert float((unwindowed[16:] - full[16:]).abs().amax(-1).min()) > 1e-3
+
+
+def _windowed_positions(entry: SessionCache) -> list[int]:
+    """The positions each windowed layer of ``entry``'s cache keeps."""
+    return [layer.keys.shape[2] for layer in entry.cache.layers if getattr(layer, "is_sliding", False)]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4", "gemma4"])
+def test_a_windowed_layer_keeps_its_window_and_a_margin_to_cut_back(tmp_path: Path, arch: str) -> None:
+    """With a rollback margin (6 positions here), a windowed layer keeps only what its next queries
+    can see (the window's 15 positions before them) and the margin: at most 21 positions however
+    long the session, through a decode past the window that cuts back up to 6 tokens every round,
+    each round's logits those of a full pass. A batched pass of rows whose windowed layers keep
+    different numbers of positions gives every row's full-pass logits too. A cut deeper than the
+    margin (a turn rolled back, a prefix of another session far behind its end) is a resync, and
+    the budget counts a windowed layer's memory only for the positions it can keep."""
+    loaded = load_model(str(build_sliding(tmp_path / arch, arch, seed=0)), LoadOptions(device="cpu", dtype="float32"))
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=6)
+    rng = torch.Generator().manual_seed(1)
+    entry, kept = caches.sync("s", 0, 0), list(SEQ[:4])
+    caches.extend(entry, kept, 1)
+    while len(kept) < 55:  # a block of 1-6 tokens, of which the first 0-6 stay (the rest is cut back)
+        block = torch.randint(3, 250, (int(torch.randint(1, 7, (1,), generator=rng)),), generator=rng).tolist()
+        logits = caches.extend(entry, block, len(block))
+        torch.testing.assert_close(logits, full_logits(loaded, [*kept, *block])[-len(block) :], atol=1e-4, rtol=1e-4)
+        assert max(_windowed_positions(entry)) <= 21
+        kept += block[: int(torch.randint(0, len(block) + 1, (1,), generator=rng))]
+        entry = caches.sync("s", len(kept), prefix_hash(kept))
+    assert entry.cache.get_seq_length() == len(kept) and _windowed_positions(entry)
+    assert min(_windowed_positions(entry)) >= 15  # the window before the next query, at least
+    held = caches.cached_tokens
+    # all layers windowed: 21; Gemma-4's whole layers' keys are 64 times wider (head dim 512 to 8),
+    # so its windowed layers take 1.5% of a token's memory, under one token for this session
+    assert held == 21 if arch in ("mistral", "phi3") else (held < len(kept) or arch == "gemma4")
+    short = caches.sync("t", 0, 0)
+    caches.extend(short, SEQ[:5], 1)
+    both = caches.extend_many([(entry, SEQ[50:53], 3), (short, [9, 8], 2)])
+    torch.testing.assert_close(both[0], full_logits(loaded, [*kept, *SEQ[50:53]])[-3:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(both[1], full_logits(loaded, [*SEQ[:5], 9, 8])[-2:], atol=1e-4, rtol=1e-4)
+    kept += SEQ[50:53]
+    caches.extend(caches.sync("s", len(kept), prefix_hash(kept)), SEQ[53:59], 1)  # 6 more: 21 kept
+    assert _windowed_positions(entry) == [21] * len(_windowed_positions(entry))
+    assert entry.reaches(len(kept)) and not entry.reaches(len(kept) - 1)  # 6 back is the margin, 7 beyond it
+    entry = caches.sync("s", len(kept), prefix_hash(kept))  # its next query sees all 15 before it, the first kept
+    torch.testing.assert_close(caches.extend(entry, [7], 1), full_logits(loaded, [*kept, 7])[-1:], atol=1e-4, rtol=1e-4)
+    kept.append(7)
+    with pytest.raises(ResyncRequired):  # another session's prefix 10 tokens behind that cache's end
+        caches.sync("u", len(kept) - 10, prefix_hash(kept[:-10]), source="s")
+    with pytest.raises(ResyncRequired):  # the session itself rolled back 10 tokens
+        caches.sync("s", len(kept) - 10, prefix_hash(kept[:-10]))
+    assert "s" not in caches and "u" not in caches
+    copy = caches.sync("u", 5, prefix_hash(SEQ[:5]), source="t")  # a short cache keeps every position
+    torch.testing.assert_close(caches.extend(copy, [7], 1), full_logits(loaded, [*SEQ[:5], 7])[-1:])
+
+
+def test_a_windowed_models_budget_counts_what_its_caches_keep(tmp_path: Path) -> None:
+    """Every layer windowed (Mistral), a rollback margin of 6: a cache of 40 tokens keeps 21
+    positions and counts 21 against a 70-token budget. Three fit; a batched pass that starts two
+    more frees the two least recently used (before: freeing one was counted as 40 and left the
+    caches at 84)."""
+    loaded = load_model(
+        str(build_sliding(tmp_path / "m", "mistral", seed=0)), LoadOptions(device="cpu", dtype="float32")
+    )
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, max_tokens=70, margin=6)
+    for name in ("a", "b", "c"):
+        caches.extend(caches.sync(name, 0, 0), SEQ[:40], 1)
+    assert caches.cached_tokens == 63 and caches.evicted_for_tokens == 0
+    caches.extend_many([(caches.sync(name, 0, 0), SEQ[:30], 1) for name in ("d", "e")])
+    assert [name for name in "abcde" if name in caches] == ["c", "d", "e"] and caches.cached_tokens == 63
+
+
+@pytest.mark.parametrize("method", ["tli", "slem"])
+def test_a_translated_draft_whose_windowed_cache_cannot_be_cut_back_so_far_resyncs(tmp_path: Path, method: str) -> None:
+    """A draft of another tokenizer cuts its cache back to the tokens it shares with the committed
+    text's own tokenization. Where its windowed layers cannot be cut back that far (their margin, 2
+    positions here, is behind them), the job answers resync (None) and frees the cache, as when its
+    mirror no longer holds the prefix; the next request, from the start, drafts again."""
+    tokenizer = build_tokenizer()
+    path = build_sliding(tmp_path / "draft", "mistral", seed=0)
+    draft = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
+    text = tokenizer.encode("the quick brown fox jumps over the lazy dog, then sleeps", add_special_tokens=False)
+    bridge = VocabBridge(tokenizer, tokenizer, draft.vocab_size, method)
+    caches, params = SessionCaches(draft, max_sessions=4, idle_s=60, margin=2), DraftParams(3, Warp(), seed=0, top_n=0)
+
+    def drive(base: int) -> Block | None:
+        sync = common_pb2.PrefixSync(base_len=base, prefix_hash=prefix_hash(text[:base]), tail_token_ids=text[base:40])
+        job = translated_propose_job(caches, draft, bridge, "s", sync, params)
+        try:
+            step = next(job)
+            while True:
+                step = job.send(caches.extend(step.entry, step.token_ids, step.num_logits))
+        except StopIteration as done:
+            return done.value
+
+    assert drive(0) is not None and len(caches._entries["s"].tokens) >= 40
+    caches.extend(caches._entries["s"], [7] * 6, 1)  # its cache 6 tokens past what the text holds
+    assert drive(30) is None and "s" not in caches  # before: ValueError from the windowed layer's cut
+    assert drive(0) is not None
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

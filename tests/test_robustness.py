@@ -313,9 +313,11 @@ def test_same_tokenizer_different_padded_vocabularies(tmp_path: Path, tiny_model
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4", "gemma4"])
 def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch: str) -> None:
     """A model whose attention is windowed (16 positions here) is served up to its whole context
-    (256): the workers keep every position's keys and values and the attention mask applies the
-    window, so drafts rejected past the window are cut back like any others. Replies sent at once
-    and a multi-turn session, all past the window and with rollbacks, equal HF's target-only greedy
+    (256): the workers' windowed layers keep the window and a rollback margin before it (10
+    positions with --max-draft-tokens 4), the attention mask applies the window, and drafts
+    rejected past the window are cut back like any others. Replies sent at once, a multi-turn
+    session and a prompt that reuses a cached prefix far behind its cache's end (a resync: the
+    margin is gone there), all past the window and with rollbacks, equal HF's target-only greedy
     (whose cache keeps the window); a request past the context gets INVALID_ARGUMENT. Gemma-4's
     last layers read earlier layers' keys and values: before, the replies' batched pass ended its
     target worker."""
@@ -323,7 +325,7 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
     draft = build_sliding(tmp_path / "draft", arch, seed=1)  # unrelated: most drafts are rejected
     prompts = [[5, 17, 99, 3], list(range(20, 40)), [9] * 7]
     with (
-        fault_cluster(tmp_path / "run", target, draft) as cluster,
+        fault_cluster(tmp_path / "run", target, draft, worker_args=["--max-draft-tokens", "4"]) as cluster,
         grpc.insecure_channel(cluster.address) as channel,
         ThreadPoolExecutor(len(prompts)) as pool,
     ):
@@ -332,17 +334,26 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
         replies = list(
             pool.map(lambda p: stub.Generate(make_request(p, k=4, max_new=40, ignore_eos=True), timeout=120), prompts)
         )
-        session = [stub.Generate(make_request([p], k=3, max_new=8, session_id="w", ignore_eos=True)) for p in (7, 8, 9)]
+        cached = metric(cluster, "target-0", "specdec_worker_cached_tokens")  # the three replies' caches
+        again = [*prompts[1], *replies[1].token_ids[:14], 1]  # its first 32 tokens cached, 28 before their end
+        reused = stub.Generate(make_request(again, k=4, max_new=20, ignore_eos=True), timeout=120)
+        session = [
+            stub.Generate(make_request([p], k=3, max_new=16, session_id="w", ignore_eos=True)) for p in (7, 8, 9)
+        ]
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(make_request(prompts[0], k=4, max_new=253), timeout=60)
         pids_alive = all(p.proc.poll() is None for p in cluster.processes.values())
     for prompt, reply in zip(prompts, replies, strict=True):
         assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 40, ignore_eos=True)
         assert reply.stats.draft_tokens_proposed > reply.stats.draft_tokens_accepted  # rollbacks happened
+    if arch in ("mistral", "phi3"):  # every layer windowed: 25 positions of each reply's 44-60 kept
+        assert cached == 3 * 25
+    assert list(reused.token_ids) == reference_greedy(str(target), tuple(again), 20, ignore_eos=True)
+    assert reused.usage.cached_tokens == 0
     history: list[int] = []
     for p, turn in zip((7, 8, 9), session, strict=True):
         history.append(p)
-        assert list(turn.token_ids) == reference_greedy(str(target), tuple(history), 8, ignore_eos=True)
+        assert list(turn.token_ids) == reference_greedy(str(target), tuple(history), 16, ignore_eos=True)
         history += list(turn.token_ids)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context length 256" in err.value.details()
     assert pids_alive
@@ -350,16 +361,17 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
 
 @pytest.mark.slow
 def test_a_windowed_model_samples_its_exact_distribution_past_its_window(tmp_path: Path) -> None:
-    """Sampled requests whose 22-token prompt is past a 16-position window, on Gemma-3's mix of
+    """Sampled requests whose 32-token prompt is past a 16-position window, on Gemma-3's mix of
     windowed and whole layers with an unrelated draft (nearly every draft rejected: the caches are
-    cut back past the window every round): the first three tokens follow the target's exact
-    distribution (chi-square against plain forward passes), and reject the distribution of the
-    same weights without the window, which a cache or mask that let the window lapse would give."""
+    cut back past the window every round, their windowed layers keeping 25 positions with
+    --max-draft-tokens 4): the first three tokens follow the target's exact distribution
+    (chi-square against plain forward passes), and reject the distribution of the same weights
+    without the window, which a cache or mask that let the window lapse would give."""
     target = build_sliding(tmp_path / "target", "gemma3", seed=0)
     draft = build_sliding(tmp_path / "draft", "gemma3", seed=1)
     mix = SampledMix(
         "",
-        prompt=tuple(range(30, 52)),
+        prompt=tuple(range(30, 62)),
         sampling={
             "max_new_tokens": FIRST,
             "temperature": 0.1,
@@ -371,7 +383,10 @@ def test_a_windowed_model_samples_its_exact_distribution_past_its_window(tmp_pat
         bug="",
         shown=(),
     )
-    with fault_cluster(tmp_path / "run", target, draft) as cluster, grpc.insecure_channel(cluster.address) as channel:
+    with (
+        fault_cluster(tmp_path / "run", target, draft, worker_args=["--max-draft-tokens", "4"]) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
         sampled, sent = sample_mix(coordinator_pb2_grpc.GenerationStub(channel), mix, "windowed")
         proposed = metric(cluster, "coordinator", "specdec_proposer_tokens_proposed_total", 'proposer="model"')
     sampling = sampled_request(mix, 0).sampling

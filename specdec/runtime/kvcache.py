@@ -60,17 +60,67 @@ def cache_argument(model: torch.nn.Module, cache: DynamicCache) -> dict[str, obj
     return {_cache_keyword(type(model)): cache, "use_cache": True}
 
 
-def new_cache(config: Any) -> DynamicCache:
-    """An empty KV cache for a model of ``config`` whose attention layers keep every position.
-    transformers keeps a windowed layer (Mistral, Gemma-2/3, Phi-3 with a sliding window; Llama-4's
-    chunks) to its last window - 1 positions, and such a layer cannot be cut back once the window is
-    full, as every rejected draft needs; kept whole, it is cut back anywhere, and the model still
-    applies the window through the attention mask it builds from its config on every pass. The cost:
-    the memory of the positions outside the window, as a model without one takes."""
+class WindowedLayer(DynamicLayer):
+    """The cache of a windowed attention layer (a sliding window, or Llama-4's chunks: a query sees
+    at most the ``window`` - 1 positions before it) that can be cut back. transformers' own keeps
+    the last window - 1 positions and cannot be cut back once full, as every rejected draft needs;
+    this one keeps those and ``margin`` more before them, so a cut of up to ``margin`` tokens still
+    leaves the window its next queries see (``margin`` None: every position is kept). Its keys are
+    those of positions ``first`` to ``length`` - 1, and the masks it sizes say so."""
+
+    is_sliding = True
+
+    def __init__(self, window: int, margin: int | None) -> None:
+        super().__init__()
+        self.window = window
+        self.limit = None if margin is None else window - 1 + margin  # positions kept at most
+        self.length = 0  # positions seen, kept or not
+
+    @property
+    def first(self) -> int:
+        """The position of the first key kept."""
+        return self.length - (self.keys.shape[-2] if self.is_initialized else 0)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states)
+        self.length += key_states.shape[-2]
+        if self.limit is not None and keys.shape[-2] > self.limit:
+            self.keys, self.values = keys[..., -self.limit :, :], values[..., -self.limit :, :]
+            if keys.shape[-2] > 2 * self.limit:  # a long pass's keys: hold only the kept ones' memory
+                self.keys, self.values = self.keys.clone(), self.values.clone()
+        return keys, values  # this pass's queries see every key (the mask applies the window)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length - self.first + query_length, self.first
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def can_cut(self, tokens: int) -> bool:
+        """Whether cutting the last ``tokens`` positions leaves every key the next queries see."""
+        return self.first <= max(0, self.length - tokens - (self.window - 1))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0 or not self.can_cut(-tokens_to_remove):
+            raise ValueError(
+                f"cannot cut {-tokens_to_remove} positions from a windowed layer holding {self.first} to {self.length}"
+            )
+        super().crop(tokens_to_remove)
+        self.length += tokens_to_remove
+
+
+def new_cache(config: Any, margin: int | None = None) -> DynamicCache:
+    """An empty KV cache for a model of ``config`` whose windowed attention layers can be cut back:
+    transformers' cache for the config, each windowed layer a WindowedLayer keeping its window and
+    ``margin`` positions (None: all of them; a batched pass's cache, whose new keys go back to
+    each session's own). The model applies the window through the attention mask it builds on
+    every pass, from the config and the positions each layer says it holds."""
     cache = DynamicCache(config=config)
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicSlidingWindowLayer:
-            cache.layers[index] = DynamicLayer()
+            cache.layers[index] = WindowedLayer(layer.sliding_window, margin)
     return cache
 
 
@@ -79,8 +129,7 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
     cache = new_cache(loaded.model.config)
     with torch.inference_mode():
         loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), **cache_argument(loaded.model, cache))
-    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
-    return max(1, sum(t.numel() * t.element_size() for t in tensors) // 2)
+    return max(1, sum(_bytes(layer) for layer in cache.layers) // 2)
 
 
 PREFILL_PROBE_TOKENS = 256  # the start-up passes that prefill_rates times
@@ -192,6 +241,13 @@ class SessionCache:
     counts: TokenCounts = field(default_factory=TokenCounts)  # of ``tokens``, for penalties; likewise
     grammar: GrammarState | None = None  # the structured-output matcher (None: the model has no grammar masks)
 
+    def reaches(self, length: int) -> bool:
+        """Whether the cache can be cut back to its first ``length`` tokens: a windowed layer keeps
+        only its window and a margin before it (``WindowedLayer``)."""
+        excess = len(self.tokens) - length
+        windowed = [layer for layer in self.cache.layers if isinstance(layer, WindowedLayer)]
+        return excess <= 0 or all(layer.can_cut(excess) for layer in windowed)
+
     def truncate(self, length: int) -> None:
         """Rolls back to the first ``length`` tokens (an index of more of them is dropped)."""
         excess = len(self.tokens) - length
@@ -208,12 +264,20 @@ class SessionCaches:
     """LRU-bounded map of session id -> SessionCache for one model: at most ``max_sessions``
     caches and, when ``max_tokens`` is set, at most that many cached tokens in all (the least
     recently used caches go first; the ones a pass has just extended stay, so one session longer
-    than the budget still runs, alone)."""
+    than the budget still runs, alone).
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, idle_s: float, max_tokens: int = 0) -> None:
+    With a ``margin``, a windowed attention layer keeps its window and that many positions before
+    it (``WindowedLayer``): a cut back deeper than that is a resync. A token counts then for the
+    share of its memory that is kept: beyond a layer's window and margin, only its whole layers'."""
+
+    def __init__(
+        self, loaded: LoadedModel, max_sessions: int, idle_s: float, max_tokens: int = 0, margin: int | None = None
+    ) -> None:
         self._loaded = loaded
         self._max_sessions = max_sessions
         self.max_tokens = max_tokens  # 0 = no limit
+        self._margin = margin
+        self._windowed = _windowed_share(loaded, margin)
         self._idle_s = idle_s
         self._entries: OrderedDict[str, SessionCache] = OrderedDict()
         self.prefill_tokens_total = 0
@@ -229,9 +293,15 @@ class SessionCaches:
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens held by all the caches. Safe to read from another thread (the metrics server):
-        the entries are copied out in one step before they are summed."""
-        return sum(len(entry.tokens) for entry in list(self._entries.values()))
+        """Tokens held by all the caches, a token beyond a windowed layer's window and margin
+        counting for its whole layers' share of a token's memory. Safe to read from another thread
+        (the metrics server): the entries are copied out in one step before they are summed."""
+        return sum(self._held(len(entry.tokens)) for entry in list(self._entries.values()))
+
+    def _held(self, length: int) -> int:
+        """What a cache of ``length`` tokens counts for (at most: a cut-back windowed layer keeps fewer)."""
+        limit, share = self._windowed
+        return length - int(share * max(0, length - limit))
 
     def sync(self, session_id: str, base_len: int, base_hash: int, source: str = "") -> SessionCache:
         """The session's cache cut back to ``base_len`` committed tokens.
@@ -243,7 +313,7 @@ class SessionCaches:
         self.evict_idle()
         entry = self._entries.get(session_id)
         if base_len == 0:
-            entry = self._new_entry([], new_cache(self._loaded.model.config))
+            entry = self._new_entry([], new_cache(self._loaded.model.config, self._margin))
             self._entries[session_id] = entry
             self._evict_over_capacity()
         elif _holds(entry, base_len, base_hash):
@@ -398,7 +468,7 @@ class SessionCaches:
                 break
             if not any(entry is kept for kept in keep):
                 del self._entries[session_id]
-                over -= len(entry.tokens)
+                over -= self._held(len(entry.tokens))
                 freed.append(session_id)
         if freed:
             self.evicted_for_tokens += len(freed)
@@ -407,8 +477,32 @@ class SessionCaches:
 
 
 def _holds(entry: SessionCache | None, length: int, expected_hash: int) -> bool:
-    """Whether ``entry`` holds ``length`` tokens whose hash is ``expected_hash``."""
-    return entry is not None and len(entry.tokens) >= length and entry.hashes.of(entry.tokens, length) == expected_hash
+    """Whether ``entry`` holds ``length`` tokens whose hash is ``expected_hash``, and can be cut back to them."""
+    return (
+        entry is not None
+        and len(entry.tokens) >= length
+        and entry.hashes.of(entry.tokens, length) == expected_hash
+        and entry.reaches(length)
+    )
+
+
+def _windowed_share(loaded: LoadedModel, margin: int | None) -> tuple[int, float]:
+    """The positions a windowed layer keeps at most with ``margin``, and the share of a token's
+    KV memory its model's windowed layers take (measured on a 2-token pass); 0 for a model
+    without them or when they keep every position."""
+    cache = new_cache(loaded.model.config, margin)
+    limits = {layer.limit for layer in cache.layers if isinstance(layer, WindowedLayer)}
+    if not limits or None in limits:
+        return 0, 0.0
+    with torch.inference_mode():
+        loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), **cache_argument(loaded.model, cache))
+    sizes = [(isinstance(layer, WindowedLayer), _bytes(layer)) for layer in cache.layers]
+    return max(limits), sum(size for windowed, size in sizes if windowed) / max(1, sum(size for _, size in sizes))
+
+
+def _bytes(layer: Any) -> int:
+    """The memory a cache layer's keys and values take."""
+    return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
 
 
 @dataclass
@@ -437,16 +531,29 @@ class _Batch:
         if past:
             template = next(entry.cache for entry, _, _ in ops if entry.tokens)
             for layer, kept in _keeping(template):
-                pairs = [_left_pad(entry.cache, layer, past, kept.keys) for entry, _, _ in ops]
+                windowed = isinstance(kept, WindowedLayer)
+                # a windowed layer's rows end at the same position, the last before the pass: each
+                # row keeps its own number of positions, the padding before them masked (or out of its window)
+                length = max(_held_positions(entry.cache, layer) for entry, _, _ in ops) if windowed else past
+                pairs = [_left_pad(entry.cache, layer, length, kept.keys) for entry, _, _ in ops]
                 cache.update(torch.cat([k for k, _ in pairs]), torch.cat([v for _, v in pairs]), layer)
+                if windowed:
+                    cache.layers[layer].length = past
         return cls(input_ids, mask, positions, cache, past)
 
     def scatter_new_kv(self, row: int, entry: SessionCache, count: int) -> None:
         """Appends this row's new keys/values to the session's own cache."""
         for layer, combined in _keeping(self.cache):
-            keys = combined.keys[row : row + 1, :, self.past : self.past + count]
-            values = combined.values[row : row + 1, :, self.past : self.past + count]
+            start = combined.keys.shape[2] - self.input_ids.shape[1]  # the pass's first position
+            keys = combined.keys[row : row + 1, :, start : start + count]
+            values = combined.values[row : row + 1, :, start : start + count]
             entry.cache.update(keys.clone(), values.clone(), layer)
+
+
+def _held_positions(cache: DynamicCache, layer: int) -> int:
+    """The positions one layer of a session's cache keeps (0 before its first pass)."""
+    own = cache.layers[layer] if layer < len(cache.layers) else None
+    return 0 if own is None or not getattr(own, "is_initialized", False) else own.keys.shape[2]
 
 
 def _left_pad(cache: DynamicCache, layer: int, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -280,8 +280,8 @@ def _check_cache_rolls_back(model_id: str, config: Any) -> None:
 
 def _context_len(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
     """The longest sequence served: the model's positions (its tokenizer's limit where the config
-    names none). A model with windowed attention is served to the same length: its caches keep
-    every position (``kvcache.new_cache``)."""
+    names none). A model with windowed attention is served to the same length: its caches' windowed
+    layers can be cut back past the window (``kvcache.WindowedLayer``)."""
     return int(getattr(text_config(config), "max_position_embeddings", 0) or tokenizer.model_max_length)
 
 

@@ -57,7 +57,12 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.cached_sessions = Gauge("specdec_worker_cached_sessions", "Sessions with a KV cache", registry=registry)
-        self.cached_tokens = Gauge("specdec_worker_cached_tokens", "Tokens held by all KV caches", registry=registry)
+        self.cached_tokens = Gauge(
+            "specdec_worker_cached_tokens",
+            "Tokens held by all KV caches (past a windowed layer's window and margin, a token counts for the whole "
+            "layers' share of its memory)",
+            registry=registry,
+        )
         self.cache_budget_tokens = Gauge(
             "specdec_worker_cache_budget_tokens", "Tokens the KV caches may hold in all (--max-cache-tokens)",
             registry=registry,

@@ -156,6 +156,7 @@ class ModelWorkerSettings(ServiceSettings):
         description="Linear layers of a float32 CPU model: packed = weights pre-packed for oneDNN once at load "
         "(faster, most of all for the few rows of a verify block); torch = nn.Linear; auto = packed where available",
     )
+    max_draft_tokens: int = Field(64, gt=0, description="largest draft block this worker takes")
     max_batch: int = Field(16, gt=0, description="requests whose steps share one forward pass at most")
     prefill_chunk_tokens: int = Field(
         0,
@@ -177,6 +178,12 @@ class ModelWorkerSettings(ServiceSettings):
         if self.prefill_chunk_tokens:
             return self.prefill_chunk_tokens
         return CPU_PREFILL_CHUNK_TOKENS if device_type == "cpu" else ACCELERATOR_PREFILL_CHUNK_TOKENS
+
+    def rollback_margin(self) -> int:
+        """Positions a windowed attention layer's cache keeps before its window: room for the
+        deepest cut back of a round (a pipelined draft's block, its guess of the next token and the
+        block after it, ``max_draft_tokens`` each); a deeper one is a resync."""
+        return 2 * self.max_draft_tokens + 2
 
     def load_options(self) -> LoadOptions:
         """How to load the model."""

@@ -113,7 +113,9 @@ class WorkerCore:
             raise StartupError(str(exc)) from exc
         budget = s.max_cache_tokens or await self.scheduler.call(auto_token_budget, self._loaded)
         log.info("cache_budget", max_cache_tokens=budget, automatic=not s.max_cache_tokens)
-        caches = SessionCaches(self._loaded, s.max_sessions, s.session_idle_s, budget)
+        caches = await self.scheduler.call(
+            SessionCaches, self._loaded, s.max_sessions, s.session_idle_s, budget, s.rollback_margin()
+        )  # in the model thread: a windowed model's share of memory is measured on a pass
         self.metrics.cached_sessions.set_function(lambda: len(caches))
         self.metrics.cached_tokens.set_function(lambda: caches.cached_tokens)
         self.metrics.cache_budget_tokens.set(budget)
