@@ -29,6 +29,7 @@ from tests.tiny_models import (
     TinyModels,
     build_family,
     build_gemma3_with_vision,
+    build_plain_forward,
     build_sliding,
     build_tokenizer,
 )
@@ -526,6 +527,30 @@ def test_a_model_that_also_takes_images_is_served_as_its_text_decoder(tmp_path: 
     _cut_back_copied_and_batched(loaded)
     draft = load_model(str(path), LoadOptions(device="cpu", dtype="float32", layers=1))
     assert len(draft.model.get_decoder().layers) == 1 and draft.model.config.get_text_config().num_hidden_layers == 1
+
+
+def test_a_model_whose_forward_takes_no_logits_to_keep_is_served(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Model code shipped with a model may predate transformers' ``logits_to_keep`` (its forward
+    takes neither it nor ``**kwargs``): the worker's passes leave it out and take the rows they
+    need from every row's logits, so the start-up probe, a pass with a prompt's earlier rows and
+    a batched pass give what the same weights give (before: start-up failed on "forward() got an
+    unexpected keyword argument 'logits_to_keep'")."""
+    path = build_plain_forward(tiny_models.target, tmp_path / "plain")
+    loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32", trust_remote_code=True))
+    assert type(loaded.model).__name__ == "PlainLlamaForCausalLM"
+    assert kvcache.prefill_rates(loaded).per_token_ms > 0
+    same = load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="float32"))
+    caches, rows = SessionCaches(loaded, max_sessions=4, idle_s=60), []
+    entry = caches.sync("s", 0, 0)
+    last = caches.extend(entry, SEQ[:20], 2, EarlierLogits(5, rows.append))
+    full = full_logits(same, SEQ[:20])
+    torch.testing.assert_close(last, full[-2:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(rows), full[13:18], atol=1e-4, rtol=1e-4)
+    other = caches.sync("t", 0, 0)
+    caches.extend(other, SEQ[:3], 1)
+    both = caches.extend_many([(entry, SEQ[20:22], 2), (other, [9], 1)])
+    torch.testing.assert_close(both[0], full_logits(same, SEQ[:22])[-2:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(both[1], full_logits(same, [*SEQ[:3], 9])[-1:], atol=1e-4, rtol=1e-4)
 
 
 def test_the_cache_goes_by_the_keyword_the_model_takes(loaded: LoadedModel) -> None:

@@ -23,7 +23,14 @@ from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy, worker_info
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.test_combinations import FIRST, SAMPLES, SampledMix, sample_mix, sampled_request
-from tests.tiny_models import TinyModels, build_model, build_resized, build_sliding, build_tokenizer
+from tests.tiny_models import (
+    TinyModels,
+    build_model,
+    build_plain_forward,
+    build_resized,
+    build_sliding,
+    build_tokenizer,
+)
 
 PROMPT = [5, 17, 99, 3]
 U32_MAX = 2**32 - 1
@@ -308,6 +315,32 @@ def test_same_tokenizer_different_padded_vocabularies(tmp_path: Path, tiny_model
         # A padded id that ends the reply is never sent to the draft.
         padded_ids_generated = sum(max(reply.token_ids[:-1], default=0) >= 259 for reply in sampled)
         assert failures == 0 and errors == padded_ids_generated
+
+
+def test_a_model_whose_forward_takes_no_logits_to_keep_is_served(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Model code shipped with a model (--trust-remote-code) whose forward pass predates
+    ``logits_to_keep`` serves as target and draft: greedy replies, three at once (batched), equal the
+    same weights' HF greedy, and prompt log-probabilities those of a full pass (before: both
+    workers failed start-up on "unexpected keyword argument 'logits_to_keep'")."""
+    target = build_plain_forward(tiny_models.target, tmp_path / "target")
+    draft = build_plain_forward(tiny_models.noisy, tmp_path / "draft")
+    prompts = [[5, 17, 99, 3], list(range(20, 40)), [9] * 7]
+    with (
+        fault_cluster(tmp_path / "run", target, draft, worker_args=["--trust-remote-code"]) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+        ThreadPoolExecutor(len(prompts)) as pool,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        replies = list(pool.map(lambda p: stub.Generate(make_request(p, max_new=24, ignore_eos=True)), prompts))
+        scored = stub.Generate(make_request(prompts[1], max_new=1, prompt_logprobs=0), timeout=60)
+    for prompt, reply in zip(prompts, replies, strict=True):
+        assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), 24, ignore_eos=True)
+        assert reply.stats.draft_tokens_accepted > 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.target)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompts[1]])).logits[0].float(), -1)
+    expected = [float(logprobs[i - 1, t]) for i, t in enumerate(prompts[1]) if i]
+    assert [entry.logprob for entry in scored.prompt_logprobs[1:]] == pytest.approx(expected, abs=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4", "gemma4"])

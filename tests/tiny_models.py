@@ -208,6 +208,35 @@ class ReadingLlamaForCausalLM(LlamaForCausalLM):
 '''
 
 
+_PLAIN_CODE = '''
+"""A Llama whose forward pass takes only the arguments model code written before transformers'
+``logits_to_keep`` took (and computes every position's logits)."""
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class PlainConfig(LlamaConfig):
+    model_type = "plain_llama"
+
+
+class PlainLlamaForCausalLM(LlamaForCausalLM):
+    config_class = PlainConfig
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+        return super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=past_key_values,
+            use_cache=use_cache,
+        )
+'''
+
+
+def build_plain_forward(source: Path, path: Path) -> Path:
+    """A copy of ``source`` whose forward pass takes no ``logits_to_keep`` (nor ``**kwargs``)."""
+    return _with_code(source, path, _PLAIN_CODE, "plain")
+
+
 def _with_code(source: Path, path: Path, code: str, name: str, **config_values: object) -> Path:
     """A copy of ``source`` (same weights and tokenizer) whose model class is ``name`` Llama, defined
     by ``code`` (loaded with --trust-remote-code)."""

@@ -60,6 +60,20 @@ def cache_argument(model: torch.nn.Module, cache: DynamicCache) -> dict[str, obj
     return {_cache_keyword(type(model)): cache, "use_cache": True}
 
 
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    """Whether a model class's forward() takes ``logits_to_keep`` (itself or through ``**kwargs``):
+    transformers' models do; model code shipped with a model may predate it."""
+    parameters = inspect.signature(model_class.forward).parameters.values()
+    return any(p.name == "logits_to_keep" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def logit_rows_argument(model: torch.nn.Module, rows: int) -> dict[str, int]:
+    """The keyword argument that has ``model``'s forward pass compute only its last ``rows`` rows of
+    logits; none for a model that cannot (it computes every row's, and the caller takes its rows)."""
+    return {"logits_to_keep": rows} if _takes_logits_to_keep(type(model)) else {}
+
+
 class WindowedLayer(DynamicLayer):
     """The cache of a windowed attention layer (a sliding window, or Llama-4's chunks: a query sees
     at most the ``window`` - 1 positions before it) that can be cut back. transformers' own keeps
@@ -197,7 +211,7 @@ def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int) -> DynamicCac
 def _timed_pass(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache) -> float:
     """Seconds one forward pass of ``ids`` over ``cache`` takes (the device's work included)."""
     started = time.perf_counter()
-    loaded.model(input_ids=ids, logits_to_keep=1, **cache_argument(loaded.model, cache))
+    loaded.model(input_ids=ids, **logit_rows_argument(loaded.model, 1), **cache_argument(loaded.model, cache))
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
     return time.perf_counter() - started
@@ -369,7 +383,7 @@ class SessionCaches:
             out = self._loaded.model(
                 input_ids=ids,
                 **cache_argument(self._loaded.model, entry.cache),
-                logits_to_keep=max(kept, 1),  # 0 would keep every row's
+                **logit_rows_argument(self._loaded.model, max(kept, 1)),  # 0 would keep every row's
             )
         entry.tokens.extend(token_ids)
         self.prefill_tokens_total += len(token_ids)
