@@ -45,7 +45,8 @@ def reference_greedy(
     ``mask``: a structured-output reference (tests/spec_oracle.py) applied at every step."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     config = GenerationConfig.from_model_config(model.config) if not ignore_eos else GenerationConfig()
-    config.update(max_new_tokens=max_new, do_sample=False, pad_token_id=model.config.pad_token_id)
+    pad = model.config.get_text_config(decoder=True).pad_token_id  # a composite config keeps it there
+    config.update(max_new_tokens=max_new, do_sample=False, pad_token_id=pad)
     if ignore_eos:
         # generate() fills an unset eos_token_id from the model's own generation config, so that
         # one has to go too, or the reference stops at EOS where the service generates on.

@@ -25,6 +25,7 @@ from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.test_combinations import FIRST, SAMPLES, SampledMix, sample_mix, sampled_request
 from tests.tiny_models import (
     TinyModels,
+    build_gemma3_with_vision,
     build_model,
     build_plain_forward,
     build_resized,
@@ -343,7 +344,7 @@ def test_a_model_whose_forward_takes_no_logits_to_keep_is_served(tmp_path: Path,
     assert [entry.logprob for entry in scored.prompt_logprobs[1:]] == pytest.approx(expected, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4", "gemma4"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3", "phi3", "llama4", "gemma4", "gemma3-with-vision"])
 def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch: str) -> None:
     """A model whose attention is windowed (16 positions here) is served up to its whole context
     (256): the workers' windowed layers keep the window and a rollback margin before it (10
@@ -353,9 +354,13 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
     margin is gone there), all past the window and with rollbacks, equal HF's target-only greedy
     (whose cache keeps the window); a request past the context gets INVALID_ARGUMENT. Gemma-4's
     last layers read earlier layers' keys and values: before, the replies' batched pass ended its
-    target worker."""
-    target = build_sliding(tmp_path / "target", arch, seed=0)
-    draft = build_sliding(tmp_path / "draft", arch, seed=1)  # unrelated: most drafts are rejected
+    target worker. A Gemma-3 checkpoint that also takes images is served as its text decoder."""
+    if arch == "gemma3-with-vision":
+        target = build_gemma3_with_vision(tmp_path / "target", seed=0)
+        draft = build_gemma3_with_vision(tmp_path / "draft", seed=1)
+    else:
+        target = build_sliding(tmp_path / "target", arch, seed=0)
+        draft = build_sliding(tmp_path / "draft", arch, seed=1)  # unrelated: most drafts are rejected
     prompts = [[5, 17, 99, 3], list(range(20, 40)), [9] * 7]
     with (
         fault_cluster(tmp_path / "run", target, draft, worker_args=["--max-draft-tokens", "4"]) as cluster,
