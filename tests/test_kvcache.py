@@ -354,11 +354,13 @@ def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedM
 SEQ = torch.randint(3, 250, (60,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def _cut_back_copied_and_batched(loaded: LoadedModel) -> torch.Tensor:
+def _cut_back_copied_and_batched(loaded: LoadedModel, head_apart: bool = True) -> torch.Tensor:
     """Runs SEQ through session caches cut back 10 tokens at 40 (past a 16-position window),
     copied for another session's prefix and run in one batched pass with rows that differ in
-    length before the pass and in it; asserts each gives a full pass's logits and returns the full
-    pass's logits of SEQ's first 55 tokens."""
+    length before the pass and in it, and scores a prompt's earlier rows (``head_apart``: with the
+    output layer run apart from the decoder, a chunk at a time; else from the pass's own logits:
+    Gemma-4's decoder keeps only the states of the rows whose logits a pass keeps); asserts each
+    gives a full pass's logits and returns the full pass's logits of SEQ's first 55 tokens."""
     caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
     caches.extend(caches.sync("s", 0, 0), SEQ[:40], 1)
     entry = caches.sync("s", 30, prefix_hash(SEQ[:30]))
@@ -372,6 +374,10 @@ def _cut_back_copied_and_batched(loaded: LoadedModel) -> torch.Tensor:
     torch.testing.assert_close(both[0], full[50:55], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(both[1], full_logits(loaded, [*SEQ[:22], 7, 7, 9])[-1:], atol=1e-4, rtol=1e-4)
     assert copied.tokens == [*SEQ[:22], 7, 7, 9]
+    rows: list[torch.Tensor] = []  # a prompt's earlier rows, from the decoder's hidden states a chunk at a time
+    caches.extend(caches.sync("p", 0, 0), SEQ[:20], 1, EarlierLogits(10, rows.append))
+    assert caches._output_layer_runs_apart() == head_apart
+    torch.testing.assert_close(torch.cat(rows), full[9:19], atol=1e-4, rtol=1e-4)
     return full
 
 
@@ -385,7 +391,7 @@ def test_a_windowed_models_caches_are_cut_back_copied_and_batched_past_its_windo
     path = build_sliding(tmp_path / arch, arch, seed=0)
     loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
     assert loaded.max_context_len == 256
-    full = _cut_back_copied_and_batched(loaded)
+    full = _cut_back_copied_and_batched(loaded, head_apart=arch != "gemma4")
     for window in ("sliding_window", "attention_chunk_size"):  # the masks read them on every pass
         if getattr(loaded.model.config, window, None):
             setattr(loaded.model.config, window, 1000)
@@ -511,7 +517,7 @@ def test_each_model_familys_caches_are_cut_back_copied_and_batched(tmp_path: Pat
     is served, and their session caches, cut back, copied and batched, give a full pass's logits."""
     loaded = load_model(str(build_family(tmp_path / family, family)), LoadOptions(device="cpu", dtype="float32"))
     assert loaded.max_context_len == 256
-    _cut_back_copied_and_batched(loaded)
+    _cut_back_copied_and_batched(loaded, head_apart=family != "Gemma4TextConfig")
 
 
 def test_a_model_that_also_takes_images_is_served_as_its_text_decoder(tmp_path: Path) -> None:

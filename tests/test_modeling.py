@@ -218,6 +218,7 @@ def test_a_model_whose_code_reads_a_linear_weight_is_told_to_use_the_torch_kerne
 
 STACKS = ["LlamaConfig", "GptOssConfig", "DeepseekV3Config", "GPT2Config", "GPTBigCodeConfig", "GPTNeoXConfig"]
 STACKS += ["FalconConfig", "BloomConfig", "OPTConfig"]  # families whose layer stacks are named otherwise
+STACKS += ["Llama4TextConfig"]  # whose get_decoder() is the causal LM itself
 
 
 @pytest.mark.parametrize("family", STACKS)

@@ -430,6 +430,9 @@ FAMILIES: dict[str, dict[str, object]] = {
     "Ernie4_5Config": _ATTENTION,
     "SeedOssConfig": {**_ATTENTION, "head_dim": 8},
     "DeepseekV2Config": _MLA,
+    # routed experts and layers without rotary positions; its causal LM's get_decoder() is the model itself
+    "Llama4TextConfig": {**_ATTENTION, "head_dim": 8, "intermediate_size_mlp": 64, "num_local_experts": 2}
+    | {"num_experts_per_tok": 1},
     # the last two of four layers read the keys and values of earlier ones (KV sharing), windowed and whole
     "Gemma4TextConfig": {**_ATTENTION, "head_dim": 8, "num_hidden_layers": 4, "num_kv_shared_layers": 2}
     | {"sliding_window": 16, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 259}

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.runtime.grammar import GrammarState
 from specdec.runtime.lookup import GuessIndex
-from specdec.runtime.modeling import LoadedModel
+from specdec.runtime.modeling import LoadedModel, decoder_of
 from specdec.runtime.processing import TokenCounts
 from specdec.runtime.tokens import PrefixHashes
 from specdec.runtime.vocab import TextMirror
@@ -407,15 +407,18 @@ class SessionCaches:
     def _output_layer_runs_apart(self) -> bool:
         """Whether the model's output layer (with whatever it does after it: logit soft-capping,
         scaling) can run on decoder hidden states alone, checked once on a 3-token pass: logits
-        from its hidden states equal to the model's own. A model where it cannot gets its earlier
-        rows' logits from its own forward pass, all at once (the memory they take)."""
+        from the hidden states of a pass that keeps one row's logits (as ``extend`` runs it; a
+        decoder may then keep only that row's states, as Gemma-4's does) equal to the model's own
+        of every row. A model where they do not gets its earlier rows' logits from its own forward
+        pass, all at once (the memory they take)."""
         if self._head_apart is None:
             model, hidden = self._loaded.model, []
             ids = torch.tensor([[0, 1, 2]], dtype=torch.long, device=self._loaded.device)
             try:
                 with torch.inference_mode():
                     with _final_hidden(model, hidden, on=True):
-                        whole = model(input_ids=ids, use_cache=False).logits[0].float()
+                        model(input_ids=ids, use_cache=False, **logit_rows_argument(model, 1))
+                    whole = model(input_ids=ids, use_cache=False).logits[0].float()
                     apart = _output_layer(model, hidden[-1][0])
                 self._head_apart = bool(
                     whole.shape == apart.shape and torch.allclose(whole, apart, rtol=1e-4, atol=1e-5)
@@ -596,22 +599,33 @@ def _final_hidden(model: Any, into: list[torch.Tensor], on: bool) -> Iterator[No
     def keep(_module: torch.nn.Module, _args: object, output: Any) -> None:
         into.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
-    handle = model.get_decoder().register_forward_hook(keep)
+    handle = decoder_of(model).register_forward_hook(keep)
     try:
         yield
     finally:
         handle.remove()
 
 
+@dataclass
+class _StandInOutput(BaseModelOutputWithPast):
+    """The decoder's output as ``_output_layer`` stands in for it: the hidden states, and None for
+    whatever else the model reads of it (router logits, cross attentions, shared KV states)."""
+
+    def __getattr__(self, name: str) -> None:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
 def _output_layer(model: Any, states: torch.Tensor) -> torch.Tensor:
     """float32 logits [R, V] of final hidden states [R, H]: the model's own forward pass with its
     decoder standing in as ``states``, so what the model does after its output layer applies too."""
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     ran: list[bool] = []
 
     def stand_in(*_args: object, **_kwargs: object) -> BaseModelOutputWithPast:
         ran.append(True)
-        return BaseModelOutputWithPast(last_hidden_state=states[None])
+        return _StandInOutput(last_hidden_state=states[None])
 
     decoder.forward = stand_in
     try:
@@ -620,5 +634,5 @@ def _output_layer(model: Any, states: torch.Tensor) -> torch.Tensor:
     finally:
         del decoder.forward  # the class's own forward again
     if not ran:
-        raise RuntimeError("the model's forward pass does not call its decoder (get_decoder())")
+        raise RuntimeError("the model's forward pass does not call its decoder")
     return logits

@@ -215,6 +215,18 @@ def text_config(config: Any) -> Any:
     return config.get_text_config(decoder=True)
 
 
+def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
+    """The model's decoder: transformers' ``get_decoder()``, which for a few causal LMs answers the
+    model itself (Llama4ForCausalLM, whose base model prefix names the multimodal model's
+    attribute): then its one child that is a model."""
+    decoder = model.get_decoder()
+    if decoder is model:
+        inner = [child for child in model.children() if isinstance(child, PreTrainedModel)]
+        if len(inner) == 1:
+            return inner[0]
+    return decoder
+
+
 def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
     """Cuts ``model`` to its first ``layers`` decoder layers, keeping the final norm and the LM
     head: an early-exit draft made of the target's own weights (LayerSkip's self-speculation
@@ -222,7 +234,7 @@ def keep_first_layers(model: PreTrainedModel, layers: int) -> None:
     """
     config = text_config(model.config)
     count = config.num_hidden_layers
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     stacks = [
         (name, child)
         for name, child in decoder.named_children()
