@@ -138,11 +138,16 @@ def new_cache(config: Any, margin: int | None = None) -> DynamicCache:
     return cache
 
 
-def kv_bytes_per_token(loaded: LoadedModel) -> int:
-    """The KV-cache bytes one token takes in this model (measured on a 2-token pass)."""
-    cache = new_cache(loaded.model.config)
+def _two_token_cache(loaded: LoadedModel, cache: DynamicCache) -> DynamicCache:
+    """``cache`` after a 2-token pass of the model: what each of its layers keeps per token."""
     with torch.inference_mode():
         loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), **cache_argument(loaded.model, cache))
+    return cache
+
+
+def kv_bytes_per_token(loaded: LoadedModel) -> int:
+    """The KV-cache bytes one token takes in this model (measured on a 2-token pass)."""
+    cache = _two_token_cache(loaded, new_cache(loaded.model.config))
     return max(1, sum(_bytes(layer) for layer in cache.layers) // 2)
 
 
@@ -508,12 +513,10 @@ def _windowed_share(loaded: LoadedModel, margin: int | None) -> tuple[int, float
     KV memory its model's windowed layers take (measured on a 2-token pass); 0 for a model
     without them or when they keep every position."""
     cache = new_cache(loaded.model.config, margin)
-    limits = {layer.limit for layer in cache.layers if isinstance(layer, WindowedLayer)}
-    if not limits or None in limits:
+    limits = [layer.limit for layer in cache.layers if isinstance(layer, WindowedLayer)]
+    if margin is None or not limits:
         return 0, 0.0
-    with torch.inference_mode():
-        loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), **cache_argument(loaded.model, cache))
-    sizes = [(isinstance(layer, WindowedLayer), _bytes(layer)) for layer in cache.layers]
+    sizes = [(isinstance(layer, WindowedLayer), _bytes(layer)) for layer in _two_token_cache(loaded, cache).layers]
     return max(limits), sum(size for windowed, size in sizes if windowed) / max(1, sum(size for _, size in sizes))
 
 
@@ -567,17 +570,23 @@ class _Batch:
             entry.cache.update(keys.clone(), values.clone(), layer)
 
 
+def _own_layer(cache: DynamicCache, layer: int) -> Any | None:
+    """One layer of a session's cache, None while it holds no keys (before its first pass)."""
+    own = cache.layers[layer] if layer < len(cache.layers) else None
+    return own if own is not None and getattr(own, "is_initialized", False) and own.keys is not None else None
+
+
 def _held_positions(cache: DynamicCache, layer: int) -> int:
     """The positions one layer of a session's cache keeps (0 before its first pass)."""
-    own = cache.layers[layer] if layer < len(cache.layers) else None
-    return 0 if own is None or not getattr(own, "is_initialized", False) else own.keys.shape[2]
+    own = _own_layer(cache, layer)
+    return 0 if own is None else own.keys.shape[2]
 
 
 def _left_pad(cache: DynamicCache, layer: int, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A session's keys/values for one layer, left-padded with zeros to ``length`` positions
     (all zeros, shaped like ``like``, for a session with nothing cached yet)."""
-    own = cache.layers[layer] if layer < len(cache.layers) else None
-    if own is None or not getattr(own, "is_initialized", False) or own.keys is None:
+    own = _own_layer(cache, layer)
+    if own is None:
         empty = like.new_zeros(1, like.shape[1], length, like.shape[3])
         return empty, empty.clone()
     keys, values = own.keys, own.values
