@@ -20,7 +20,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.output_vocab import write_output_vocab
+from specdec.runtime.scheduler import Job
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.tools.model_fetch import fetch_tokenizer
 
@@ -171,3 +173,16 @@ def opcodes(call: Callable[[], object]) -> int:
     finally:
         sys.settrace(None)
     return count
+
+
+def run_steps(job: Job[T], caches: SessionCaches) -> tuple[T, int]:
+    """Runs a job's steps one pass each, as the scheduler runs a job alone; returns its result and
+    its number of passes."""
+    passes = 0
+    try:
+        step = next(job)
+        while True:
+            passes += 1
+            step = job.send(caches.extend(step.entry, step.token_ids, step.num_logits))
+    except StopIteration as done:
+        return done.value, passes

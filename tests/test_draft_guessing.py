@@ -22,6 +22,7 @@ from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.sampling import Warp
 from specdec.runtime.scheduler import Job
 from specdec.runtime.tokens import common_prefix_len
+from tests.helpers import run_steps
 from tests.tiny_models import TinyModels, build_variant
 
 SAMPLED = Warp(temperature=0.8, top_k=4, top_p=0.9)
@@ -47,16 +48,10 @@ def chain_prompt(draft: LoadedModel, length: int = 6) -> list[int]:
 
 
 def run_counting(job: Job[Block | None], caches: SessionCaches) -> tuple[Block, int]:
-    """Runs a job's steps as the scheduler does; returns its result and its number of passes."""
-    passes = 0
-    try:
-        step = next(job)
-        while True:
-            passes += 1
-            step = job.send(caches.extend(step.entry, step.token_ids, step.num_logits))
-    except StopIteration as done:
-        assert done.value is not None
-        return done.value, passes
+    """Runs a job's steps as the scheduler does; returns its block (there is one) and its number of passes."""
+    block, passes = run_steps(job, caches)
+    assert block is not None
+    return block, passes
 
 
 def draft_session(draft: LoadedModel, params: DraftParams, rounds: int) -> tuple[list[Block], int]:

@@ -24,6 +24,7 @@ from specdec.runtime.scheduler import Extend, split_step
 from specdec.runtime.tokens import PrefixHashes, common_prefix_len, prefix_hash
 from specdec.runtime.vocab import VocabBridge
 from specdec.v1 import common_pb2
+from tests.helpers import run_steps
 from tests.tiny_models import (
     FAMILIES,
     TinyModels,
@@ -495,13 +496,7 @@ def test_a_translated_draft_whose_windowed_cache_cannot_be_cut_back_so_far_resyn
 
     def drive(base: int) -> Block | None:
         sync = common_pb2.PrefixSync(base_len=base, prefix_hash=prefix_hash(text[:base]), tail_token_ids=text[base:40])
-        job = translated_propose_job(caches, draft, bridge, "s", sync, params)
-        try:
-            step = next(job)
-            while True:
-                step = job.send(caches.extend(step.entry, step.token_ids, step.num_logits))
-        except StopIteration as done:
-            return done.value
+        return run_steps(translated_propose_job(caches, draft, bridge, "s", sync, params), caches)[0]
 
     assert drive(0) is not None and len(caches._entries["s"].tokens) >= 40
     caches.extend(caches._entries["s"], [7] * 6, 1)  # its cache 6 tokens past what the text holds
