@@ -111,17 +111,19 @@ class SyncCounters:
 
 
 def prefix_sync(
-    committed: list[int], cached: int, source: str = "", hashes: PrefixHashes | None = None
+    committed: list[int], cached: int, source: str = "", hashes: PrefixHashes | None = None, prompt_len: int = 0
 ) -> common_pb2.PrefixSync:
     """The prefix sync for a worker holding ``cached`` committed tokens (the tail >= 1 token),
     possibly in the cache of session ``source`` (prefix reuse); ``hashes``: kept over the turn's
-    committed tokens (which a turn only appends to), so a round hashes only what it added."""
+    committed tokens (which a turn only appends to), so a round hashes only what it added;
+    ``prompt_len``: where the turn's prompt ends (the worker keeps its cache reachable there)."""
     base = min(cached, len(committed) - 1)
     return common_pb2.PrefixSync(
         base_len=base,
         prefix_hash=(hashes or PrefixHashes()).of(committed, base),
         tail_token_ids=committed[base:],
         source_session_id=source if base else "",
+        prompt_len=prompt_len,
     )
 
 
@@ -363,7 +365,7 @@ class WorkerSession:
         cached, source = self.draft_len, self._draft_source
         self._draft_source = ""
         for _ in range(2):
-            sync = prefix_sync(committed, cached, source, self._draft_hashes)
+            sync = prefix_sync(committed, cached, source, self._draft_hashes, decoding.processing.reply_start)
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
                 warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
@@ -499,7 +501,7 @@ class WorkerSession:
                 # worker freed the cache): its time there, not what is left of the step's
                 again = self.time_left(len(committed) - cached, len(committed), replica.prefills.ahead_ms)
                 timeout_s = max(timeout_s, again)
-            sync = prefix_sync(committed, cached, source, self._target_hashes)
+            sync = prefix_sync(committed, cached, source, self._target_hashes, decoding.processing.reply_start)
             takes = replica.info.max_draft_tokens
             if takes and len(block.token_ids) > takes:  # its first tokens: a shorter proposal, as exact
                 block = common_pb2.DraftBlock(

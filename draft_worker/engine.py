@@ -237,7 +237,7 @@ def propose_job(
     """K draft tokens after the committed prefix ``sync`` describes; None = resync required."""
     meter = ComputeMeter()
     try:
-        entry = caches.sync(session_id, sync.base_len, sync.prefix_hash, sync.source_session_id)
+        entry = caches.sync(session_id, sync.base_len, sync.prefix_hash, sync.source_session_id, sync.prompt_len)
     except ResyncRequired:
         return None
     feed, start = list(sync.tail_token_ids), sync.base_len + len(sync.tail_token_ids)

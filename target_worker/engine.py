@@ -64,7 +64,7 @@ def verify_job(
     if prompt_rows and scored_from - 1 < base_len:
         raise InvalidRequest("prompt logprobs need the prompt's positions in the tail: send a shorter base_len")
     try:
-        entry = caches.sync(session_id, base_len, sync.prefix_hash, sync.source_session_id)
+        entry = caches.sync(session_id, base_len, sync.prefix_hash, sync.source_session_id, sync.prompt_len)
     except ResyncRequired:
         return VerifyResult(resync=True)
     k = len(drafts)

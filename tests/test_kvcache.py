@@ -17,7 +17,14 @@ from transformers import DynamicCache
 from draft_worker.engine import Block, DraftParams, translated_propose_job
 from specdec.runtime import kvcache
 from specdec.runtime import tokens as tokens_module
-from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches, cache_argument
+from specdec.runtime.kvcache import (
+    EarlierLogits,
+    PromptEnd,
+    ResyncRequired,
+    SessionCache,
+    SessionCaches,
+    cache_argument,
+)
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.sampling import Warp
 from specdec.runtime.scheduler import Extend, split_step
@@ -479,6 +486,83 @@ def test_a_windowed_models_budget_counts_what_its_caches_keep(tmp_path: Path) ->
     assert caches.cached_tokens == 63 and caches.evicted_for_tokens == 0
     caches.extend_many([(caches.sync(name, 0, 0), SEQ[:30], 1) for name in ("d", "e")])
     assert [name for name in "abcde" if name in caches] == ["c", "d", "e"] and caches.cached_tokens == 63
+
+
+def _storage(end: PromptEnd | None, layer: int) -> int:
+    """Where the keys of one layer of a copy of windowed layers are held."""
+    assert end is not None
+    return end.layers[layer].keys.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+def test_a_windowed_sessions_prompt_end_stays_reachable(tmp_path: Path, arch: str) -> None:
+    """A session told where its prompt ends (30 tokens) keeps a copy of its windowed layers there
+    once its first pass has run it (and a block after it: 33 tokens, the last 23 kept with a margin
+    of 8); decoded 18 tokens further, past its margin, the cache still serves, each with a full
+    pass's logits: another session of the same prompt from a copy cut back 4 tokens before its end
+    (a regenerated reply, prefix reuse), and the session itself cut back to its prompt (its reply
+    replaced). The copy reaches as far back as its margin does, and counts in the budget; another
+    completion of the prompt (a copy of all of it but its last token) shares it, copying none. Once
+    the session's own tokens after a cut differ, the copy does not serve them: a prefix that ends
+    after the cut is a resync (keys of the replaced tokens would give other logits)."""
+    loaded = load_model(str(build_sliding(tmp_path / arch, arch, seed=0)), LoadOptions(device="cpu", dtype="float32"))
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
+    prompt, drafts = SEQ[:30], [7, 8, 9]
+    entry = caches.sync("a", 0, 0, prompt_len=30)
+    caches.extend(entry, [*prompt, *drafts], 4)  # the first verify pass: the prompt and a block
+    entry = caches.sync("a", 32, prefix_hash([*prompt, 7, 8]), prompt_len=30)  # two drafts taken
+    kept = [*prompt, 7, 8]
+    for start in range(32, 60, 5):  # decoding on, each block of 5 cut back 2
+        block = SEQ[start : start + 5]
+        caches.extend(entry, block, 1)
+        kept += block[:3]
+        entry = caches.sync("a", len(kept), prefix_hash(kept), prompt_len=30)
+    # the copy's first position is 10: a query at 25 sees 10 to 24, one at 24 needs 9
+    assert entry.reaches(25) and not entry.reaches(24)
+    windowed_only = all(getattr(layer, "is_sliding", False) for layer in entry.cache.layers if layer.keys is not None)
+    if windowed_only:  # 23 kept positions (the window's 15 and the margin), and the copy's 22
+        assert caches.cached_tokens == 45
+    again = caches.sync("b", 26, prefix_hash(prompt[:26]), source="a", prompt_len=30)
+    logits = caches.extend(again, [*prompt[26:], 5, 6], 3)
+    torch.testing.assert_close(logits, full_logits(loaded, [*prompt, 5, 6])[-3:], atol=1e-4, rtol=1e-4)
+    assert caches.reused_tokens_total == 26
+    entry = caches.sync("a", 30, prefix_hash(prompt), prompt_len=30)  # the reply replaced
+    logits = caches.extend(entry, [9, 9, 4], 3)
+    torch.testing.assert_close(logits, full_logits(loaded, [*prompt, 9, 9, 4])[-3:], atol=1e-4, rtol=1e-4)
+    for token in SEQ[40:55]:  # on past the margin again
+        caches.extend(entry, [token], 1)
+    other = caches.sync("d", 29, prefix_hash(prompt[:29]), source="a", prompt_len=30)  # another completion
+    logits = caches.extend(other, [prompt[29], 3], 2)
+    torch.testing.assert_close(logits, full_logits(loaded, [*prompt, 3])[-2:], atol=1e-4, rtol=1e-4)
+    assert other.prompt_end is not None and other.prompt_end.length == 29  # the session's copy, not another
+    assert all(_storage(other.prompt_end, i) == _storage(entry.prompt_end, i) for i in other.prompt_end.layers)
+    with pytest.raises(ResyncRequired):  # 32 tokens: the copy holds keys of 7, 8 after the prompt, not 9, 9
+        caches.sync("c", 32, prefix_hash([*prompt, 9, 9]), source="a", prompt_len=32)
+    reused = caches.sync("c", 30, prefix_hash(prompt), source="a", prompt_len=32)
+    logits = caches.extend(reused, [9, 9, 1], 1)
+    torch.testing.assert_close(logits, full_logits(loaded, [*prompt, 9, 9, 1])[-1:], atol=1e-4, rtol=1e-4)
+
+
+def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_caches(tmp_path: Path) -> None:
+    """Every layer windowed (Mistral), a margin of 6: a 40-token session that ran its prompt in its
+    first pass counts 21 positions and 21 of its copy at the prompt's end. Three fit a budget of
+    130; a fourth, one more than fits, frees the copies of the two least recently used (a
+    session's whole cache serves its next turn; a copy only a regenerated reply), not their
+    caches, and a session whose copy was freed takes none again for that prompt."""
+    loaded = load_model(
+        str(build_sliding(tmp_path / "m", "mistral", seed=0)), LoadOptions(device="cpu", dtype="float32")
+    )
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, max_tokens=130, margin=6)
+    for name in ("a", "b", "c"):
+        caches.extend(caches.sync(name, 0, 0, prompt_len=40), SEQ[:40], 1)
+    assert caches.cached_tokens == 3 * 42
+    caches.extend(caches.sync("d", 0, 0, prompt_len=30), SEQ[:30], 1)
+    entries = {name: caches.get(name) for name in "abcd"}
+    assert all(entries.values()) and caches.cached_tokens == 2 * 21 + 2 * 42 and caches.evicted_for_tokens == 0
+    assert [name for name, entry in entries.items() if entry and entry.prompt_end] == ["c", "d"]
+    a = caches.sync("a", 40, prefix_hash(SEQ[:40]), prompt_len=40)
+    caches.extend(a, [7], 1)
+    assert a.prompt_end is None
 
 
 @pytest.mark.parametrize("method", ["tli", "slem"])

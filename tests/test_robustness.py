@@ -348,11 +348,13 @@ def test_a_model_whose_forward_takes_no_logits_to_keep_is_served(tmp_path: Path,
 def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch: str) -> None:
     """A model whose attention is windowed (16 positions here) is served up to its whole context
     (256): the workers' windowed layers keep the window and a rollback margin before it (10
-    positions with --max-draft-tokens 4), the attention mask applies the window, and drafts
-    rejected past the window are cut back like any others. Replies sent at once, a multi-turn
-    session and a prompt that reuses a cached prefix far behind its cache's end (a resync: the
-    margin is gone there), all past the window and with rollbacks, equal HF's target-only greedy
-    (whose cache keeps the window); a request past the context gets INVALID_ARGUMENT. Gemma-4's
+    positions with --max-draft-tokens 4), and a copy of them at the prompt's end; the attention
+    mask applies the window, and drafts rejected past the window are cut back like any others.
+    Replies sent at once, the same prompt again (a regenerated reply: its cached prefix 16 tokens
+    of the 20, 44 behind its cache's end, found at the copy), a multi-turn session and a prompt
+    that reuses a cached prefix far behind its cache's end and past the copy (a resync), all past
+    the window and with rollbacks, equal HF's target-only greedy (whose cache keeps the window); a
+    request past the context gets INVALID_ARGUMENT. Gemma-4's
     last layers read earlier layers' keys and values: before, the replies' batched pass ended its
     target worker. A Gemma-3 checkpoint that also takes images is served as its text decoder."""
     if arch == "gemma3-with-vision":
@@ -373,6 +375,7 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
             pool.map(lambda p: stub.Generate(make_request(p, k=4, max_new=40, ignore_eos=True), timeout=120), prompts)
         )
         cached = metric(cluster, "target-0", "specdec_worker_cached_tokens")  # the three replies' caches
+        regenerated = stub.Generate(make_request(prompts[1], k=4, max_new=40, ignore_eos=True), timeout=120)
         again = [*prompts[1], *replies[1].token_ids[:14], 1]  # its first 32 tokens cached, 28 before their end
         reused = stub.Generate(make_request(again, k=4, max_new=20, ignore_eos=True), timeout=120)
         session = [
@@ -384,8 +387,10 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
     for prompt, reply in zip(prompts, replies, strict=True):
         assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 40, ignore_eos=True)
         assert reply.stats.draft_tokens_proposed > reply.stats.draft_tokens_accepted  # rollbacks happened
-    if arch in ("mistral", "phi3"):  # every layer windowed: 25 positions of each reply's 44-60 kept
-        assert cached == 3 * 25
+    if arch in ("mistral", "phi3"):  # every layer windowed: 25 positions of each reply's 44-60 kept,
+        # and of its copy at the prompt's end, the prompt's 4, 20 and 7 and the drafts its first round took
+        assert 3 * 25 + 31 <= cached <= 3 * 25 + 31 + 3 * 4
+    assert list(regenerated.token_ids) == list(replies[1].token_ids) and regenerated.usage.cached_tokens == 16
     assert list(reused.token_ids) == reference_greedy(str(target), tuple(again), 20, ignore_eos=True)
     assert reused.usage.cached_tokens == 0
     history: list[int] = []

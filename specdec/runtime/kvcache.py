@@ -245,6 +245,43 @@ class ResyncRequired(Exception):
     """The worker's cache does not hold the committed prefix; the caller must resend from 0."""
 
 
+@dataclass(frozen=True)
+class PromptEnd:
+    """A copy of a session cache's windowed layers (``WindowedLayer``) taken when its cache first
+    held its prompt (``length`` tokens then): a cut back that the layers' margin no longer covers
+    can start from it, to any length it reaches, its whole layers cut back as usual. Never
+    changed once taken (a cut makes another), so copies of a cache share it."""
+
+    length: int
+    layers: dict[int, WindowedLayer]
+
+    @classmethod
+    def of(cls, cache: DynamicCache, length: int) -> PromptEnd:
+        layers = {}
+        for index, layer in _keeping(cache):
+            if isinstance(layer, WindowedLayer):
+                kept = layers[index] = copy.copy(layer)
+                kept.keys, kept.values = layer.keys.clone(), layer.values.clone()
+        return cls(length, layers)
+
+    @property
+    def positions(self) -> int:
+        """The positions its largest layer holds."""
+        return max((layer.keys.shape[-2] for layer in self.layers.values()), default=0)
+
+    def reaches(self, length: int) -> bool:
+        return length <= self.length and all(layer.can_cut(self.length - length) for layer in self.layers.values())
+
+    def cut(self, length: int) -> PromptEnd | None:
+        """This copy cut back to ``length`` tokens (None where it cannot be)."""
+        if not self.reaches(length):
+            return None
+        layers = {index: copy.copy(layer) for index, layer in self.layers.items()}
+        for layer in layers.values():
+            layer.crop(length - self.length)
+        return PromptEnd(length, layers)
+
+
 @dataclass
 class SessionCache:
     """Token ids in the KV cache, and the cache itself (always the same length); for a draft of
@@ -259,24 +296,58 @@ class SessionCache:
     hashes: PrefixHashes = field(default_factory=PrefixHashes)  # of ``tokens``, kept up to date below
     counts: TokenCounts = field(default_factory=TokenCounts)  # of ``tokens``, for penalties; likewise
     grammar: GrammarState | None = None  # the structured-output matcher (None: the model has no grammar masks)
+    prompt_len: int = 0  # where the turn's prompt ends (0: not said): ``prompt_end`` is taken there
+    prompt_end: PromptEnd | None = None
+    prompt_end_freed: int = 0  # the prompt_len whose copy the budget freed: none is taken again for it
 
-    def reaches(self, length: int) -> bool:
-        """Whether the cache can be cut back to its first ``length`` tokens: a windowed layer keeps
-        only its window and a margin before it (``WindowedLayer``)."""
+    def _within_margin(self, length: int) -> bool:
         excess = len(self.tokens) - length
         windowed = [layer for layer in self.cache.layers if isinstance(layer, WindowedLayer)]
         return excess <= 0 or all(layer.can_cut(excess) for layer in windowed)
+
+    def reaches(self, length: int) -> bool:
+        """Whether the cache can be cut back to its first ``length`` tokens: a windowed layer keeps
+        only its window and a margin before it (``WindowedLayer``), and its copy at the prompt's
+        end (``prompt_end``) as much before that."""
+        return self._within_margin(length) or (self.prompt_end is not None and self.prompt_end.reaches(length))
 
     def truncate(self, length: int) -> None:
         """Rolls back to the first ``length`` tokens (an index of more of them is dropped)."""
         excess = len(self.tokens) - length
         if excess > 0:
-            self.cache.crop(-excess)
+            end = self.prompt_end
+            restored = end.layers if end and not self._within_margin(length) and end.reaches(length) else {}
+            for index, layer in enumerate(self.cache.layers):
+                if index in restored:  # its windowed layers from the prompt's end (``reaches`` said so)
+                    layer = self.cache.layers[index] = copy.copy(restored[index])
+                    layer.crop(length - layer.length)
+                else:
+                    layer.crop(-excess)
             self.counts.cut(self.tokens, length)
             del self.tokens[length:]
             self.hashes.cut(length)
+            if end is not None and end.length > length:  # its keys after ``length`` may be replaced
+                self.prompt_end = end.cut(length)
         if self.guesses is not None and len(self.guesses) > length:
             self.guesses = None
+
+    def keep_prompt_end(self) -> None:
+        """Copies the windowed layers once the cache holds the prompt, unless a copy holds all of
+        it but its last token (a request never finds that one cached: it is always sent); a copy
+        of another session's cache, for a prompt the same as its own, shares that one's."""
+        wanted, end = self.prompt_len, self.prompt_end
+        if (
+            wanted
+            and wanted != self.prompt_end_freed
+            and len(self.tokens) >= wanted
+            and (end is None or end.length < wanted - 1)
+            and self._within_margin(wanted - 1)  # else a copy would not reach it either
+        ):
+            self.prompt_end = PromptEnd.of(self.cache, len(self.tokens))
+
+    def free_prompt_end(self) -> None:
+        """Frees the copy at the prompt's end (for the budget); none is taken again for this prompt."""
+        self.prompt_end, self.prompt_end_freed = None, self.prompt_len
 
 
 class SessionCaches:
@@ -286,8 +357,10 @@ class SessionCaches:
     than the budget still runs, alone).
 
     With a ``margin``, a windowed attention layer keeps its window and that many positions before
-    it (``WindowedLayer``): a cut back deeper than that is a resync. A token counts then for the
-    share of its memory that is kept: beyond a layer's window and margin, only its whole layers'."""
+    it (``WindowedLayer``): a cut back deeper than that is a resync, unless it goes back to where
+    the session's prompt ends (told by ``sync``), where the cache keeps a copy of them
+    (``PromptEnd``). A token counts then for the share of its memory that is kept: beyond a
+    layer's window and margin, only its whole layers'; the copy counts too."""
 
     def __init__(
         self, loaded: LoadedModel, max_sessions: int, idle_s: float, max_tokens: int = 0, margin: int | None = None
@@ -315,19 +388,26 @@ class SessionCaches:
         """Tokens held by all the caches, a token beyond a windowed layer's window and margin
         counting for its whole layers' share of a token's memory. Safe to read from another thread
         (the metrics server): the entries are copied out in one step before they are summed."""
-        return sum(self._held(len(entry.tokens)) for entry in list(self._entries.values()))
+        return sum(self._held(entry) for entry in list(self._entries.values()))
 
-    def _held(self, length: int) -> int:
-        """What a cache of ``length`` tokens counts for (at most: a cut-back windowed layer keeps fewer)."""
+    def _held(self, entry: SessionCache) -> int:
+        """What a cache counts for (at most: a cut-back windowed layer keeps fewer), its copy of
+        the windowed layers at the prompt's end included."""
         limit, share = self._windowed
-        return length - int(share * max(0, length - limit))
+        length = len(entry.tokens)
+        copied = 0 if entry.prompt_end is None else entry.prompt_end.positions
+        return length - int(share * max(0, length - limit)) + int(share * copied)
 
-    def sync(self, session_id: str, base_len: int, base_hash: int, source: str = "") -> SessionCache:
+    def sync(
+        self, session_id: str, base_len: int, base_hash: int, source: str = "", prompt_len: int = 0
+    ) -> SessionCache:
         """The session's cache cut back to ``base_len`` committed tokens.
 
         ``base_len == 0`` always succeeds (a fresh cache). Otherwise the cache must hold at least
         ``base_len`` tokens whose hash is ``base_hash``; failing that, a copy of the ``source``
         session's cache does if that one holds them (prefix reuse); else ResyncRequired.
+        ``prompt_len``: where the turn's prompt ends (0: not said); with windowed layers that
+        keep a margin, the cache keeps a copy of them there once a pass has run it (``PromptEnd``).
         """
         self.evict_idle()
         entry = self._entries.get(session_id)
@@ -341,6 +421,7 @@ class SessionCaches:
         elif source and source != session_id and _holds(donor := self._entries.get(source), base_len, base_hash):
             assert donor is not None
             entry = self._new_entry(list(donor.tokens), copy.deepcopy(donor.cache))
+            entry.prompt_end = donor.prompt_end
             entry.truncate(base_len)
             self._entries[session_id] = entry
             self.reused_tokens_total += base_len
@@ -348,6 +429,8 @@ class SessionCaches:
         else:
             self._entries.pop(session_id, None)
             raise ResyncRequired(session_id)
+        if prompt_len and self._windowed[0]:
+            entry.prompt_len = prompt_len
         entry.last_used = time.monotonic()
         self._entries.move_to_end(session_id)
         return entry
@@ -391,6 +474,7 @@ class SessionCaches:
                 **logit_rows_argument(self._loaded.model, max(kept, 1)),  # 0 would keep every row's
             )
         entry.tokens.extend(token_ids)
+        entry.keep_prompt_end()
         self.prefill_tokens_total += len(token_ids)
         self._evict_over_tokens((entry,))
         width = out.logits.shape[1]  # rows kept: the earlier ones, then the last num_logits
@@ -457,6 +541,7 @@ class SessionCaches:
         for row, (entry, token_ids, num_logits) in enumerate(ops):
             batch.scatter_new_kv(row, entry, len(token_ids))
             entry.tokens.extend(token_ids)
+            entry.keep_prompt_end()
             self.prefill_tokens_total += len(token_ids)
             results.append(out.logits[row, len(token_ids) - num_logits : len(token_ids)].float())
         self._evict_over_tokens([entry for entry, _, _ in ops])
@@ -480,17 +565,26 @@ class SessionCaches:
             self._entries.popitem(last=False)
 
     def _evict_over_tokens(self, keep: Sequence[SessionCache]) -> None:
-        """Frees the least recently used caches, other than ``keep``, while over ``max_tokens``."""
+        """Frees the least recently used caches, other than ``keep``, while over ``max_tokens``:
+        first their copies of windowed layers at a prompt's end (a session's whole cache serves its
+        next turn; such a copy only a request of the same prompt), then the caches."""
         if not self.max_tokens:
             return
         over = self.cached_tokens - self.max_tokens
+        for entry in list(self._entries.values()):
+            if over <= 0:
+                return
+            if entry.prompt_end is not None and not any(entry is kept for kept in keep):
+                held = self._held(entry)
+                entry.free_prompt_end()
+                over -= held - self._held(entry)
         freed = []
         for session_id, entry in list(self._entries.items()):
             if over <= 0:
                 break
             if not any(entry is kept for kept in keep):
                 del self._entries[session_id]
-                over -= self._held(len(entry.tokens))
+                over -= self._held(entry)
                 freed.append(session_id)
         if freed:
             self.evicted_for_tokens += len(freed)
