@@ -351,12 +351,12 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
     positions with --max-draft-tokens 4), and a copy of them at the prompt's end; the attention
     mask applies the window, and drafts rejected past the window are cut back like any others.
     Replies sent at once, the same prompt again (a regenerated reply: its cached prefix 16 tokens
-    of the 20, 44 behind its cache's end, found at the copy), a multi-turn session and a prompt
-    that reuses a cached prefix far behind its cache's end and past the copy (a resync), all past
-    the window and with rollbacks, equal HF's target-only greedy (whose cache keeps the window); a
-    request past the context gets INVALID_ARGUMENT. Gemma-4's
-    last layers read earlier layers' keys and values: before, the replies' batched pass ended its
-    target worker. A Gemma-3 checkpoint that also takes images is served as its text decoder."""
+    of the 20, 44 behind its cache's end, found at the copy by both workers), a multi-turn session
+    and a prompt that reuses a cached prefix far behind its cache's end and past the copy (a
+    resync), all past the window and with rollbacks, equal HF's target-only greedy (whose cache
+    keeps the window); a request past the context gets INVALID_ARGUMENT. Gemma-4's last layers
+    read earlier layers' keys and values: before, the replies' batched pass ended its target
+    worker. A Gemma-3 checkpoint that also takes images is served as its text decoder."""
     if arch == "gemma3-with-vision":
         target = build_gemma3_with_vision(tmp_path / "target", seed=0)
         draft = build_gemma3_with_vision(tmp_path / "draft", seed=1)
@@ -375,7 +375,9 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
             pool.map(lambda p: stub.Generate(make_request(p, k=4, max_new=40, ignore_eos=True), timeout=120), prompts)
         )
         cached = metric(cluster, "target-0", "specdec_worker_cached_tokens")  # the three replies' caches
+        draft_reused = worker_info(cluster.processes["draft"].address, "draft").reused_tokens_total
         regenerated = stub.Generate(make_request(prompts[1], k=4, max_new=40, ignore_eos=True), timeout=120)
+        draft_reused = worker_info(cluster.processes["draft"].address, "draft").reused_tokens_total - draft_reused
         again = [*prompts[1], *replies[1].token_ids[:14], 1]  # its first 32 tokens cached, 28 before their end
         reused = stub.Generate(make_request(again, k=4, max_new=20, ignore_eos=True), timeout=120)
         session = [
@@ -391,6 +393,7 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
         # and of its copy at the prompt's end, the prompt's 4, 20 and 7 and the drafts its first round took
         assert 3 * 25 + 31 <= cached <= 3 * 25 + 31 + 3 * 4
     assert list(regenerated.token_ids) == list(replies[1].token_ids) and regenerated.usage.cached_tokens == 16
+    assert draft_reused == 16  # the draft's cache too
     assert list(reused.token_ids) == reference_greedy(str(target), tuple(again), 20, ignore_eos=True)
     assert reused.usage.cached_tokens == 0
     history: list[int] = []
