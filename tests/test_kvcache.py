@@ -151,8 +151,8 @@ def test_a_step_run_in_chunks_gives_the_rows_of_one_pass(
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gemma4"])
 def test_start_up_times_a_prefill_and_what_its_context_adds(tmp_path: Path, tiny_models: TinyModels, arch: str) -> None:
     """The second timed pass runs over a cache of copied keys and values, also for models whose
-    attention is windowed (their caches keep every position, whose keys the pass reads, masked or
-    not) and for Gemma-4, whose last layers keep none (they read earlier layers'); a context too
+    attention is windowed (without a margin their caches keep every position, whose keys the pass
+    reads, masked or not) and for Gemma-4, whose last layers keep none (they read earlier layers'); a context too
     short for it leaves the context rate at 0."""
     path = tiny_models.target if arch == "llama" else build_sliding(tmp_path / arch, arch, seed=0)
     loaded = dataclasses.replace(
@@ -486,6 +486,32 @@ def test_a_windowed_models_budget_counts_what_its_caches_keep(tmp_path: Path) ->
     assert caches.cached_tokens == 63 and caches.evicted_for_tokens == 0
     caches.extend_many([(caches.sync(name, 0, 0), SEQ[:30], 1) for name in ("d", "e")])
     assert [name for name in "abcde" if name in caches] == ["c", "d", "e"] and caches.cached_tokens == 63
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+def test_a_windowed_models_context_rate_is_timed_over_the_positions_its_sessions_keep(
+    tmp_path: Path, arch: str
+) -> None:
+    """With a rollback margin (6 here, a 16-position window), the context pass's windowed layers
+    hold what a session's keep after 2,048 tokens, 21 positions, not all 2,048 (which overstated
+    what a long prompt costs a windowed model); the whole layers hold every position."""
+    path = build_sliding(tmp_path / arch, arch, seed=0)
+    loaded = dataclasses.replace(
+        load_model(str(path), LoadOptions(device="cpu", dtype="float32")), max_context_len=4096
+    )
+    real, held = kvcache._timed_pass, []
+
+    def recording(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache) -> float:
+        held.append(sorted({(layer.is_sliding, layer.keys.shape[2]) for _, layer in kvcache._keeping(cache)}))
+        return real(loaded, ids, cache)
+
+    with mock.patch.object(kvcache, "_timed_pass", recording), mock.patch.object(kvcache.log, "warning") as warning:
+        rates = kvcache.prefill_rates(loaded, margin=6)
+    assert rates.per_token_ms > 0 and not any(
+        call.args[0] == "prefill_context_not_timed" for call in warning.mock_calls
+    )
+    assert held[1] == []  # an empty cache, then the longer one
+    assert (True, 21) in held[2] and all(positions == 2048 for sliding, positions in held[2] if not sliding)
 
 
 def _storage(end: PromptEnd | None, layer: int) -> int:

@@ -165,11 +165,12 @@ class PrefillRates:
     per_1k_context_ms: float
 
 
-def prefill_rates(loaded: LoadedModel) -> PrefillRates:
+def prefill_rates(loaded: LoadedModel, margin: int | None = None) -> PrefillRates:
     """Times a pass of PREFILL_PROBE_TOKENS tokens (fewer if the context is shorter) on an empty
     cache, after a short pass that takes the one-time costs of a first forward pass, and the same
     pass over a cache of PREFILL_CONTEXT_PROBE_TOKENS tokens (its keys and values copies of the
-    first pass's: a pass's cost is not the values'), where the context has room for it (else the
+    first pass's: a pass's cost is not the values'; windowed layers keeping what a session's keep
+    with the rollback ``margin``), where the context has room for it (else the
     rate is 0). The context rate is the difference of the two: while the second comes out no slower (another
     process slowed the first; services start side by side), the pair is timed again, up to
     PREFILL_PROBE_TRIES pairs, and the fastest time of each pass counts. The caches are dropped."""
@@ -183,13 +184,13 @@ def prefill_rates(loaded: LoadedModel) -> PrefillRates:
         if copies < 1:
             return PrefillRates(short * 1000 / tokens, 0.0)
         try:
-            longer = _copied(loaded, first, copies)
+            longer = _copied(loaded, first, copies, margin)
             long = _timed_pass(loaded, ids, longer)
             for _ in range(PREFILL_PROBE_TRIES - 1):
                 if long > short:
                     break
                 short = min(short, _timed_pass(loaded, ids, new_cache(loaded.model.config)))
-                long = min(long, _timed_pass(loaded, ids, _copied(loaded, first, copies)))
+                long = min(long, _timed_pass(loaded, ids, _copied(loaded, first, copies, margin)))
         except Exception as exc:  # a cache this copy does not fit: time limits go by the first rate
             log.warning("prefill_context_not_timed", error=repr(exc))
             return PrefillRates(short * 1000 / tokens, 0.0)
@@ -205,9 +206,10 @@ def _keeping(cache: DynamicCache) -> list[tuple[int, Any]]:
     return [(index, layer) for index, layer in enumerate(cache.layers) if layer.keys is not None]
 
 
-def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int) -> DynamicCache:
-    """A cache of ``copies`` copies of ``cache``'s keys and values, one after another."""
-    longer = new_cache(loaded.model.config)
+def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int, margin: int | None) -> DynamicCache:
+    """A cache of ``copies`` copies of ``cache``'s keys and values, one after another (windowed
+    layers keeping their window and ``margin``)."""
+    longer = new_cache(loaded.model.config, margin)
     for index, layer in _keeping(cache):
         longer.update(layer.keys.repeat(1, 1, copies, 1), layer.values.repeat(1, 1, copies, 1), index)
     return longer

@@ -119,7 +119,7 @@ class WorkerCore:
         self.metrics.cached_sessions.set_function(lambda: len(caches))
         self.metrics.cached_tokens.set_function(lambda: caches.cached_tokens)
         self.metrics.cache_budget_tokens.set(budget)
-        self.prefill = await self.scheduler.call(prefill_rates, self._loaded)
+        self.prefill = await self.scheduler.call(prefill_rates, self._loaded, s.rollback_margin())
         log.info(
             "prefill_measured",
             ms_per_token=round(self.prefill.per_token_ms, 3),
