@@ -170,8 +170,8 @@ def prefill_rates(loaded: LoadedModel, margin: int | None = None) -> PrefillRate
     cache, after a short pass that takes the one-time costs of a first forward pass, and the same
     pass over a cache of PREFILL_CONTEXT_PROBE_TOKENS tokens (its keys and values copies of the
     first pass's: a pass's cost is not the values'; windowed layers keeping what a session's keep
-    with the rollback ``margin``), where the context has room for it (else the
-    rate is 0). The context rate is the difference of the two: while the second comes out no slower (another
+    with the rollback ``margin``), where the context has room for it (else the rate is 0). The
+    context rate is the difference of the two: while the second comes out no slower (another
     process slowed the first; services start side by side), the pair is timed again, up to
     PREFILL_PROBE_TRIES pairs, and the fastest time of each pass counts. The caches are dropped."""
     tokens = max(1, min(PREFILL_PROBE_TOKENS, loaded.max_context_len - 1))
