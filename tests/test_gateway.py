@@ -34,7 +34,7 @@ from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CLUSTER_WORKER_ARGS
 from tests.helpers import free_port, real_tokenizer
 from tests.reference import worker_info
-from tests.tiny_models import build_model
+from tests.tiny_models import build_model, build_sliding
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
 
@@ -68,18 +68,28 @@ NO_SPEC = ["--num-speculative-tokens", "0"]
 
 @contextlib.contextmanager
 def launch(
-    root: Path, tokenizer: PreTrainedTokenizerBase, with_draft: bool, tokenizer_on_gateway_host: bool = True
+    root: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    with_draft: bool,
+    tokenizer_on_gateway_host: bool = True,
+    windowed: bool = False,
 ) -> Iterator[Gateway]:
     """Target (+ draft) + coordinator, and an ``smg`` gateway process in front of them. Without a
     tokenizer on the gateway's host (the files deleted once the services have loaded, no
-    --model-path), the gateway must fetch it from the coordinator (GetTokenizer)."""
-    target = build_model(root / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
-    draft = build_model(root / "draft", seed=4, hidden=32, layers=1, vocab=len(tokenizer), tokenizer=tokenizer)
+    --model-path), the gateway must fetch it from the coordinator (GetTokenizer). ``windowed``:
+    Mistral models whose attention is windowed (16 positions), served with --max-draft-tokens 4
+    (their windowed layers keep 25 positions)."""
+    if windowed:
+        target = build_sliding(root / "target", "mistral", seed=3, tokenizer=tokenizer)
+        draft = build_sliding(root / "draft", "mistral", seed=4, tokenizer=tokenizer)
+    else:
+        target = build_model(root / "target", seed=3, hidden=32, layers=2, vocab=len(tokenizer), tokenizer=tokenizer)
+        draft = build_model(root / "draft", seed=4, hidden=32, layers=1, vocab=len(tokenizer), tokenizer=tokenizer)
     cluster = LocalCluster(
         str(target),
         str(draft) if with_draft else None,
         root / "run",
-        worker_args=CLUSTER_WORKER_ARGS,
+        worker_args=[*CLUSTER_WORKER_ARGS, *(["--max-draft-tokens", "4"] if windowed else [])],
         # without a draft worker: no speculation at all (not even lookup drafts), so the target
         # computes exactly the uncached prompt and one token per round
         coordinator_args=["--served-model-name", "tiny-qwen", "--no-adaptive-k", *([] if with_draft else NO_SPEC)],
@@ -502,6 +512,31 @@ def test_a_five_turn_chat_reuses_the_cached_conversation(tmp_path_factory: pytes
                 assert cached == 0
             previous_prompt = usage.prompt_tokens
             conversation.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+
+
+def test_a_regenerated_reply_on_a_windowed_model_finds_its_prompt_cached(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A model whose attention is windowed (Mistral, 16 positions, its windowed layers keeping 25
+    with --max-draft-tokens 4) through the gateway: the same messages sent again after a 60-token
+    reply (a regenerated reply) find their prompt cached in whole blocks, 16 of its 21 tokens, from
+    the copy of the windowed layers at the prompt's end (the cache's end is 60 tokens further, past
+    the margin), and give the same reply; before, every regenerated reply computed its prompt
+    again (cached 0)."""
+    tokenizer = _qwen_tokenizer(tmp_path_factory)
+    with launch(tmp_path_factory.mktemp("gateway-windowed"), tokenizer, with_draft=True, windowed=True) as gw:
+        messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say a lot."}]
+        replies = [
+            gw.client.chat.completions.create(model=gw.model, messages=messages, max_tokens=60, temperature=0)  # type: ignore[arg-type]
+            for _ in range(3)
+        ]
+    first, *again = replies
+    assert first.usage is not None and first.usage.completion_tokens == 60
+    assert first.usage.prompt_tokens == 21
+    for reply in again:
+        assert reply.choices[0].message.content == first.choices[0].message.content
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        assert reply.usage.prompt_tokens_details.cached_tokens == 16
 
 
 def test_what_the_gateway_does_before_the_engine(gateway: Gateway) -> None:

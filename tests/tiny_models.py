@@ -322,11 +322,14 @@ def _save_random(
     return path
 
 
-def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
+def build_sliding(
+    path: Path, arch: str, seed: int, window: int = 16, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Path:
     """A tiny random model of an architecture whose attention is windowed in some layers
     (``mistral``, ``gemma2``, ``gemma3``, ``phi3``: a sliding window; ``llama4``: chunks of
     ``window`` positions, one layer of four whole; ``gemma4``: windowed and whole layers, the last
-    two of four reading the keys and values of earlier ones), with the byte tokenizer."""
+    two of four reading the keys and values of earlier ones), with ``tokenizer`` (default: the
+    byte tokenizer)."""
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
@@ -336,7 +339,7 @@ def build_sliding(path: Path, arch: str, seed: int, window: int = 16) -> Path:
         Phi3Config,
     )
 
-    tokenizer = build_tokenizer()
+    tokenizer = tokenizer or build_tokenizer()
     common = {
         "vocab_size": len(tokenizer),
         "hidden_size": 32,
