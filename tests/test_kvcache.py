@@ -417,7 +417,21 @@ SLIDING = ["mistral", "gemma2", "gemma3", "phi3", "llama4", "gemma4"]  # build_s
 WINDOWED_FAMILIES = ["Starcoder2Config", "GptOssConfig", "Cohere2Config", "Exaone4Config", "Gemma3nTextConfig"]
 
 
-@pytest.mark.parametrize("arch", [*SLIDING, *WINDOWED_FAMILIES, "gemma3-with-vision"])
+WINDOWED = [*SLIDING, *WINDOWED_FAMILIES, "gemma3-with-vision"]
+
+
+def _windowed_model(tmp_path: Path, arch: str) -> LoadedModel:
+    """A tiny model of one of WINDOWED's architectures, loaded."""
+    if arch in SLIDING:
+        path = build_sliding(tmp_path / arch, arch, seed=0)
+    elif arch in WINDOWED_FAMILIES:
+        path = build_family(tmp_path / arch, arch)
+    else:
+        path = build_gemma3_with_vision(tmp_path / arch)
+    return load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
 def test_a_windowed_layer_keeps_its_window_and_a_margin_to_cut_back(tmp_path: Path, arch: str) -> None:
     """With a rollback margin (6 positions here), a windowed layer keeps only what its next queries
     can see (the window's 15 positions before them) and the margin: at most 21 positions however
@@ -426,13 +440,7 @@ def test_a_windowed_layer_keeps_its_window_and_a_margin_to_cut_back(tmp_path: Pa
     different numbers of positions gives every row's full-pass logits too. A cut deeper than the
     margin (a turn rolled back, a prefix of another session far behind its end) is a resync, and
     the budget counts a windowed layer's memory only for the positions it can keep."""
-    if arch in SLIDING:
-        path = build_sliding(tmp_path / arch, arch, seed=0)
-    elif arch in WINDOWED_FAMILIES:
-        path = build_family(tmp_path / arch, arch)
-    else:
-        path = build_gemma3_with_vision(tmp_path / arch)
-    loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
+    loaded = _windowed_model(tmp_path, arch)
     caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=6)
     rng = torch.Generator().manual_seed(1)
     entry, kept = caches.sync("s", 0, 0), list(SEQ[:4])
@@ -520,7 +528,7 @@ def _storage(end: PromptEnd | None, layer: int) -> int:
     return end.layers[layer].keys.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("arch", SLIDING)
+@pytest.mark.parametrize("arch", WINDOWED)
 def test_a_windowed_sessions_prompt_end_stays_reachable(tmp_path: Path, arch: str) -> None:
     """A session told where its prompt ends (30 tokens) keeps a copy of its windowed layers there
     once its first pass has run it (and a block after it: 33 tokens, the last 23 kept with a margin
@@ -531,7 +539,7 @@ def test_a_windowed_sessions_prompt_end_stays_reachable(tmp_path: Path, arch: st
     completion of the prompt (a copy of all of it but its last token) shares it, copying none. Once
     the session's own tokens after a cut differ, the copy does not serve them: a prefix that ends
     after the cut is a resync (keys of the replaced tokens would give other logits)."""
-    loaded = load_model(str(build_sliding(tmp_path / arch, arch, seed=0)), LoadOptions(device="cpu", dtype="float32"))
+    loaded = _windowed_model(tmp_path, arch)
     caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
     prompt, drafts = SEQ[:30], [7, 8, 9]
     entry = caches.sync("a", 0, 0, prompt_len=30)
