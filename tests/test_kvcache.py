@@ -582,7 +582,8 @@ def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_cac
     first pass counts 21 positions and 21 of its copy at the prompt's end. Three fit a budget of
     130; a fourth, one more than fits, frees the copies of the two least recently used (a
     session's whole cache serves its next turn; a copy only a regenerated reply), not their
-    caches, and a session whose copy was freed takes none again for that prompt."""
+    caches (a log line says how many), and a session whose copy was freed takes none again for
+    that prompt."""
     loaded = load_model(
         str(build_sliding(tmp_path / "m", "mistral", seed=0)), LoadOptions(device="cpu", dtype="float32")
     )
@@ -590,7 +591,9 @@ def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_cac
     for name in ("a", "b", "c"):
         caches.extend(caches.sync(name, 0, 0, prompt_len=40), SEQ[:40], 1)
     assert caches.cached_tokens == 3 * 42
-    caches.extend(caches.sync("d", 0, 0, prompt_len=30), SEQ[:30], 1)
+    with mock.patch.object(kvcache.log, "info") as info:
+        caches.extend(caches.sync("d", 0, 0, prompt_len=30), SEQ[:30], 1)
+    info.assert_called_once_with("prompt_end_copies_freed_for_tokens", copies=2, max_cache_tokens=130)
     entries = {name: caches.get(name) for name in "abcd"}
     assert all(entries.values()) and caches.cached_tokens == 2 * 21 + 2 * 42 and caches.evicted_for_tokens == 0
     assert [name for name, entry in entries.items() if entry and entry.prompt_end] == ["c", "d"]

@@ -572,14 +572,16 @@ class SessionCaches:
         next turn; such a copy only a request of the same prompt), then the caches."""
         if not self.max_tokens:
             return
-        over = self.cached_tokens - self.max_tokens
+        over, copies = self.cached_tokens - self.max_tokens, 0
         for entry in list(self._entries.values()):
             if over <= 0:
-                return
+                break
             if entry.prompt_end is not None and not any(entry is kept for kept in keep):
                 held = self._held(entry)
                 entry.free_prompt_end()
-                over -= held - self._held(entry)
+                over, copies = over - (held - self._held(entry)), copies + 1
+        if copies:
+            log.info("prompt_end_copies_freed_for_tokens", copies=copies, max_cache_tokens=self.max_tokens)
         freed = []
         for session_id, entry in list(self._entries.items()):
             if over <= 0:
