@@ -266,9 +266,9 @@ class PromptEnd:
                 kept.keys, kept.values = layer.keys.clone(), layer.values.clone()
         return cls(length, layers)
 
-    @property
+    @functools.cached_property
     def positions(self) -> int:
-        """The positions its largest layer holds."""
+        """The positions its largest layer holds (read for every copy whenever the budget is counted)."""
         return max((layer.keys.shape[-2] for layer in self.layers.values()), default=0)
 
     def reaches(self, length: int) -> bool:
