@@ -577,6 +577,45 @@ def test_a_windowed_sessions_prompt_end_stays_reachable(tmp_path: Path, arch: st
     torch.testing.assert_close(logits, full_logits(loaded, [*prompt, 9, 9, 1])[-1:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", SLIDING)
+def test_a_cut_past_the_margin_after_the_prompt_starts_again_from_its_copy(tmp_path: Path, arch: str) -> None:
+    """A cut behind a windowed layer's margin to a length after the prompt's end (a replaced chat
+    reply whose first tokens stay; another session's prompt that repeats part of a reply, found in
+    whole blocks) cannot start from the cache, but can from its copy at the prompt's end: the
+    resync says so (``start``, the copy's length: the caller sends the tokens from there), the
+    session's own cache is kept for it, and starting there gives a full pass's logits. The copy
+    never answers for tokens it does not hold (another prefix, one shorter than it reaches)."""
+    loaded = _windowed_model(tmp_path, arch)
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
+    prompt = SEQ[:30]
+    entry = caches.sync("a", 0, 0, prompt_len=30)
+    caches.extend(entry, [*prompt, 7, 8, 9], 4)  # the first verify pass: the prompt and a block
+    kept = [*prompt, 7, 8]
+    entry = caches.sync("a", 32, prefix_hash(kept), prompt_len=30)  # two drafts taken: a copy of 32
+    for start in range(32, 60, 5):  # decoding on past the margin, each block of 5 cut back 2
+        caches.extend(entry, SEQ[start : start + 5], 1)
+        kept += SEQ[start : start + 3]
+        entry = caches.sync("a", len(kept), prefix_hash(kept), prompt_len=30)
+    assert len(kept) == 50 and not entry.reaches(40)
+    with pytest.raises(ResyncRequired) as resync:  # a prompt repeating 8 tokens of a's reply
+        caches.sync("b", 40, prefix_hash(kept[:40]), source="a", prompt_len=44)
+    assert resync.value.start == 32 and "b" not in caches
+    other = caches.sync("b", 32, prefix_hash(kept[:32]), source="a", prompt_len=44)
+    logits = caches.extend(other, [*kept[32:40], 4, 5, 6, 7], 3)
+    torch.testing.assert_close(logits, full_logits(loaded, [*kept[:40], 4, 5, 6, 7])[-3:], atol=1e-4, rtol=1e-4)
+    assert caches.reused_tokens_total == 32
+    for length, tokens in ((40, [*kept[:39], 1]), (10, kept[:10])):  # other tokens; before the copy's reach
+        with pytest.raises(ResyncRequired) as resync:
+            caches.sync("c", length, prefix_hash(tokens), source="a")
+        assert resync.value.start == 0
+    with pytest.raises(ResyncRequired) as resync:  # a's reply replaced after its first 10 tokens
+        caches.sync("a", 40, prefix_hash(kept[:40]), prompt_len=30)
+    assert resync.value.start == 32 and "a" in caches
+    entry = caches.sync("a", 32, prefix_hash(kept[:32]), prompt_len=30)
+    logits = caches.extend(entry, [*kept[32:40], 9, 9], 2)
+    torch.testing.assert_close(logits, full_logits(loaded, [*kept[:40], 9, 9])[-2:], atol=1e-4, rtol=1e-4)
+
+
 def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_caches(tmp_path: Path) -> None:
     """Every layer windowed (Mistral), a margin of 6: a 40-token session that ran its prompt in its
     first pass counts 21 positions and 21 of its copy at the prompt's end. Three fit a budget of

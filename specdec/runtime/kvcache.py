@@ -244,7 +244,12 @@ def auto_token_budget(loaded: LoadedModel) -> int:
 
 
 class ResyncRequired(Exception):
-    """The worker's cache does not hold the committed prefix; the caller must resend from 0."""
+    """The worker's cache does not hold the committed prefix: the caller must resend it from
+    ``start`` (the length of a shorter prefix it still holds and can start from, else 0)."""
+
+    def __init__(self, session_id: str, start: int = 0) -> None:
+        super().__init__(session_id)
+        self.start = start
 
 
 @dataclass(frozen=True)
@@ -313,6 +318,13 @@ class SessionCache:
         end (``prompt_end``) as much before that."""
         return self._within_margin(length) or (self.prompt_end is not None and self.prompt_end.reaches(length))
 
+    def restart(self, length: int) -> int:
+        """Where a caller asking for the first ``length`` tokens (held, but not reached) can start
+        instead: the copy at the prompt's end, where it is no longer than them (0: nowhere)."""
+        end = self.prompt_end
+        start = 0 if end is None else min(length, end.length)
+        return start if start and end is not None and end.reaches(start) else 0
+
     def truncate(self, length: int) -> None:
         """Rolls back to the first ``length`` tokens (an index of more of them is dropped)."""
         excess = len(self.tokens) - length
@@ -361,8 +373,9 @@ class SessionCaches:
     With a ``margin``, a windowed attention layer keeps its window and that many positions before
     it (``WindowedLayer``): a cut back deeper than that is a resync, unless it goes back to where
     the session's prompt ends (told by ``sync``), where the cache keeps a copy of them
-    (``PromptEnd``). A token counts then for the share of its memory that is kept: beyond a
-    layer's window and margin, only its whole layers'; the copy counts too."""
+    (``PromptEnd``); a resync to a length after that starts from the copy. A token counts then
+    for the share of its memory that is kept: beyond a layer's window and margin, only its whole
+    layers'; the copy counts too."""
 
     def __init__(
         self, loaded: LoadedModel, max_sessions: int, idle_s: float, max_tokens: int = 0, margin: int | None = None
@@ -407,7 +420,9 @@ class SessionCaches:
 
         ``base_len == 0`` always succeeds (a fresh cache). Otherwise the cache must hold at least
         ``base_len`` tokens whose hash is ``base_hash``; failing that, a copy of the ``source``
-        session's cache does if that one holds them (prefix reuse); else ResyncRequired.
+        session's cache does if that one holds them (prefix reuse); else ResyncRequired, saying
+        where the caller can start instead when either holds them but can no longer be cut back
+        so far (``SessionCache.restart``: the session's own cache is then kept for it).
         ``prompt_len``: where the turn's prompt ends (0: not said); with windowed layers that
         keep a margin, the cache keeps a copy of them there once a pass has run it (``PromptEnd``).
         """
@@ -428,9 +443,12 @@ class SessionCaches:
             self._entries[session_id] = entry
             self.reused_tokens_total += base_len
             self._evict_over_capacity()
-        else:
-            self._entries.pop(session_id, None)
-            raise ResyncRequired(session_id)
+        else:  # a cut the cache cannot make: perhaps one it can, to a shorter length
+            own = _restart(entry, base_len, base_hash)
+            donor = _restart(self._entries.get(source), base_len, base_hash) if source and source != session_id else 0
+            if not own:
+                self._entries.pop(session_id, None)
+            raise ResyncRequired(session_id, max(own, donor))
         if prompt_len and self._windowed[0]:
             entry.prompt_len = prompt_len
         entry.last_used = time.monotonic()
@@ -598,12 +616,18 @@ class SessionCaches:
 
 def _holds(entry: SessionCache | None, length: int, expected_hash: int) -> bool:
     """Whether ``entry`` holds ``length`` tokens whose hash is ``expected_hash``, and can be cut back to them."""
-    return (
-        entry is not None
-        and len(entry.tokens) >= length
-        and entry.hashes.of(entry.tokens, length) == expected_hash
-        and entry.reaches(length)
-    )
+    return _has(entry, length, expected_hash) and entry is not None and entry.reaches(length)
+
+
+def _restart(entry: SessionCache | None, length: int, expected_hash: int) -> int:
+    """Where a sync to ``length`` tokens that ``entry`` holds (``expected_hash``) but cannot be cut
+    back to can start from instead (``SessionCache.restart``; 0: nowhere)."""
+    return entry.restart(length) if _has(entry, length, expected_hash) and entry is not None else 0
+
+
+def _has(entry: SessionCache | None, length: int, expected_hash: int) -> bool:
+    """Whether ``entry`` holds at least ``length`` tokens, the first of which hash to ``expected_hash``."""
+    return entry is not None and len(entry.tokens) >= length and entry.hashes.of(entry.tokens, length) == expected_hash
 
 
 def _windowed_share(loaded: LoadedModel, margin: int | None) -> tuple[int, float]:
