@@ -83,6 +83,14 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Resync:
+    """The cache did not hold the committed prefix: the caller resends it from ``start`` tokens
+    (a shorter prefix the cache can still start from; 0: all of it)."""
+
+    start: int = 0
+
+
+@dataclass(frozen=True)
 class Drafted:
     """What ``_draft_block`` drew: the samples, whether a confidence stop was reached at the last
     one, how many guessed tokens its passes ran and the samples (their indexes) whose pass a right
@@ -233,13 +241,13 @@ def propose_job(
     session_id: str,
     sync: common_pb2.PrefixSync,
     params: DraftParams,
-) -> Job[Block | None]:
-    """K draft tokens after the committed prefix ``sync`` describes; None = resync required."""
+) -> Job[Block | Resync]:
+    """K draft tokens after the committed prefix ``sync`` describes, or where to resend it from."""
     meter = ComputeMeter()
     try:
         entry = caches.sync(session_id, sync.base_len, sync.prefix_hash, sync.source_session_id, sync.prompt_len)
-    except ResyncRequired:
-        return None
+    except ResyncRequired as exc:
+        return Resync(exc.start)
     feed, start = list(sync.tail_token_ids), sync.base_len + len(sync.tail_token_ids)
     _index_committed(entry, feed, params)
     drafted = yield from _draft_block(entry, feed, params, start, loaded.device, meter)
@@ -271,9 +279,9 @@ def translated_propose_job(
     session_id: str,
     sync: common_pb2.PrefixSync,
     params: DraftParams,
-) -> Job[Block | None]:
+) -> Job[Block | Resync]:
     """Up to K proposals in the target's ids after the committed prefix ``sync`` describes (in
-    target ids), from a draft of another vocabulary; None = resync required.
+    target ids), from a draft of another vocabulary, or where to resend it from (always 0).
 
     The session's mirror turns the committed ids into text and the text into the draft's own
     tokens; the cache keeps what it shares with them (after a partly accepted block, the draft
@@ -293,7 +301,7 @@ def translated_propose_job(
         held = caches.get(session_id)
         if held is None or held.mirror is None or not held.mirror.holds(sync.base_len, sync.prefix_hash):
             caches.release(session_id)
-            return None
+            return Resync()
         entry, mirror = held, held.mirror
     mirror.update(sync.base_len, sync.tail_token_ids)
     wanted = mirror.draft_ids
@@ -307,7 +315,7 @@ def translated_propose_job(
     keep = min(common_prefix_len(entry.tokens, wanted), len(wanted) - 1)
     if not entry.reaches(keep):  # a windowed layer's cache cannot be cut back that far
         caches.release(session_id)
-        return None
+        return Resync()
     entry.truncate(keep)
     feed, own = wanted[keep:], dataclasses.replace(params, guess_tokens=0)  # no guesses: see the module doc
     if bridge.method == "slem":

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job, translated_propose_job
+from draft_worker.engine import Block, DraftParams, Resync, lookahead_job, propose_job, translated_propose_job
 from draft_worker.settings import DraftSettings
 from specdec.runtime.modeling import LoadedModel
 from specdec.runtime.processing import processing_from_proto
@@ -129,9 +129,9 @@ class _ProposeStream:
             return
         await self.cancel_lookahead()
         block = await self._propose(request)
-        if block is None:
+        if isinstance(block, Resync):
             response = draft_pb2.ProposeResponse(
-                round_id=request.round_id, cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED
+                round_id=request.round_id, cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED, resync_from=block.start
             )
             self._outbox.put_nowait(response)
             return
@@ -139,7 +139,7 @@ class _ProposeStream:
         if request.lookahead:
             self._start_lookahead(request.round_id)
 
-    async def _propose(self, request: draft_pb2.ProposeRequest) -> Block | None:
+    async def _propose(self, request: draft_pb2.ProposeRequest) -> Block | Resync:
         k = request.num_tokens
         if not 0 < k <= self._settings.max_draft_tokens:
             raise InvalidRequest(f"num_tokens must be in [1, {self._settings.max_draft_tokens}], got {k}")
@@ -172,14 +172,14 @@ class _ProposeStream:
         self._params = params
         sync = request.sync
 
-        def job() -> Job[Block | None]:
+        def job() -> Job[Block | Resync]:
             if bridge is None:
                 return propose_job(core.caches, core.loaded, self._session, sync, params)
             return translated_propose_job(core.caches, core.loaded, bridge, self._session, sync, params)
 
         block = await core.run(self._session, job)
         self._count(block)
-        self._last = block
+        self._last = block if isinstance(block, Block) else None
         return block
 
     def _start_lookahead(self, round_id: int) -> None:
@@ -215,9 +215,9 @@ class _ProposeStream:
                 await self._lookahead
         self._lookahead = None
 
-    def _count(self, block: Block | None) -> None:
+    def _count(self, block: Block | Resync | None) -> None:
         metrics = self._core.metrics
-        if block is None:
+        if not isinstance(block, Block):  # a resync, or a lookahead whose cache moved on
             metrics.resyncs.inc()
             return
         metrics.computed_tokens.inc(block.computed_tokens)

@@ -20,9 +20,11 @@ from specdec.v1 import common_pb2
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """``resync`` set: the cache did not hold the committed prefix and nothing was computed."""
+    """``resync`` set: the cache did not hold the committed prefix and nothing was computed (the
+    caller may resend from ``resync_from`` tokens, else from 0)."""
 
     resync: bool
+    resync_from: int = 0
     num_accepted: int = 0
     token_ids: tuple[int, ...] = ()
     cache_len: int = 0
@@ -65,8 +67,8 @@ def verify_job(
         raise InvalidRequest("prompt logprobs need the prompt's positions in the tail: send a shorter base_len")
     try:
         entry = caches.sync(session_id, base_len, sync.prefix_hash, sync.source_session_id, sync.prompt_len)
-    except ResyncRequired:
-        return VerifyResult(resync=True)
+    except ResyncRequired as exc:
+        return VerifyResult(resync=True, resync_from=exc.start)
     k = len(drafts)
     scored = tail[scored_from - base_len :] if prompt_rows else []  # the prompt tokens rows score
     scored_logprobs: list[common_pb2.TokenLogprob] = []

@@ -63,7 +63,9 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         )
         if result.resync:
             core.metrics.resyncs.inc()
-            return target_pb2.VerifyResponse(cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED)
+            return target_pb2.VerifyResponse(
+                cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED, resync_from=result.resync_from
+            )
         core.metrics.computed_tokens.inc(result.computed_tokens)
         core.metrics.compute_seconds.observe(result.compute_ms / 1000)
         return target_pb2.VerifyResponse(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from coordinator.worker_session import prefix_sync
-from draft_worker.engine import Block, DraftParams, lookahead_job, propose_job
+from draft_worker.engine import Block, DraftParams, Resync, lookahead_job, propose_job
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.sampling import Warp
@@ -47,10 +47,10 @@ def chain_prompt(draft: LoadedModel, length: int = 6) -> list[int]:
     return [7, *chain, 7, 3]
 
 
-def run_counting(job: Job[Block | None], caches: SessionCaches) -> tuple[Block, int]:
+def run_counting(job: Job[Block | Resync] | Job[Block | None], caches: SessionCaches) -> tuple[Block, int]:
     """Runs a job's steps as the scheduler does; returns its block (there is one) and its number of passes."""
     block, passes = run_steps(job, caches)
-    assert block is not None
+    assert isinstance(block, Block)
     return block, passes
 
 

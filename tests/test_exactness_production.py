@@ -238,12 +238,12 @@ class Speculation:
             params = self._params(k, seed)
             job = translated_propose_job(self.draft_caches, self.draft, self.bridge, session, sync, params)
             translated = yield from run_job(job, self.draft_caches)
-            assert translated is not None
+            assert isinstance(translated, Block)
             return translated
         sync = prefix_sync(committed, draft_len)
         job = propose_job(self.draft_caches, self.draft, session, sync, self._params(k, seed))
         block = yield from run_job(job, self.draft_caches)
-        assert block is not None
+        assert isinstance(block, Block)
         self.tally.guesses_taken += block.guesses_taken
         return block
 

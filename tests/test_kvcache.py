@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from draft_worker.engine import Block, DraftParams, translated_propose_job
+from draft_worker.engine import Block, DraftParams, Resync, translated_propose_job
 from specdec.runtime import kvcache
 from specdec.runtime import tokens as tokens_module
 from specdec.runtime.kvcache import (
@@ -645,7 +645,7 @@ def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_cac
 def test_a_translated_draft_whose_windowed_cache_cannot_be_cut_back_so_far_resyncs(tmp_path: Path, method: str) -> None:
     """A draft of another tokenizer cuts its cache back to the tokens it shares with the committed
     text's own tokenization. Where its windowed layers cannot be cut back that far (their margin, 2
-    positions here, is behind them), the job answers resync (None) and frees the cache, as when its
+    positions here, is behind them), the job answers resync (from 0) and frees the cache, as when its
     mirror no longer holds the prefix; the next request, from the start, drafts again."""
     tokenizer = build_tokenizer()
     path = build_sliding(tmp_path / "draft", "mistral", seed=0)
@@ -654,14 +654,14 @@ def test_a_translated_draft_whose_windowed_cache_cannot_be_cut_back_so_far_resyn
     bridge = VocabBridge(tokenizer, tokenizer, draft.vocab_size, method)
     caches, params = SessionCaches(draft, max_sessions=4, idle_s=60, margin=2), DraftParams(3, Warp(), seed=0, top_n=0)
 
-    def drive(base: int) -> Block | None:
+    def drive(base: int) -> Block | Resync:
         sync = common_pb2.PrefixSync(base_len=base, prefix_hash=prefix_hash(text[:base]), tail_token_ids=text[base:40])
         return run_steps(translated_propose_job(caches, draft, bridge, "s", sync, params), caches)[0]
 
-    assert drive(0) is not None and len(caches._entries["s"].tokens) >= 40
+    assert isinstance(drive(0), Block) and len(caches._entries["s"].tokens) >= 40
     caches.extend(caches._entries["s"], [7] * 6, 1)  # its cache 6 tokens past what the text holds
-    assert drive(30) is None and "s" not in caches  # before: ValueError from the windowed layer's cut
-    assert drive(0) is not None
+    assert drive(30) == Resync() and "s" not in caches  # before: ValueError from the windowed layer's cut
+    assert isinstance(drive(0), Block)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -48,7 +48,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ..., vocab_limit: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., min_block_confidence: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms", "lookahead", "base_len", "assumed_token_ids", "ends_unsure")
+    __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms", "lookahead", "base_len", "assumed_token_ids", "ends_unsure", "resync_from")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class ProposeResponse(_message.Message):
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDS_UNSURE_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FROM_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     cache_status: _common_pb2.CacheStatus
     draft: _common_pb2.DraftBlock
@@ -67,7 +68,8 @@ class ProposeResponse(_message.Message):
     base_len: int
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ends_unsure: bool
-    def __init__(self, round_id: _Optional[int] = ..., cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., lookahead: _Optional[bool] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., ends_unsure: _Optional[bool] = ...) -> None: ...
+    resync_from: int
+    def __init__(self, round_id: _Optional[int] = ..., cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., lookahead: _Optional[bool] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., ends_unsure: _Optional[bool] = ..., resync_from: _Optional[int] = ...) -> None: ...
 
 class DraftReleaseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -50,7 +50,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs_count: _Optional[int] = ..., prompt_top_logprobs: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., coordinator_requests: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("cache_status", "num_accepted", "token_ids", "cache_len", "computed_tokens", "compute_ms", "logprobs", "prompt_logprobs", "constrained", "service_requests")
+    __slots__ = ("cache_status", "num_accepted", "token_ids", "cache_len", "computed_tokens", "compute_ms", "logprobs", "prompt_logprobs", "constrained", "service_requests", "resync_from")
     CACHE_STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class VerifyResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     SERVICE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FROM_FIELD_NUMBER: _ClassVar[int]
     cache_status: _common_pb2.CacheStatus
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -71,7 +72,8 @@ class VerifyResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     constrained: bool
     service_requests: int
-    def __init__(self, cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., constrained: _Optional[bool] = ..., service_requests: _Optional[int] = ...) -> None: ...
+    resync_from: int
+    def __init__(self, cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_len: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., constrained: _Optional[bool] = ..., service_requests: _Optional[int] = ..., resync_from: _Optional[int] = ...) -> None: ...
 
 class TargetReleaseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
