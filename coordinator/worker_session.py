@@ -2,7 +2,9 @@
 
 The coordinator tracks, per worker, how many committed tokens that worker's cache holds. Each
 call sends the committed prefix as (base_len, prefix hash, tail); a worker that cannot prove it
-holds the prefix answers RESYNC_REQUIRED and is sent everything (base_len 0).
+holds the prefix answers RESYNC_REQUIRED and is sent everything (base_len 0), or the tokens after
+a shorter prefix it says it can start from (``resync_from``: a windowed model's copy at a prompt's
+end).
 """
 
 from __future__ import annotations
@@ -364,7 +366,7 @@ class WorkerSession:
         self._lookahead_round = None
         cached, source = self.draft_len, self._draft_source
         self._draft_source = ""
-        for _ in range(2):
+        for _ in range(3):  # the prefix, a shorter one the worker can start from, all of it
             sync = prefix_sync(committed, cached, source, self._draft_hashes, decoding.processing.reply_start)
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
@@ -398,8 +400,8 @@ class WorkerSession:
                     reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed,
                     ends_unsure=reply.ends_unsure,
                 )  # fmt: skip
-            self._resynced("draft")
-            cached, source = 0, ""
+            cached = self._resynced("draft", sync.base_len, reply.resync_from)
+            source = source if cached else ""
         raise WorkerCallFailed("cache resync did not take")
 
     def _draft_failed(self, exc: WorkerCallFailed) -> None:
@@ -418,10 +420,14 @@ class WorkerSession:
         self.draft_len = 0
         self._last = self._lookahead_round = None
 
-    def _resynced(self, role: str) -> None:
+    def _resynced(self, role: str, sent: int, start: int) -> int:
+        """Counts a resync of the prefix ``sent``; the length to resend from: ``start`` where the
+        worker can start there (a shorter prefix), else 0."""
         self.counters.resyncs += 1
         self._metrics.cache_resyncs.labels(role).inc()
-        log.info("cache_resync", role=role)
+        start = start if start < sent else 0  # a worker's answer is trusted to shorten, never to lengthen
+        log.info("cache_resync", role=role, base_len=sent, resend_from=start)
+        return start
 
     async def verify(
         self, committed: list[int], block: common_pb2.DraftBlock, decoding: Decoding, ask: LogprobsAsk | None = None
@@ -495,7 +501,7 @@ class WorkerSession:
     ) -> tuple[target_pb2.VerifyResponse, int]:
         if ask.prompt_count:  # the prompt's positions must be computed again to be scored
             cached = min(cached, max(len(committed) - ask.prompt_count - 1, 0))
-        for _ in range(2):
+        for _ in range(3):  # the prefix, a shorter one the worker can start from, all of it
             if min(self.target_len, len(committed)) - cached >= PREFILL_MIN_TOKENS:
                 # the session's cached prefix, computed again (on another replica, or after the
                 # worker freed the cache): its time there, not what is left of the step's
@@ -531,8 +537,8 @@ class WorkerSession:
                 ):
                     raise WorkerFailed("the target worker returned a malformed verdict")
                 return reply, sync.base_len
-            self._resynced("target")
-            cached, source = 0, ""
+            cached = self._resynced("target", sync.base_len, reply.resync_from)
+            source = source if cached else ""
         raise WorkerFailed("the target worker could not rebuild the session cache")
 
     def advance(self, start: int, committed: list[int], proposal: Proposal | None, target_cache_len: int) -> None:

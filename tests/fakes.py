@@ -9,15 +9,17 @@ class FakeTarget:
     """A target replica that answers every verify at once, or (``fails``) is unavailable.
     ``applies``: its verdicts say that the grammar masked them (a worker older than grammars
     leaves the field unset). Each verdict's ``service_requests`` is the count the verify told it,
-    as a lone coordinator's report gives back; ``sent``: those counts, ``calls``: the verifies."""
+    as a lone coordinator's report gives back; ``sent``: those counts, ``calls``: the verifies.
+    ``resyncs``: its first answers are RESYNC_REQUIRED, each with this ``resync_from``; ``syncs``:
+    the base_len and source session of each verify."""
 
     role = "target"
 
-    def __init__(self, address: str, applies: bool = True, fails: bool = False) -> None:
+    def __init__(self, address: str, applies: bool = True, fails: bool = False, resyncs: tuple[int, ...] = ()) -> None:
         from coordinator.workers import PrefillQueue, _Breaker
 
-        self.address, self.applies, self.fails = address, applies, fails
-        self.calls, self.sent = 0, list[int]()
+        self.address, self.applies, self.fails, self.resyncs = address, applies, fails, list(resyncs)
+        self.calls, self.sent, self.syncs = 0, list[int](), list[tuple[int, str]]()
         self.grammars = True  # what the coordinator believes (its Info said so before a restart)
         self.breaker, self.prefills, self.turns = _Breaker(1.0), PrefillQueue(), 0
         self.info = common_pb2.WorkerInfo(max_draft_tokens=64)
@@ -29,6 +31,11 @@ class FakeTarget:
         if self.fails:
             raise WorkerUnavailable("the target worker is unavailable; retry later")
         self.sent.append(request.coordinator_requests)
+        self.syncs.append((request.sync.base_len, request.sync.source_session_id))
+        if self.resyncs:
+            return target_pb2.VerifyResponse(
+                cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED, resync_from=self.resyncs.pop(0)
+            )
         return target_pb2.VerifyResponse(
             cache_status=common_pb2.CACHE_STATUS_OK, token_ids=[7], cache_len=len(request.sync.tail_token_ids) + 1,
             constrained=self.applies and bool(request.processing.grammar),

@@ -158,3 +158,35 @@ def test_a_start_up_wait_says_what_it_waits_for_at_once_then_every_10_s(monkeypa
         ("info", 0.0, 30.0), ("warning", 10.0, 20.0),
     ]  # fmt: skip
     assert all(line["role"] == "target" and line["status"] == "UNAVAILABLE" for line in logs)
+
+
+@pytest.mark.parametrize(
+    ("answers", "bases"),
+    [
+        ((32,), [(40, "donor"), (32, "donor")]),  # started from the copy at the donor's prompt end
+        ((32, 0), [(40, "donor"), (32, "donor"), (0, "")]),  # that copy freed before the second call
+        ((40,), [(40, "donor"), (0, "")]),  # an answer no shorter than what was sent: from 0
+        ((0,), [(40, "donor"), (0, "")]),  # a worker older than the field
+    ],
+)
+async def test_a_resync_resends_from_where_the_worker_can_start(
+    answers: tuple[int, ...], bases: list[tuple[int, str]]
+) -> None:
+    """A worker that cannot start from the sent prefix but can from a shorter one (a windowed
+    model's copy at a prompt's end) says so (``resync_from``): the coordinator resends from there,
+    with the same source session, and from 0 if that fails too or the answer is not shorter."""
+    from prometheus_client import CollectorRegistry
+
+    from coordinator.worker_session import Decoding, WorkerSession
+    from specdec.runtime.sampling import Warp
+    from specdec.serving.metrics import CoordinatorMetrics
+    from specdec.state.base import CacheLocation, PrefixLocation
+    from tests.fakes import FakeTarget, FakeTargets
+
+    replica = FakeTarget("t:1", resyncs=answers)
+    session = WorkerSession("s", FakeTargets(replica), None, CoordinatorMetrics(CollectorRegistry()), 5.0, None)  # type: ignore[arg-type]
+    session.place([(PrefixLocation("donor", CacheLocation("t:1", 40), None), 40)])
+    committed = list(range(3, 53))
+    reply, reused = await session.verify(committed, common_pb2.DraftBlock(), Decoding(Warp(), 0))
+    assert reply.cache_status == common_pb2.CACHE_STATUS_OK and replica.syncs == bases
+    assert reused == bases[-1][0] and session.counters.resyncs == len(answers)
