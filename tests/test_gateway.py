@@ -33,7 +33,7 @@ from specdec.tools.launch import LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CLUSTER_WORKER_ARGS
 from tests.helpers import free_port, real_tokenizer
-from tests.reference import worker_info
+from tests.reference import reference_greedy, worker_info
 from tests.tiny_models import build_model, build_sliding
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
@@ -522,14 +522,21 @@ def test_a_regenerated_reply_on_a_windowed_model_finds_its_prompt_cached(
     reply (a regenerated reply) find their prompt cached in whole blocks, 16 of its 21 tokens, from
     the copy of the windowed layers at the prompt's end (the cache's end is 60 tokens further, past
     the margin), and give the same reply; before, every regenerated reply computed its prompt
-    again (cached 0)."""
+    again (cached 0). The next turn, with that reply cut to its first half (an edited reply), finds
+    a prefix that ends in the reply, past the margin and the copy: it starts from the copy, all 21
+    prompt tokens cached (0 before), and its reply is HF's greedy one for its rendered tokens."""
     tokenizer = _qwen_tokenizer(tmp_path_factory)
-    with launch(tmp_path_factory.mktemp("gateway-windowed"), tokenizer, with_draft=True, windowed=True) as gw:
+    root = tmp_path_factory.mktemp("gateway-windowed")
+    with launch(root, tokenizer, with_draft=True, windowed=True) as gw:
         messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say a lot."}]
         replies = [
             gw.client.chat.completions.create(model=gw.model, messages=messages, max_tokens=60, temperature=0)  # type: ignore[arg-type]
             for _ in range(3)
         ]
+        text = replies[0].choices[0].message.content or ""
+        half = {"role": "assistant", "content": text[: len(text) // 2]}
+        edited = [*messages, half, {"role": "user", "content": "Go on."}]
+        turn = gw.client.chat.completions.create(model=gw.model, messages=edited, max_tokens=8, temperature=0)  # type: ignore[arg-type]
     first, *again = replies
     assert first.usage is not None and first.usage.completion_tokens == 60
     assert first.usage.prompt_tokens == 21
@@ -537,6 +544,12 @@ def test_a_regenerated_reply_on_a_windowed_model_finds_its_prompt_cached(
         assert reply.choices[0].message.content == first.choices[0].message.content
         assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
         assert reply.usage.prompt_tokens_details.cached_tokens == 16
+    rendered = tokenizer.apply_chat_template(edited, add_generation_prompt=True, tokenize=True)
+    ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+    expected = reference_greedy(str(root / "target"), tuple(ids), 8)
+    assert turn.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert turn.usage is not None and turn.usage.prompt_tokens == len(ids) and turn.usage.prompt_tokens_details
+    assert turn.usage.prompt_tokens_details.cached_tokens == 21
 
 
 def test_what_the_gateway_does_before_the_engine(gateway: Gateway) -> None:
