@@ -19,10 +19,10 @@ from specdec.runtime import kvcache
 from specdec.runtime import tokens as tokens_module
 from specdec.runtime.kvcache import (
     EarlierLogits,
-    PromptEnd,
     ResyncRequired,
     SessionCache,
     SessionCaches,
+    WindowedCopy,
     cache_argument,
 )
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
@@ -522,7 +522,7 @@ def test_a_windowed_models_context_rate_is_timed_over_the_positions_its_sessions
     assert (True, 21) in held[2] and all(positions == 2048 for sliding, positions in held[2] if not sliding)
 
 
-def _storage(end: PromptEnd | None, layer: int) -> int:
+def _storage(end: WindowedCopy | None, layer: int) -> int:
     """Where the keys of one layer of a copy of windowed layers are held."""
     assert end is not None
     return end.layers[layer].keys.untyped_storage().data_ptr()
@@ -616,6 +616,47 @@ def test_a_cut_past_the_margin_after_the_prompt_starts_again_from_its_copy(tmp_p
     torch.testing.assert_close(logits, full_logits(loaded, [*kept[:40], 9, 9])[-2:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", SLIDING)
+def test_where_a_prefix_other_requests_share_ends_a_copy_of_the_windowed_layers_is_kept(
+    tmp_path: Path, arch: str
+) -> None:
+    """A prefix that other requests share (a system prompt, a document), followed by more of the
+    prompt than the margin (8 here): the second request finds it in the first one's cache, which
+    can no longer be cut back to it (a resync from 0). Told where it ends (``shared_len``), that
+    request's pass stops there and its cache keeps a copy of the windowed layers there, beside the
+    one at its prompt's end; a third request starts from it (full-pass logits, the copy shared, not
+    taken again), as does a prefix that ends between the two copies; the budget counts both. Its
+    tokens replaced from before the copy, the copy is cut back with them (then taken again)."""
+    loaded = _windowed_model(tmp_path, arch)
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
+    shared, second = SEQ[:24], SEQ[30:56]
+    caches.extend(caches.sync("a", 0, 0, prompt_len=50), [*shared, *SEQ[24:50]], 1)
+    with pytest.raises(ResyncRequired) as resync:  # 26 tokens behind a's end, before its prompt's end
+        caches.sync("b", 24, prefix_hash(shared), source="a", prompt_len=50, shared_len=24)
+    assert resync.value.start == 0
+    b = caches.sync("b", 0, 0, prompt_len=50, shared_len=24)
+    logits = caches.extend(b, [*shared, *second], 2)
+    torch.testing.assert_close(logits, full_logits(loaded, [*shared, *second])[-2:], atol=1e-4, rtol=1e-4)
+    assert b.shared is not None and b.shared.length == 24 and b.prompt_end is not None
+    for token in SEQ[:20]:  # decoding on, past the margin
+        caches.extend(b, [token], 1)
+    windowed_only = all(getattr(layer, "is_sliding", False) for layer in b.cache.layers if layer.keys is not None)
+    if windowed_only:  # 23 positions kept (the window's 15 and the margin), and as many in each copy
+        assert caches._held(b) == 3 * 23
+    c = caches.sync("c", 24, prefix_hash(shared), source="b", prompt_len=40, shared_len=24)
+    logits = caches.extend(c, SEQ[40:56], 3)
+    torch.testing.assert_close(logits, full_logits(loaded, [*shared, *SEQ[40:56]])[-3:], atol=1e-4, rtol=1e-4)
+    assert caches.reused_tokens_total == 24 and c.shared is b.shared
+    with pytest.raises(ResyncRequired) as resync:  # 30 tokens: after the shared copy, before the prompt's end
+        caches.sync("d", 30, prefix_hash([*shared, *second][:30]), source="b")
+    assert resync.value.start == 24
+    b = caches.sync("b", 20, prefix_hash(shared[:20]))  # b's tokens replaced from 20 (the shared copy reaches it)
+    caches.extend(b, [9] * 30, 1)  # past the margin: a copy at 24 again, of the new tokens
+    replaced = [*shared[:20], *[9] * 30]
+    e = caches.sync("e", 24, prefix_hash(replaced[:24]), source="b")
+    torch.testing.assert_close(caches.extend(e, [5, 6], 2), full_logits(loaded, [*replaced[:24], 5, 6])[-2:])
+
+
 def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_caches(tmp_path: Path) -> None:
     """Every layer windowed (Mistral), a margin of 6: a 40-token session that ran its prompt in its
     first pass counts 21 positions and 21 of its copy at the prompt's end. Three fit a budget of
@@ -632,7 +673,7 @@ def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_cac
     assert caches.cached_tokens == 3 * 42
     with mock.patch.object(kvcache.log, "info") as info:
         caches.extend(caches.sync("d", 0, 0, prompt_len=30), SEQ[:30], 1)
-    info.assert_called_once_with("prompt_end_copies_freed_for_tokens", copies=2, max_cache_tokens=130)
+    info.assert_called_once_with("windowed_copies_freed_for_tokens", sessions=2, max_cache_tokens=130)
     entries = {name: caches.get(name) for name in "abcd"}
     assert all(entries.values()) and caches.cached_tokens == 2 * 21 + 2 * 42 and caches.evicted_for_tokens == 0
     assert [name for name, entry in entries.items() if entry and entry.prompt_end] == ["c", "d"]

@@ -253,17 +253,18 @@ class ResyncRequired(Exception):
 
 
 @dataclass(frozen=True)
-class PromptEnd:
-    """A copy of a session cache's windowed layers (``WindowedLayer``) taken when its cache first
-    held its prompt (``length`` tokens then): a cut back that the layers' margin no longer covers
-    can start from it, to any length it reaches, its whole layers cut back as usual. Never
-    changed once taken (a cut makes another), so copies of a cache share it."""
+class WindowedCopy:
+    """A copy of a session cache's windowed layers (``WindowedLayer``) taken when it held
+    ``length`` tokens: where its turn's prompt ends, or where a prefix that other requests share
+    ends (``SessionCache.prompt_end``, ``SessionCache.shared``). A cut back that the layers' margin
+    no longer covers can start from it, to any length it reaches, its whole layers cut back as
+    usual. Never changed once taken (a cut makes another), so copies of a cache share it."""
 
     length: int
     layers: dict[int, WindowedLayer]
 
     @classmethod
-    def of(cls, cache: DynamicCache, length: int) -> PromptEnd:
+    def of(cls, cache: DynamicCache, length: int) -> WindowedCopy:
         layers = {}
         for index, layer in _keeping(cache):
             if isinstance(layer, WindowedLayer):
@@ -279,14 +280,14 @@ class PromptEnd:
     def reaches(self, length: int) -> bool:
         return length <= self.length and all(layer.can_cut(self.length - length) for layer in self.layers.values())
 
-    def cut(self, length: int) -> PromptEnd | None:
+    def cut(self, length: int) -> WindowedCopy | None:
         """This copy cut back to ``length`` tokens (None where it cannot be)."""
         if not self.reaches(length):
             return None
         layers = {index: copy.copy(layer) for index, layer in self.layers.items()}
         for layer in layers.values():
             layer.crop(length - self.length)
-        return PromptEnd(length, layers)
+        return WindowedCopy(length, layers)
 
 
 @dataclass
@@ -304,8 +305,16 @@ class SessionCache:
     counts: TokenCounts = field(default_factory=TokenCounts)  # of ``tokens``, for penalties; likewise
     grammar: GrammarState | None = None  # the structured-output matcher (None: the model has no grammar masks)
     prompt_len: int = 0  # where the turn's prompt ends (0: not said): ``prompt_end`` is taken there
-    prompt_end: PromptEnd | None = None
+    prompt_end: WindowedCopy | None = None
     prompt_end_freed: int = 0  # the prompt_len whose copy the budget freed: none is taken again for it
+    shared_len: int = 0  # where a prefix other requests share ends (0: not said): ``shared`` is taken there
+    shared: WindowedCopy | None = None
+    shared_freed: int = 0  # likewise for shared_len
+
+    @property
+    def copies(self) -> list[WindowedCopy]:
+        """Its copies of the windowed layers."""
+        return [kept for kept in (self.prompt_end, self.shared) if kept is not None]
 
     def _within_margin(self, length: int) -> bool:
         excess = len(self.tokens) - length
@@ -314,25 +323,25 @@ class SessionCache:
 
     def reaches(self, length: int) -> bool:
         """Whether the cache can be cut back to its first ``length`` tokens: a windowed layer keeps
-        only its window and a margin before it (``WindowedLayer``), and its copy at the prompt's
-        end (``prompt_end``) as much before that."""
-        return self._within_margin(length) or (self.prompt_end is not None and self.prompt_end.reaches(length))
+        only its window and a margin before it (``WindowedLayer``), and each of its copies
+        (``copies``) as much before its own length."""
+        return self._within_margin(length) or any(kept.reaches(length) for kept in self.copies)
 
     def restart(self, length: int) -> int:
         """Where a caller asking for the first ``length`` tokens (held, but not reached) can start
-        instead: the copy at the prompt's end, where it is no longer than them (0: nowhere)."""
-        end = self.prompt_end
-        start = 0 if end is None else min(length, end.length)
-        return start if start and end is not None and end.reaches(start) else 0
+        instead: the longest of its copies no longer than them (0: nowhere)."""
+        starts = [min(length, kept.length) for kept in self.copies if kept.reaches(min(length, kept.length))]
+        return max(starts, default=0)
 
     def truncate(self, length: int) -> None:
         """Rolls back to the first ``length`` tokens (an index of more of them is dropped)."""
         excess = len(self.tokens) - length
         if excess > 0:
-            end = self.prompt_end
-            restored = end.layers if end and not self._within_margin(length) and end.reaches(length) else {}
+            restored: dict[int, WindowedLayer] = {}
+            if not self._within_margin(length):  # its windowed layers from a copy (``reaches`` said so)
+                restored = next((kept.layers for kept in self.copies if kept.reaches(length)), {})
             for index, layer in enumerate(self.cache.layers):
-                if index in restored:  # its windowed layers from the prompt's end (``reaches`` said so)
+                if index in restored:
                     layer = self.cache.layers[index] = copy.copy(restored[index])
                     layer.crop(length - layer.length)
                 else:
@@ -340,15 +349,19 @@ class SessionCache:
             self.counts.cut(self.tokens, length)
             del self.tokens[length:]
             self.hashes.cut(length)
-            if end is not None and end.length > length:  # its keys after ``length`` may be replaced
-                self.prompt_end = end.cut(length)
+            # a copy's keys after ``length`` may be of tokens replaced
+            if self.prompt_end is not None and self.prompt_end.length > length:
+                self.prompt_end = self.prompt_end.cut(length)
+            if self.shared is not None and self.shared.length > length:
+                self.shared = self.shared.cut(length)
         if self.guesses is not None and len(self.guesses) > length:
             self.guesses = None
 
-    def keep_prompt_end(self) -> None:
+    def keep_copies(self) -> None:
         """Copies the windowed layers once the cache holds the prompt, unless a copy holds all of
         it but its last token (a request never finds that one cached: it is always sent); a copy
-        of another session's cache, for a prompt the same as its own, shares that one's."""
+        of another session's cache, for a prompt the same as its own, shares that one's. Likewise
+        once it holds the shared prefix (``shared_wanted``), cut back to it."""
         wanted, end = self.prompt_len, self.prompt_end
         if (
             wanted
@@ -357,11 +370,20 @@ class SessionCache:
             and (end is None or end.length < wanted - 1)
             and self._within_margin(wanted - 1)  # else a copy would not reach it either
         ):
-            self.prompt_end = PromptEnd.of(self.cache, len(self.tokens))
+            self.prompt_end = WindowedCopy.of(self.cache, len(self.tokens))
+        if self.shared_wanted() and len(self.tokens) >= self.shared_len and self._within_margin(self.shared_len):
+            self.shared = WindowedCopy.of(self.cache, len(self.tokens)).cut(self.shared_len)
 
-    def free_prompt_end(self) -> None:
-        """Frees the copy at the prompt's end (for the budget); none is taken again for this prompt."""
+    def shared_wanted(self) -> bool:
+        """Whether a copy at the shared prefix's end is still to be taken: one is asked for, not
+        freed for it, and no copy reaches it."""
+        wanted = self.shared_len
+        return bool(wanted) and wanted != self.shared_freed and not any(kept.reaches(wanted) for kept in self.copies)
+
+    def free_copies(self) -> None:
+        """Frees its copies (for the budget); none is taken again for this prompt or shared prefix."""
         self.prompt_end, self.prompt_end_freed = None, self.prompt_len
+        self.shared, self.shared_freed = None, self.shared_len
 
 
 class SessionCaches:
@@ -372,10 +394,10 @@ class SessionCaches:
 
     With a ``margin``, a windowed attention layer keeps its window and that many positions before
     it (``WindowedLayer``): a cut back deeper than that is a resync, unless it goes back to where
-    the session's prompt ends (told by ``sync``), where the cache keeps a copy of them
-    (``PromptEnd``); a resync to a length after that starts from the copy. A token counts then
-    for the share of its memory that is kept: beyond a layer's window and margin, only its whole
-    layers'; the copy counts too."""
+    the session's prompt ends or to where a prefix that other requests share ends (both told by
+    ``sync``), where the cache keeps a copy of them (``WindowedCopy``); a resync to a length after
+    a copy starts from it. A token counts then for the share of its memory that is kept: beyond a
+    layer's window and margin, only its whole layers'; the copies count too."""
 
     def __init__(
         self, loaded: LoadedModel, max_sessions: int, idle_s: float, max_tokens: int = 0, margin: int | None = None
@@ -406,15 +428,21 @@ class SessionCaches:
         return sum(self._held(entry) for entry in list(self._entries.values()))
 
     def _held(self, entry: SessionCache) -> int:
-        """What a cache counts for (at most: a cut-back windowed layer keeps fewer), its copy of
-        the windowed layers at the prompt's end included."""
+        """What a cache counts for (at most: a cut-back windowed layer keeps fewer), its copies of
+        the windowed layers included."""
         limit, share = self._windowed
         length = len(entry.tokens)
-        copied = 0 if entry.prompt_end is None else entry.prompt_end.positions
+        copied = sum(kept.positions for kept in entry.copies)
         return length - int(share * max(0, length - limit)) + int(share * copied)
 
     def sync(
-        self, session_id: str, base_len: int, base_hash: int, source: str = "", prompt_len: int = 0
+        self,
+        session_id: str,
+        base_len: int,
+        base_hash: int,
+        source: str = "",
+        prompt_len: int = 0,
+        shared_len: int = 0,
     ) -> SessionCache:
         """The session's cache cut back to ``base_len`` committed tokens.
 
@@ -424,7 +452,9 @@ class SessionCaches:
         where the caller can start instead when either holds them but can no longer be cut back
         so far (``SessionCache.restart``: the session's own cache is then kept for it).
         ``prompt_len``: where the turn's prompt ends (0: not said); with windowed layers that
-        keep a margin, the cache keeps a copy of them there once a pass has run it (``PromptEnd``).
+        keep a margin, the cache keeps a copy of them there once a pass has run it (``WindowedCopy``).
+        ``shared_len``: where a prefix of the prompt that other requests share ends (0: not said):
+        likewise, a pass that would run past it stopping there first (``extend``).
         """
         self.evict_idle()
         entry = self._entries.get(session_id)
@@ -438,7 +468,7 @@ class SessionCaches:
         elif source and source != session_id and _holds(donor := self._entries.get(source), base_len, base_hash):
             assert donor is not None
             entry = self._new_entry(list(donor.tokens), copy.deepcopy(donor.cache))
-            entry.prompt_end = donor.prompt_end
+            entry.prompt_end, entry.shared = donor.prompt_end, donor.shared
             entry.truncate(base_len)
             self._entries[session_id] = entry
             self.reused_tokens_total += base_len
@@ -449,8 +479,11 @@ class SessionCaches:
             if not own:
                 self._entries.pop(session_id, None)
             raise ResyncRequired(session_id, max(own, donor))
-        if prompt_len and self._windowed[0]:
-            entry.prompt_len = prompt_len
+        if self._windowed[0]:
+            entry.prompt_len = prompt_len or entry.prompt_len
+            near_end = entry.prompt_len and 0 <= entry.prompt_len - shared_len <= (self._margin or 0) // 2
+            if shared_len and not near_end:  # (the copy at the prompt's end reaches that far back)
+                entry.shared_len = shared_len
         entry.last_used = time.monotonic()
         self._entries.move_to_end(session_id)
         return entry
@@ -483,6 +516,11 @@ class SessionCaches:
         rows = earlier.rows if earlier is not None else 0
         if num_logits + rows > len(token_ids):
             raise ValueError(f"{num_logits} + {rows} logit rows asked of a {len(token_ids)}-token pass")
+        entry.keep_copies()
+        head = entry.shared_len - len(entry.tokens) if entry.shared_wanted() else 0
+        if not rows and 0 < head < len(token_ids) and head <= len(token_ids) - num_logits:
+            self.extend(entry, token_ids[:head], 0)  # stops where the shared prefix ends, for its copy
+            return self.extend(entry, token_ids[head:], num_logits)
         apart = bool(rows) and self._output_layer_runs_apart()
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._loaded.device)
         hidden: list[torch.Tensor] = []
@@ -494,7 +532,7 @@ class SessionCaches:
                 **logit_rows_argument(self._loaded.model, max(kept, 1)),  # 0 would keep every row's
             )
         entry.tokens.extend(token_ids)
-        entry.keep_prompt_end()
+        entry.keep_copies()
         self.prefill_tokens_total += len(token_ids)
         self._evict_over_tokens((entry,))
         width = out.logits.shape[1]  # rows kept: the earlier ones, then the last num_logits
@@ -549,6 +587,8 @@ class SessionCaches:
         if len(ops) == 1:
             entry, token_ids, num_logits = ops[0]
             return [self.extend(entry, token_ids, num_logits)]
+        for entry, _, _ in ops:
+            entry.keep_copies()
         batch = _Batch.build(ops, self._loaded)
         with torch.inference_mode():
             out = self._loaded.model(
@@ -561,7 +601,7 @@ class SessionCaches:
         for row, (entry, token_ids, num_logits) in enumerate(ops):
             batch.scatter_new_kv(row, entry, len(token_ids))
             entry.tokens.extend(token_ids)
-            entry.keep_prompt_end()
+            entry.keep_copies()
             self.prefill_tokens_total += len(token_ids)
             results.append(out.logits[row, len(token_ids) - num_logits : len(token_ids)].float())
         self._evict_over_tokens([entry for entry, _, _ in ops])
@@ -586,20 +626,20 @@ class SessionCaches:
 
     def _evict_over_tokens(self, keep: Sequence[SessionCache]) -> None:
         """Frees the least recently used caches, other than ``keep``, while over ``max_tokens``:
-        first their copies of windowed layers at a prompt's end (a session's whole cache serves its
-        next turn; such a copy only a request of the same prompt), then the caches."""
+        first their copies of windowed layers (a session's whole cache serves its next turn; such a
+        copy only a request of the same prompt or shared prefix), then the caches."""
         if not self.max_tokens:
             return
-        over, copies = self.cached_tokens - self.max_tokens, 0
+        over, copied = self.cached_tokens - self.max_tokens, 0
         for entry in list(self._entries.values()):
             if over <= 0:
                 break
-            if entry.prompt_end is not None and not any(entry is kept for kept in keep):
+            if entry.copies and not any(entry is kept for kept in keep):
                 held = self._held(entry)
-                entry.free_prompt_end()
-                over, copies = over - (held - self._held(entry)), copies + 1
-        if copies:
-            log.info("prompt_end_copies_freed_for_tokens", copies=copies, max_cache_tokens=self.max_tokens)
+                entry.free_copies()
+                over, copied = over - (held - self._held(entry)), copied + 1
+        if copied:
+            log.info("windowed_copies_freed_for_tokens", sessions=copied, max_cache_tokens=self.max_tokens)
         freed = []
         for session_id, entry in list(self._entries.items()):
             if over <= 0:
