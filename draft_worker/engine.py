@@ -245,7 +245,9 @@ def propose_job(
     """K draft tokens after the committed prefix ``sync`` describes, or where to resend it from."""
     meter = ComputeMeter()
     try:
-        entry = caches.sync(session_id, sync.base_len, sync.prefix_hash, sync.source_session_id, sync.prompt_len)
+        entry = caches.sync(
+            session_id, sync.base_len, sync.prefix_hash, sync.source_session_id, sync.prompt_len, sync.shared_len
+        )
     except ResyncRequired as exc:
         return Resync(exc.start)
     feed, start = list(sync.tail_token_ids), sync.base_len + len(sync.tail_token_ids)

@@ -66,7 +66,9 @@ def verify_job(
     if prompt_rows and scored_from - 1 < base_len:
         raise InvalidRequest("prompt logprobs need the prompt's positions in the tail: send a shorter base_len")
     try:
-        entry = caches.sync(session_id, base_len, sync.prefix_hash, sync.source_session_id, sync.prompt_len)
+        entry = caches.sync(
+            session_id, base_len, sync.prefix_hash, sync.source_session_id, sync.prompt_len, sync.shared_len
+        )
     except ResyncRequired as exc:
         return VerifyResult(resync=True, resync_from=exc.start)
     k = len(drafts)

@@ -189,18 +189,20 @@ class DraftBlock(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ProposalKind, str]] = ..., proposals: _Optional[_Iterable[_Union[TokenProposal, _Mapping]]] = ...) -> None: ...
 
 class PrefixSync(_message.Message):
-    __slots__ = ("base_len", "prefix_hash", "tail_token_ids", "source_session_id", "prompt_len")
+    __slots__ = ("base_len", "prefix_hash", "tail_token_ids", "source_session_id", "prompt_len", "shared_len")
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HASH_FIELD_NUMBER: _ClassVar[int]
     TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LEN_FIELD_NUMBER: _ClassVar[int]
     base_len: int
     prefix_hash: int
     tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     source_session_id: str
     prompt_len: int
-    def __init__(self, base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., source_session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    shared_len: int
+    def __init__(self, base_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., source_session_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., shared_len: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("model_id", "vocab_size", "tokenizer_hash", "device", "dtype", "max_context_len", "eos_token_ids", "instance_id", "active_sessions", "prefill_tokens_total", "host", "batched_forwards", "batched_requests", "reused_tokens_total", "vocab_translation", "model_tokenizer_hash", "shared_vocab_tokens", "cache_idle_s", "max_draft_tokens", "prefill_ms_per_token", "prefill_ms_per_token_per_1k_context", "structured_output")
