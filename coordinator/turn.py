@@ -295,7 +295,9 @@ class Turn:
             log.warning("prefix_lookup_failed", error=str(exc))
             hits = []
         block = self.deps.prefix_block
-        self.workers.place([(location, (index + 1) * block) for index, location in filter(None, hits)])
+        found = [(location, (index + 1) * block) for index, location in filter(None, hits)]
+        self.workers.place(found)
+        self.workers.shared_len = max((length for _, length in found), default=0)
 
     async def _record_prefix(self) -> None:
         """Records where the finished turn's tokens are cached, for later requests to start from."""

@@ -113,12 +113,18 @@ class SyncCounters:
 
 
 def prefix_sync(
-    committed: list[int], cached: int, source: str = "", hashes: PrefixHashes | None = None, prompt_len: int = 0
+    committed: list[int],
+    cached: int,
+    source: str = "",
+    hashes: PrefixHashes | None = None,
+    prompt_len: int = 0,
+    shared_len: int = 0,
 ) -> common_pb2.PrefixSync:
     """The prefix sync for a worker holding ``cached`` committed tokens (the tail >= 1 token),
     possibly in the cache of session ``source`` (prefix reuse); ``hashes``: kept over the turn's
     committed tokens (which a turn only appends to), so a round hashes only what it added;
-    ``prompt_len``: where the turn's prompt ends (the worker keeps its cache reachable there)."""
+    ``prompt_len``: where the turn's prompt ends, ``shared_len``: where a prefix of it that other
+    requests share ends (the worker keeps its cache reachable at both)."""
     base = min(cached, len(committed) - 1)
     return common_pb2.PrefixSync(
         base_len=base,
@@ -126,6 +132,7 @@ def prefix_sync(
         tail_token_ids=committed[base:],
         source_session_id=source if base else "",
         prompt_len=prompt_len,
+        shared_len=shared_len,
     )
 
 
@@ -176,6 +183,9 @@ class WorkerSession:
         self.draft_len = 0
         # prefix reuse: the other session whose caches hold target_len / draft_len of our tokens
         self._target_source = self._draft_source = ""
+        # the longest prefix of the prompt found cached for other sessions (prefix reuse): after a
+        # resync, the worker is asked to keep a copy of its windowed layers there for the next request
+        self.shared_len = 0
         self._target_hashes, self._draft_hashes = PrefixHashes(), PrefixHashes()  # of the turn's committed tokens
 
     def _caller_left(self) -> float:
@@ -366,8 +376,9 @@ class WorkerSession:
         self._lookahead_round = None
         cached, source = self.draft_len, self._draft_source
         self._draft_source = ""
-        for _ in range(3):  # the prefix, a shorter one the worker can start from, all of it
-            sync = prefix_sync(committed, cached, source, self._draft_hashes, decoding.processing.reply_start)
+        for attempt in range(3):  # the prefix, a shorter one the worker can start from, all of it
+            shared = self.shared_len if attempt else 0  # a resync: a copy where the found prefix ends
+            sync = prefix_sync(committed, cached, source, self._draft_hashes, decoding.processing.reply_start, shared)
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
                 warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
@@ -501,13 +512,14 @@ class WorkerSession:
     ) -> tuple[target_pb2.VerifyResponse, int]:
         if ask.prompt_count:  # the prompt's positions must be computed again to be scored
             cached = min(cached, max(len(committed) - ask.prompt_count - 1, 0))
-        for _ in range(3):  # the prefix, a shorter one the worker can start from, all of it
+        for attempt in range(3):  # the prefix, a shorter one the worker can start from, all of it
             if min(self.target_len, len(committed)) - cached >= PREFILL_MIN_TOKENS:
                 # the session's cached prefix, computed again (on another replica, or after the
                 # worker freed the cache): its time there, not what is left of the step's
                 again = self.time_left(len(committed) - cached, len(committed), replica.prefills.ahead_ms)
                 timeout_s = max(timeout_s, again)
-            sync = prefix_sync(committed, cached, source, self._target_hashes, decoding.processing.reply_start)
+            shared = self.shared_len if attempt else 0  # a resync: a copy where the found prefix ends
+            sync = prefix_sync(committed, cached, source, self._target_hashes, decoding.processing.reply_start, shared)
             takes = replica.info.max_draft_tokens
             if takes and len(block.token_ids) > takes:  # its first tokens: a shorter proposal, as exact
                 block = common_pb2.DraftBlock(

@@ -11,7 +11,7 @@ class FakeTarget:
     leaves the field unset). Each verdict's ``service_requests`` is the count the verify told it,
     as a lone coordinator's report gives back; ``sent``: those counts, ``calls``: the verifies.
     ``resyncs``: its first answers are RESYNC_REQUIRED, each with this ``resync_from``; ``syncs``:
-    the base_len and source session of each verify."""
+    the base_len, source session and shared_len of each verify."""
 
     role = "target"
 
@@ -19,7 +19,7 @@ class FakeTarget:
         from coordinator.workers import PrefillQueue, _Breaker
 
         self.address, self.applies, self.fails, self.resyncs = address, applies, fails, list(resyncs)
-        self.calls, self.sent, self.syncs = 0, list[int](), list[tuple[int, str]]()
+        self.calls, self.sent, self.syncs = 0, list[int](), list[tuple[int, str, int]]()
         self.grammars = True  # what the coordinator believes (its Info said so before a restart)
         self.breaker, self.prefills, self.turns = _Breaker(1.0), PrefillQueue(), 0
         self.info = common_pb2.WorkerInfo(max_draft_tokens=64)
@@ -31,7 +31,7 @@ class FakeTarget:
         if self.fails:
             raise WorkerUnavailable("the target worker is unavailable; retry later")
         self.sent.append(request.coordinator_requests)
-        self.syncs.append((request.sync.base_len, request.sync.source_session_id))
+        self.syncs.append((request.sync.base_len, request.sync.source_session_id, request.sync.shared_len))
         if self.resyncs:
             return target_pb2.VerifyResponse(
                 cache_status=common_pb2.CACHE_STATUS_RESYNC_REQUIRED, resync_from=self.resyncs.pop(0)

@@ -163,18 +163,21 @@ def test_a_start_up_wait_says_what_it_waits_for_at_once_then_every_10_s(monkeypa
 @pytest.mark.parametrize(
     ("answers", "bases"),
     [
-        ((32,), [(40, "donor"), (32, "donor")]),  # started from the copy at the donor's prompt end
-        ((32, 0), [(40, "donor"), (32, "donor"), (0, "")]),  # that copy freed before the second call
-        ((40,), [(40, "donor"), (0, "")]),  # an answer no shorter than what was sent: from 0
-        ((0,), [(40, "donor"), (0, "")]),  # a worker older than the field
+        ((32,), [(40, "donor", 0), (32, "donor", 40)]),  # started from the copy at the donor's prompt end
+        ((32, 0), [(40, "donor", 0), (32, "donor", 40), (0, "", 40)]),  # that copy freed before the second call
+        ((40,), [(40, "donor", 0), (0, "", 40)]),  # an answer no shorter than what was sent: from 0
+        ((0,), [(40, "donor", 0), (0, "", 40)]),  # a worker older than the field
+        ((), [(40, "donor", 0)]),  # the found prefix served as it is: no copy asked for
     ],
 )
 async def test_a_resync_resends_from_where_the_worker_can_start(
-    answers: tuple[int, ...], bases: list[tuple[int, str]]
+    answers: tuple[int, ...], bases: list[tuple[int, str, int]]
 ) -> None:
     """A worker that cannot start from the sent prefix but can from a shorter one (a windowed
     model's copy at a prompt's end) says so (``resync_from``): the coordinator resends from there,
-    with the same source session, and from 0 if that fails too or the answer is not shorter."""
+    with the same source session, and from 0 if that fails too or the answer is not shorter. The
+    calls after a resync say where the prefix found for other sessions ends (``shared_len``: the
+    worker keeps a copy of its windowed layers there for the next request that shares it)."""
     from prometheus_client import CollectorRegistry
 
     from coordinator.worker_session import Decoding, WorkerSession
@@ -186,6 +189,7 @@ async def test_a_resync_resends_from_where_the_worker_can_start(
     replica = FakeTarget("t:1", resyncs=answers)
     session = WorkerSession("s", FakeTargets(replica), None, CoordinatorMetrics(CollectorRegistry()), 5.0, None)  # type: ignore[arg-type]
     session.place([(PrefixLocation("donor", CacheLocation("t:1", 40), None), 40)])
+    session.shared_len = 40
     committed = list(range(3, 53))
     reply, reused = await session.verify(committed, common_pb2.DraftBlock(), Decoding(Warp(), 0))
     assert reply.cache_status == common_pb2.CACHE_STATUS_OK and replica.syncs == bases
