@@ -409,6 +409,34 @@ def test_sliding_window_models_are_served_past_their_window(tmp_path: Path, arch
     assert pids_alive
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_requests_sharing_a_prefix_on_a_windowed_model_start_from_a_copy_where_it_ends(
+    tmp_path: Path, arch: str
+) -> None:
+    """Requests whose prompts share their first 48 tokens (a system prompt) and then differ for 40
+    more, past the margin (10 with --max-draft-tokens 4), on a windowed model (every layer on
+    Mistral, a mix on Gemma-3): the second finds the shared prefix in the first one's caches, too
+    far behind their ends (a resync from 0), and its caches keep a copy of the windowed layers where
+    the shared prefix ends; the third and fourth start there in both workers (48 tokens cached,
+    0 before); every reply is HF's target-only greedy one."""
+    target = build_sliding(tmp_path / "target", arch, seed=0)
+    draft = build_sliding(tmp_path / "draft", arch, seed=1)
+    prompts = [[*range(60, 108), *[(7 * i + 11 * j) % 200 + 3 for j in range(40)]] for i in range(4)]
+    with (
+        fault_cluster(tmp_path / "run", target, draft, worker_args=["--max-draft-tokens", "4"]) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        replies, reused = [], []
+        for prompt in prompts:
+            replies.append(stub.Generate(make_request(prompt, k=4, max_new=12, ignore_eos=True), timeout=120))
+            reused.append(worker_info(cluster.processes["draft"].address, "draft").reused_tokens_total)
+    for prompt, reply in zip(prompts, replies, strict=True):
+        assert list(reply.token_ids) == reference_greedy(str(target), tuple(prompt), 12, ignore_eos=True)
+    assert [reply.usage.cached_tokens for reply in replies] == [0, 0, 48, 48]
+    assert reused == [0, 0, 48, 96]  # the draft worker's reused tokens after each request
+
+
 @pytest.mark.slow
 def test_a_windowed_model_samples_its_exact_distribution_past_its_window(tmp_path: Path) -> None:
     """Sampled requests whose 20-token prompt is past a 16-position window, on Gemma-3's mix of
