@@ -411,7 +411,8 @@ class WorkerSession:
                     reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed,
                     ends_unsure=reply.ends_unsure,
                 )  # fmt: skip
-            cached = self._resynced("draft", sync.base_len, reply.resync_from)
+            start = self._resynced("draft", sync.base_len, reply.resync_from)
+            cached = start if not attempt else 0  # the last try always from 0, which cannot fail
             source = source if cached else ""
         raise WorkerCallFailed("cache resync did not take")
 
@@ -549,7 +550,8 @@ class WorkerSession:
                 ):
                     raise WorkerFailed("the target worker returned a malformed verdict")
                 return reply, sync.base_len
-            cached = self._resynced("target", sync.base_len, reply.resync_from)
+            start = self._resynced("target", sync.base_len, reply.resync_from)
+            cached = start if not attempt else 0  # the last try always from 0, which cannot fail
             source = source if cached else ""
         raise WorkerFailed("the target worker could not rebuild the session cache")
 
