@@ -484,6 +484,7 @@ class SessionCaches:
             near_end = entry.prompt_len and 0 <= entry.prompt_len - shared_len <= (self._margin or 0) // 2
             if shared_len and not near_end:  # (the copy at the prompt's end reaches that far back)
                 entry.shared_len = shared_len
+            entry.keep_copies()  # where the cache already holds what they ask for: a pass only adds to it
         entry.last_used = time.monotonic()
         self._entries.move_to_end(session_id)
         return entry
@@ -516,7 +517,6 @@ class SessionCaches:
         rows = earlier.rows if earlier is not None else 0
         if num_logits + rows > len(token_ids):
             raise ValueError(f"{num_logits} + {rows} logit rows asked of a {len(token_ids)}-token pass")
-        entry.keep_copies()
         head = entry.shared_len - len(entry.tokens) if entry.shared_wanted() else 0
         if not rows and 0 < head < len(token_ids) and head <= len(token_ids) - num_logits:
             self.extend(entry, token_ids[:head], 0)  # stops where the shared prefix ends, for its copy
@@ -587,8 +587,6 @@ class SessionCaches:
         if len(ops) == 1:
             entry, token_ids, num_logits = ops[0]
             return [self.extend(entry, token_ids, num_logits)]
-        for entry, _, _ in ops:
-            entry.keep_copies()
         batch = _Batch.build(ops, self._loaded)
         with torch.inference_mode():
             out = self._loaded.model(
