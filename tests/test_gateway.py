@@ -32,7 +32,7 @@ from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CLUSTER_WORKER_ARGS
-from tests.helpers import free_port, real_tokenizer
+from tests.helpers import free_ports, real_tokenizer
 from tests.reference import reference_greedy, worker_info
 from tests.tiny_models import build_model, build_sliding
 
@@ -96,11 +96,11 @@ def launch(
         startup_timeout_s=180,
     )
     with cluster:
-        port, log = free_port(), root / "gateway.log"
+        (port, metrics_port), log = free_ports(2), root / "gateway.log"
         command = [
             str(Path(sys.executable).with_name("smg")), "launch", "--backend", "vllm", "--host", "127.0.0.1",
             "--port", str(port), "--worker-urls", f"grpc://{cluster.address}",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         ]  # fmt: skip
         if tokenizer_on_gateway_host:
             command += ["--model-path", str(target)]

@@ -1,5 +1,5 @@
 """The test helpers' own checks: work split over two processes, tests that run alone, the
-comparison of two replies' logprobs."""
+comparison of two replies' logprobs, free ports."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import in_two_processes
+from tests.helpers import free_ports, in_two_processes
 
 PLANTED = {"value": 0}
 
@@ -111,3 +111,12 @@ def test_top_logprobs_tied_at_the_cut_agree_in_either_order() -> None:
     values = [value for _, value in theirs]
     for tokens in ([221, 164, 170, 124, 150], [221, 170, 99, 124, 150]):  # clear choices swapped, or another one
         assert not _tops_agree(ours, tuple(zip(tokens, values, strict=True)))
+
+
+def test_ports_asked_for_together_are_distinct() -> None:
+    """A process that listens on two ports (the gateway and its metrics) asks for them together:
+    one free port asked for twice, each socket closed before the next, is sometimes the same port
+    (the kernel picks a free one at random; a CI run's gateway died of it, "--prometheus-port and
+    --port are both 55133"). 2,000 at once: drawn one by one, two of them match almost surely."""
+    ports = free_ports(2000)
+    assert len(set(ports)) == len(ports)

@@ -30,7 +30,7 @@ from specdec.state import Commit, open_store
 from specdec.tools.launch import LaunchError, LocalCluster, spawn
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.clusters import wait_for
-from tests.helpers import RedisServer, free_port
+from tests.helpers import RedisServer, free_port, free_ports
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy
 from tests.tiny_models import TinyModels
@@ -497,10 +497,10 @@ def test_the_gateway_sidecar_path_loopback_port_without_token(secure: SecureClus
             vllm_engine_pb2.HealthCheckRequest(), timeout=30))  # fmt: skip
         assert code == grpc.StatusCode.UNAUTHENTICATED
     assert _reachable("127.0.0.1", local) and not _reachable(_host_address(), local)
-    port, log = free_port(), secure.pki.dir / "gateway.log"
+    (port, metrics_port), log = free_ports(2), secure.pki.dir / "gateway.log"
     command = [
         str(Path(sys.executable).with_name("smg")), "launch", "--backend", "vllm", "--host", "127.0.0.1",
-        "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         "--worker-urls", f"grpc://127.0.0.1:{local}", "--model-path", str(tiny_models.target),
     ]  # fmt: skip
     with log.open("wb") as sink:
