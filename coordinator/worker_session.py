@@ -259,9 +259,12 @@ class WorkerSession:
         targets: dict[str, tuple[int, str]] = {}
         drafts: dict[str, tuple[int, str]] = {}
         for location, length in found:
-            for cached, where in ((targets, location.target), (drafts, location.draft)):
+            for cached, where, cache_id in (
+                (targets, location.target, location.cache_id),
+                (drafts, location.draft, location.draft_session),
+            ):
                 if where is not None and min(length, where.length) > cached.get(where.address, (0, ""))[0]:
-                    cached[where.address] = (min(length, where.length), location.cache_id)
+                    cached[where.address] = (min(length, where.length), cache_id)
         target = place(self._target_replicas(), self.session_id, {a: n for a, (n, _) in targets.items()})
         if target is not None:
             self._set_target(target)
@@ -283,6 +286,15 @@ class WorkerSession:
         target = CacheLocation(self._target.address, self.target_len) if self._target else None
         draft = CacheLocation(self._draft.address, self.draft_len) if self._draft else None
         return target, draft
+
+    def prefix_location(self) -> PrefixLocation | None:
+        """Where this session's tokens are cached, for later requests to start from (prefix
+        reuse): its own caches, but a draft that has not run since the session found a prefix in
+        another one's cache holds nothing of it: that session's draft cache does."""
+        target, draft = self.locations()
+        if target is None:
+            return None
+        return PrefixLocation(self.session_id, target, draft, draft_cache_id=self._draft_source)
 
     def forget_caches(self) -> None:
         self.target_len = self.draft_len = 0

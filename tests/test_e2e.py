@@ -408,6 +408,34 @@ def test_a_one_shot_request_reuses_the_cached_prefix_of_an_earlier_one(
         time.sleep(0.02)
 
 
+@pytest.mark.parametrize("without_draft", ["disable", "ngram"])
+def test_a_request_decoded_without_the_draft_leaves_its_prefix_cached_for_the_draft(
+    cluster_same: LocalCluster, same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels, without_draft: str
+) -> None:
+    """A request whose draft model never runs (speculation off, or lookup drafts only) finds a
+    cached prefix and records its own tokens for the next request, as any other. Its record named
+    its own draft cache, which never got the prefix: the next request sharing it found it for the
+    target only and its draft computed all of it. The record now names the draft cache that holds
+    the prefix (the earlier request's), so the next request's draft copies it too."""
+    salt = {"disable": 1, "ngram": 2}[without_draft]
+    prompt = [(9 * i + 4 * salt) % 250 for i in range(40)]
+    same.Generate(request(prompt, max_new=8, ignore_eos=True))
+    plain = request([*prompt, 1, 2, 3], max_new=4, ignore_eos=True)
+    if without_draft == "disable":
+        plain.speculation.disable = True
+    else:
+        plain.speculation.method = coordinator_pb2.DRAFT_METHOD_NGRAM
+    reply = same.Generate(plain)
+    assert reply.usage.cached_tokens == 32 and reply.stats.draft_tokens_proposed == reply.stats.lookup_tokens_proposed
+    draft = cluster_same.processes["draft"].address
+    before = worker_info(draft, "draft").reused_tokens_total
+    longer = [*prompt, 4, 5, 6]
+    third = same.Generate(request(longer, max_new=8, ignore_eos=True))
+    assert third.usage.cached_tokens == 32
+    assert worker_info(draft, "draft").reused_tokens_total - before == 32  # main: 0
+    assert list(third.token_ids) == reference_greedy(str(tiny_models.target), tuple(longer), 8, ignore_eos=True)
+
+
 def test_empty_prompt_is_invalid(same: coordinator_pb2_grpc.GenerationStub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         same.Generate(coordinator_pb2.GenerateRequest())

@@ -428,7 +428,7 @@ async def test_prefixes_are_found_longest_first(store: StateStore) -> None:
     assert block_hashes(tokens, 16, salt="caller-b")[0] != keys[0]
     assert await store.find_prefix(keys) is None
     short = PrefixLocation("a", CacheLocation("t:1", 40), None)
-    long = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 97))
+    long = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 97), draft_cache_id="a")
     await store.put_prefixes(keys[:2], short, 60)
     await store.put_prefixes(keys, long, 60)
     assert await store.find_prefix(keys) == (5, long)
@@ -436,6 +436,18 @@ async def test_prefixes_are_found_longest_first(store: StateStore) -> None:
     assert await store.find_prefix(keys[:3]) == (2, long)
     assert await store.find_prefix(keys[:2]) == (1, short)
     assert await store.find_prefix(block_hashes([*tokens[:16], 999, *tokens[17:]], 16)) == (0, short)
+
+
+def test_a_prefix_record_names_the_session_whose_draft_cache_holds_it() -> None:
+    """A record written before ``draft_cache_id`` (a coordinator of an older version, the same
+    Redis) reads as the draft's cache being the record's own session's, as it was then."""
+    from specdec.state import PrefixLocation
+
+    older = '{"cache_id": "b", "target": {"address": "t:1", "length": 99}, "draft": {"address": "d:1", "length": 97}}'
+    assert PrefixLocation.from_json(older) == PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 97))
+    assert PrefixLocation.from_json(older).draft_session == "b"
+    elsewhere = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 40), draft_cache_id="a")
+    assert PrefixLocation.from_json(elsewhere.to_json()) == elsewhere and elsewhere.draft_session == "a"
 
 
 async def test_prefix_records_expire_after_the_time_given(store: StateStore) -> None:

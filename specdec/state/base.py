@@ -57,11 +57,19 @@ class CacheLocation:
 @dataclass(frozen=True)
 class PrefixLocation:
     """Where a token prefix is cached (prefix reuse): the worker cache (a session id) that holds
-    it, and how many of its first tokens each worker's copy holds."""
+    it, and how many of its first tokens each worker's copy holds. ``draft_cache_id``: the session
+    whose draft cache holds the draft's part when it is another one (a request whose draft never
+    ran leaves the prefix it found in the earlier request's draft cache); empty: ``cache_id``."""
 
     cache_id: str
     target: CacheLocation | None
     draft: CacheLocation | None
+    draft_cache_id: str = ""
+
+    @property
+    def draft_session(self) -> str:
+        """The session whose draft cache holds ``draft``."""
+        return self.draft_cache_id or self.cache_id
 
     def to_json(self) -> str:
         return json.dumps(
@@ -69,6 +77,7 @@ class PrefixLocation:
                 "cache_id": self.cache_id,
                 "target": asdict(self.target) if self.target else None,
                 "draft": asdict(self.draft) if self.draft else None,
+                "draft_cache_id": self.draft_cache_id,
             }
         )
 
@@ -80,6 +89,7 @@ class PrefixLocation:
             cache_id=fields["cache_id"],
             target=CacheLocation(target["address"], int(target["length"])) if target else None,
             draft=CacheLocation(draft["address"], int(draft["length"])) if draft else None,
+            draft_cache_id=fields.get("draft_cache_id", ""),  # a record written before the field: ""
         )
 
 
