@@ -43,7 +43,7 @@ from specdec.runtime.tokens import block_hashes, common_prefix_len
 from specdec.serving.errors import InvalidRequest, SessionGone, SpecdecError, StateUnavailable
 from specdec.serving.metrics import CoordinatorMetrics
 from specdec.serving.security import caller_identity
-from specdec.state import CacheLocation, Commit, CommitResult, SessionRecord, StateStore
+from specdec.state import CacheLocation, Commit, CommitResult, PrefixLocation, SessionRecord, StateStore
 from specdec.v1 import common_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
@@ -283,9 +283,9 @@ class Turn:
         ``prefix_donor``'s caches (the other completions of an ``n`` > 1 request)."""
         donor = self.prefix_donor
         if donor is not None and donor._committed[: len(self._committed)] == self._committed:
-            location = donor.workers.prefix_location()
-            if location is not None:  # all but the last token: that one is always sent (the tail)
-                self.workers.place([(location, len(self._committed) - 1)])
+            target, draft = donor.workers.locations()
+            if target is not None:  # all but the last token: that one is always sent (the tail)
+                self.workers.place([(PrefixLocation(donor.session_id, target, draft), len(self._committed) - 1)])
                 return
         tokens = self._committed[:-1]  # the last token is always sent (the tail)
         replicas = [r.address for r in self.deps.targets.replicas if r.breaker.up]
@@ -301,12 +301,12 @@ class Turn:
 
     async def _record_prefix(self) -> None:
         """Records where the finished turn's tokens are cached, for later requests to start from."""
-        location = self.workers.prefix_location()
-        if location is None or location.target is None:
+        target, draft = self.workers.locations()
+        if target is None:
             return
         try:
-            target = location.target
             keys = self._prefix_keys(self._committed[: target.length], target.address)
+            location = PrefixLocation(self.session_id, target, draft)
             await self.deps.store.put_prefixes(keys, location, self.deps.prefix_ttl_s)
         except SpecdecError as exc:
             log.warning("prefix_record_failed", error=str(exc))
@@ -646,7 +646,7 @@ def _stop_if_cancelled() -> None:
 
 def _upto(location: CacheLocation | None, length: int) -> CacheLocation | None:
     """A cache location cut to the first ``length`` committed tokens."""
-    return None if location is None else CacheLocation(location.address, min(location.length, length))
+    return None if location is None else dataclasses.replace(location, length=min(location.length, length))
 
 
 def tokenize(tokenizer: PreTrainedTokenizerBase, text: str | None, add_special_tokens: bool = True) -> list[int]:

@@ -246,10 +246,10 @@ class WorkerSession:
         """Adopts the cache locations recorded in the session state."""
         if target is not None and (replica := self._targets.get(target.address)):
             self._set_target(replica)
-            self.target_len = target.length
+            self.target_len, self._target_source = target.length, target.source
         if draft is not None and self._drafts is not None and (other := self._drafts.get(draft.address)):
             self._set_draft(other)
-            self.draft_len = draft.length
+            self.draft_len, self._draft_source = draft.length, draft.source
 
     def place(self, found: Sequence[tuple[PrefixLocation, int]]) -> None:
         """Chooses the target and draft replicas of a session with nothing of its own cached, by
@@ -259,12 +259,9 @@ class WorkerSession:
         targets: dict[str, tuple[int, str]] = {}
         drafts: dict[str, tuple[int, str]] = {}
         for location, length in found:
-            for cached, where, cache_id in (
-                (targets, location.target, location.cache_id),
-                (drafts, location.draft, location.draft_session),
-            ):
+            for cached, where in ((targets, location.target), (drafts, location.draft)):
                 if where is not None and min(length, where.length) > cached.get(where.address, (0, ""))[0]:
-                    cached[where.address] = (min(length, where.length), cache_id)
+                    cached[where.address] = (min(length, where.length), where.source or location.cache_id)
         target = place(self._target_replicas(), self.session_id, {a: n for a, (n, _) in targets.items()})
         if target is not None:
             self._set_target(target)
@@ -282,22 +279,16 @@ class WorkerSession:
         return [r for r in replicas if r.grammars or not self.constrained]
 
     def locations(self) -> tuple[CacheLocation | None, CacheLocation | None]:
-        """Cache locations to record with a commit."""
-        target = CacheLocation(self._target.address, self.target_len) if self._target else None
-        draft = CacheLocation(self._draft.address, self.draft_len) if self._draft else None
+        """Cache locations to record with a commit (and for later requests to start from): a
+        worker that has not run since the session found a prefix in another one's cache holds
+        nothing of it, so its location names that cache (a request whose draft never ran)."""
+        target = CacheLocation(self._target.address, self.target_len, self._target_source) if self._target else None
+        draft = CacheLocation(self._draft.address, self.draft_len, self._draft_source) if self._draft else None
         return target, draft
-
-    def prefix_location(self) -> PrefixLocation | None:
-        """Where this session's tokens are cached, for later requests to start from (prefix
-        reuse): its own caches, but a draft that has not run since the session found a prefix in
-        another one's cache holds nothing of it: that session's draft cache does."""
-        target, draft = self.locations()
-        if target is None:
-            return None
-        return PrefixLocation(self.session_id, target, draft, draft_cache_id=self._draft_source)
 
     def forget_caches(self) -> None:
         self.target_len = self.draft_len = 0
+        self._target_source = self._draft_source = ""
 
     @property
     def draft_usable(self) -> bool:

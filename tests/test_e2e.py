@@ -436,6 +436,30 @@ def test_a_request_decoded_without_the_draft_leaves_its_prefix_cached_for_the_dr
     assert list(third.token_ids) == reference_greedy(str(tiny_models.target), tuple(longer), 8, ignore_eos=True)
 
 
+def test_a_session_whose_first_turn_ran_without_the_draft_drafts_from_the_prefix_it_found(
+    cluster_same: LocalCluster, same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels
+) -> None:
+    """A session's first turn, decoded without the draft model (speculation off), starts from a
+    prefix an earlier request left cached; its next turn speculates. The session's record named its
+    own draft cache as holding that prefix, which never got it: the next turn's draft was sent it as
+    cached, answered with a resync and computed all of it. The record now names the cache that holds
+    it, so the draft copies it from there."""
+    prompt = [(5 * i + 9) % 250 for i in range(40)]
+    same.Generate(request(prompt, max_new=8, ignore_eos=True))
+    first = request([*prompt, 1, 2, 3], session_id="off-then-on", max_new=4, ignore_eos=True)
+    first.speculation.disable = True
+    turn1 = same.Generate(first)
+    assert turn1.usage.cached_tokens == 32 and turn1.stats.draft_tokens_proposed == 0
+    draft = cluster_same.processes["draft"].address
+    before = worker_info(draft, "draft").reused_tokens_total
+    turn2 = same.Generate(request([7, 8], session_id="off-then-on", max_new=8, ignore_eos=True))
+    assert turn2.stats.cache_resyncs == 0  # main: 1
+    assert worker_info(draft, "draft").reused_tokens_total - before == 32  # main: 0
+    history = [*prompt, 1, 2, 3, *turn1.token_ids, 7, 8]
+    assert list(turn2.token_ids) == reference_greedy(str(tiny_models.target), tuple(history), 8, ignore_eos=True)
+    assert same.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="off-then-on")).existed
+
+
 def test_empty_prompt_is_invalid(same: coordinator_pb2_grpc.GenerationStub) -> None:
     with pytest.raises(grpc.RpcError) as err:
         same.Generate(coordinator_pb2.GenerateRequest())

@@ -285,10 +285,14 @@ async def test_rollback_clamps_recorded_cache_lengths(store: StateStore) -> None
     """Found by the state machine: a truncation must not leave a cache claiming more than is committed."""
     session = sid()
     await store.acquire(session, "o", create=True)
-    await store.commit(session, "o", Commit(0, "a", [1, 2, 3], target=CacheLocation("t", 3)))
+    draft = CacheLocation("d", 3, source="other")  # a prefix still in another session's draft cache
+    await store.commit(session, "o", Commit(0, "a", [1, 2, 3], target=CacheLocation("t", 3), draft=draft))
+    stored = await store.get(session)
+    assert stored is not None and stored.draft == draft
     await store.commit(session, "o", Commit(1, "b", truncate_to=1))
     got = await store.get(session)
     assert got is not None and got.tokens == [1] and got.target == CacheLocation("t", 1)
+    assert got.draft == CacheLocation("d", 1, source="other")
 
 
 @pytest.mark.asyncio
@@ -428,7 +432,7 @@ async def test_prefixes_are_found_longest_first(store: StateStore) -> None:
     assert block_hashes(tokens, 16, salt="caller-b")[0] != keys[0]
     assert await store.find_prefix(keys) is None
     short = PrefixLocation("a", CacheLocation("t:1", 40), None)
-    long = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 97), draft_cache_id="a")
+    long = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 97, source="a"))
     await store.put_prefixes(keys[:2], short, 60)
     await store.put_prefixes(keys, long, 60)
     assert await store.find_prefix(keys) == (5, long)
@@ -438,16 +442,17 @@ async def test_prefixes_are_found_longest_first(store: StateStore) -> None:
     assert await store.find_prefix(block_hashes([*tokens[:16], 999, *tokens[17:]], 16)) == (0, short)
 
 
-def test_a_prefix_record_names_the_session_whose_draft_cache_holds_it() -> None:
-    """A record written before ``draft_cache_id`` (a coordinator of an older version, the same
-    Redis) reads as the draft's cache being the record's own session's, as it was then."""
+def test_a_cache_location_names_the_session_whose_cache_holds_it() -> None:
+    """A record written before ``source`` (by a coordinator of an older version, in the same
+    Redis) reads as the session's own cache, as it meant."""
     from specdec.state import PrefixLocation
 
     older = '{"cache_id": "b", "target": {"address": "t:1", "length": 99}, "draft": {"address": "d:1", "length": 97}}'
     assert PrefixLocation.from_json(older) == PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 97))
-    assert PrefixLocation.from_json(older).draft_session == "b"
-    elsewhere = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 40), draft_cache_id="a")
-    assert PrefixLocation.from_json(elsewhere.to_json()) == elsewhere and elsewhere.draft_session == "a"
+    assert CacheLocation.from_json('{"address": "d:1", "length": 97}') == CacheLocation("d:1", 97, source="")
+    elsewhere = PrefixLocation("b", CacheLocation("t:1", 99), CacheLocation("d:1", 40, source="a"))
+    assert PrefixLocation.from_json(elsewhere.to_json()) == elsewhere
+    assert CacheLocation.from_json(CacheLocation("d:1", 40, source="a").to_json()) == CacheLocation("d:1", 40, "a")
 
 
 async def test_prefix_records_expire_after_the_time_given(store: StateStore) -> None:

@@ -14,6 +14,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from specdec.serving.errors import SessionGone, StateConflict
 
@@ -38,10 +39,14 @@ def session_conflict(session_id: str, *, taken: bool) -> StateConflict:
 
 @dataclass(frozen=True)
 class CacheLocation:
-    """A worker replica's KV cache for a session: valid for the first ``length`` committed tokens."""
+    """A worker replica's KV cache for a session: valid for the first ``length`` committed tokens.
+    ``source``: another session whose cache there holds them, when the session's own does not yet
+    (prefix reuse: a worker that has not run since the session found its prefix in that cache);
+    empty: the session's own."""
 
     address: str
     length: int
+    source: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -50,26 +55,23 @@ class CacheLocation:
     def from_json(cls, raw: str | bytes | None) -> CacheLocation | None:
         if not raw:
             return None
-        fields = json.loads(raw)  # records written by older versions carry more keys
-        return cls(address=fields["address"], length=int(fields["length"]))
+        return cls.from_fields(json.loads(raw))
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> CacheLocation:
+        # records written by older versions carry more keys, or no source
+        return cls(address=fields["address"], length=int(fields["length"]), source=fields.get("source", ""))
 
 
 @dataclass(frozen=True)
 class PrefixLocation:
     """Where a token prefix is cached (prefix reuse): the worker cache (a session id) that holds
-    it, and how many of its first tokens each worker's copy holds. ``draft_cache_id``: the session
-    whose draft cache holds the draft's part when it is another one (a request whose draft never
-    ran leaves the prefix it found in the earlier request's draft cache); empty: ``cache_id``."""
+    it, and how many of its first tokens each worker's copy holds (in the cache of a location's
+    ``source`` where it has one)."""
 
     cache_id: str
     target: CacheLocation | None
     draft: CacheLocation | None
-    draft_cache_id: str = ""
-
-    @property
-    def draft_session(self) -> str:
-        """The session whose draft cache holds ``draft``."""
-        return self.draft_cache_id or self.cache_id
 
     def to_json(self) -> str:
         return json.dumps(
@@ -77,7 +79,6 @@ class PrefixLocation:
                 "cache_id": self.cache_id,
                 "target": asdict(self.target) if self.target else None,
                 "draft": asdict(self.draft) if self.draft else None,
-                "draft_cache_id": self.draft_cache_id,
             }
         )
 
@@ -87,9 +88,8 @@ class PrefixLocation:
         target, draft = fields.get("target"), fields.get("draft")
         return cls(
             cache_id=fields["cache_id"],
-            target=CacheLocation(target["address"], int(target["length"])) if target else None,
-            draft=CacheLocation(draft["address"], int(draft["length"])) if draft else None,
-            draft_cache_id=fields.get("draft_cache_id", ""),  # a record written before the field: ""
+            target=CacheLocation.from_fields(target) if target else None,
+            draft=CacheLocation.from_fields(draft) if draft else None,
         )
 
 
