@@ -657,6 +657,43 @@ def test_where_a_prefix_other_requests_share_ends_a_copy_of_the_windowed_layers_
     torch.testing.assert_close(caches.extend(e, [5, 6], 2), full_logits(loaded, [*replaced[:24], 5, 6])[-2:])
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_a_copy_at_a_shared_prefix_is_taken_only_where_no_other_copy_reaches_it(tmp_path: Path, arch: str) -> None:
+    """Margin 8. A shared prefix within half the margin before the prompt's end (27 of 30) takes no
+    copy, nor a stop: the copy at the prompt's end reaches it, and a request sharing it starts
+    there once the session has decoded past the margin. A batched pass (``extend_many``) is not
+    stopped at a shared prefix: one that ends within the margin after it (24 of a 30-token pass)
+    keeps a copy cut back to it, which a request starts from; one that ends past the margin (10 of
+    40) keeps none, and a request sharing that prefix resyncs from 0."""
+    loaded = _windowed_model(tmp_path, arch)
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
+    a = caches.sync("a", 0, 0, prompt_len=30, shared_len=27)
+    caches.extend(a, SEQ[:30], 1)
+    assert a.shared_len == 0 and a.shared is None and a.prompt_end is not None and a.prompt_end.length == 30
+    assert caches.prefill_tokens_total == 30  # one pass, not stopped at 27
+    c = caches.sync("c", 0, 0, prompt_len=40, shared_len=24)
+    d = caches.sync("d", 0, 0, prompt_len=40, shared_len=10)
+    caches.extend_many([(c, SEQ[:30], 1), (d, SEQ[:40], 1)])
+    assert c.shared is not None and c.shared.length == 24 and c.prompt_end is None
+    assert d.shared is None and d.prompt_end is not None and d.prompt_end.length == 40
+    caches.extend(c, SEQ[30:40], 1)
+    assert c.shared is not None and c.prompt_end is not None and c.prompt_end.length == 40
+    for token in SEQ[40:60]:  # each session decoding on, past the margin
+        for entry in (a, c, d):
+            caches.extend(entry, [token], 1)
+    b = caches.sync("b", 27, prefix_hash(SEQ[:27]), source="a")
+    torch.testing.assert_close(
+        caches.extend(b, [7, 8], 2), full_logits(loaded, [*SEQ[:27], 7, 8])[-2:], atol=1e-4, rtol=1e-4
+    )
+    e = caches.sync("e", 24, prefix_hash(SEQ[:24]), source="c")
+    torch.testing.assert_close(
+        caches.extend(e, [7, 8], 2), full_logits(loaded, [*SEQ[:24], 7, 8])[-2:], atol=1e-4, rtol=1e-4
+    )
+    with pytest.raises(ResyncRequired) as resync:
+        caches.sync("f", 10, prefix_hash(SEQ[:10]), source="d")
+    assert resync.value.start == 0
+
+
 def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_caches(tmp_path: Path) -> None:
     """Every layer windowed (Mistral), a margin of 6: a 40-token session that ran its prompt in its
     first pass counts 21 positions and 21 of its copy at the prompt's end. Three fit a budget of
