@@ -642,7 +642,7 @@ def test_where_a_prefix_other_requests_share_ends_a_copy_of_the_windowed_layers_
         caches.extend(b, [token], 1)
     windowed_only = all(getattr(layer, "is_sliding", False) for layer in b.cache.layers if layer.keys is not None)
     if windowed_only:  # 23 positions kept (the window's 15 and the margin), and as many in each copy
-        assert caches._held(b) == 3 * 23
+        assert caches.cached_tokens == 2 * 23 + 3 * 23  # a's cache and copy at its prompt's end; b's and both
     c = caches.sync("c", 24, prefix_hash(shared), source="b", prompt_len=40, shared_len=24)
     logits = caches.extend(c, SEQ[40:56], 3)
     torch.testing.assert_close(logits, full_logits(loaded, [*shared, *SEQ[40:56]])[-3:], atol=1e-4, rtol=1e-4)
@@ -692,6 +692,32 @@ def test_a_copy_at_a_shared_prefix_is_taken_only_where_no_other_copy_reaches_it(
     with pytest.raises(ResyncRequired) as resync:
         caches.sync("f", 10, prefix_hash(SEQ[:10]), source="d")
     assert resync.value.start == 0
+
+
+@pytest.mark.parametrize("budget", [170, 140])
+def test_a_copy_that_several_caches_share_is_counted_once(tmp_path: Path, budget: int) -> None:
+    """Every layer windowed (Mistral), margin 8 (23 positions a layer keeps): a request that starts
+    from another session's copy at a shared prefix shares that copy, as do all the requests after it
+    that share the prefix (a system prompt). The budget counted it once for each holder: three
+    caches holding 161 positions counted 184, and a budget of 170 freed the oldest one's copy; one
+    of 140 freed the next one's copies too. Counted once, the first frees nothing and the second
+    only the oldest one's copy (its cache's own, no other holds it)."""
+    loaded = load_model(
+        str(build_sliding(tmp_path / "m", "mistral", seed=0)), LoadOptions(device="cpu", dtype="float32")
+    )
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, max_tokens=budget, margin=8)
+    a = caches.sync("a", 0, 0, prompt_len=50)
+    caches.extend(a, SEQ[:50], 1)  # its cache (23) and its copy at the prompt's end (23)
+    b = caches.sync("b", 0, 0, prompt_len=50, shared_len=24)
+    caches.extend(b, SEQ[:50], 1)  # its cache, its copy at the prompt's end and one at the shared prefix
+    c = caches.sync("c", 24, prefix_hash(SEQ[:24]), source="b", prompt_len=40, shared_len=24)
+    assert c.shared is b.shared
+    with mock.patch.object(kvcache.log, "info") as info:
+        caches.extend(c, SEQ[30:46], 1)  # its cache, its copy at the prompt's end and b's shared copy
+    assert caches.cached_tokens == (161 if budget == 170 else 161 - 23)
+    assert b.shared is not None and b.prompt_end is not None and c.shared is b.shared and c.prompt_end is not None
+    assert (a.prompt_end is None) == (budget == 140)
+    assert info.call_count == (budget == 140)
 
 
 def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_caches(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import functools
 import inspect
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -423,17 +423,22 @@ class SessionCaches:
     @property
     def cached_tokens(self) -> int:
         """Tokens held by all the caches, a token beyond a windowed layer's window and margin
-        counting for its whole layers' share of a token's memory. Safe to read from another thread
-        (the metrics server): the entries are copied out in one step before they are summed."""
-        return sum(self._held(entry) for entry in list(self._entries.values()))
+        counting for its whole layers' share of a token's memory, and their copies of the windowed
+        layers, each once however many caches share it. Safe to read from another thread (the
+        metrics server): the entries are copied out in one step before they are summed."""
+        entries = list(self._entries.values())
+        copies = {id(kept): kept for entry in entries for kept in entry.copies}
+        return sum(self._own(entry) for entry in entries) + sum(self._copied(kept) for kept in copies.values())
 
-    def _held(self, entry: SessionCache) -> int:
-        """What a cache counts for (at most: a cut-back windowed layer keeps fewer), its copies of
-        the windowed layers included."""
+    def _own(self, entry: SessionCache) -> int:
+        """What a cache counts for without its copies (at most: a cut-back windowed layer keeps fewer)."""
         limit, share = self._windowed
         length = len(entry.tokens)
-        copied = sum(kept.positions for kept in entry.copies)
-        return length - int(share * max(0, length - limit)) + int(share * copied)
+        return length - int(share * max(0, length - limit))
+
+    def _copied(self, kept: WindowedCopy) -> int:
+        """What a copy of the windowed layers counts for."""
+        return int(self._windowed[1] * kept.positions)
 
     def sync(
         self,
@@ -629,13 +634,22 @@ class SessionCaches:
         if not self.max_tokens:
             return
         over, copied = self.cached_tokens - self.max_tokens, 0
+        holders = Counter(id(kept) for entry in self._entries.values() for kept in entry.copies)
+
+        def let_go(entry: SessionCache) -> int:
+            """What the entry's copies free once it no longer holds them: those no other cache holds."""
+            freed = 0
+            for kept in entry.copies:
+                holders[id(kept)] -= 1
+                freed += 0 if holders[id(kept)] else self._copied(kept)
+            return freed
+
         for entry in list(self._entries.values()):
             if over <= 0:
                 break
             if entry.copies and not any(entry is kept for kept in keep):
-                held = self._held(entry)
+                over, copied = over - let_go(entry), copied + 1
                 entry.free_copies()
-                over, copied = over - (held - self._held(entry)), copied + 1
         if copied:
             log.info("windowed_copies_freed_for_tokens", sessions=copied, max_cache_tokens=self.max_tokens)
         freed = []
@@ -644,7 +658,7 @@ class SessionCaches:
                 break
             if not any(entry is kept for kept in keep):
                 del self._entries[session_id]
-                over -= self._held(entry)
+                over -= self._own(entry) + let_go(entry)
                 freed.append(session_id)
         if freed:
             self.evicted_for_tokens += len(freed)
