@@ -438,20 +438,25 @@ def test_requests_sharing_a_prefix_on_a_windowed_model_start_from_a_copy_where_i
 
 
 @pytest.mark.slow
-def test_a_windowed_model_samples_its_exact_distribution_past_its_window(tmp_path: Path) -> None:
-    """Sampled requests whose 20-token prompt is past a 16-position window, on Gemma-3's mix of
-    windowed and whole layers with an unrelated draft (nearly every draft rejected: the caches are
-    cut back past the window every round, their windowed layers keeping 25 positions with
-    --max-draft-tokens 4), each request but the first starting from an earlier one's cache cut
-    back from its end (28 tokens) to 16, past the margin (the copy of the windowed layers at the
-    prompt's end): the first three tokens follow the target's exact distribution (chi-square
-    against plain forward passes), and reject the distribution of the same weights without the
-    window, which a cache or mask that let the window lapse would give."""
+@pytest.mark.parametrize("copy", ["prompt_end", "shared_prefix"])
+def test_a_windowed_model_samples_its_exact_distribution_past_its_window(tmp_path: Path, copy: str) -> None:
+    """Sampled requests whose prompt is past a 16-position window, on Gemma-3's mix of windowed and
+    whole layers with an unrelated draft (nearly every draft rejected: the caches are cut back past
+    the window every round, their windowed layers keeping 25 positions with --max-draft-tokens 4),
+    each request but the first few starting from an earlier one's cache cut back past the margin,
+    from a copy of its windowed layers: a 20-token prompt, its cache cut back from its end (28
+    tokens) to 16, from the copy at the prompt's end; or a 44-token prompt, its cache (52) cut back
+    to its first 32 tokens, before the copy at the prompt's end can reach (44), from the copy where
+    that prefix ends, which the first request to resync on it took (told ``shared_len``) and every
+    request copying a cache holding it shares. The first three tokens follow the target's exact
+    distribution (chi-square against plain forward passes), and reject the distribution of the same
+    weights without the window, which a cache or mask that let the window lapse would give."""
     target = build_sliding(tmp_path / "target", "gemma3", seed=0)
     draft = build_sliding(tmp_path / "draft", "gemma3", seed=1)
+    prompt, cut = (tuple(range(30, 50)), 16) if copy == "prompt_end" else (tuple(range(30, 74)), 32)
     mix = SampledMix(
         "",
-        prompt=tuple(range(30, 50)),
+        prompt=prompt,
         sampling={
             "max_new_tokens": 8,
             "temperature": 0.1,
@@ -470,7 +475,7 @@ def test_a_windowed_model_samples_its_exact_distribution_past_its_window(tmp_pat
         sampled, sent = sample_mix(coordinator_pb2_grpc.GenerationStub(channel), mix, "windowed")
         proposed = metric(cluster, "coordinator", "specdec_proposer_tokens_proposed_total", 'proposer="model"')
         reused = worker_info(cluster.processes["target-0"].address, "target").reused_tokens_total
-    assert reused > 16 * SAMPLES * 0.9  # nearly every request from an earlier one's copy
+    assert reused > cut * SAMPLES * 0.9  # nearly every request from an earlier one's copy
     sampling = sampled_request(mix, 0).sampling
     exact, unwindowed = Enumerator(str(target), FIRST), Enumerator(str(target), FIRST)
     unwindowed.model.config.sliding_window = 1000  # its masks read it on every pass
