@@ -663,8 +663,8 @@ def test_a_copy_at_a_shared_prefix_is_taken_only_where_no_other_copy_reaches_it(
     copy, nor a stop: the copy at the prompt's end reaches it, and a request sharing it starts
     there once the session has decoded past the margin. A batched pass (``extend_many``) is not
     stopped at a shared prefix: one that ends within the margin after it (24 of a 30-token pass)
-    keeps a copy cut back to it, which a request starts from; one that ends past the margin (10 of
-    40) keeps none, and a request sharing that prefix resyncs from 0."""
+    keeps a copy cut back to it (holding only that copy's memory), which a request starts from; one
+    that ends past the margin (10 of 40) keeps none, and a request sharing that prefix resyncs from 0."""
     loaded = _windowed_model(tmp_path, arch)
     caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
     a = caches.sync("a", 0, 0, prompt_len=30, shared_len=27)
@@ -676,6 +676,9 @@ def test_a_copy_at_a_shared_prefix_is_taken_only_where_no_other_copy_reaches_it(
     caches.extend_many([(c, SEQ[:30], 1), (d, SEQ[:40], 1)])
     assert c.shared is not None and c.shared.length == 24 and c.prompt_end is None
     assert d.shared is None and d.prompt_end is not None and d.prompt_end.length == 40
+    for layer in c.shared.layers.values():  # only what it keeps: not the 6 positions after it as well
+        for held in (layer.keys, layer.values):
+            assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
     caches.extend(c, SEQ[30:40], 1)
     assert c.shared is not None and c.prompt_end is not None and c.prompt_end.length == 40
     for token in SEQ[40:60]:  # each session decoding on, past the margin

@@ -264,13 +264,17 @@ class WindowedCopy:
     layers: dict[int, WindowedLayer]
 
     @classmethod
-    def of(cls, cache: DynamicCache, length: int) -> WindowedCopy:
+    def of(cls, cache: DynamicCache, length: int, upto: int | None = None) -> WindowedCopy:
+        """A copy of ``cache`` (holding ``length`` tokens) cut back to ``upto`` tokens (None: not
+        cut) before its keys and values are copied, so it holds only what it keeps."""
         layers = {}
         for index, layer in _keeping(cache):
             if isinstance(layer, WindowedLayer):
                 kept = layers[index] = copy.copy(layer)
-                kept.keys, kept.values = layer.keys.clone(), layer.values.clone()
-        return cls(length, layers)
+                if upto is not None:
+                    kept.crop(upto - length)
+                kept.keys, kept.values = kept.keys.clone(), kept.values.clone()
+        return cls(length if upto is None else upto, layers)
 
     @functools.cached_property
     def positions(self) -> int:
@@ -372,7 +376,7 @@ class SessionCache:
         ):
             self.prompt_end = WindowedCopy.of(self.cache, len(self.tokens))
         if self.shared_wanted() and len(self.tokens) >= self.shared_len and self._within_margin(self.shared_len):
-            self.shared = WindowedCopy.of(self.cache, len(self.tokens)).cut(self.shared_len)
+            self.shared = WindowedCopy.of(self.cache, len(self.tokens), upto=self.shared_len)
 
     def shared_wanted(self) -> bool:
         """Whether a copy at the shared prefix's end is still to be taken: one is asked for, not
