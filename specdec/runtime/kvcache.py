@@ -638,6 +638,8 @@ class SessionCaches:
         if not self.max_tokens:
             return
         over, copied = self.cached_tokens - self.max_tokens, 0
+        if over <= 0:  # every pass asks: count the copies' holders only when something must go
+            return
         holders = Counter(id(kept) for entry in self._entries.values() for kept in entry.copies)
 
         def let_go(entry: SessionCache) -> int:
