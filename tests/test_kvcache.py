@@ -554,8 +554,8 @@ def test_a_windowed_sessions_prompt_end_stays_reachable(tmp_path: Path, arch: st
     # the copy's first position is 10: a query at 25 sees 10 to 24, one at 24 needs 9
     assert entry.reaches(25) and not entry.reaches(24)
     windowed_only = all(getattr(layer, "is_sliding", False) for layer in entry.cache.layers if layer.keys is not None)
-    if windowed_only:  # 23 kept positions (the window's 15 and the margin), and the copy's 22
-        assert caches.cached_tokens == 45
+    if windowed_only:  # 23 kept positions (the window's 15 and the margin), and the copy's 23 (taken at 33)
+        assert caches.cached_tokens == 46
     again = caches.sync("b", 26, prefix_hash(prompt[:26]), source="a", prompt_len=30)
     logits = caches.extend(again, [*prompt[26:], 5, 6], 3)
     torch.testing.assert_close(logits, full_logits(loaded, [*prompt, 5, 6])[-3:], atol=1e-4, rtol=1e-4)
@@ -721,6 +721,38 @@ def test_a_copy_that_several_caches_share_is_counted_once(tmp_path: Path, budget
     assert b.shared is not None and b.prompt_end is not None and c.shared is b.shared and c.prompt_end is not None
     assert (a.prompt_end is None) == (budget == 140)
     assert info.call_count == (budget == 140)
+
+
+def test_copies_that_share_their_memory_count_it_once(tmp_path: Path) -> None:
+    """Every layer windowed (Mistral), margin 8 (23 positions a layer keeps): a copy cut back (the
+    block after the prompt cut back, 33 tokens to 32; other completions of the prompt from its
+    first 29; a session's tokens replaced from before its copy) is a view of the copy it came from:
+    no memory of its own, and the memory of all of that copy's positions held while any view is.
+    The budget counted each view apart by the positions it sees, and nothing for the memory a view
+    kept once the copy's other holders were gone. It counts the memory: once, all of it."""
+    loaded = load_model(
+        str(build_sliding(tmp_path / "m", "mistral", seed=0)), LoadOptions(device="cpu", dtype="float32")
+    )
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
+    prompt = SEQ[:30]
+    a = caches.sync("a", 0, 0, prompt_len=30)
+    caches.extend(a, [*prompt, 7, 8, 9], 4)  # its copy at the prompt's end taken at 33 tokens: 23 positions
+    a = caches.sync("a", 32, prefix_hash([*prompt, 7, 8]), prompt_len=30)
+    assert a.prompt_end is not None and a.prompt_end.length == 32
+    assert caches.cached_tokens == 23 + 23
+    for name in ("d", "e"):  # other completions: their caches (23 each) and views of a's copy
+        other = caches.sync(name, 29, prefix_hash(prompt[:29]), source="a", prompt_len=30)
+        caches.extend(other, [prompt[29], 3], 2)
+        assert other.prompt_end is not None and other.prompt_end.length == 29
+    assert caches.cached_tokens == 3 * 23 + 23
+    caches.release("a")
+    assert caches.cached_tokens == 2 * 23 + 23
+    d = caches.sync("d", 31, prefix_hash([*prompt, 3]), prompt_len=30)
+    caches.extend(d, SEQ[40:60], 1)  # decoding on, past the margin
+    d = caches.sync("d", 28, prefix_hash(prompt[:28]), prompt_len=30)  # its tokens replaced from 28
+    assert d.prompt_end is not None and d.prompt_end.length == 28
+    caches.release("e")
+    assert caches.cached_tokens == 23 + 23  # d's cache, and the 23 positions its view still holds
 
 
 def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_caches(tmp_path: Path) -> None:

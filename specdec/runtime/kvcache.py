@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
 import os
 import time
 from collections import Counter, OrderedDict
@@ -252,6 +253,12 @@ class ResyncRequired(Exception):
         self.start = start
 
 
+def _stored_positions(keys: torch.Tensor) -> int:
+    """The positions the memory under ``keys`` (batch, heads, positions, head size) holds."""
+    per_position = keys.element_size() * math.prod(keys.shape[:-2]) * keys.shape[-1]
+    return keys.untyped_storage().nbytes() // max(1, per_position)
+
+
 @dataclass(frozen=True)
 class WindowedCopy:
     """A copy of a session cache's windowed layers (``WindowedLayer``) taken when it held
@@ -277,9 +284,16 @@ class WindowedCopy:
         return cls(length if upto is None else upto, layers)
 
     @functools.cached_property
+    def memory(self) -> int:
+        """Where its keys and values are held: a copy cut back from another (``cut``) is a view of
+        that one's memory, and both name it (read for every copy whenever the budget is counted)."""
+        return next((layer.keys.untyped_storage().data_ptr() for layer in self.layers.values()), id(self))
+
+    @functools.cached_property
     def positions(self) -> int:
-        """The positions its largest layer holds (read for every copy whenever the budget is counted)."""
-        return max((layer.keys.shape[-2] for layer in self.layers.values()), default=0)
+        """The positions its memory holds in its largest layer: for a copy cut back, those it no
+        longer sees too (its view keeps all of them while it is held)."""
+        return max((_stored_positions(layer.keys) for layer in self.layers.values()), default=0)
 
     def reaches(self, length: int) -> bool:
         return length <= self.length and all(layer.can_cut(self.length - length) for layer in self.layers.values())
@@ -428,10 +442,11 @@ class SessionCaches:
     def cached_tokens(self) -> int:
         """Tokens held by all the caches, a token beyond a windowed layer's window and margin
         counting for its whole layers' share of a token's memory, and their copies of the windowed
-        layers, each once however many caches share it. Safe to read from another thread (the
+        layers, each once however many caches share it (a copy cut back from another, a view of
+        its memory, counts with it: all of that memory, while either is held). Safe to read from another thread (the
         metrics server): the entries are copied out in one step before they are summed."""
         entries = list(self._entries.values())
-        copies = {id(kept): kept for entry in entries for kept in entry.copies}
+        copies = {kept.memory: kept for entry in entries for kept in entry.copies}
         return sum(self._own(entry) for entry in entries) + sum(self._copied(kept) for kept in copies.values())
 
     def _own(self, entry: SessionCache) -> int:
@@ -640,14 +655,14 @@ class SessionCaches:
         over, copied = self.cached_tokens - self.max_tokens, 0
         if over <= 0:  # every pass asks: count the copies' holders only when something must go
             return
-        holders = Counter(id(kept) for entry in self._entries.values() for kept in entry.copies)
+        holders = Counter(kept.memory for entry in self._entries.values() for kept in entry.copies)
 
         def let_go(entry: SessionCache) -> int:
             """What the entry's copies free once it no longer holds them: those no other cache holds."""
             freed = 0
             for kept in entry.copies:
-                holders[id(kept)] -= 1
-                freed += 0 if holders[id(kept)] else self._copied(kept)
+                holders[kept.memory] -= 1
+                freed += 0 if holders[kept.memory] else self._copied(kept)
             return freed
 
         for entry in list(self._entries.values()):
