@@ -723,17 +723,14 @@ def test_a_copy_that_several_caches_share_is_counted_once(tmp_path: Path, budget
     assert info.call_count == (budget == 140)
 
 
-def test_copies_that_share_their_memory_count_it_once(tmp_path: Path) -> None:
-    """Every layer windowed (Mistral), margin 8 (23 positions a layer keeps): a copy cut back (the
-    block after the prompt cut back, 33 tokens to 32; other completions of the prompt from its
-    first 29; a session's tokens replaced from before its copy) is a view of the copy it came from:
-    no memory of its own, and the memory of all of that copy's positions held while any view is.
-    The budget counted each view apart by the positions it sees, and nothing for the memory a view
-    kept once the copy's other holders were gone. It counts the memory: once, all of it."""
+def _views_of_one_copy(tmp_path: Path, budget: int) -> tuple[SessionCaches, list[int]]:
+    """Every layer windowed (Mistral), margin 8 (23 positions a layer keeps): session "a" with its
+    copy at the prompt's end (taken at 33 tokens, then cut back to 32), and two other completions of
+    the prompt, "d" and "e", whose copies are views of it cut back to 29."""
     loaded = load_model(
         str(build_sliding(tmp_path / "m", "mistral", seed=0)), LoadOptions(device="cpu", dtype="float32")
     )
-    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60, max_tokens=budget, margin=8)
     prompt = SEQ[:30]
     a = caches.sync("a", 0, 0, prompt_len=30)
     caches.extend(a, [*prompt, 7, 8, 9], 4)  # its copy at the prompt's end taken at 33 tokens: 23 positions
@@ -744,6 +741,16 @@ def test_copies_that_share_their_memory_count_it_once(tmp_path: Path) -> None:
         other = caches.sync(name, 29, prefix_hash(prompt[:29]), source="a", prompt_len=30)
         caches.extend(other, [prompt[29], 3], 2)
         assert other.prompt_end is not None and other.prompt_end.length == 29
+    return caches, prompt
+
+
+def test_copies_that_share_their_memory_count_it_once(tmp_path: Path) -> None:
+    """A copy cut back (the block after the prompt cut back; other completions of the prompt; a
+    session's tokens replaced from before its copy) is a view of the copy it came from: no memory
+    of its own, and the memory of all of that copy's positions held while any view is. The budget
+    counted each view apart by the positions it sees, and nothing for the memory a view kept once
+    the copy's other holders were gone. It counts the memory: once, all of it."""
+    caches, prompt = _views_of_one_copy(tmp_path, 0)
     assert caches.cached_tokens == 3 * 23 + 23
     caches.release("a")
     assert caches.cached_tokens == 2 * 23 + 23
@@ -753,6 +760,18 @@ def test_copies_that_share_their_memory_count_it_once(tmp_path: Path) -> None:
     assert d.prompt_end is not None and d.prompt_end.length == 28
     caches.release("e")
     assert caches.cached_tokens == 23 + 23  # d's cache, and the 23 positions its view still holds
+
+
+def test_over_its_budget_letting_go_of_a_copy_that_views_still_hold_frees_nothing(tmp_path: Path) -> None:
+    """A budget of 90 and 92 held (three caches, and one copy that the other two completions' views
+    share): letting go of the oldest session's copy, or of the next one's view, frees no memory
+    while the newest one's view holds it, so the oldest session's cache goes (69 left). Counted by
+    the copies themselves, letting go of the first copy counted as 22 freed, and nothing else went
+    while all of the memory stayed."""
+    caches, _ = _views_of_one_copy(tmp_path, 90)
+    d, e = caches.get("d"), caches.get("e")
+    assert "a" not in caches and caches.evicted_for_tokens == 1 and caches.cached_tokens == 69
+    assert d is not None and d.prompt_end is None and e is not None and e.prompt_end is not None
 
 
 def test_over_its_budget_a_windowed_model_frees_copies_at_prompt_ends_before_caches(tmp_path: Path) -> None:
