@@ -25,6 +25,7 @@ from specdec.runtime.kvcache import (
     SessionCaches,
     WindowedCopy,
     cache_argument,
+    kv_bytes_per_token,
 )
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.sampling import Warp
@@ -483,15 +484,20 @@ def test_a_windowed_layer_keeps_its_window_and_a_margin_to_cut_back(tmp_path: Pa
 
 def test_a_windowed_models_budget_counts_what_its_caches_keep(tmp_path: Path) -> None:
     """Every layer windowed (Mistral), a rollback margin of 6: a cache of 40 tokens keeps 21
-    positions and counts 21 against a 70-token budget. Three fit; a batched pass that starts two
-    more frees the two least recently used (before: freeing one was counted as 40 and left the
-    caches at 84)."""
+    positions and counts 21 against a 70-token budget, and holds the memory of those 21 only (it
+    held all 40 after its one pass of them: the kept keys were a view of the pass's). Three fit; a
+    batched pass that starts two more frees the two least recently used (before: freeing one was
+    counted as 40 and left the caches at 84)."""
     loaded = load_model(
         str(build_sliding(tmp_path / "m", "mistral", seed=0)), LoadOptions(device="cpu", dtype="float32")
     )
     caches = SessionCaches(loaded, max_sessions=8, idle_s=60, max_tokens=70, margin=6)
     for name in ("a", "b", "c"):
-        caches.extend(caches.sync(name, 0, 0), SEQ[:40], 1)
+        entry = caches.sync(name, 0, 0)
+        caches.extend(entry, SEQ[:40], 1)
+        for layer in entry.cache.layers:
+            for held in (layer.keys, layer.values):
+                assert held.shape[-2] == 21 and held.untyped_storage().nbytes() == held.numel() * held.element_size()
     assert caches.cached_tokens == 63 and caches.evicted_for_tokens == 0
     caches.extend_many([(caches.sync(name, 0, 0), SEQ[:30], 1) for name in ("d", "e")])
     assert [name for name in "abcde" if name in caches] == ["c", "d", "e"] and caches.cached_tokens == 63
@@ -844,6 +850,18 @@ def _random_call(caches: SessionCaches, rng: random.Random, held: dict[str, list
     return _Call(session, entry, tokens, base_len, rng.randint(1, min(4, len(tokens) - base_len)))
 
 
+def _held_bytes(caches: SessionCaches) -> int:
+    """The memory that the caches' keys and values and their copies hold: each tensor's whole
+    storage (a view holds all of it), each storage once."""
+    storages = {}
+    for entry in caches._entries.values():
+        layers = [layer for layer in entry.cache.layers if layer.is_initialized]
+        layers += [layer for kept in entry.copies for layer in kept.layers.values()]
+        for held in (tensor.untyped_storage() for layer in layers for tensor in (layer.keys, layer.values)):
+            storages[held.data_ptr()] = held.nbytes()
+    return sum(storages.values())
+
+
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
 def test_whatever_a_windowed_cache_takes_it_answers_with_a_full_passs_logits(
@@ -854,13 +872,18 @@ def test_whatever_a_windowed_cache_takes_it_answers_with_a_full_passs_logits(
     new requests sharing a prefix with another session's, sessions freed now and then) run alone or
     in one batched pass, with a budget of 0 (none), 150 or 300 tokens and at most 5 sessions: every
     sync the caches take answers, from the session's cache, another's or a copy of the windowed
-    layers, with the logits of a full pass over the request's tokens. Power (planted by hand): a
-    windowed layer that says it can be cut one position further failed 10 of these 16 cases; copies
-    at a prompt's end not cut back with the tokens they hold replaced 4, those at a shared prefix 1."""
+    layers, with the logits of a full pass over the request's tokens; and the caches hold no more
+    memory than they count (``cached_tokens``), give or take an eighth (a windowed layer keeps a
+    view of its last pass's keys when that pass ran at most an eighth of its kept positions more).
+    Power (planted by hand): a windowed layer that says it can be cut one position further failed
+    10 of these 16 cases; copies at a prompt's end not cut back with the tokens they hold replaced
+    4, those at a shared prefix 1. Before windowed layers copied their kept keys out of a pass that
+    ran more than that eighth past them, up to 1.47 times the count was held (all 16 cases failed)."""
     loaded = _windowed_model(tmp_path, arch)
     rng = random.Random(seed)
     caches = SessionCaches(loaded, max_sessions=5, idle_s=600, max_tokens=rng.choice([0, 150, 300]), margin=8)
     held: dict[str, list[int]] = {}  # each session's tokens, as its caller last left them
+    token_bytes = kv_bytes_per_token(loaded)
     for round_ in range(80):
         if rng.random() < 0.08:
             held.pop(name := rng.choice("abcde"), None)
@@ -875,6 +898,7 @@ def test_whatever_a_windowed_cache_takes_it_answers_with_a_full_passs_logits(
             torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4, msg=f"round {round_}, {call}")
             held[call.session] = list(call.entry.tokens)
         held = {name: tokens for name, tokens in held.items() if name in caches}
+        assert _held_bytes(caches) <= caches.cached_tokens * token_bytes * 9 / 8, f"round {round_}"
 
 
 @pytest.mark.parametrize("method", ["tli", "slem"])

@@ -103,7 +103,8 @@ class WindowedLayer(DynamicLayer):
         self.length += key_states.shape[-2]
         if self.limit is not None and keys.shape[-2] > self.limit:
             self.keys, self.values = keys[..., -self.limit :, :], values[..., -self.limit :, :]
-            if keys.shape[-2] > 2 * self.limit:  # a long pass's keys: hold only the kept ones' memory
+            if keys.shape[-2] - self.limit > self.limit // 8:  # hold only the kept ones' memory
+                # (a decoding step's few keys more are let be: copying the kept ones every step costs)
                 self.keys, self.values = self.keys.clone(), self.values.clone()
         return keys, values  # this pass's queries see every key (the mask applies the window)
 
