@@ -345,8 +345,10 @@ def test_batched_extend_matches_separate_extends(loaded: LoadedModel) -> None:
 
 
 def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedModel) -> None:
-    """Prefix reuse: the copy holds the donor's first tokens (checked by hash), continues to the
-    same logits as a full forward pass, and leaves the donor untouched."""
+    """Prefix reuse: the copy holds the donor's first tokens (checked by hash), and the memory of
+    those only (it copied all of the donor's, 8 positions for 5 here, 30,000 for a system prompt's
+    500 beside a long conversation), continues to the same logits as a full forward pass, and
+    leaves the donor untouched."""
     caches = SessionCaches(loaded, max_sessions=4, idle_s=60)
     donor_seq, seq = [5, 9, 13, 200, 7, 7, 1, 40], [5, 9, 13, 200, 7, 88, 3]
     donor = caches.sync("donor", 0, 0)
@@ -355,6 +357,9 @@ def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedM
         caches.sync("new", 5, prefix_hash([5, 9, 13, 200, 8]), source="donor")
     entry = caches.sync("new", 5, prefix_hash(seq[:5]), source="donor")
     assert entry.tokens == seq[:5] and caches.reused_tokens_total == 5
+    for layer in entry.cache.layers:
+        for held in (layer.keys, layer.values):
+            assert held.shape[-2] == 5 and held.untyped_storage().nbytes() == held.numel() * held.element_size()
     logits = caches.extend(entry, seq[5:], 2)
     torch.testing.assert_close(logits, full_logits(loaded, seq)[-2:], atol=1e-4, rtol=1e-4)
     assert caches.sync("donor", 8, prefix_hash(donor_seq)).tokens == donor_seq

@@ -254,6 +254,20 @@ class ResyncRequired(Exception):
         self.start = start
 
 
+def _sharing(cache: DynamicCache) -> DynamicCache:
+    """A cache of ``cache``'s layers whose keys and values are ``cache``'s own (none copied): one
+    to cut back (a cut makes views, never changes the tensors) before it gets its own (``_owning``)."""
+    shared = copy.copy(cache)
+    shared.layers = [copy.copy(layer) for layer in cache.layers]
+    return shared
+
+
+def _owning(cache: DynamicCache) -> None:
+    """Gives every layer of ``cache`` a copy of its keys and values, of the positions it keeps only."""
+    for _, layer in _keeping(cache):
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+
+
 def _stored_positions(keys: torch.Tensor) -> int:
     """The positions the memory under ``keys`` (batch, heads, positions, head size) holds."""
     per_position = keys.element_size() * math.prod(keys.shape[:-2]) * keys.shape[-1]
@@ -492,9 +506,10 @@ class SessionCaches:
             entry.truncate(base_len)
         elif source and source != session_id and _holds(donor := self._entries.get(source), base_len, base_hash):
             assert donor is not None
-            entry = self._new_entry(list(donor.tokens), copy.deepcopy(donor.cache))
+            entry = self._new_entry(list(donor.tokens), _sharing(donor.cache))
             entry.prompt_end, entry.shared = donor.prompt_end, donor.shared
             entry.truncate(base_len)
+            _owning(entry.cache)  # copies only the prefix's keys and values, not all of the donor's
             self._entries[session_id] = entry
             self.reused_tokens_total += base_len
             self._evict_over_capacity()
