@@ -458,8 +458,9 @@ class SessionCaches:
         """Tokens held by all the caches, a token beyond a windowed layer's window and margin
         counting for its whole layers' share of a token's memory, and their copies of the windowed
         layers, each once however many caches share it (a copy cut back from another, a view of
-        its memory, counts with it: all of that memory, while either is held). Safe to read from another thread (the
-        metrics server): the entries are copied out in one step before they are summed."""
+        its memory, counts with it: all of that memory, while either is held). Safe to read from
+        another thread (the metrics server): the entries are copied out in one step before they
+        are summed."""
         entries = list(self._entries.values())
         copies = {kept.memory: kept for entry in entries for kept in entry.copies}
         return sum(self._own(entry) for entry in entries) + sum(self._copied(kept) for kept in copies.values())
