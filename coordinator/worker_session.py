@@ -208,13 +208,14 @@ class WorkerSession:
 
     @property
     def target_requests(self) -> int:
-        """Requests generating on the session's target replica: this coordinator's turns there or,
-        when more, all coordinators' as the replica's last verify reply to this session counted
-        them (0 before the turn has a replica)."""
+        """Requests generating on the session's target replica: this coordinator's turns there and
+        the others' as the replica last counted them to any of its turns (``TargetClient.requests``)
+        or, when more, all coordinators' as its last verify reply to this session counted them (0
+        before the turn has a replica)."""
         if self._target is None:
             return 0
         address, reported = self._reported
-        return max(self._target.turns, reported if address == self._target.address else 0)
+        return max(self._target.requests, reported if address == self._target.address else 0)
 
     def _bind(self, old: TargetClient | DraftClient | None, new: TargetClient | DraftClient) -> None:
         """Moves this turn's count in the replicas' turns from ``old`` to ``new``."""

@@ -236,6 +236,9 @@ NO_GRAMMAR_REPLICA = (
 )
 
 
+OTHERS_FRESH_S = 2.0  # how long a replica's count of the other coordinators' requests is taken as it is
+
+
 class TargetClient:
     """One target worker replica."""
 
@@ -246,6 +249,7 @@ class TargetClient:
         self._link = WorkerLink(address, settings, target_pb2_grpc.TargetWorkerStub)
         self.breaker = _Breaker(retry_s)
         self.turns = 0  # this coordinator's turns on the replica now (see ``place``)
+        self._others = (-math.inf, 0)  # (when, the other coordinators' requests) as a verify reply counted them
         self.prefills = PrefillQueue()
         self.info = common_pb2.WorkerInfo()
         self.vocabulary = ("", 0)  # (tokenizer hash, vocab size) the coordinator serves; every verify names it
@@ -275,7 +279,18 @@ class TargetClient:
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
         request.tokenizer_hash, request.vocab_size = self.vocabulary
-        return await self._call(self._link.stub().Verify(request, timeout=timeout_s, metadata=self._link.metadata()))
+        reply = await self._call(self._link.stub().Verify(request, timeout=timeout_s, metadata=self._link.metadata()))
+        if request.coordinator_id and reply.cache_status == common_pb2.CACHE_STATUS_OK:
+            self._others = (time.monotonic(), max(0, reply.service_requests - request.coordinator_requests))
+        return reply
+
+    @property
+    def requests(self) -> int:
+        """Requests generating on the replica as this coordinator knows them: its own turns there,
+        and the other coordinators' as the replica's latest verify reply to any of its turns
+        counted them, within OTHERS_FRESH_S (a new turn's first round has heard nothing itself)."""
+        at, others = self._others
+        return self.turns + (others if time.monotonic() - at <= OTHERS_FRESH_S else 0)
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
         request = target_pb2.TargetReleaseSessionRequest(session_id=session_id)

@@ -42,6 +42,11 @@ class FakeTarget:
             service_requests=request.coordinator_requests,
         )  # fmt: skip
 
+    @property
+    def requests(self) -> int:
+        """As ``TargetClient.requests``, with no other coordinator: this coordinator's turns."""
+        return self.turns
+
 
 class FakeTargets:
     """A TargetPool of FakeTargets: the session's replica first, then the others in order."""

@@ -198,8 +198,9 @@ def test_the_request_limit_counts_the_requests_of_every_coordinator(tmp_path: Pa
     """Two coordinators over the same workers (as the k8s manifests run them), each with
     ``--speculation-max-requests 1``: while a long request streams through one, an adaptive request
     through the other decodes target-only from its second round on (each verify tells the target
-    how many requests its coordinator has generating, and the reply how many all of them have; a
-    request's first round knows only its own coordinator's), with its tokens unchanged. Once the
+    how many requests its coordinator has generating, and the reply how many all of them have; the
+    first round of a request on a coordinator that has heard nothing lately knows only its own
+    coordinator's), with its tokens unchanged. Once the
     long request has ended, the other coordinator's requests speculate again."""
     from specdec.tools.launch import spawn
 
@@ -229,6 +230,44 @@ def test_the_request_limit_counts_the_requests_of_every_coordinator(tmp_path: Pa
     assert list(beside.token_ids) == list(alone.token_ids) == expected
     assert beside.stats.target_only_rounds >= beside.stats.rounds - 1 and beside.stats.rounds >= 11, beside.stats
     assert alone.stats.target_only_rounds < alone.stats.rounds // 2, alone.stats
+
+
+def test_a_request_s_first_round_counts_the_requests_its_coordinator_last_heard_of(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """Two coordinators over the same workers, each with ``--speculation-max-requests 2``: a long
+    request streams through each, and a third request comes to the second coordinator. Its own
+    two requests do not pass the limit, but with the first coordinator's the target verifies three:
+    its first round knows that from the long request's verify replies on the same coordinator, so
+    every round of it decodes target-only, tokens unchanged. Before, a request's first round knew
+    only its own coordinator's requests and speculated (as with a coordinator that has heard
+    nothing lately, where it still does)."""
+    from specdec.tools.launch import spawn
+
+    slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.0, pass_s=0.03)
+    limit = ["--speculation-max-requests", "2"]
+    with fault_cluster(
+        tmp_path / "run", slow, tiny_models.target, worker_args=["--trust-remote-code"], coordinator_args=limit
+    ) as cluster:
+        second = spawn("coordinator", cluster.processes["coordinator"].args, tmp_path / "run", name="coordinator-2")
+        try:
+            second.wait_ready(60)
+            with grpc.insecure_channel(cluster.address) as one, grpc.insecure_channel(second.address) as other:
+                first_stub, second_stub = (coordinator_pb2_grpc.GenerationStub(c) for c in (one, other))
+                long_request = make_request(PROMPTS[1], k=4, max_new=200, fixed=False, ignore_eos=True)
+                streams = [stub.GenerateStream(long_request) for stub in (first_stub, second_stub)]
+                for stream in streams:  # both long requests are generating
+                    next(stream)
+                    next(stream)
+                beside = second_stub.Generate(make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True))
+                assert not any(stream.done() for stream in streams), "a long request ended: the test proves nothing"
+                for stream in streams:
+                    stream.cancel()
+        finally:
+            second.stop()
+    expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[0]), 12, ignore_eos=True)
+    assert list(beside.token_ids) == expected
+    assert beside.stats.target_only_rounds == beside.stats.rounds >= 11, beside.stats
 
 
 def test_the_request_limit_counts_each_target_replica_s_requests(tmp_path: Path, tiny_models: TinyModels) -> None:

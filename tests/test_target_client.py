@@ -1,9 +1,12 @@
 """How the coordinator reads a target replica's failed call: the replica's fault (another replica
-may serve the request) or this request's."""
+may serve the request) or this request's; and what its replies say of the other coordinators'
+requests."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+import types
 from collections.abc import Callable
 
 import grpc
@@ -196,3 +199,40 @@ async def test_a_resync_resends_from_where_the_worker_can_start(
     reply, reused = await session.verify(committed, common_pb2.DraftBlock(), Decoding(Warp(), 0))
     assert reply.cache_status == common_pb2.CACHE_STATUS_OK and replica.syncs == bases
     assert reused == bases[-1][0] and session.counters.resyncs == len(bases) - 1
+
+
+@pytest.mark.asyncio
+async def test_the_other_coordinators_requests_are_counted_while_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica's verify reply counts the requests of every coordinator that uses it
+    (``service_requests``); less the ones this call told it (``coordinator_requests``), they are the
+    other coordinators', which every turn of this coordinator on that replica counts (a new turn's
+    first round too), on top of its own turns, for OTHERS_FRESH_S after the reply; then they are
+    not taken as they were (the replica's latest word is too old)."""
+    from coordinator import workers
+
+    async def verify(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return target_pb2.VerifyResponse(
+            cache_status=common_pb2.CACHE_STATUS_OK, service_requests=5
+        ).SerializeToString()
+
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(verify)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("specdec.v1.TargetWorker", {"Verify": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = TargetClient(f"127.0.0.1:{port}", CoordinatorSettings(target_addresses=["127.0.0.1:1"]), retry_s=1.0)
+    try:
+        client.turns = 2
+        assert client.requests == 2  # nothing heard yet
+        await client.verify(target_pb2.VerifyRequest(coordinator_id="c", coordinator_requests=2), timeout_s=5.0)
+        client.turns = 3  # a new turn here
+        assert client.requests == 3 + 3
+        later = time.monotonic() + workers.OTHERS_FRESH_S + 0.1
+        monkeypatch.setattr(workers, "time", types.SimpleNamespace(monotonic=lambda: later))
+        assert client.requests == 3
+    finally:
+        monkeypatch.undo()
+        await client.close()
+        await server.stop(None)
