@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -194,38 +196,47 @@ def test_speculation_stops_above_the_request_limit_and_resumes_below_it(
     assert load_rounds > beside.stats.rounds  # the long request's rounds meanwhile too
 
 
-def test_the_request_limit_counts_the_requests_of_every_coordinator(tmp_path: Path, tiny_models: TinyModels) -> None:
+@contextlib.contextmanager
+def _two_coordinators(
+    tmp_path: Path, tiny_models: TinyModels, limit: int
+) -> Iterator[tuple[LocalCluster, coordinator_pb2_grpc.GenerationStub, coordinator_pb2_grpc.GenerationStub]]:
     """Two coordinators over the same workers (as the k8s manifests run them), each with
-    ``--speculation-max-requests 1``: while a long request streams through one, an adaptive request
-    through the other decodes target-only from its second round on (each verify tells the target
-    how many requests its coordinator has generating, and the reply how many all of them have; the
-    first round of a request on a coordinator that has heard nothing lately knows only its own
-    coordinator's), with its tokens unchanged. Once the
-    long request has ended, the other coordinator's requests speculate again."""
+    ``--speculation-max-requests limit``, a target slow enough (30 ms a pass) for requests to
+    overlap: the cluster and a stub of each coordinator."""
     from specdec.tools.launch import spawn
 
     slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.0, pass_s=0.03)
-    limit = ["--speculation-max-requests", "1"]
+    args = ["--speculation-max-requests", str(limit)]
     with fault_cluster(
-        tmp_path / "run", slow, tiny_models.target, worker_args=["--trust-remote-code"], coordinator_args=limit
+        tmp_path / "run", slow, tiny_models.target, worker_args=["--trust-remote-code"], coordinator_args=args
     ) as cluster:
         second = spawn("coordinator", cluster.processes["coordinator"].args, tmp_path / "run", name="coordinator-2")
         try:
             second.wait_ready(60)
             with grpc.insecure_channel(cluster.address) as one, grpc.insecure_channel(second.address) as other:
-                first_stub, second_stub = (coordinator_pb2_grpc.GenerationStub(c) for c in (one, other))
-                short = make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True)
-                long_request = make_request(PROMPTS[1], k=4, max_new=200, fixed=False, ignore_eos=True)
-                long_stream = first_stub.GenerateStream(long_request)
-                next(long_stream)  # the long request is generating
-                beside = second_stub.Generate(short, timeout=60)
-                assert not long_stream.done(), "the long request ended before the other: the test proves nothing"
-                long_stream.cancel()
-                wait_for(lambda: metric(cluster, "coordinator", "specdec_active_requests") == 0, timeout_s=30)
-                time.sleep(1.5)  # the target forgets a coordinator it has not heard from since (1 s or more)
-                alone = second_stub.Generate(short, timeout=60)
+                yield cluster, coordinator_pb2_grpc.GenerationStub(one), coordinator_pb2_grpc.GenerationStub(other)
         finally:
             second.stop()
+
+
+def test_the_request_limit_counts_the_requests_of_every_coordinator(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """Two coordinators, each with ``--speculation-max-requests 1``: while a long request streams
+    through one, an adaptive request through the other decodes target-only from its second round
+    on (each verify tells the target how many requests its coordinator has generating, and the
+    reply how many all of them have; the first round of a request on a coordinator that has heard
+    nothing lately knows only its own coordinator's), with its tokens unchanged. Once the long
+    request has ended, the other coordinator's requests speculate again."""
+    with _two_coordinators(tmp_path, tiny_models, 1) as (cluster, first_stub, second_stub):
+        short = make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True)
+        long_request = make_request(PROMPTS[1], k=4, max_new=200, fixed=False, ignore_eos=True)
+        long_stream = first_stub.GenerateStream(long_request)
+        next(long_stream)  # the long request is generating
+        beside = second_stub.Generate(short, timeout=60)
+        assert not long_stream.done(), "the long request ended before the other: the test proves nothing"
+        long_stream.cancel()
+        wait_for(lambda: metric(cluster, "coordinator", "specdec_active_requests") == 0, timeout_s=30)
+        time.sleep(1.5)  # the target forgets a coordinator it has not heard from since (1 s or more)
+        alone = second_stub.Generate(short, timeout=60)
     expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[0]), 12, ignore_eos=True)
     assert list(beside.token_ids) == list(alone.token_ids) == expected
     assert beside.stats.target_only_rounds >= beside.stats.rounds - 1 and beside.stats.rounds >= 11, beside.stats
@@ -235,36 +246,24 @@ def test_the_request_limit_counts_the_requests_of_every_coordinator(tmp_path: Pa
 def test_a_request_s_first_round_counts_the_requests_its_coordinator_last_heard_of(
     tmp_path: Path, tiny_models: TinyModels
 ) -> None:
-    """Two coordinators over the same workers, each with ``--speculation-max-requests 2``: a long
-    request streams through each, and a third request comes to the second coordinator. Its own
-    two requests do not pass the limit, but with the first coordinator's the target verifies three:
-    its first round knows that from the long request's verify replies on the same coordinator, so
-    every round of it decodes target-only, tokens unchanged. Before, a request's first round knew
-    only its own coordinator's requests and speculated (as with a coordinator that has heard
-    nothing lately, where it still does)."""
-    from specdec.tools.launch import spawn
-
-    slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.0, pass_s=0.03)
-    limit = ["--speculation-max-requests", "2"]
-    with fault_cluster(
-        tmp_path / "run", slow, tiny_models.target, worker_args=["--trust-remote-code"], coordinator_args=limit
-    ) as cluster:
-        second = spawn("coordinator", cluster.processes["coordinator"].args, tmp_path / "run", name="coordinator-2")
-        try:
-            second.wait_ready(60)
-            with grpc.insecure_channel(cluster.address) as one, grpc.insecure_channel(second.address) as other:
-                first_stub, second_stub = (coordinator_pb2_grpc.GenerationStub(c) for c in (one, other))
-                long_request = make_request(PROMPTS[1], k=4, max_new=200, fixed=False, ignore_eos=True)
-                streams = [stub.GenerateStream(long_request) for stub in (first_stub, second_stub)]
-                for stream in streams:  # both long requests are generating
-                    next(stream)
-                    next(stream)
-                beside = second_stub.Generate(make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True))
-                assert not any(stream.done() for stream in streams), "a long request ended: the test proves nothing"
-                for stream in streams:
-                    stream.cancel()
-        finally:
-            second.stop()
+    """Two coordinators, each with ``--speculation-max-requests 2``: a long request streams
+    through each, and a third request comes to the second coordinator. Its own two requests do
+    not pass the limit, but with the first coordinator's the target verifies three: its first
+    round knows that from the long request's verify replies on the same coordinator, so every
+    round of it decodes target-only, tokens unchanged. Before, a request's first round knew only
+    its own coordinator's requests and speculated (as with a coordinator that has heard nothing
+    lately, where it still does)."""
+    with _two_coordinators(tmp_path, tiny_models, 2) as (_, first_stub, second_stub):
+        long_request = make_request(PROMPTS[1], k=4, max_new=200, fixed=False, ignore_eos=True)
+        streams = [stub.GenerateStream(long_request) for stub in (first_stub, second_stub)]
+        for stream in streams:  # both long requests are generating
+            next(stream)
+            next(stream)
+        short = make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True)
+        beside = second_stub.Generate(short, timeout=60)
+        assert not any(stream.done() for stream in streams), "a long request ended: the test proves nothing"
+        for stream in streams:
+            stream.cancel()
     expected = reference_greedy(str(tiny_models.target), tuple(PROMPTS[0]), 12, ignore_eos=True)
     assert list(beside.token_ids) == expected
     assert beside.stats.target_only_rounds == beside.stats.rounds >= 11, beside.stats
