@@ -6,7 +6,9 @@ import dataclasses
 import random
 import threading
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -344,6 +346,16 @@ def test_batched_extend_matches_separate_extends(loaded: LoadedModel) -> None:
         torch.testing.assert_close(more[i][0], full, atol=1e-4, rtol=1e-4)
 
 
+def _positions_held(layers: Iterable[Any]) -> set[tuple[int, bool]]:
+    """For each layer's keys and values: the positions they see, and whether their memory holds
+    those only (a view holds all of the memory it was cut from)."""
+    return {
+        (held.shape[-2], held.untyped_storage().nbytes() == held.numel() * held.element_size())
+        for layer in layers
+        for held in (layer.keys, layer.values)
+    }
+
+
 def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedModel) -> None:
     """Prefix reuse: the copy holds the donor's first tokens (checked by hash), and the memory of
     those only (it copied all of the donor's, 8 positions for 5 here, 30,000 for a system prompt's
@@ -357,9 +369,7 @@ def test_a_session_starts_from_a_copy_of_another_sessions_prefix(loaded: LoadedM
         caches.sync("new", 5, prefix_hash([5, 9, 13, 200, 8]), source="donor")
     entry = caches.sync("new", 5, prefix_hash(seq[:5]), source="donor")
     assert entry.tokens == seq[:5] and caches.reused_tokens_total == 5
-    for layer in entry.cache.layers:
-        for held in (layer.keys, layer.values):
-            assert held.shape[-2] == 5 and held.untyped_storage().nbytes() == held.numel() * held.element_size()
+    assert _positions_held(entry.cache.layers) == {(5, True)}
     logits = caches.extend(entry, seq[5:], 2)
     torch.testing.assert_close(logits, full_logits(loaded, seq)[-2:], atol=1e-4, rtol=1e-4)
     assert caches.sync("donor", 8, prefix_hash(donor_seq)).tokens == donor_seq
@@ -500,9 +510,7 @@ def test_a_windowed_models_budget_counts_what_its_caches_keep(tmp_path: Path) ->
     for name in ("a", "b", "c"):
         entry = caches.sync(name, 0, 0)
         caches.extend(entry, SEQ[:40], 1)
-        for layer in entry.cache.layers:
-            for held in (layer.keys, layer.values):
-                assert held.shape[-2] == 21 and held.untyped_storage().nbytes() == held.numel() * held.element_size()
+        assert _positions_held(entry.cache.layers) == {(21, True)}
     assert caches.cached_tokens == 63 and caches.evicted_for_tokens == 0
     caches.extend_many([(caches.sync(name, 0, 0), SEQ[:30], 1) for name in ("d", "e")])
     assert [name for name in "abcde" if name in caches] == ["c", "d", "e"] and caches.cached_tokens == 63
@@ -688,9 +696,8 @@ def test_a_copy_at_a_shared_prefix_is_taken_only_where_no_other_copy_reaches_it(
     caches.extend_many([(c, SEQ[:30], 1), (d, SEQ[:40], 1)])
     assert c.shared is not None and c.shared.length == 24 and c.prompt_end is None
     assert d.shared is None and d.prompt_end is not None and d.prompt_end.length == 40
-    for layer in c.shared.layers.values():  # only what it keeps: not the 6 positions after it as well
-        for held in (layer.keys, layer.values):
-            assert held.untyped_storage().nbytes() == held.numel() * held.element_size()
+    # only what it keeps: not the 6 positions after it as well
+    assert all(only for _, only in _positions_held(c.shared.layers.values()))
     caches.extend(c, SEQ[30:40], 1)
     assert c.shared is not None and c.prompt_end is not None and c.prompt_end.length == 40
     for token in SEQ[40:60]:  # each session decoding on, past the margin
