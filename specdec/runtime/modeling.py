@@ -13,6 +13,7 @@ import structlog
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from specdec.runtime.attention import use_grouped_attention
 from specdec.runtime.devices import resolve_device, resolve_dtype
 from specdec.runtime.grammar import GrammarMasks
 from specdec.runtime.output_vocab import read_output_vocab, restrict_output
@@ -184,6 +185,8 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
     elif _wants_packed(options.cpu_kernel, device, dtype):
         use_packed_linear(model)
         _check_runs_packed(model_id, model, device)
+    if device.type == "cpu":
+        use_grouped_attention()
     release_freed_memory()
     loaded = LoadedModel(
         model_id=model_id,

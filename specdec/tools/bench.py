@@ -239,10 +239,12 @@ def hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
 def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], None]) -> Iterator[list[Run]]:
     """HF generate on this device, one repeat of every method over the prompts per item: the
     target's Linear layers packed as our target worker packs them on a CPU (same kernel on both
-    sides), the draft quantized as our draft worker's."""
+    sides) and its attention run as our workers run it there (``use_grouped_attention``), the
+    draft quantized as our draft worker's."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from specdec.runtime.attention import use_grouped_attention
     from specdec.runtime.devices import resolve_device, resolve_dtype
     from specdec.runtime.modeling import quantize_int8, release_freed_memory, use_packed_linear
     from specdec.runtime.tokenizer import check_source
@@ -257,6 +259,7 @@ def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], N
         draft = quantize_int8(draft)
     if device.type == "cpu":
         use_packed_linear(target)
+        use_grouped_attention()  # the attention path our workers' CPU passes take
     release_freed_memory()  # the fp32 draft the quantized copy replaced: the service's workers need the room
     defaults = draft.generation_config
     methods = hf_methods(cfg)
