@@ -15,7 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec.runtime.attention import grouped_sdpa_forward
 from specdec.runtime.kvcache import SessionCaches
-from specdec.runtime.modeling import LoadOptions, load_model
+from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from tests.tiny_models import FAMILIES, TinyModels, build_family, build_sliding
 
 SEQ = [(7 * i + 3) % 250 for i in range(60)]
@@ -39,6 +39,24 @@ def _counting_repeats() -> Iterator[list[int]]:
         sdpa_attention.repeat_kv = original
 
 
+def _passes_over_a_cache(loaded: LoadedModel, first: int, second: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Two sessions of ``first`` and ``second`` prompt tokens, then a 5-token verify block on the
+    first and a batched pass of both (4 and 2 tokens; passes over a cache, with a mask): their
+    logits, and the key/value head copies those two passes made."""
+    caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
+    a, b = caches.sync("a", 0, 0), caches.sync("b", 0, 0)
+    caches.extend(a, SEQ[:first], 1)
+    caches.extend(b, SEQ[:second], 1)
+    with _counting_repeats() as copies:
+        block = caches.extend(a, SEQ[first : first + 5], 5)
+        both = caches.extend_many([(a, SEQ[first + 5 : first + 9], 4), (b, SEQ[second : second + 2], 2)])
+    return [block, *both], copies
+
+
+def _same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return all(torch.equal(one, other) for one, other in zip(got, want, strict=True))
+
+
 def test_passes_over_a_cache_read_the_grouped_heads_without_copying_them(tiny_models: TinyModels) -> None:
     """The tiny target has 4 query heads and 2 key/value heads: a verify block over a cache and a
     batched pass of two sessions (both with an attention mask) copied each layer's keys and values
@@ -46,22 +64,11 @@ def test_passes_over_a_cache_read_the_grouped_heads_without_copying_them(tiny_mo
     as transformers' own attention."""
     loaded = load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="float32"))
     assert loaded.model.config.num_key_value_heads < loaded.model.config.num_attention_heads
-    caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
-    a, b = caches.sync("a", 0, 0), caches.sync("b", 0, 0)
-    caches.extend(a, SEQ[:30], 1)
-    caches.extend(b, SEQ[:20], 1)
-    with _counting_repeats() as copies:
-        block = caches.extend(a, SEQ[30:35], 5)
-        both = caches.extend_many([(a, SEQ[35:38], 3), (b, SEQ[20:22], 2)])
-    assert copies == []
+    ours, copied = _passes_over_a_cache(loaded, 30, 20)
     with _transformers_sdpa():
-        again = SessionCaches(loaded, max_sessions=8, idle_s=60)
-        a2, b2 = again.sync("a", 0, 0), again.sync("b", 0, 0)
-        again.extend(a2, SEQ[:30], 1)
-        again.extend(b2, SEQ[:20], 1)
-        assert torch.equal(again.extend(a2, SEQ[30:35], 5), block)
-        expected = again.extend_many([(a2, SEQ[35:38], 3), (b2, SEQ[20:22], 2)])
-    assert all(torch.equal(got, want) for got, want in zip(both, expected, strict=True))
+        theirs, _ = _passes_over_a_cache(loaded, 30, 20)
+    assert copied == []
+    assert _same_logits(ours, theirs)
 
 
 @contextmanager
@@ -118,17 +125,8 @@ def test_every_family_decodes_the_same_logits_with_grouped_attention(tmp_path: P
     path = build_family(tmp_path / arch, arch) if arch in FAMILIES else build_sliding(tmp_path / arch, arch, seed=0)
     loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
 
-    def run() -> tuple[list[torch.Tensor], list[int]]:
-        caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
-        a, b = caches.sync("a", 0, 0), caches.sync("b", 0, 0)
-        caches.extend(a, SEQ[:24], 1)
-        caches.extend(b, SEQ[:13], 1)
-        with _counting_repeats() as copies:  # the passes over a cache (with a mask)
-            logits = [caches.extend(a, SEQ[24:29], 5), *caches.extend_many([(a, SEQ[29:33], 4), (b, SEQ[13:15], 2)])]
-        return logits, copies
-
-    ours, copied = run()
+    ours, copied = _passes_over_a_cache(loaded, 24, 13)
     with _transformers_sdpa():
-        theirs, _ = run()
+        theirs, _ = _passes_over_a_cache(loaded, 24, 13)
     assert copied == []
-    assert all(torch.equal(got, want) for got, want in zip(ours, theirs, strict=True))
+    assert _same_logits(ours, theirs)
