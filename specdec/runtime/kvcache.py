@@ -767,10 +767,11 @@ class _Batch:
                 # a windowed layer's rows end at the same position, the last before the pass: each
                 # row keeps its own number of positions, the padding before them masked (or out of its window)
                 length = max(_held_positions(entry.cache, layer) for entry, _, _ in ops) if windowed else past
-                pairs = [_left_pad(entry.cache, layer, length, kept.keys) for entry, _, _ in ops]
-                cache.update(torch.cat([k for k, _ in pairs]), torch.cat([v for _, v in pairs]), layer)
+                room = _WindowedRoom(kept.window) if windowed else _Room()
+                room.fill([entry.cache for entry, _, _ in ops], layer, length, width, kept)
                 if windowed:
-                    cache.layers[layer].length = past
+                    room.length = past
+                cache.layers[layer] = room
         return cls(input_ids, mask, positions, cache, past)
 
     def scatter_new_kv(self, row: int, entry: SessionCache, count: int) -> None:
@@ -794,19 +795,44 @@ def _held_positions(cache: DynamicCache, layer: int) -> int:
     return 0 if own is None else own.keys.shape[2]
 
 
-def _left_pad(cache: DynamicCache, layer: int, length: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A session's keys/values for one layer, left-padded with zeros to ``length`` positions
-    (all zeros, shaped like ``like``, for a session with nothing cached yet)."""
-    own = _own_layer(cache, layer)
-    if own is None:
-        empty = like.new_zeros(1, like.shape[1], length, like.shape[3])
-        return empty, empty.clone()
-    keys, values = own.keys, own.values
-    missing = length - keys.shape[2]
-    if missing:
-        pad = (0, 0, missing, 0)
-        keys, values = torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
-    return keys, values
+class _Room(DynamicLayer):
+    """One layer of a batched pass's cache: keys and values [rows, heads, past + new, head size]
+    allocated at once, each row's past copied in, left-padded with zeros (``fill``); the pass writes
+    its new keys and values into the room after them, where a DynamicLayer would concatenate them
+    into a third copy of every row's cache."""
+
+    def fill(self, caches: Sequence[DynamicCache], layer: int, past: int, new: int, like: DynamicLayer) -> None:
+        """Takes each of ``caches``' keys and values of ``layer`` (shaped like ``like``'s), ending at
+        position ``past``, with room for ``new`` positions after them."""
+        rooms = []
+        for held in (like.keys, like.values):
+            rooms.append(held.new_zeros(len(caches), held.shape[1], past + new, held.shape[3]))
+        for row, cache in enumerate(caches):
+            own = _own_layer(cache, layer)
+            if own is not None:
+                count = own.keys.shape[2]
+                rooms[0][row, :, past - count : past].copy_(own.keys[0])
+                rooms[1][row, :, past - count : past].copy_(own.values[0])
+        self.key_room, self.value_room = rooms
+        self.keys, self.values = self.key_room[:, :, :past], self.value_room[:, :, :past]
+        self.device, self.is_initialized = like.keys.device, True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self.keys.shape[2], self.keys.shape[2] + key_states.shape[2]
+        self.key_room[:, :, start:end].copy_(key_states)
+        self.value_room[:, :, start:end].copy_(value_states)
+        self.keys, self.values = self.key_room[:, :, :end], self.value_room[:, :, :end]
+        return self.keys, self.values
+
+
+class _WindowedRoom(WindowedLayer, _Room):
+    """A windowed layer of a batched pass's cache (every position kept: the rows' new keys and
+    values go back to their own caches), filled and written as ``_Room``."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__(window, margin=None)
 
 
 @contextmanager
