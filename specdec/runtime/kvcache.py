@@ -75,6 +75,75 @@ def logit_rows_argument(model: torch.nn.Module, rows: int) -> dict[str, int]:
     return {"logits_to_keep": rows} if _takes_logits_to_keep(type(model)) else {}
 
 
+class RoomLayer(DynamicLayer):
+    """A whole-attention cache layer whose keys and values are the start of memory with room after
+    them (``room``: keys and values [batch, heads, capacity, head size]): a pass writes its new
+    ones into the room, where transformers' DynamicLayer concatenates them, a copy of the layer's
+    whole cache on every pass (a decoding step of the int8 0.5B draft over 30,000 cached tokens
+    spent about a third of its time so). When they would not fit, or the room is more than an
+    eighth beyond them (a deep cut back), they move to memory with a sixteenth more room than
+    they take: a cache that grows is copied once per sixteenth it grows, and holds at most an
+    eighth more than its positions after a pass. A copy of the layer (``copy.copy``: prefix reuse, before
+    it cuts its copy back) and the layer itself both give up the room they would share, so neither
+    writes into what the other sees; each moves at its next pass."""
+
+    room: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __copy__(self) -> RoomLayer:
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        self.room = twin.room = None
+        return twin
+
+    def fill(self, caches: Sequence[DynamicCache], layer: int, past: int, new: int, like: DynamicLayer) -> None:
+        """Makes this a batched pass's layer: each of ``caches``' keys and values of ``layer``
+        (shaped like ``like``'s) copied in, each ending at position ``past`` (left-padded with
+        zeros), with room for the pass's ``new`` positions after them."""
+        rooms = [
+            held.new_zeros(len(caches), held.shape[1], past + new, held.shape[3]) for held in (like.keys, like.values)
+        ]
+        with torch.inference_mode():
+            for row, cache in enumerate(caches):
+                own = _own_layer(cache, layer)
+                if own is not None:
+                    count = own.keys.shape[2]
+                    rooms[0][row, :, past - count : past].copy_(own.keys[0])
+                    rooms[1][row, :, past - count : past].copy_(own.values[0])
+        self.room = rooms[0], rooms[1]
+        self.keys, self.values = rooms[0][:, :, :past], rooms[1][:, :, :past]
+        self.device, self.is_initialized = like.keys.device, True
+
+    def _fits(self, held: int, end: int) -> bool:
+        """Whether ``end`` positions fit the room after the ``held`` the layer's keys see, and the
+        room is at most an eighth more than them."""
+        if self.room is None or held == 0:
+            return False
+        keys = self.room[0]
+        return self.keys.data_ptr() == keys.data_ptr() and end <= keys.shape[2] <= end + end // 8
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.keys.shape[2] if self.keys.dim() == 4 else 0
+        end = held + key_states.shape[2]
+        with torch.inference_mode():  # (the room may have been made in a pass: an inference tensor)
+            if not self._fits(held, end):
+                capacity = end + end // 16  # a sixteenth more: a few positions cut back still fit the eighth
+                keys = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[3])
+                values = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[3])
+                if held:
+                    keys[:, :, :held].copy_(self.keys)
+                    values[:, :, :held].copy_(self.values)
+                self.room = keys, values
+            keys, values = self.room
+            keys[:, :, held:end].copy_(key_states)
+            values[:, :, held:end].copy_(value_states)
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        return self.keys, self.values
+
+
 class WindowedLayer(DynamicLayer):
     """The cache of a windowed attention layer (a sliding window, or Llama-4's chunks: a query sees
     at most the ``window`` - 1 positions before it) that can be cut back. transformers' own keeps
@@ -129,7 +198,8 @@ class WindowedLayer(DynamicLayer):
 
 def new_cache(config: Any, margin: int | None = None) -> DynamicCache:
     """An empty KV cache for a model of ``config`` whose windowed attention layers can be cut back:
-    transformers' cache for the config, each windowed layer a WindowedLayer keeping its window and
+    transformers' cache for the config, each whole-attention layer a RoomLayer (growing in place),
+    each windowed layer a WindowedLayer keeping its window and
     ``margin`` positions (None: all of them; a batched pass's cache, whose new keys go back to
     each session's own). The model applies the window through the attention mask it builds on
     every pass, from the config and the positions each layer says it holds."""
@@ -137,6 +207,8 @@ def new_cache(config: Any, margin: int | None = None) -> DynamicCache:
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicSlidingWindowLayer:
             cache.layers[index] = WindowedLayer(layer.sliding_window, margin)
+        elif type(layer) is DynamicLayer:
+            cache.layers[index] = RoomLayer()
     return cache
 
 
@@ -767,7 +839,7 @@ class _Batch:
                 # a windowed layer's rows end at the same position, the last before the pass: each
                 # row keeps its own number of positions, the padding before them masked (or out of its window)
                 length = max(_held_positions(entry.cache, layer) for entry, _, _ in ops) if windowed else past
-                room = _WindowedRoom(kept.window) if windowed else _Room()
+                room = _WindowedRoom(kept.window) if windowed else RoomLayer()
                 room.fill([entry.cache for entry, _, _ in ops], layer, length, width, kept)
                 if windowed:
                     room.length = past
@@ -795,41 +867,9 @@ def _held_positions(cache: DynamicCache, layer: int) -> int:
     return 0 if own is None else own.keys.shape[2]
 
 
-class _Room(DynamicLayer):
-    """One layer of a batched pass's cache: keys and values [rows, heads, past + new, head size]
-    allocated at once, each row's past copied in, left-padded with zeros (``fill``); the pass writes
-    its new keys and values into the room after them, where a DynamicLayer would concatenate them
-    into a third copy of every row's cache."""
-
-    def fill(self, caches: Sequence[DynamicCache], layer: int, past: int, new: int, like: DynamicLayer) -> None:
-        """Takes each of ``caches``' keys and values of ``layer`` (shaped like ``like``'s), ending at
-        position ``past``, with room for ``new`` positions after them."""
-        rooms = []
-        for held in (like.keys, like.values):
-            rooms.append(held.new_zeros(len(caches), held.shape[1], past + new, held.shape[3]))
-        for row, cache in enumerate(caches):
-            own = _own_layer(cache, layer)
-            if own is not None:
-                count = own.keys.shape[2]
-                rooms[0][row, :, past - count : past].copy_(own.keys[0])
-                rooms[1][row, :, past - count : past].copy_(own.values[0])
-        self.key_room, self.value_room = rooms
-        self.keys, self.values = self.key_room[:, :, :past], self.value_room[:, :, :past]
-        self.device, self.is_initialized = like.keys.device, True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end = self.keys.shape[2], self.keys.shape[2] + key_states.shape[2]
-        self.key_room[:, :, start:end].copy_(key_states)
-        self.value_room[:, :, start:end].copy_(value_states)
-        self.keys, self.values = self.key_room[:, :, :end], self.value_room[:, :, :end]
-        return self.keys, self.values
-
-
-class _WindowedRoom(WindowedLayer, _Room):
+class _WindowedRoom(WindowedLayer, RoomLayer):
     """A windowed layer of a batched pass's cache (every position kept: the rows' new keys and
-    values go back to their own caches), filled and written as ``_Room``."""
+    values go back to their own caches), filled and written as a RoomLayer."""
 
     def __init__(self, window: int) -> None:
         super().__init__(window, margin=None)
