@@ -852,7 +852,7 @@ class _Batch:
             start = combined.keys.shape[2] - self.input_ids.shape[1]  # the pass's first position
             keys = combined.keys[row : row + 1, :, start : start + count]
             values = combined.values[row : row + 1, :, start : start + count]
-            entry.cache.update(keys.clone(), values.clone(), layer)
+            entry.cache.update(keys, values, layer)  # (every layer copies them into memory of its own)
 
 
 def _own_layer(cache: DynamicCache, layer: int) -> Any | None:
