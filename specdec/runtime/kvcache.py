@@ -102,13 +102,12 @@ class RoomLayer(DynamicLayer):
         rooms = [
             held.new_zeros(len(caches), held.shape[1], past + new, held.shape[3]) for held in (like.keys, like.values)
         ]
-        with torch.inference_mode():
-            for row, cache in enumerate(caches):
-                own = _own_layer(cache, layer)
-                if own is not None:
-                    count = own.keys.shape[2]
-                    rooms[0][row, :, past - count : past].copy_(own.keys[0])
-                    rooms[1][row, :, past - count : past].copy_(own.values[0])
+        for row, cache in enumerate(caches):
+            own = _own_layer(cache, layer)
+            if own is not None:
+                count = own.keys.shape[2]
+                rooms[0][row, :, past - count : past].copy_(own.keys[0])
+                rooms[1][row, :, past - count : past].copy_(own.values[0])
         self.room = rooms[0], rooms[1]
         self.keys, self.values = rooms[0][:, :, :past], rooms[1][:, :, :past]
         self.device, self.is_initialized = like.keys.device, True
@@ -116,7 +115,7 @@ class RoomLayer(DynamicLayer):
     def _fits(self, held: int, end: int) -> bool:
         """Whether ``end`` positions fit the room after the ``held`` the layer's keys see, and the
         room is at most an eighth more than them."""
-        if self.room is None or held == 0:
+        if self.room is None:
             return False
         keys = self.room[0]
         return self.keys.data_ptr() == keys.data_ptr() and end <= keys.shape[2] <= end + end // 8
