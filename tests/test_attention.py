@@ -43,19 +43,22 @@ def _counting_repeats() -> Iterator[list[int]]:
 
 
 def _passes_over_a_cache(
-    loaded: LoadedModel, first: int, second: int
+    loaded: LoadedModel, prompt: list[int], second: int
 ) -> tuple[list[torch.Tensor], list[int], list[tuple[int, int]]]:
-    """Two sessions of ``first`` and ``second`` prompt tokens, then a 5-token verify block on the
-    first and a batched pass of both (4 and 2 tokens; passes over a cache, with a mask): their
-    logits, the key/value head copies those two passes made and their kernel calls' heads."""
+    """Two sessions, one of ``prompt`` and one of SEQ's first ``second`` tokens, then a decoding
+    step and a 5-token verify block on the first and a batched pass of both (4 and 2 tokens; the
+    block and the batched pass with a mask): their logits, the key/value head copies those passes
+    made and their kernel calls' heads."""
     caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
     a, b = caches.sync("a", 0, 0), caches.sync("b", 0, 0)
-    caches.extend(a, SEQ[:first], 1)
+    caches.extend(a, prompt, 1)
     caches.extend(b, SEQ[:second], 1)
+    more = [(5 * i + 1) % 250 for i in range(10)]
     with _counting_repeats() as copies, _kernel_heads() as calls:
-        block = caches.extend(a, SEQ[first : first + 5], 5)
-        both = caches.extend_many([(a, SEQ[first + 5 : first + 9], 4), (b, SEQ[second : second + 2], 2)])
-    return [block, *both], copies, calls
+        step = caches.extend(a, more[:1], 1)
+        block = caches.extend(a, more[1:6], 5)
+        both = caches.extend_many([(a, more[6:10], 4), (b, SEQ[second : second + 2], 2)])
+    return [step, block, *both], copies, calls
 
 
 def _same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
@@ -69,9 +72,9 @@ def test_passes_over_a_cache_read_the_grouped_heads_without_copying_them(tiny_mo
     as transformers' own attention."""
     loaded = load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="float32"))
     assert loaded.model.config.num_key_value_heads < loaded.model.config.num_attention_heads
-    ours, copied, _ = _passes_over_a_cache(loaded, 30, 20)
+    ours, copied, _ = _passes_over_a_cache(loaded, SEQ[:30], 20)
     with _transformers_sdpa():
-        theirs, _, _ = _passes_over_a_cache(loaded, 30, 20)
+        theirs, _, _ = _passes_over_a_cache(loaded, SEQ[:30], 20)
     assert copied == []
     assert _same_logits(ours, theirs)
 
@@ -130,9 +133,9 @@ def test_every_family_decodes_the_same_logits_with_grouped_attention(tmp_path: P
     path = build_family(tmp_path / arch, arch) if arch in FAMILIES else build_sliding(tmp_path / arch, arch, seed=0)
     loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
 
-    ours, copied, _ = _passes_over_a_cache(loaded, 24, 13)
+    ours, copied, _ = _passes_over_a_cache(loaded, SEQ[:24], 13)
     with _transformers_sdpa():
-        theirs, _, _ = _passes_over_a_cache(loaded, 24, 13)
+        theirs, _, _ = _passes_over_a_cache(loaded, SEQ[:24], 13)
     assert copied == []
     assert _same_logits(ours, theirs)
 
@@ -206,21 +209,6 @@ def test_a_long_prefill_chunk_and_a_short_cache_keep_their_kernels() -> None:
         assert torch.equal(got, sdpa_attention_forward(module, query, key, value, mask)[0])
 
 
-def _long_passes(loaded: LoadedModel, prompt: int) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
-    """A session of ``prompt`` tokens and another of 40: a decoding step and a verify block of the
-    first, then a batched pass of both; their logits and the kernel calls of those three passes."""
-    caches = SessionCaches(loaded, max_sessions=8, idle_s=60)
-    a, b = caches.sync("a", 0, 0), caches.sync("b", 0, 0)
-    long_prompt = [(11 * i + 5) % 250 for i in range(prompt)]
-    caches.extend(a, long_prompt, 1)
-    caches.extend(b, SEQ[:40], 1)
-    with _kernel_heads() as calls:
-        step = caches.extend(a, [17], 1)
-        block = caches.extend(a, SEQ[:5], 5)
-        both = caches.extend_many([(a, SEQ[5:9], 4), (b, SEQ[40:42], 2)])
-    return [step, block, *both], calls
-
-
 def test_decoding_over_a_long_cache_stacks_query_heads_with_transformers_logits(tmp_path: Path) -> None:
     """A Llama of 4 query and 2 key/value heads with a cache past LONG_KEYS: a decoding step, a
     verify block and a batched pass with a short session each give the kernel stacked heads
@@ -228,9 +216,10 @@ def test_decoding_over_a_long_cache_stacks_query_heads_with_transformers_logits(
     logits of transformers' own attention within float32 rounding, with the same argmax."""
     path = build_model(tmp_path / "long", seed=3, hidden=32, layers=2, vocab=259, init_range=0.2, context=4096)
     loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
-    ours, calls = _long_passes(loaded, LONG_KEYS + 20)
+    prompt = [(11 * i + 5) % 250 for i in range(LONG_KEYS + 20)]
+    ours, _, calls = _passes_over_a_cache(loaded, prompt, 40)
     with _transformers_sdpa():
-        theirs, their_calls = _long_passes(loaded, LONG_KEYS + 20)
+        theirs, _, their_calls = _passes_over_a_cache(loaded, prompt, 40)
     assert calls == [(2, 2)] * 6 and [heads for heads, _ in their_calls] == [4] * 6
     for got, want in zip(ours, theirs, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -245,9 +234,9 @@ def test_every_family_stacks_query_heads_over_a_long_cache(tmp_path: Path, arch:
     path = build_family(tmp_path / arch, arch) if arch in FAMILIES else build_sliding(tmp_path / arch, arch, seed=0)
     loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32"))
     with mock.patch.object(attention, "LONG_KEYS", 16):
-        ours, _, calls = _passes_over_a_cache(loaded, 24, 13)
+        ours, _, calls = _passes_over_a_cache(loaded, SEQ[:24], 13)
     with _transformers_sdpa():
-        theirs, _, _ = _passes_over_a_cache(loaded, 24, 13)
+        theirs, _, _ = _passes_over_a_cache(loaded, SEQ[:24], 13)
     for got, want in zip(ours, theirs, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
