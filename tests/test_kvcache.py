@@ -7,6 +7,7 @@ import dataclasses
 import random
 import threading
 import warnings
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,28 @@ def test_a_token_budget_frees_the_least_recently_used_caches(loaded: LoadedModel
     first, second = caches.sync("f", 0, 0), caches.sync("g", 0, 0)
     caches.extend_many([(first, [1] * 6, 1), (second, [2] * 6, 1)])  # one pass: neither goes
     assert sorted(caches._entries) == ["f", "g"] and caches.cached_tokens == 12
+
+
+def test_a_pass_counts_only_the_caches_it_changes(loaded: LoadedModel) -> None:
+    """With a token budget every pass checks the caches' count against it. The count was summed
+    over every session's cache on each pass: with 2,000 idle sessions (an operator's
+    ``--max-sessions`` in the thousands) each pass read all 2,000, 20 ms a pass at 20,000 (one-off
+    timing). Now the count follows the caches as they change: a pass reads the caches it runs."""
+    caches = SessionCaches(loaded, max_sessions=5_000, idle_s=600, max_tokens=1_000_000)
+    caches._entries.update((str(i), SessionCache(tokens=[1, 2, 3], cache=DynamicCache())) for i in range(2_000))
+    reads: Counter[int] = Counter()
+    copies = SessionCache.copies
+
+    def counted(entry: SessionCache) -> list[Any]:
+        reads[id(entry)] += 1
+        return copies.fget(entry)
+
+    with mock.patch.object(SessionCache, "copies", property(counted)):
+        first = caches.sync("s", 0, 0)
+        caches.extend(first, [5, 6, 7], 1)
+        caches.extend_many([(caches.sync("s", 3, prefix_hash([5, 6, 7])), [8], 1), (caches.sync("t", 0, 0), [9, 9], 1)])
+    assert set(reads) <= {id(first), id(caches.get("t"))}, f"{len(reads)} caches read"
+    assert caches.cached_tokens == 2_000 * 3 + 4 + 2
 
 
 def test_cached_tokens_can_be_read_while_the_model_thread_changes_the_caches(loaded: LoadedModel) -> None:
@@ -1005,10 +1028,36 @@ def test_whatever_a_cache_growing_in_its_room_takes_it_answers_with_a_full_passs
     _random_rounds(load_model(str(build_family(tmp_path / family, family)), LoadOptions(device="cpu")), seed)
 
 
-def _random_rounds(loaded: LoadedModel, seed: int) -> None:
+@pytest.mark.parametrize("arch", ["mistral", "gemma3", "LlamaConfig"])
+def test_the_budgets_count_follows_caches_cut_back_between_passes(tmp_path: Path, arch: str) -> None:
+    """The random rounds, each followed by cuts as a target makes after a verify (up to 5 rejected
+    tokens, the cache cut back with no pass after it) on every session now and then: after each
+    cut the count is still the caches' sum, as after each pass (a cut that did not tell the count,
+    planted by hand, failed all 3 here; the random rounds alone, which run a pass after every cut,
+    passed)."""
+    loaded = (
+        _windowed_model(tmp_path, arch)
+        if arch in SLIDING
+        else load_model(str(build_family(tmp_path / arch, arch)), LoadOptions(device="cpu"))
+    )
+    _random_rounds(loaded, 0, cuts=random.Random(1))
+
+
+def _counted(caches: SessionCaches) -> int:
+    """The budget's count summed over every cache now: each one's tokens (``_own``) and the memory
+    of its copies of windowed layers, each memory once however many caches hold it."""
+    entries = list(caches._entries.values())
+    copies = {kept.memory: kept for entry in entries for kept in entry.copies}
+    return sum(caches._own(entry) for entry in entries) + sum(caches._copied(kept) for kept in copies.values())
+
+
+def _random_rounds(loaded: LoadedModel, seed: int, cuts: random.Random | None = None) -> None:
     """80 random rounds (``_random_call``) over 5 sessions of ``loaded`` (margin 8, a budget of 0,
-    150 or 300 tokens): each round's logits are a full pass's, and the memory held (``_held_bytes``)
-    is within an eighth of ``cached_tokens``."""
+    150 or 300 tokens): each round's logits are a full pass's, the memory held (``_held_bytes``)
+    is within an eighth of ``cached_tokens``, and that count, kept as the caches change, is their
+    sum (``_counted``). With ``cuts``, after each round each session's cache is cut back by up to 5
+    tokens half the time (where it can be), the count checked after each cut (and the memory not:
+    a cache cut back keeps its memory until its next pass)."""
     rng = random.Random(seed)
     caches = SessionCaches(loaded, max_sessions=5, idle_s=600, max_tokens=rng.choice([0, 150, 300]), margin=8)
     held: dict[str, list[int]] = {}  # each session's tokens, as its caller last left them
@@ -1017,6 +1066,7 @@ def _random_rounds(loaded: LoadedModel, seed: int) -> None:
         if rng.random() < 0.08:
             held.pop(name := rng.choice("abcde"), None)
             caches.release(name)
+            assert caches.cached_tokens == _counted(caches), f"round {round_}"
             continue
         calls = [_random_call(caches, rng, held, name) for name in rng.sample("abcde", rng.choice([1, 1, 2, 3]))]
         calls = [call for call in calls if caches.get(call.session) is call.entry]  # not freed by the next sync
@@ -1027,7 +1077,16 @@ def _random_rounds(loaded: LoadedModel, seed: int) -> None:
             torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4, msg=f"round {round_}, {call}")
             held[call.session] = list(call.entry.tokens)
         held = {name: tokens for name, tokens in held.items() if name in caches}
-        assert _held_bytes(caches) <= caches.cached_tokens * token_bytes * 9 / 8, f"round {round_}"
+        if not cuts:  # (a cache cut back keeps its memory until its next pass)
+            assert _held_bytes(caches) <= caches.cached_tokens * token_bytes * 9 / 8, f"round {round_}"
+        assert caches.cached_tokens == _counted(caches), f"round {round_}"
+        for name in sorted(held) if cuts else ():
+            entry = caches._entries[name]
+            length = cuts.randint(max(0, len(entry.tokens) - 5), len(entry.tokens))
+            if cuts.random() < 0.5 and entry.reaches(length):
+                entry.truncate(length)
+                held[name] = list(entry.tokens)
+                assert caches.cached_tokens == _counted(caches), f"round {round_}, a cut of {name} to {length}"
 
 
 @pytest.mark.parametrize("method", ["tli", "slem"])

@@ -414,6 +414,7 @@ class SessionCache:
     shared_len: int = 0  # where a prefix other requests share ends (0: not said): ``shared`` is taken there
     shared: WindowedCopy | None = None
     shared_freed: int = 0  # likewise for shared_len
+    counted_by: _Entries | None = field(default=None, repr=False, compare=False)  # the map whose budget counts it
 
     @property
     def copies(self) -> list[WindowedCopy]:
@@ -458,6 +459,8 @@ class SessionCache:
                 self.prompt_end = self.prompt_end.cut(length)
             if self.shared is not None and self.shared.length > length:
                 self.shared = self.shared.cut(length)
+            if self.counted_by is not None:
+                self.counted_by.recount(self)
         if self.guesses is not None and len(self.guesses) > length:
             self.guesses = None
 
@@ -490,6 +493,89 @@ class SessionCache:
         self.shared, self.shared_freed = None, self.shared_len
 
 
+class _Entries(OrderedDict[str, SessionCache]):
+    """SessionCaches' map of session id -> SessionCache, with the budget's count of what they hold
+    (``tokens``) kept as caches come, go and change, so that a pass checks the budget without
+    summing every session's cache (20 ms a pass with 20,000 sessions). A cache counts for
+    ``own(cache)`` and its copies of windowed layers for ``copied(copy)``, each copy's memory once
+    however many caches hold it (a copy cut back from another is a view of its memory). A cache
+    tells the map when it is cut back (``SessionCache.truncate``); SessionCaches recounts a cache
+    after it grows or its copies change (``recount``). Only the model thread changes it; other
+    threads may read ``tokens``."""
+
+    def __init__(self, own: Callable[[SessionCache], int], copied: Callable[[WindowedCopy], int]) -> None:
+        super().__init__()
+        self._own, self._copied = own, copied
+        self.tokens = 0
+        self._counted: dict[int, tuple[SessionCache, int, tuple[WindowedCopy, ...]]] = {}
+        self._holders: Counter[int] = Counter()  # copies' memory -> caches holding it
+        self._memory: dict[int, int] = {}  # copies' memory -> what it counts for
+
+    def __setitem__(self, session_id: str, entry: SessionCache) -> None:
+        old = self.get(session_id)
+        if old is not None:
+            self._forget(old)
+        super().__setitem__(session_id, entry)
+        entry.counted_by = self
+        self._add(entry)
+
+    def __delitem__(self, session_id: str) -> None:
+        entry = self[session_id]
+        super().__delitem__(session_id)
+        self._forget(entry)
+
+    def pop(self, session_id: str, *default: Any) -> Any:
+        entry = super().pop(session_id, *default)
+        if isinstance(entry, SessionCache) and entry.counted_by is self:
+            self._forget(entry)
+        return entry
+
+    def popitem(self, last: bool = True) -> tuple[str, SessionCache]:
+        session_id, entry = super().popitem(last)
+        self._forget(entry)
+        return session_id, entry
+
+    def clear(self) -> None:
+        while self:
+            self.popitem()
+
+    @property
+    def holds_copies(self) -> bool:
+        return bool(self._holders)
+
+    def recount(self, entry: SessionCache) -> None:
+        """Counts ``entry`` as it is now (nothing if the map no longer holds it)."""
+        if id(entry) in self._counted:
+            self._remove(entry)
+            self._add(entry)
+
+    def _forget(self, entry: SessionCache) -> None:
+        self._remove(entry)
+        entry.counted_by = None
+
+    def _add(self, entry: SessionCache) -> None:
+        own, copies = self._own(entry), tuple(entry.copies)
+        self._counted[id(entry)] = entry, own, copies
+        self.tokens += own
+        for kept in copies:
+            self._holders[kept.memory] += 1
+            if self._holders[kept.memory] == 1:
+                self._memory[kept.memory] = self._copied(kept)
+                self.tokens += self._memory[kept.memory]
+
+    def _remove(self, entry: SessionCache) -> None:
+        counted = self._counted.pop(id(entry), None)
+        if counted is None:
+            return
+        _, own, copies = counted
+        self.tokens -= own
+        for kept in copies:
+            self._holders[kept.memory] -= 1
+            if not self._holders[kept.memory]:
+                del self._holders[kept.memory]
+                self.tokens -= self._memory.pop(kept.memory)
+
+
 class SessionCaches:
     """LRU-bounded map of session id -> SessionCache for one model: at most ``max_sessions``
     caches and, when ``max_tokens`` is set, at most that many cached tokens in all (the least
@@ -512,7 +598,7 @@ class SessionCaches:
         self._margin = margin
         self._windowed = _windowed_share(loaded, margin)
         self._idle_s = idle_s
-        self._entries: OrderedDict[str, SessionCache] = OrderedDict()
+        self._entries = _Entries(self._own, self._copied)
         self.prefill_tokens_total = 0
         self.reused_tokens_total = 0  # tokens taken from another session's cache (prefix reuse)
         self._head_apart: bool | None = None  # whether the output layer runs apart from the decoder
@@ -529,12 +615,9 @@ class SessionCaches:
         """Tokens held by all the caches, a token beyond a windowed layer's window and margin
         counting for its whole layers' share of a token's memory, and their copies of the windowed
         layers, each once however many caches share it (a copy cut back from another, a view of
-        its memory, counts with it: all of that memory, while either is held). Safe to read from
-        another thread (the metrics server): the entries are copied out in one step before they
-        are summed."""
-        entries = list(self._entries.values())
-        copies = {kept.memory: kept for entry in entries for kept in entry.copies}
-        return sum(self._own(entry) for entry in entries) + sum(self._copied(kept) for kept in copies.values())
+        its memory, counts with it: all of that memory, while either is held). Kept as the caches
+        change (``_Entries``); safe to read from another thread (the metrics server)."""
+        return self._entries.tokens
 
     def _own(self, entry: SessionCache) -> int:
         """What a cache counts for without its copies (at most: a cut-back windowed layer keeps fewer)."""
@@ -597,6 +680,7 @@ class SessionCaches:
             if shared_len and not near_end:  # (the copy at the prompt's end reaches that far back)
                 entry.shared_len = shared_len
             entry.keep_copies()  # where the cache already holds what they ask for: a pass only adds to it
+            self._entries.recount(entry)
         entry.last_used = time.monotonic()
         self._entries.move_to_end(session_id)
         return entry
@@ -645,6 +729,7 @@ class SessionCaches:
             )
         entry.tokens.extend(token_ids)
         entry.keep_copies()
+        self._entries.recount(entry)
         self.prefill_tokens_total += len(token_ids)
         self._evict_over_tokens((entry,))
         width = out.logits.shape[1]  # rows kept: the earlier ones, then the last num_logits
@@ -712,6 +797,7 @@ class SessionCaches:
             batch.scatter_new_kv(row, entry, len(token_ids))
             entry.tokens.extend(token_ids)
             entry.keep_copies()
+            self._entries.recount(entry)
             self.prefill_tokens_total += len(token_ids)
             results.append(out.logits[row, len(token_ids) - num_logits : len(token_ids)].float())
         self._evict_over_tokens([entry for entry, _, _ in ops])
@@ -738,37 +824,26 @@ class SessionCaches:
         """Frees the least recently used caches, other than ``keep``, while over ``max_tokens``:
         first their copies of windowed layers (a session's whole cache serves its next turn; such a
         copy only a request of the same prompt or shared prefix), then the caches."""
-        if not self.max_tokens:
+        if not self.max_tokens or self.cached_tokens <= self.max_tokens:
             return
-        over, copied = self.cached_tokens - self.max_tokens, 0
-        if over <= 0:  # every pass asks: count the copies' holders only when something must go
-            return
-        holders = Counter(kept.memory for entry in self._entries.values() for kept in entry.copies)
-
-        def let_go(entry: SessionCache) -> int:
-            """What the entry's copies free once it no longer holds them: those no other cache holds."""
-            freed = 0
-            for kept in entry.copies:
-                holders[kept.memory] -= 1
-                freed += 0 if holders[kept.memory] else self._copied(kept)
-            return freed
-
-        for entry in list(self._entries.values()):
-            if over <= 0:
-                break
-            if entry.copies and not any(entry is kept for kept in keep):
-                over, copied = over - let_go(entry), copied + 1
-                entry.free_copies()
+        copied = 0
+        if self._entries.holds_copies:
+            for entry in self._entries.values():
+                if self.cached_tokens <= self.max_tokens:
+                    break
+                if entry.copies and not any(entry is kept for kept in keep):
+                    entry.free_copies()
+                    self._entries.recount(entry)
+                    copied += 1
         if copied:
             log.info("windowed_copies_freed_for_tokens", sessions=copied, max_cache_tokens=self.max_tokens)
         freed = []
-        for session_id, entry in list(self._entries.items()):
-            if over <= 0:
+        while self.cached_tokens > self.max_tokens:
+            victim = next((sid for sid, entry in self._entries.items() if not any(entry is k for k in keep)), None)
+            if victim is None:
                 break
-            if not any(entry is kept for kept in keep):
-                del self._entries[session_id]
-                over -= self._own(entry) + let_go(entry)
-                freed.append(session_id)
+            del self._entries[victim]
+            freed.append(victim)
         if freed:
             self.evicted_for_tokens += len(freed)
             log.info("caches_freed_for_tokens", sessions=len(freed), max_cache_tokens=self.max_tokens,
