@@ -459,10 +459,20 @@ class SessionCache:
                 self.prompt_end = self.prompt_end.cut(length)
             if self.shared is not None and self.shared.length > length:
                 self.shared = self.shared.cut(length)
-            if self.counted_by is not None:
-                self.counted_by.recount(self)
+            self._changed()
         if self.guesses is not None and len(self.guesses) > length:
             self.guesses = None
+
+    def grow(self, token_ids: Sequence[int]) -> None:
+        """Records the tokens a pass has just added to the cache (and takes the copies they bring
+        within reach: ``keep_copies``)."""
+        self.tokens.extend(token_ids)
+        self.keep_copies()
+
+    def _changed(self) -> None:
+        """Tells the map whose budget counts this cache that its tokens or copies changed."""
+        if self.counted_by is not None:
+            self.counted_by.recount(self)
 
     def keep_copies(self) -> None:
         """Copies the windowed layers once the cache holds the prompt, unless a copy holds all of
@@ -480,6 +490,7 @@ class SessionCache:
             self.prompt_end = WindowedCopy.of(self.cache, len(self.tokens))
         if self.shared_wanted() and len(self.tokens) >= self.shared_len and self._within_margin(self.shared_len):
             self.shared = WindowedCopy.of(self.cache, len(self.tokens), upto=self.shared_len)
+        self._changed()
 
     def shared_wanted(self) -> bool:
         """Whether a copy at the shared prefix's end is still to be taken: one is asked for, not
@@ -491,6 +502,7 @@ class SessionCache:
         """Frees its copies (for the budget); none is taken again for this prompt or shared prefix."""
         self.prompt_end, self.prompt_end_freed = None, self.prompt_len
         self.shared, self.shared_freed = None, self.shared_len
+        self._changed()
 
 
 class _Entries(OrderedDict[str, SessionCache]):
@@ -499,8 +511,8 @@ class _Entries(OrderedDict[str, SessionCache]):
     summing every session's cache (20 ms a pass with 20,000 sessions). A cache counts for
     ``own(cache)`` and its copies of windowed layers for ``copied(copy)``, each copy's memory once
     however many caches hold it (a copy cut back from another is a view of its memory). A cache
-    tells the map when it is cut back (``SessionCache.truncate``); SessionCaches recounts a cache
-    after it grows or its copies change (``recount``). Only the model thread changes it; other
+    tells the map whenever its tokens or copies change (``SessionCache.grow``, ``truncate``,
+    ``keep_copies``, ``free_copies`` call ``recount``). Only the model thread changes it; other
     threads may read ``tokens``."""
 
     def __init__(self, own: Callable[[SessionCache], int], copied: Callable[[WindowedCopy], int]) -> None:
@@ -680,7 +692,6 @@ class SessionCaches:
             if shared_len and not near_end:  # (the copy at the prompt's end reaches that far back)
                 entry.shared_len = shared_len
             entry.keep_copies()  # where the cache already holds what they ask for: a pass only adds to it
-            self._entries.recount(entry)
         entry.last_used = time.monotonic()
         self._entries.move_to_end(session_id)
         return entry
@@ -727,9 +738,7 @@ class SessionCaches:
                 **cache_argument(self._loaded.model, entry.cache),
                 **logit_rows_argument(self._loaded.model, max(kept, 1)),  # 0 would keep every row's
             )
-        entry.tokens.extend(token_ids)
-        entry.keep_copies()
-        self._entries.recount(entry)
+        entry.grow(token_ids)
         self.prefill_tokens_total += len(token_ids)
         self._evict_over_tokens((entry,))
         width = out.logits.shape[1]  # rows kept: the earlier ones, then the last num_logits
@@ -795,9 +804,7 @@ class SessionCaches:
         results = []
         for row, (entry, token_ids, num_logits) in enumerate(ops):
             batch.scatter_new_kv(row, entry, len(token_ids))
-            entry.tokens.extend(token_ids)
-            entry.keep_copies()
-            self._entries.recount(entry)
+            entry.grow(token_ids)
             self.prefill_tokens_total += len(token_ids)
             results.append(out.logits[row, len(token_ids) - num_logits : len(token_ids)].float())
         self._evict_over_tokens([entry for entry, _, _ in ops])
@@ -833,7 +840,6 @@ class SessionCaches:
                     break
                 if entry.copies and not any(entry is kept for kept in keep):
                     entry.free_copies()
-                    self._entries.recount(entry)
                     copied += 1
         if copied:
             log.info("windowed_copies_freed_for_tokens", sessions=copied, max_cache_tokens=self.max_tokens)
