@@ -56,6 +56,28 @@ def fault_cluster(
         yield cluster
 
 
+def stream_with_fault(
+    stub: coordinator_pb2_grpc.GenerationStub,
+    request: coordinator_pb2.GenerateRequest,
+    fault: Callable[[], None],
+    after: int = 2,
+) -> tuple[list[int], coordinator_pb2.GenerateStreamResponse, float]:
+    """Streams a completion, runs ``fault()`` after ``after`` messages; returns tokens, last message, max gap."""
+    tokens: list[int] = []
+    last = None
+    gap, previous = 0.0, time.monotonic()
+    for i, message in enumerate(stub.GenerateStream(request, timeout=120)):
+        now = time.monotonic()
+        gap, previous = max(gap, now - previous), now
+        tokens += message.token_ids
+        last = message
+        if i + 1 == after:
+            fault()
+            previous = time.monotonic()
+    assert last is not None
+    return tokens, last, gap
+
+
 def logged_events(service: ServiceProcess) -> list[dict[str, Any]]:
     """A service's JSON log lines so far, in order."""
     return [json.loads(line) for line in service.log_file.read_text().splitlines() if line.startswith("{")]

@@ -18,7 +18,7 @@ import pytest
 from specdec.runtime.grammar import grammar_of
 from specdec.serving.server import INTERNAL_MESSAGE
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import fault_cluster, logged_events, metric, wait_for
+from tests.clusters import fault_cluster, logged_events, metric, stream_with_fault, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import LateLink, ProxyRoutes
 from tests.reference import make_request, read_session, reference_greedy, worker_info
@@ -28,28 +28,6 @@ from tests.tiny_models import TinyModels, build_crashy, build_model, build_token
 PROMPT = [5, 17, 99, 3]
 LONG = 120  # tokens: enough rounds to inject a fault in the middle
 EOS = 257  # the byte tokenizer's </s>
-
-
-def stream_with_fault(
-    stub: coordinator_pb2_grpc.GenerationStub,
-    request: coordinator_pb2.GenerateRequest,
-    fault: Callable[[], None],
-    after: int = 2,
-) -> tuple[list[int], coordinator_pb2.GenerateStreamResponse, float]:
-    """Streams a completion, runs ``fault()`` after ``after`` messages; returns tokens, last message, max gap."""
-    tokens: list[int] = []
-    last = None
-    gap, previous = 0.0, time.monotonic()
-    for i, message in enumerate(stub.GenerateStream(request, timeout=120)):
-        now = time.monotonic()
-        gap, previous = max(gap, now - previous), now
-        tokens += message.token_ids
-        last = message
-        if i + 1 == after:
-            fault()
-            previous = time.monotonic()
-    assert last is not None
-    return tokens, last, gap
 
 
 def speculation_resumes(stub: coordinator_pb2_grpc.GenerationStub, timeout_s: float = 15) -> float:
