@@ -53,6 +53,7 @@ def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
         lookup_tokens_accepted=s.lookup_accepted,
         reply_lookup_rounds=s.reply_lookup_rounds,
         reply_lookup_tokens_accepted=s.reply_lookup_accepted,
+        draft_catch_up_rounds=s.draft_catch_up_rounds,
         proposed_by_position=s.proposed_by_position,
         accepted_by_position=s.accepted_by_position,
     )

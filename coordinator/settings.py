@@ -72,8 +72,8 @@ class CoordinatorSettings(ServiceSettings):
     )
     speculation_mode: Literal["auto", "sequential", "pipelined"] = Field(
         "auto",
-        description="pipelined drafts the next block while the target verifies; auto = pipelined unless draft and "
-        "target share one CPU host",
+        description="pipelined drafts the next block while the target verifies (and adaptive turns do not wait for "
+        "the draft's long prefills); auto = pipelined unless draft and target share one CPU host",
     )
     draft_method: Literal["auto", "model", "ngram", "hybrid"] = Field(
         "auto",

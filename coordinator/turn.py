@@ -72,6 +72,7 @@ class TurnStats:
     lookup_accepted: int = 0
     reply_lookup_rounds: int = 0  # lookup rounds drafted from the reply index (other requests' replies)
     reply_lookup_accepted: int = 0
+    draft_catch_up_rounds: int = 0  # rounds without the draft model while it computed a prefix sent unawaited
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     k_total: int = 0
@@ -412,6 +413,9 @@ class Turn:
         (plan, found), loop, decoding = self._plan(), asyncio.get_running_loop(), self._decoding
         lookup, source = found.token_ids, _source(found)
         assert decoding is not None
+        if plan.method == MODEL and self.adaptive and self.workers.draft_behind(self._committed, decoding, self._round):
+            plan = self.controller.plan(0, len(lookup), source)  # the best without the draft model meanwhile
+            self._count_catch_up()
         began = loop.time()
         proposal: Proposal | None = None
         if plan.method == NGRAM:
@@ -420,13 +424,14 @@ class Turn:
         elif plan.k > 0:
             if decoding.stop.on and self.adaptive and not self.controller.stopping:
                 decoding = dataclasses.replace(decoding, stop=NO_STOP)
-            proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round)
+            proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round, self.adaptive)
+            if proposal is None and self.workers.catching_up:  # it asked for a long prefix again: sent unawaited
+                self._count_catch_up()
         drafted = loop.time()
         block = proposal.block if proposal else common_pb2.DraftBlock()
         verdict, reused = await self.workers.verify(self._committed, block, decoding, self._logprobs_ask())
         if self._round == 1:
             self.stats.cached_tokens = reused
-        start = len(self._committed)
         tokens, finish = self._cut(list(verdict.token_ids))
         assert self._reply is not None
         # a stop string can end the reply inside the block; a stop token's text is shown only on request
@@ -440,7 +445,7 @@ class Turn:
         self._generated += len(tokens)
         if self._index is not None:
             self._index.extend(tokens)
-        self.workers.advance(start, self._committed, proposal, verdict.cache_len)
+        self.workers.advance(self._committed, proposal, verdict.cache_len)
         target, draft = self.workers.locations()
         text = self._reply.take(final=finish is not None)
         chat = None
@@ -470,6 +475,11 @@ class Turn:
             logprobs=list(verdict.logprobs[: len(tokens)]),
             prompt_logprobs=list(verdict.prompt_logprobs),
         )
+
+    def _count_catch_up(self) -> None:
+        """A round without the draft model while it computes a prefix sent without waiting."""
+        self.stats.draft_catch_up_rounds += 1
+        self.deps.metrics.draft_catch_up_rounds.inc()
 
     def _logprobs_ask(self) -> LogprobsAsk:
         req = self.request

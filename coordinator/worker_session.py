@@ -80,6 +80,13 @@ def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
     return Proposal(block, cache_len=0, start=start, compute_ms=0.0, computed=0, method=NGRAM)
 
 
+def _draft_holds(proposal: Proposal, committed: list[int]) -> int:
+    """The committed tokens the draft's cache holds after drafting ``proposal``: those it was
+    drafted after, then the drafts it kept in its cache as far as the committed tokens agree."""
+    in_cache = list(proposal.block.token_ids[: proposal.cache_len - proposal.start])
+    return proposal.start + common_prefix_len(in_cache, committed[proposal.start :])
+
+
 def _prefill_ms(costs: StepCosts | None, prefill: int, context: int, draft: bool = False) -> float:
     """The expected milliseconds of the ``prefill`` tokens a call must compute first (leaving
     ``context`` tokens in the cache); 0 for a round's few tokens or before any rate is known."""
@@ -169,6 +176,9 @@ class WorkerSession:
         self._pipelined = pipelined
         self._last: Proposal | None = None
         self._lookahead_round: int | None = None
+        # a long prefix sent to the draft without waiting for it (``draft_behind``): its block, or
+        # why the draft failed it
+        self._catch_up: asyncio.Task[Proposal | WorkerCallFailed] | None = None
         self._metrics = metrics
         self._worker_timeout_s = worker_timeout_s
         self._costs = costs
@@ -307,21 +317,98 @@ class WorkerSession:
             self.draft_len, self._draft_source = 0, ""
         return chosen
 
-    async def propose(self, committed: list[int], k: int, decoding: Decoding, round_id: int) -> Proposal | None:
+    def _open_stream(self) -> bool:
+        """Opens the turn's draft stream if it has none; False when no draft replica is up."""
+        if self._stream is None:
+            draft = self._choose_draft()
+            if draft is None:
+                return False  # every replica went down since the round asked
+            self._stream = draft.open_stream()
+        return True
+
+    def draft_behind(self, committed: list[int], decoding: Decoding, round_id: int) -> bool:
+        """Whether this round goes without the draft model because the draft is computing a long
+        prefix of the session that it was sent without waiting (a prompt, a resync). Pipelined
+        only (the draft on other hardware than the target): when the draft must compute at least
+        PREFILL_MIN_TOKENS tokens, expected (with the prefills sent to it ahead) to take longer than
+        a target-only round, the prefix is sent (with a one-token block, which is not used) and
+        the rounds decode without the draft until it has answered; then it drafts from there.
+        Waiting instead held every such round, a turn's first reply included, for the draft's
+        whole prefill."""
+        pending = self._catch_up
+        if pending is not None and (not pending.done() or not self._caught_up(pending.result(), committed)):
+            return True  # still computing, or it failed (the next round's plan sees the draft out of use)
+        tail = len(committed) - min(self.draft_len, len(committed) - 1)
+        if not self._outlasts_a_round(tail, len(committed)) or not self._open_stream():
+            return False
+        self._send_prefix(committed, decoding, round_id)
+        return True
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether a prefix sent to the draft without waiting has not been answered yet."""
+        return self._catch_up is not None and not self._catch_up.done()
+
+    def _outlasts_a_round(self, tail: int, context: int) -> bool:
+        """Whether the draft, computing ``tail`` committed tokens it lacks (of ``context``) and the
+        prefills queued ahead of them, is expected to take longer than a target-only round, in a
+        pipelined turn (the draft on other hardware: the rounds can go on meanwhile)."""
+        if not self._pipelined or tail < PREFILL_MIN_TOKENS or self._costs is None:
+            return False
+        prefill, step = self._costs.prefill_ms(tail, context, draft=True), self._costs.verify_ms(1)
+        if prefill is None or step is None:
+            return False
+        ahead = self._draft.prefills.ahead_ms if self._draft is not None else 0.0
+        return prefill + ahead > step + self._costs.overhead_ms(drafted=False)
+
+    def _send_prefix(self, committed: list[int], decoding: Decoding, round_id: int, resend: bool = False) -> None:
+        """Sends the committed tokens the draft lacks without waiting (``resend``: it asked for
+        them again); ``draft_behind`` takes the answer."""
+
+        prefix = list(committed)  # the turn appends to its list meanwhile
+
+        async def send() -> Proposal | WorkerCallFailed:
+            try:
+                block = await self._request_block(prefix, 1, decoding, round_id, lookahead=False, resend=resend)
+            except WorkerCallFailed as exc:
+                return exc
+            assert block is not None  # only a call with catch_up defers
+            return block
+
+        self._catch_up = asyncio.create_task(send())
+
+    def _caught_up(self, answer: Proposal | WorkerCallFailed, committed: list[int]) -> bool:
+        """Takes the draft's answer to a prefix sent without waiting: whether the draft holds the
+        prefix (and its one drafted token, if the target committed that one too), else it failed."""
+        self._catch_up = None
+        if isinstance(answer, WorkerCallFailed):
+            self._draft_failed(answer)
+            return False
+        self.draft_len = _draft_holds(answer, committed)
+        if self._costs is not None:
+            self._costs.observe_prefill(answer.computed, answer.compute_ms, draft=True)
+        return True
+
+    async def propose(
+        self, committed: list[int], k: int, decoding: Decoding, round_id: int, catch_up: bool = False
+    ) -> Proposal | None:
         """K draft tokens, or None when the draft failed (the round then decodes target-only).
 
         Pipelined: if the previous block was fully accepted and the draft's guess of the target's
-        next token was right, the block drafted ahead is used at once.
+        next token was right, the block drafted ahead is used at once. With ``catch_up``, a draft
+        that asks for more of the committed tokens again (its cache was freed) than it computes
+        in a target-only round is sent them without waiting (``draft_behind``), and this round
+        goes without it (None; ``catching_up`` tells that from a failure).
         """
         try:
-            if self._stream is None:
-                draft = self._choose_draft()
-                if draft is None:
-                    return None  # every replica went down since the round asked
-                self._stream = draft.open_stream()
+            if not self._open_stream():
+                return None
             proposal = await self._adopt_lookahead(committed, k, round_id) if self._pipelined else None
             if proposal is None:
-                proposal = await self._request_block(committed, k, decoding, round_id)
+                proposal = await self._request_block(committed, k, decoding, round_id, catch_up=catch_up)
+            if proposal is None:
+                self._send_prefix(committed, decoding, round_id, resend=True)
+                return None
         except WorkerCallFailed as exc:
             return self._draft_failed(exc)
         self._last = proposal
@@ -375,17 +462,30 @@ class WorkerSession:
         unsure = reply.ends_unsure and len(block.token_ids) == len(reply.draft.token_ids)
         return Proposal(block, reply.cache_len, len(committed), reply.compute_ms, computed, True, ends_unsure=unsure)
 
-    async def _request_block(self, committed: list[int], k: int, decoding: Decoding, round_id: int) -> Proposal | None:
+    async def _request_block(
+        self,
+        committed: list[int],
+        k: int,
+        decoding: Decoding,
+        round_id: int,
+        lookahead: bool | None = None,
+        resend: bool = False,
+        catch_up: bool = False,
+    ) -> Proposal | None:
+        """``lookahead``: whether the draft drafts the next block ahead (default: when pipelined);
+        ``resend``: the draft asked for these tokens again; ``catch_up``: None instead of resending
+        a prefix that outlasts a target-only round (``draft_len`` is then where the draft can start)."""
         assert self._stream is not None and self._draft is not None
+        ahead = self._pipelined if lookahead is None else lookahead
         self._lookahead_round = None
         cached, source = self.draft_len, self._draft_source
         self._draft_source = ""
         for attempt in range(3):  # the prefix, a shorter one the worker can start from, all of it
-            shared = self.shared_len if attempt else 0  # a resync: a copy where the found prefix ends
+            shared = self.shared_len if attempt or resend else 0  # a resync: a copy where the found prefix ends
             sync = prefix_sync(committed, cached, source, self._draft_hashes, decoding.processing.reply_start, shared)
             request = draft_pb2.ProposeRequest(
                 session_id=self.session_id, round_id=round_id, sync=sync, num_tokens=k,
-                warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=self._pipelined,
+                warp=warp_to_proto(decoding.warp), seed=decoding.seed, lookahead=ahead,
                 vocab_limit=self._draft.vocab_limit, tokenizer_hash=self._draft.tokenizer_hash,
                 processing=processing_to_proto(decoding.processing),
                 min_confidence=decoding.stop.token, min_block_confidence=decoding.stop.block,
@@ -409,7 +509,7 @@ class WorkerSession:
                 fewer = self._draft.translates or (got > 0 and decoding.stop.on)
                 if got > k or (got < k and not fewer):
                     raise WorkerCallFailed(f"asked for {k} tokens, got {got}")
-                self._lookahead_round = round_id if self._pipelined else None
+                self._lookahead_round = round_id if ahead else None
                 computed = len(sync.tail_token_ids) + max(got, 1) - 1
                 return Proposal(
                     reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed,
@@ -418,6 +518,9 @@ class WorkerSession:
             start = self._resynced("draft", sync.base_len, reply.resync_from)
             cached = start if not attempt else 0  # the last try always from 0, which cannot fail
             source = source if cached else ""
+            if catch_up and self._outlasts_a_round(len(committed) - cached, len(committed)):
+                self.draft_len, self._draft_source = cached, source
+                return None
         raise WorkerCallFailed("cache resync did not take")
 
     def _draft_failed(self, exc: WorkerCallFailed) -> None:
@@ -559,19 +662,22 @@ class WorkerSession:
             source = source if cached else ""
         raise WorkerFailed("the target worker could not rebuild the session cache")
 
-    def advance(self, start: int, committed: list[int], proposal: Proposal | None, target_cache_len: int) -> None:
-        """Updates the cache views after a round committed ``committed[start:]``."""
+    def advance(self, committed: list[int], proposal: Proposal | None, target_cache_len: int) -> None:
+        """Updates the cache views after a round committed its tokens (``proposal``: the round's block)."""
         self.target_len = min(target_cache_len, len(committed))
         if proposal is not None and proposal.method == MODEL:
-            drafted_in_cache = list(proposal.block.token_ids[: proposal.cache_len - start])
-            self.draft_len = start + common_prefix_len(drafted_in_cache, committed[start:])
+            self.draft_len = _draft_holds(proposal, committed)
 
     def skip_draft(self) -> None:
         """This round does not use the draft model: a block it drafts ahead is of no use."""
         self._last = None
 
     def close_stream(self, finished: bool = False) -> None:
-        """Ends the turn's draft stream: closed cleanly after a turn that finished, else cancelled."""
+        """Ends the turn's draft stream: closed cleanly after a turn that finished, else cancelled
+        (with a prefix sent without waiting that the draft has not answered)."""
+        if self._catch_up is not None:
+            self._catch_up.cancel()
+            self._catch_up = None
         if self._stream is not None:
             if finished:
                 self._stream.close()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.clusters import fault_cluster, metric, wait_for
+from tests.clusters import fault_cluster, metric, stream_with_fault, wait_for
 from tests.reference import make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_stalling
 
@@ -156,6 +158,113 @@ def test_one_stalled_draft_call_does_not_turn_speculation_off(
         "rounds": stats.rounds,
         "target_only_rounds": stats.target_only_rounds,
     }
+
+
+LONG_PROMPT = [(7 * i) % 250 + 3 for i in range(100)]
+
+
+@contextlib.contextmanager
+def _slow_prefill_cluster(
+    tmp_path: Path, tiny_models: TinyModels, draft_args: Sequence[str] = ()
+) -> Iterator[tuple[LocalCluster, coordinator_pb2_grpc.GenerationStub]]:
+    """Pipelined (as with the draft on other hardware than the target), a draft whose prefill is
+    slow (0.5 s a pass of 32 tokens or more, as a CPU draft's beside a GPU target) and a target
+    pass of 30 ms; the coordinator has measured its costs on a short request first."""
+    target = build_stalling(tiny_models.target, tmp_path / "target", stall_call=1, stall_s=0.0, pass_s=0.03)
+    draft = build_stalling(tiny_models.target, tmp_path / "draft", stall_call=1, stall_s=0.0, wide_from=32, wide_s=0.5)
+    pipelined = ["--speculation-mode", "pipelined"]
+    with (
+        fault_cluster(
+            tmp_path / "run",
+            target,
+            draft,
+            worker_args=["--trust-remote-code"],
+            draft_args=draft_args,
+            coordinator_args=pipelined,
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        warm = make_request(PROMPTS[1], k=4, max_new=20, fixed=False, ignore_eos=True)
+        warm.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+        assert stub.Generate(warm, timeout=60).stats.rounds > 0
+        yield cluster, stub
+
+
+def _model_drafted(
+    max_new: int, prompt: Sequence[int] = LONG_PROMPT, session_id: str = ""
+) -> coordinator_pb2.GenerateRequest:
+    request = make_request(list(prompt), k=4, max_new=max_new, session_id=session_id, fixed=False, ignore_eos=True)
+    request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
+    return request
+
+
+def test_rounds_go_on_while_a_pipelined_draft_computes_a_long_prompt(tmp_path: Path, tiny_models: TinyModels) -> None:
+    """With the slow-prefill cluster, a 100-token prompt's first rounds decode target-only while
+    the draft computes the prompt, sent without waiting, and the rounds after it speculate, the
+    draft going on from the prompt (computed once). Before, the first round waited for the
+    draft's whole prefill: its reply came with the first block, 0.5 s later. The tokens are the
+    target's either way."""
+    with _slow_prefill_cluster(tmp_path, tiny_models) as (cluster, stub):
+        draft_address = cluster.processes["draft"].address
+        computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+        messages = list(stub.GenerateStream(_model_drafted(60), timeout=60))
+        computed = worker_info(draft_address, "draft").prefill_tokens_total - computed_before
+        counted = metric(cluster, "coordinator", "specdec_draft_catch_up_rounds_total")
+    tokens = [t for message in messages for t in message.token_ids]
+    assert tokens == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 60, ignore_eos=True)
+    assert len(messages[0].token_ids) == 1  # the first round did not wait for the draft
+    stats = messages[-1].stats
+    assert stats.draft_catch_up_rounds >= 2 and stats.target_only_rounds >= stats.draft_catch_up_rounds, stats
+    assert counted == stats.draft_catch_up_rounds
+    assert stats.rounds - stats.target_only_rounds >= 3 and stats.acceptance_rate == 1.0, stats  # then it drafted
+    assert stats.cache_resyncs == 0, stats
+    assert len(LONG_PROMPT) <= computed < 2 * len(LONG_PROMPT), computed  # the prompt once, then 60 tokens at most
+
+
+def test_a_turn_whose_draft_cache_was_freed_goes_on_while_the_draft_computes_it_again(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """With the slow-prefill cluster and a draft that keeps one session's cache, a session's
+    second turn after another request took the draft's cache: the coordinator expects the draft
+    to hold the first turn (140 tokens), the draft asks for them again, and the turn's rounds go
+    on without it while it computes them, sent without waiting. Before, the round waited for
+    that prefill: its first message came with the first block."""
+    with _slow_prefill_cluster(tmp_path, tiny_models, draft_args=["--max-sessions", "1"]) as (_, stub):
+        first = [t for m in stub.GenerateStream(_model_drafted(40, session_id="chat"), timeout=60) for t in m.token_ids]
+        assert stub.Generate(_model_drafted(4, PROMPTS[1]), timeout=60).token_ids  # the draft's one cache now
+        message = [5, 6, 7, 8, 9]
+        messages = list(stub.GenerateStream(_model_drafted(40, message, session_id="chat"), timeout=60))
+    history = (*LONG_PROMPT, *first, *message)
+    tokens = [t for m in messages for t in m.token_ids]
+    assert tokens == reference_greedy(str(tiny_models.target), history, 40, ignore_eos=True)
+    assert len(messages[0].token_ids) == 1  # the first round did not wait for the draft
+    stats = messages[-1].stats
+    assert stats.cache_resyncs >= 1 and stats.draft_catch_up_rounds >= 2, stats
+    assert stats.rounds - stats.target_only_rounds >= 3 and stats.acceptance_rate == 1.0, stats
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_draft_lost_while_it_computes_a_prompt_sent_without_waiting_holds_up_no_round(
+    fault: str, tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """With the slow-prefill cluster, the draft is killed (or hung) after the first message, while
+    it computes the prompt: the rounds go on target-only without waiting for it, the draft is
+    taken out of use once the turn next asks for it (its breaker trips: connection lost, or no
+    answer within its time limit), and the tokens are the target's."""
+    with _slow_prefill_cluster(tmp_path, tiny_models) as (cluster, stub):
+        draft = cluster.processes["draft"]
+        signum = getattr(signal, fault)
+        tokens, last, gap = stream_with_fault(stub, _model_drafted(120), lambda: os.kill(draft.proc.pid, signum), 1)
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+        if fault == "SIGSTOP":
+            os.kill(draft.proc.pid, signal.SIGCONT)
+    assert tokens == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 120, ignore_eos=True)
+    stats = last.stats
+    assert stats.draft_catch_up_rounds >= 1 and stats.draft_tokens_proposed == 0, stats
+    assert stats.target_only_rounds == stats.rounds == 120, stats
+    assert failures >= 1
+    assert gap < 1.0  # a round that waited for the draft would wait its patience, 1 s, or more
 
 
 def test_speculation_stops_above_the_request_limit_and_resumes_below_it(

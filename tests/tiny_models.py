@@ -158,7 +158,8 @@ class CrashyLlamaForCausalLM(LlamaForCausalLM):
 
 _STALLING_CODE = '''
 """A Llama whose forward pass sleeps once, on its Nth call of a given width (a worker's CPU stalled),
-and pass_s in every pass (a larger model's usual cost)."""
+pass_s in every pass (a larger model's usual cost) and wide_s in every pass of at least wide_from
+tokens (a prompt's prefill on slow hardware)."""
 import time
 
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -167,11 +168,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 class StallingConfig(LlamaConfig):
     model_type = "stalling_llama"
 
-    def __init__(self, stall_call=10, stall_s=0.3, stall_width=1, pass_s=0.0, **kwargs):
+    def __init__(self, stall_call=10, stall_s=0.3, stall_width=1, pass_s=0.0, wide_from=0, wide_s=0.0, **kwargs):
         self.stall_call = stall_call
         self.stall_s = stall_s
         self.stall_width = stall_width
         self.pass_s = pass_s
+        self.wide_from = wide_from
+        self.wide_s = wide_s
         super().__init__(**kwargs)
 
 
@@ -186,6 +189,8 @@ class StallingLlamaForCausalLM(LlamaForCausalLM):
                 time.sleep(self.config.stall_s)
         if self.config.pass_s:
             time.sleep(self.config.pass_s)
+        if self.config.wide_s and input_ids is not None and input_ids.shape[-1] >= self.config.wide_from:
+            time.sleep(self.config.wide_s)
         return super().forward(input_ids=input_ids, **kwargs)
 '''
 
@@ -272,12 +277,24 @@ def build_weight_reading(source: Path, path: Path) -> Path:
 
 
 def build_stalling(
-    source: Path, path: Path, stall_call: int, stall_s: float, width: int = 1, pass_s: float = 0.0
+    source: Path,
+    path: Path,
+    stall_call: int,
+    stall_s: float,
+    width: int = 1,
+    pass_s: float = 0.0,
+    wide_from: int = 0,
+    wide_s: float = 0.0,
 ) -> Path:
     """A copy of ``source`` whose forward sleeps ``stall_s`` once, on its ``stall_call``-th call of
-    ``width`` tokens (1: a draft's one-token steps; K + 1: a target's verify pass of a K block), and
-    ``pass_s`` in every pass (a target that costs more than its draft, as a deployed one does)."""
-    config = {"stall_call": stall_call, "stall_s": stall_s, "stall_width": width, "pass_s": pass_s}
+    ``width`` tokens (1: a draft's one-token steps; K + 1: a target's verify pass of a K block),
+    ``pass_s`` in every pass (a target that costs more than its draft, as a deployed one does) and
+    ``wide_s`` in every pass of at least ``wide_from`` tokens (a draft on a CPU beside a GPU target:
+    its prompt's prefill is slow, its steps are not)."""
+    config = {
+        "stall_call": stall_call, "stall_s": stall_s, "stall_width": width, "pass_s": pass_s,
+        "wide_from": wide_from, "wide_s": wide_s,
+    }  # fmt: skip
     return _with_code(source, path, _STALLING_CODE, "stalling", **config)
 
 

@@ -121,6 +121,12 @@ class CoordinatorMetrics:
             "Rounds decoded target-only because more requests were generating than --speculation-max-requests",
             registry=registry,
         )
+        self.draft_catch_up_rounds = Counter(
+            "specdec_draft_catch_up_rounds",
+            "Rounds decoded without the draft model while it computed a long prefix sent without waiting "
+            "(pipelined: the draft on other hardware)",
+            registry=registry,
+        )
         self.proposer_tokens_proposed = Counter(
             "specdec_proposer_tokens_proposed", "Draft tokens proposed, by proposer", ["proposer"], registry=registry
         )
