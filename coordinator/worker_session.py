@@ -353,10 +353,10 @@ class WorkerSession:
         """Whether the draft, computing ``tail`` committed tokens it lacks (of ``context``) and the
         prefills queued ahead of them, is expected to take longer than a target-only round, in a
         pipelined turn (the draft on other hardware: the rounds can go on meanwhile)."""
-        if not self._pipelined or tail < PREFILL_MIN_TOKENS or self._costs is None:
+        if not self._pipelined or self._costs is None:
             return False
-        prefill, step = self._costs.prefill_ms(tail, context, draft=True), self._costs.verify_ms(1)
-        if prefill is None or step is None:
+        prefill, step = _prefill_ms(self._costs, tail, context, draft=True), self._costs.verify_ms(1)
+        if not prefill or step is None:  # a round's few tokens, or no rate known yet
             return False
         ahead = self._draft.prefills.ahead_ms if self._draft is not None else 0.0
         return prefill + ahead > step + self._costs.overhead_ms(drafted=False)
