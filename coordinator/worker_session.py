@@ -663,10 +663,15 @@ class WorkerSession:
         raise WorkerFailed("the target worker could not rebuild the session cache")
 
     def advance(self, committed: list[int], proposal: Proposal | None, target_cache_len: int) -> None:
-        """Updates the cache views after a round committed its tokens (``proposal``: the round's block)."""
+        """Updates the cache views after a round committed its tokens (``proposal``: the round's
+        block), taking the draft's answer to a prefix sent without waiting if it has come: the
+        round's commit then records what the draft holds (or its failure trips the breaker) even
+        if the turn does not ask the draft again (its last round, rounds without the model)."""
         self.target_len = min(target_cache_len, len(committed))
         if proposal is not None and proposal.method == MODEL:
             self.draft_len = _draft_holds(proposal, committed)
+        elif self._catch_up is not None and self._catch_up.done():
+            self._caught_up(self._catch_up.result(), committed)
 
     def skip_draft(self) -> None:
         """This round does not use the draft model: a block it drafts ahead is of no use."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -165,12 +166,17 @@ LONG_PROMPT = [(7 * i) % 250 + 3 for i in range(100)]
 
 @contextlib.contextmanager
 def _slow_prefill_cluster(
-    tmp_path: Path, tiny_models: TinyModels, draft_args: Sequence[str] = ()
+    tmp_path: Path, tiny_models: TinyModels, draft_args: Sequence[str] = (), prompt_stall_s: float = 0.0
 ) -> Iterator[tuple[LocalCluster, coordinator_pb2_grpc.GenerationStub]]:
     """Pipelined (as with the draft on other hardware than the target), a draft whose prefill is
     slow (0.5 s a pass of 32 tokens or more, as a CPU draft's beside a GPU target) and a target
-    pass of 30 ms; the coordinator has measured its costs on a short request first."""
-    target = build_stalling(tiny_models.target, tmp_path / "target", stall_call=1, stall_s=0.0, pass_s=0.03)
+    pass of 30 ms; the coordinator has measured its costs on a short request first. With
+    ``prompt_stall_s``, the target's first pass of LONG_PROMPT's width (its first turn's prompt)
+    takes that much longer."""
+    target = build_stalling(
+        tiny_models.target, tmp_path / "target", stall_call=1, stall_s=prompt_stall_s, width=len(LONG_PROMPT),
+        pass_s=0.03,
+    )  # fmt: skip
     draft = build_stalling(tiny_models.target, tmp_path / "draft", stall_call=1, stall_s=0.0, wide_from=32, wide_s=0.5)
     pipelined = ["--speculation-mode", "pipelined"]
     with (
@@ -242,6 +248,54 @@ def test_a_turn_whose_draft_cache_was_freed_goes_on_while_the_draft_computes_it_
     stats = messages[-1].stats
     assert stats.cache_resyncs >= 1 and stats.draft_catch_up_rounds >= 2, stats
     assert stats.rounds - stats.target_only_rounds >= 3 and stats.acceptance_rate == 1.0, stats
+
+
+def test_a_turn_that_ends_before_asking_the_draft_again_keeps_the_prompt_it_computed(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """With the slow-prefill cluster and the target's pass over the prompt 1 s longer, a session's
+    first turn of 2 tokens sends the prompt to the draft without waiting (its first round), and
+    the draft has it computed (0.5 s) while that round's target pass runs; the second round has no
+    room to draft, so the turn never asks the draft again. The turn still takes the answer: its
+    commits say the draft holds the prompt, and the session's next turn sends the draft only the
+    new tokens. Before, the answer was dropped with the turn's stream, and the next turn had the
+    draft compute the whole history again (without waiting: catch-up rounds)."""
+    with _slow_prefill_cluster(tmp_path, tiny_models, prompt_stall_s=1.0) as (cluster, stub):
+        draft_address = cluster.processes["draft"].address
+        computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+        first = stub.Generate(_model_drafted(2, session_id="chat"), timeout=60)
+        message = [5, 6, 7, 8, 9]
+        second = stub.Generate(_model_drafted(20, message, session_id="chat"), timeout=60)
+        computed = worker_info(draft_address, "draft").prefill_tokens_total - computed_before
+    assert list(first.token_ids) == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 2, ignore_eos=True)
+    history = (*LONG_PROMPT, *first.token_ids, *message)
+    assert list(second.token_ids) == reference_greedy(str(tiny_models.target), history, 20, ignore_eos=True)
+    assert first.stats.draft_catch_up_rounds >= 1 and first.stats.draft_tokens_proposed == 0, first.stats
+    assert second.stats.draft_catch_up_rounds == 0 and second.stats.cache_resyncs == 0, second.stats
+    assert second.stats.rounds > second.stats.target_only_rounds, second.stats  # it drafted
+    assert len(LONG_PROMPT) <= computed < 2 * len(LONG_PROMPT), computed  # the prompt once, then 30 tokens at most
+
+
+def test_a_draft_lost_while_a_turn_ends_is_taken_out_of_use_by_that_turn(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """As above, the draft killed 0.2 s into the first turn, while it computes the prompt sent
+    without waiting and the round's target pass runs (1 s longer): the turn, which never asks
+    the draft again, still takes the failure, so the draft's breaker trips at once and other
+    requests skip it. Before, the failure was dropped with the turn's stream and the next request
+    to call the draft found out."""
+    with _slow_prefill_cluster(tmp_path, tiny_models, prompt_stall_s=1.0) as (cluster, stub):
+        draft = cluster.processes["draft"]
+        kill = threading.Timer(0.2, lambda: os.kill(draft.proc.pid, signal.SIGKILL))
+        kill.start()
+        try:
+            reply = stub.Generate(_model_drafted(2), timeout=60)
+        finally:
+            kill.cancel()
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 2, ignore_eos=True)
+    assert reply.stats.draft_catch_up_rounds >= 1 and reply.stats.draft_tokens_proposed == 0, reply.stats
+    assert failures == 1
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
