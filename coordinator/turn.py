@@ -608,7 +608,7 @@ class Turn:
         --state-retry-s of their own: the caller may be gone, the session must not stay locked."""
         if self._renewal is not None:
             self._renewal.cancel()
-        self.workers.close_stream(finished)
+        self.workers.close_stream(finished, keep=not self.one_shot)  # the session's next turn goes on from it
         self.workers.unbind()
         store, budget = self.deps.store, self.deps.state_retry_s
         if self._acquiring:

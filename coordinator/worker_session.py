@@ -45,6 +45,8 @@ _VERIFY_RETRY_PAUSE_S = 0.1
 # measured cost on top of its timeout (a long prompt's attention costs more per token than the
 # shorter ones measured); fewer tokens are a round's work, which the timeout itself covers.
 _PREFILL_MARGIN = 4
+# turns' streams left open until the draft answers a prefix sent without waiting (``close_stream``)
+_FINISHING: set[asyncio.Task[None]] = set()
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,12 @@ class WorkerSession:
         # a long prefix sent to the draft without waiting for it (``draft_behind``): its block, or
         # why the draft failed it
         self._catch_up: asyncio.Task[Proposal | WorkerCallFailed] | None = None
+        # the committed tokens it sends, and the wall-clock time by which the draft has them or
+        # has given up (its call's time limit)
+        self._catch_up_len, self._catch_up_by = 0, 0.0
+        # the wall-clock time by which the draft has computed what an earlier turn of the session
+        # sent it without waiting (CacheLocation.ready_by): calls wait behind it until then
+        self._draft_ready_by = 0.0
         self._metrics = metrics
         self._worker_timeout_s = worker_timeout_s
         self._costs = costs
@@ -261,6 +269,7 @@ class WorkerSession:
         if draft is not None and self._drafts is not None and (other := self._drafts.get(draft.address)):
             self._set_draft(other)
             self.draft_len, self._draft_source = draft.length, draft.source
+            self._draft_ready_by = draft.ready_by
 
     def place(self, found: Sequence[tuple[PrefixLocation, int]]) -> None:
         """Chooses the target and draft replicas of a session with nothing of its own cached, by
@@ -294,7 +303,13 @@ class WorkerSession:
         worker that has not run since the session found a prefix in another one's cache holds
         nothing of it, so its location names that cache (a request whose draft never ran)."""
         target = CacheLocation(self._target.address, self.target_len, self._target_source) if self._target else None
-        draft = CacheLocation(self._draft.address, self.draft_len, self._draft_source) if self._draft else None
+        draft = None
+        if self._draft is not None and self.catching_up:
+            # what the draft is computing counts as held: a turn that ends meanwhile leaves it
+            # to finish (``close_stream``); a claim the draft turns out not to hold costs a resync
+            draft = CacheLocation(self._draft.address, self._catch_up_len, self._draft_source, self._catch_up_by)
+        elif self._draft is not None:
+            draft = CacheLocation(self._draft.address, self.draft_len, self._draft_source)
         return target, draft
 
     def forget_caches(self) -> None:
@@ -339,7 +354,9 @@ class WorkerSession:
         if pending is not None and (not pending.done() or not self._caught_up(pending.result(), committed)):
             return True  # still computing, or it failed (the next round's plan sees the draft out of use)
         tail = len(committed) - min(self.draft_len, len(committed) - 1)
-        if not self._outlasts_a_round(tail, len(committed)) or not self._open_stream():
+        # a call now would also wait for what an earlier turn left the draft computing
+        behind = self._outlasts_a_round(tail, len(committed)) or (self._pipelined and self._draft_waits_s() > 0)
+        if not behind or not self._open_stream():
             return False
         self._send_prefix(committed, decoding, round_id)
         return True
@@ -348,6 +365,11 @@ class WorkerSession:
     def catching_up(self) -> bool:
         """Whether a prefix sent to the draft without waiting has not been answered yet."""
         return self._catch_up is not None and not self._catch_up.done()
+
+    def _draft_waits_s(self) -> float:
+        """How much longer the draft may compute what an earlier turn of the session sent it
+        without waiting (until it has answered this turn once)."""
+        return max(self._draft_ready_by - time.time(), 0.0)
 
     def _outlasts_a_round(self, tail: int, context: int) -> bool:
         """Whether the draft, computing ``tail`` committed tokens it lacks (of ``context``) and the
@@ -366,6 +388,10 @@ class WorkerSession:
         them again); ``draft_behind`` takes the answer."""
 
         prefix = list(committed)  # the turn appends to its list meanwhile
+        assert self._draft is not None
+        tail = len(prefix) - min(self.draft_len, len(prefix) - 1)
+        allowance = _allowance(self._costs, tail, len(prefix), draft=True, ahead_ms=self._draft.prefills.ahead_ms)
+        limit_s = self._draft.patience_s + allowance + self._draft_waits_s()
 
         async def send() -> Proposal | WorkerCallFailed:
             try:
@@ -376,6 +402,7 @@ class WorkerSession:
             return block
 
         self._catch_up = asyncio.create_task(send())
+        self._catch_up_len, self._catch_up_by = len(prefix), time.time() + limit_s
 
     def _caught_up(self, answer: Proposal | WorkerCallFailed, committed: list[int]) -> bool:
         """Takes the draft's answer to a prefix sent without waiting: whether the draft holds the
@@ -419,7 +446,7 @@ class WorkerSession:
         it must compute first, up to ``context``, and the prefills ahead of them: a long prompt is
         not a hung draft), and whether that is the caller's deadline talking."""
         assert self._draft is not None
-        allowance = _allowance(self._costs, prefill, context, draft=True, ahead_ms=ahead_ms)
+        allowance = _allowance(self._costs, prefill, context, draft=True, ahead_ms=ahead_ms) + self._draft_waits_s()
         patience, left = self._draft.patience_s + allowance, self._caller_left()
         return (max(left, 0.001), True) if left < patience else (patience, False)
 
@@ -501,8 +528,12 @@ class WorkerSession:
                     ahead_ms=ahead_ms,
                 )
             assert self._draft is not None
-            if tail < PREFILL_MIN_TOKENS:  # a prefill's time says nothing about how busy the draft is
+            # a prefill's time says nothing about how busy the draft is, nor the time of a call
+            # that may have waited for what an earlier turn left the draft computing (the draft
+            # has answered it: no call waits for that any more)
+            if tail < PREFILL_MIN_TOKENS and not self._draft_ready_by:
                 self._draft.observe_latency(time.monotonic() - sent)
+            self._draft_ready_by = 0.0
             if reply.cache_status == common_pb2.CACHE_STATUS_OK:
                 got = len(reply.draft.token_ids)
                 # a translating draft may send fewer (none, even); with a confidence stop, 1 to k
@@ -677,9 +708,19 @@ class WorkerSession:
         """This round does not use the draft model: a block it drafts ahead is of no use."""
         self._last = None
 
-    def close_stream(self, finished: bool = False) -> None:
+    def close_stream(self, finished: bool = False, keep: bool = False) -> None:
         """Ends the turn's draft stream: closed cleanly after a turn that finished, else cancelled
-        (with a prefix sent without waiting that the draft has not answered)."""
+        (with a prefix sent without waiting that the draft has not answered). With ``keep`` (a
+        finished turn whose caches stay for later requests), the draft is left to finish such a
+        prefix, as the turn's commits said it holds it (``locations``): its answer is read in the
+        background (within the call's time limit), then the stream closed; a failure trips the
+        breaker as in a turn. Cancelled, the draft would stop it and drop it, and a chat whose
+        turns each ended before the draft had the history would have it computed every turn."""
+        if keep and finished and self.catching_up and self._stream is not None:
+            task = asyncio.create_task(self._finish_catch_up())
+            _FINISHING.add(task)  # (a reference keeps the task alive)
+            task.add_done_callback(_FINISHING.discard)
+            return
         if self._catch_up is not None:
             self._catch_up.cancel()
             self._catch_up = None
@@ -689,6 +730,22 @@ class WorkerSession:
             else:
                 self._stream.cancel()
             self._stream = None
+
+    async def _finish_catch_up(self) -> None:
+        """Reads the draft's answer to the prefix a finished turn left it computing, then ends
+        the stream (or takes the failure)."""
+        assert self._catch_up is not None
+        try:
+            answer = await self._catch_up
+        except BaseException:  # cancelled: the stream goes with it
+            self._catch_up = None
+            self.close_stream()
+            raise
+        self._catch_up = None
+        if isinstance(answer, WorkerCallFailed):
+            self._draft_failed(answer)
+        else:
+            self.close_stream(finished=True)
 
     async def release(self, timeout_s: float) -> None:
         """Frees the session's caches in the workers (best effort)."""

@@ -166,18 +166,25 @@ LONG_PROMPT = [(7 * i) % 250 + 3 for i in range(100)]
 
 @contextlib.contextmanager
 def _slow_prefill_cluster(
-    tmp_path: Path, tiny_models: TinyModels, draft_args: Sequence[str] = (), prompt_stall_s: float = 0.0
+    tmp_path: Path,
+    tiny_models: TinyModels,
+    draft_args: Sequence[str] = (),
+    prompt_stall_s: float = 0.0,
+    prefill_s: float = 0.5,
+    prefill_from: int = 32,
 ) -> Iterator[tuple[LocalCluster, coordinator_pb2_grpc.GenerationStub]]:
     """Pipelined (as with the draft on other hardware than the target), a draft whose prefill is
-    slow (0.5 s a pass of 32 tokens or more, as a CPU draft's beside a GPU target) and a target
-    pass of 30 ms; the coordinator has measured its costs on a short request first. With
+    slow (``prefill_s`` a pass of ``prefill_from`` tokens or more, as a CPU draft's beside a GPU
+    target) and a target pass of 30 ms; the coordinator has measured its costs on a short request first. With
     ``prompt_stall_s``, the target's first pass of LONG_PROMPT's width (its first turn's prompt)
     takes that much longer."""
     target = build_stalling(
         tiny_models.target, tmp_path / "target", stall_call=1, stall_s=prompt_stall_s, width=len(LONG_PROMPT),
         pass_s=0.03,
     )  # fmt: skip
-    draft = build_stalling(tiny_models.target, tmp_path / "draft", stall_call=1, stall_s=0.0, wide_from=32, wide_s=0.5)
+    draft = build_stalling(
+        tiny_models.target, tmp_path / "draft", stall_call=1, stall_s=0.0, wide_from=prefill_from, wide_s=prefill_s
+    )
     pipelined = ["--speculation-mode", "pipelined"]
     with (
         fault_cluster(
@@ -296,6 +303,91 @@ def test_a_draft_lost_while_a_turn_ends_is_taken_out_of_use_by_that_turn(
     assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 2, ignore_eos=True)
     assert reply.stats.draft_catch_up_rounds >= 1 and reply.stats.draft_tokens_proposed == 0, reply.stats
     assert failures == 1
+
+
+MESSAGE = [5, 6, 7, 8, 9]  # a session's second message
+
+
+def test_a_turn_that_ends_while_its_draft_computes_the_prompt_leaves_it_to_finish(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """With the slow-prefill cluster, a session's first turn of 3 tokens (target-only rounds of
+    30 ms) ends while the draft computes its prompt (0.5 s), sent without waiting. The draft is
+    left to finish it (the turn's stream stays open until it answers) and the turn's commits say
+    it holds the prompt: the session's next turn, once the draft has it, sends it only the new
+    tokens. Before, the prefix was cancelled with the turn's stream (the draft then dropped it)
+    and the turn recorded that the draft held nothing, so the next turn had it compute the whole
+    history again; a chat whose turns all ended sooner than that never had the draft catch up."""
+    with _slow_prefill_cluster(tmp_path, tiny_models) as (cluster, stub):
+        draft_address = cluster.processes["draft"].address
+        computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+
+        def computed() -> int:
+            return worker_info(draft_address, "draft").prefill_tokens_total - computed_before
+
+        first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=60)
+        wait_for(lambda: computed() >= len(LONG_PROMPT), timeout_s=10)  # the reply read: the draft has the prompt
+        second = stub.Generate(_model_drafted(20, MESSAGE, session_id="chat"), timeout=60)
+        total = computed()
+    assert list(first.token_ids) == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 3, ignore_eos=True)
+    history = (*LONG_PROMPT, *first.token_ids, *MESSAGE)
+    assert list(second.token_ids) == reference_greedy(str(tiny_models.target), history, 20, ignore_eos=True)
+    # ended before the draft answered (the last round has no room to draft)
+    assert first.stats.draft_catch_up_rounds == 2 and first.stats.target_only_rounds == 3, first.stats
+    # its first round does not know that the draft is done (the prompt's time limit is later), so
+    # it sends the new tokens without waiting: answered at once (before: 13-15 rounds and a resync)
+    assert second.stats.draft_catch_up_rounds < 5 and second.stats.cache_resyncs == 0, second.stats
+    assert second.stats.rounds > second.stats.target_only_rounds and second.stats.acceptance_rate == 1.0, second.stats
+    assert len(LONG_PROMPT) <= total < 2 * len(LONG_PROMPT), total  # the prompt once, then 30 tokens at most
+
+
+def test_a_turn_right_after_one_that_left_its_draft_computing_does_not_wait_behind_it(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """As above with a prefill of 2 s, and the session's next turn sent at once (an agent's next
+    call): the draft computes a session's requests in order, so the new tokens wait behind the
+    prompt, longer than the draft's patience (1 s). The turn knows it from the session's state
+    (any coordinator would): it sends them without waiting and its rounds go on without the
+    draft until it answers (its first message: 1 token, where a round that waited would come
+    with a block), and the call's time limit allows for the wait (no draft failure), then it
+    drafts. The draft computes the prompt once (before: twice, from the start)."""
+    # (a pass of 64 tokens or more: the tokens decoded meanwhile, fewer, take the draft no time)
+    with _slow_prefill_cluster(tmp_path, tiny_models, prefill_s=2.0, prefill_from=64) as (cluster, stub):
+        draft_address = cluster.processes["draft"].address
+        computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+        first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=60)
+        messages = list(stub.GenerateStream(_model_drafted(100, MESSAGE, session_id="chat"), timeout=60))
+        computed = worker_info(draft_address, "draft").prefill_tokens_total - computed_before
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    history = (*LONG_PROMPT, *first.token_ids, *MESSAGE)
+    tokens = [t for m in messages for t in m.token_ids]
+    assert tokens == reference_greedy(str(tiny_models.target), history, 100, ignore_eos=True)
+    assert failures == 0
+    assert first.stats.draft_catch_up_rounds == 2 and first.stats.target_only_rounds == 3, first.stats
+    assert len(messages[0].token_ids) == 1  # the first round did not wait for the draft
+    stats = messages[-1].stats
+    assert stats.draft_catch_up_rounds >= 1 and stats.cache_resyncs == 0, stats
+    assert stats.rounds - stats.target_only_rounds >= 3 and stats.acceptance_rate == 1.0, stats  # then it drafted
+    # every token once (and the drafts' last ones), not the prompt again
+    assert computed < len(history) + 100 + len(LONG_PROMPT) // 2, computed
+
+
+def test_a_draft_lost_while_it_finishes_a_prompt_a_turn_left_it_is_taken_out_of_use(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """As above (a prefill of 1 s), the draft killed once the first turn has ended, while it
+    computes the prompt that the turn left it: the answer read in the background is the failure,
+    and the draft's breaker trips without another request calling it; the session's next turn
+    gets the target's tokens."""
+    with _slow_prefill_cluster(tmp_path, tiny_models, prefill_s=1.0) as (cluster, stub):
+        first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=60)
+        os.kill(cluster.processes["draft"].proc.pid, signal.SIGKILL)
+        wait_for(lambda: metric(cluster, "coordinator", "specdec_draft_failures_total") == 1, timeout_s=10)
+        second = stub.Generate(_model_drafted(20, MESSAGE, session_id="chat"), timeout=60)
+    assert first.stats.draft_catch_up_rounds == 2 and first.stats.target_only_rounds == 3, first.stats
+    history = (*LONG_PROMPT, *first.token_ids, *MESSAGE)
+    assert list(second.token_ids) == reference_greedy(str(tiny_models.target), history, 20, ignore_eos=True)
+    assert second.stats.draft_tokens_proposed == 0, second.stats
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])

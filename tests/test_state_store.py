@@ -295,6 +295,22 @@ async def test_rollback_clamps_recorded_cache_lengths(store: StateStore) -> None
     assert got.draft == CacheLocation("d", 1, source="other")
 
 
+async def test_a_cache_location_keeps_the_time_by_which_its_worker_has_what_it_was_sent(store: StateStore) -> None:
+    """``ready_by`` (a prefix sent to the draft without waiting, which a later turn's calls wait
+    behind) is stored and read back, and kept when a rollback cuts the length; a record written
+    before it reads as 0 (the worker holds what it says)."""
+    session = sid()
+    await store.acquire(session, "o", create=True)
+    draft = CacheLocation("d", 3, ready_by=1_800_000_000.25)
+    await store.commit(session, "o", Commit(0, "a", [1, 2, 3], target=CacheLocation("t", 3), draft=draft))
+    stored = await store.get(session)
+    assert stored is not None and stored.draft == draft
+    await store.commit(session, "o", Commit(1, "b", truncate_to=1))
+    got = await store.get(session)
+    assert got is not None and got.draft == CacheLocation("d", 1, ready_by=1_800_000_000.25)
+    assert CacheLocation.from_json('{"address": "d:1", "length": 97, "source": ""}') == CacheLocation("d:1", 97)
+
+
 @pytest.mark.asyncio
 async def test_the_last_recent_steps_stay_recognised_after_many_commits(store: StateStore) -> None:
     """Regression: trimming the step window once dropped every remembered step (Redis)."""

@@ -42,11 +42,14 @@ class CacheLocation:
     """A worker replica's KV cache for a session: valid for the first ``length`` committed tokens.
     ``source``: another session whose cache there holds them, when the session's own does not yet
     (prefix reuse: a worker that has not run since the session found its prefix in that cache);
-    empty: the session's own."""
+    empty: the session's own. ``ready_by``: the wall-clock time (Unix seconds) by which the worker
+    has computed the last of those tokens, sent to it without waiting for its answer, or given
+    up on them (a later call of the session waits behind them until then); 0: it holds them."""
 
     address: str
     length: int
     source: str = ""
+    ready_by: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -59,8 +62,13 @@ class CacheLocation:
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> CacheLocation:
-        # records written by older versions carry more keys, or no source
-        return cls(address=fields["address"], length=int(fields["length"]), source=fields.get("source", ""))
+        # records written by older versions carry more keys, or no source or ready_by
+        return cls(
+            address=fields["address"],
+            length=int(fields["length"]),
+            source=fields.get("source", ""),
+            ready_by=float(fields.get("ready_by", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
