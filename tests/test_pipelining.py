@@ -17,6 +17,7 @@ import pytest
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, stream_with_fault, wait_for
+from tests.helpers import RedisServer
 from tests.reference import make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_stalling
 
@@ -172,6 +173,7 @@ def _slow_prefill_cluster(
     prompt_stall_s: float = 0.0,
     prefill_s: float = 0.5,
     prefill_from: int = 32,
+    state_url: str = "memory://",
 ) -> Iterator[tuple[LocalCluster, coordinator_pb2_grpc.GenerationStub]]:
     """Pipelined (as with the draft on other hardware than the target), a draft whose prefill is
     slow (``prefill_s`` a pass of ``prefill_from`` tokens or more, as a CPU draft's beside a GPU
@@ -194,6 +196,7 @@ def _slow_prefill_cluster(
             worker_args=["--trust-remote-code"],
             draft_args=draft_args,
             coordinator_args=pipelined,
+            state_url=state_url,
         ) as cluster,
         grpc.insecure_channel(cluster.address) as channel,
     ):
@@ -370,6 +373,46 @@ def test_a_turn_right_after_one_that_left_its_draft_computing_does_not_wait_behi
     assert stats.rounds - stats.target_only_rounds >= 3 and stats.acceptance_rate == 1.0, stats  # then it drafted
     # every token once (and the drafts' last ones), not the prompt again
     assert computed < len(history) + 100 + len(LONG_PROMPT) // 2, computed
+
+
+def test_a_next_turn_on_another_coordinator_goes_on_without_waiting_behind_the_draft(
+    tmp_path: Path, tiny_models: TinyModels, redis_server: RedisServer
+) -> None:
+    """As above (a 2-s prefill, the next turn sent at once), with the session's state in Redis and
+    the next turn sent to a second coordinator over the same workers, which had no part in the
+    first turn: it reads from the session's state when the draft has the prompt, so it too goes
+    on without the draft until the draft answers, allows for the wait (no draft failure), then
+    drafts, and the draft computes the prompt once."""
+    from specdec.tools.launch import spawn
+
+    with _slow_prefill_cluster(tmp_path, tiny_models, prefill_s=2.0, prefill_from=64, state_url=redis_server.url) as (
+        cluster,
+        stub,
+    ):
+        second = spawn("coordinator", cluster.processes["coordinator"].args, tmp_path / "run", name="coordinator-2")
+        try:
+            second.wait_ready(60)
+            with grpc.insecure_channel(second.address) as channel:
+                other = coordinator_pb2_grpc.GenerationStub(channel)
+                warm = make_request(PROMPTS[1], k=4, max_new=20, fixed=False, ignore_eos=True)
+                assert other.Generate(warm, timeout=60).stats.rounds > 0  # its costs measured too
+                draft_address = cluster.processes["draft"].address
+                computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+                first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=60)
+                messages = list(other.GenerateStream(_model_drafted(100, MESSAGE, session_id="chat"), timeout=60))
+                computed = worker_info(draft_address, "draft").prefill_tokens_total - computed_before
+        finally:
+            second.stop()
+    history = (*LONG_PROMPT, *first.token_ids, *MESSAGE)
+    tokens = [t for m in messages for t in m.token_ids]
+    assert tokens == reference_greedy(str(tiny_models.target), history, 100, ignore_eos=True)
+    assert "draft_unavailable" not in second.log_file.read_text()  # no call timed out behind the prompt
+    assert first.stats.draft_catch_up_rounds == 2 and first.stats.target_only_rounds == 3, first.stats
+    assert len(messages[0].token_ids) == 1  # the first round did not wait for the draft
+    stats = messages[-1].stats
+    assert stats.draft_catch_up_rounds >= 1 and stats.cache_resyncs == 0, stats
+    assert stats.rounds - stats.target_only_rounds >= 3 and stats.acceptance_rate == 1.0, stats  # then it drafted
+    assert computed < len(history) + 100 + len(LONG_PROMPT) // 2, computed  # not the prompt again
 
 
 def test_a_draft_lost_while_it_finishes_a_prompt_a_turn_left_it_is_taken_out_of_use(
