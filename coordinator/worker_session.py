@@ -304,12 +304,11 @@ class WorkerSession:
         nothing of it, so its location names that cache (a request whose draft never ran)."""
         target = CacheLocation(self._target.address, self.target_len, self._target_source) if self._target else None
         draft = None
-        if self._draft is not None and self.catching_up:
+        if self._draft is not None:
             # what the draft is computing counts as held: a turn that ends meanwhile leaves it
             # to finish (``close_stream``); a claim the draft turns out not to hold costs a resync
-            draft = CacheLocation(self._draft.address, self._catch_up_len, self._draft_source, self._catch_up_by)
-        elif self._draft is not None:
-            draft = CacheLocation(self._draft.address, self.draft_len, self._draft_source)
+            length, ready_by = (self._catch_up_len, self._catch_up_by) if self.catching_up else (self.draft_len, 0.0)
+            draft = CacheLocation(self._draft.address, length, self._draft_source, ready_by)
         return target, draft
 
     def forget_caches(self) -> None:
@@ -353,7 +352,7 @@ class WorkerSession:
         pending = self._catch_up
         if pending is not None and (not pending.done() or not self._caught_up(pending.result(), committed)):
             return True  # still computing, or it failed (the next round's plan sees the draft out of use)
-        tail = len(committed) - min(self.draft_len, len(committed) - 1)
+        tail = self._draft_lacks(committed)
         # a call now would also wait for what an earlier turn left the draft computing
         behind = self._outlasts_a_round(tail, len(committed)) or (self._pipelined and self._draft_waits_s() > 0)
         if not behind or not self._open_stream():
@@ -365,6 +364,10 @@ class WorkerSession:
     def catching_up(self) -> bool:
         """Whether a prefix sent to the draft without waiting has not been answered yet."""
         return self._catch_up is not None and not self._catch_up.done()
+
+    def _draft_lacks(self, committed: list[int]) -> int:
+        """The committed tokens a call must send the draft (at least the last)."""
+        return len(committed) - min(self.draft_len, len(committed) - 1)
 
     def _draft_waits_s(self) -> float:
         """How much longer the draft may compute what an earlier turn of the session sent it
@@ -389,9 +392,7 @@ class WorkerSession:
 
         prefix = list(committed)  # the turn appends to its list meanwhile
         assert self._draft is not None
-        tail = len(prefix) - min(self.draft_len, len(prefix) - 1)
-        allowance = _allowance(self._costs, tail, len(prefix), draft=True, ahead_ms=self._draft.prefills.ahead_ms)
-        limit_s = self._draft.patience_s + allowance + self._draft_waits_s()
+        limit_s = self._draft_patience_s(self._draft_lacks(prefix), len(prefix), self._draft.prefills.ahead_ms)
 
         async def send() -> Proposal | WorkerCallFailed:
             try:
@@ -441,13 +442,18 @@ class WorkerSession:
         self._last = proposal
         return proposal
 
-    def _draft_timeout(self, prefill: int = 0, context: int = 0, ahead_ms: float = 0.0) -> tuple[float, bool]:
-        """How long to wait for the draft (its patience, plus the allowance for ``prefill`` tokens
-        it must compute first, up to ``context``, and the prefills ahead of them: a long prompt is
-        not a hung draft), and whether that is the caller's deadline talking."""
+    def _draft_patience_s(self, prefill: int = 0, context: int = 0, ahead_ms: float = 0.0) -> float:
+        """How long the draft may take: its patience, plus the allowance for ``prefill`` tokens it
+        must compute first, up to ``context``, the prefills ahead of them and what an earlier turn
+        left it computing (a long prompt is not a hung draft)."""
         assert self._draft is not None
         allowance = _allowance(self._costs, prefill, context, draft=True, ahead_ms=ahead_ms) + self._draft_waits_s()
-        patience, left = self._draft.patience_s + allowance, self._caller_left()
+        return self._draft.patience_s + allowance
+
+    def _draft_timeout(self, prefill: int = 0, context: int = 0, ahead_ms: float = 0.0) -> tuple[float, bool]:
+        """How long to wait for the draft (``_draft_patience_s``), and whether that is the
+        caller's deadline talking."""
+        patience, left = self._draft_patience_s(prefill, context, ahead_ms), self._caller_left()
         return (max(left, 0.001), True) if left < patience else (patience, False)
 
     async def _send(self, request: draft_pb2.ProposeRequest) -> None:
