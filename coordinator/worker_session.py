@@ -396,7 +396,9 @@ class WorkerSession:
 
         async def send() -> Proposal | WorkerCallFailed:
             try:
-                block = await self._request_block(prefix, 1, decoding, round_id, lookahead=False, resend=resend)
+                block = await self._request_block(
+                    prefix, 1, decoding, round_id, lookahead=False, resend=resend, for_later=True
+                )
             except WorkerCallFailed as exc:
                 return exc
             assert block is not None  # only a call with catch_up defers
@@ -450,15 +452,18 @@ class WorkerSession:
         allowance = _allowance(self._costs, prefill, context, draft=True, ahead_ms=ahead_ms) + self._draft_waits_s()
         return self._draft.patience_s + allowance
 
-    def _draft_timeout(self, prefill: int = 0, context: int = 0, ahead_ms: float = 0.0) -> tuple[float, bool]:
+    def _draft_timeout(
+        self, prefill: int = 0, context: int = 0, ahead_ms: float = 0.0, for_later: bool = False
+    ) -> tuple[float, bool]:
         """How long to wait for the draft (``_draft_patience_s``), and whether that is the
-        caller's deadline talking."""
+        caller's deadline talking; ``for_later``: a call for the session's later turns (a prefix
+        sent without waiting), which the caller's deadline does not bound."""
         patience, left = self._draft_patience_s(prefill, context, ahead_ms), self._caller_left()
-        return (max(left, 0.001), True) if left < patience else (patience, False)
+        return (max(left, 0.001), True) if left < patience and not for_later else (patience, False)
 
-    async def _send(self, request: draft_pb2.ProposeRequest) -> None:
+    async def _send(self, request: draft_pb2.ProposeRequest, for_later: bool = False) -> None:
         assert self._stream is not None
-        await self._stream.send(request, *self._draft_timeout())
+        await self._stream.send(request, *self._draft_timeout(for_later=for_later))
 
     async def _read(
         self,
@@ -466,10 +471,13 @@ class WorkerSession:
         prefill: int = 0,
         context: int = 0,
         ahead_ms: float = 0.0,
+        for_later: bool = False,
     ) -> draft_pb2.ProposeResponse:
         """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped."""
         assert self._stream is not None
-        while not wanted(reply := await self._stream.receive(*self._draft_timeout(prefill, context, ahead_ms))):
+        while not wanted(
+            reply := await self._stream.receive(*self._draft_timeout(prefill, context, ahead_ms, for_later))
+        ):
             log.debug("stale_draft_reply", round_id=reply.round_id, lookahead=reply.lookahead)
         return reply
 
@@ -504,10 +512,14 @@ class WorkerSession:
         lookahead: bool | None = None,
         resend: bool = False,
         catch_up: bool = False,
+        for_later: bool = False,
     ) -> Proposal | None:
         """``lookahead``: whether the draft drafts the next block ahead (default: when pipelined);
         ``resend``: the draft asked for these tokens again; ``catch_up``: None instead of resending
-        a prefix that outlasts a target-only round (``draft_len`` is then where the draft can start)."""
+        a prefix that outlasts a target-only round (``draft_len`` is then where the draft can start);
+        ``for_later``: a prefix sent without waiting, which a finished turn may leave the draft to
+        finish for the session's later turns (``close_stream``): the caller's deadline does not
+        bound it (the turn does not wait for it; a turn that fails cancels it)."""
         assert self._stream is not None and self._draft is not None
         ahead = self._pipelined if lookahead is None else lookahead
         self._lookahead_round = None
@@ -526,12 +538,13 @@ class WorkerSession:
             sent, tail, prefills = time.monotonic(), len(sync.tail_token_ids), self._draft.prefills
             ahead_ms = prefills.ahead_ms
             with prefills.holding(_prefill_ms(self._costs, tail, len(committed), draft=True)):
-                await self._send(request)
+                await self._send(request, for_later)
                 reply = await self._read(
                     lambda r: not r.lookahead and r.round_id == round_id,
                     prefill=tail,
                     context=len(committed),
                     ahead_ms=ahead_ms,
+                    for_later=for_later,
                 )
             assert self._draft is not None
             # a prefill's time says nothing about how busy the draft is, nor the time of a call
@@ -719,7 +732,8 @@ class WorkerSession:
         (with a prefix sent without waiting that the draft has not answered). With ``keep`` (a
         finished turn whose caches stay for later requests), the draft is left to finish such a
         prefix, as the turn's commits said it holds it (``locations``): its answer is read in the
-        background (within the call's time limit), then the stream closed; a failure trips the
+        background (within the call's time limit, which the caller's deadline does not bound),
+        then the stream closed; a failure trips the
         breaker as in a turn. Cancelled, the draft would stop it and drop it, and a chat whose
         turns each ended before the draft had the history would have it computed every turn."""
         if keep and finished and self.catching_up and self._stream is not None:

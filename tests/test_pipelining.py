@@ -344,6 +344,39 @@ def test_a_turn_that_ends_while_its_draft_computes_the_prompt_leaves_it_to_finis
     assert len(LONG_PROMPT) <= total < 2 * len(LONG_PROMPT), total  # the prompt once, then 30 tokens at most
 
 
+def test_a_prompt_left_to_the_draft_outlives_the_deadline_of_the_turn_that_sent_it(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """As above with a prefill of 3 s, the first turn sent with a deadline of 1.5 s: ample for its
+    3 tokens, shorter than the draft's prefill of the prompt. The prompt is for the session's
+    later turns, so the background read is not held to that deadline: the draft finishes it
+    and the next turn sends only the new tokens. Before, the read was cut off at the caller's
+    deadline (after the turn had ended), which cancelled the call: the draft dropped the
+    prompt it had computed and the next turn had it computed again (a resync), and a chat whose
+    clients' deadlines were all shorter than the draft's prefill of the history never drafted."""
+    with _slow_prefill_cluster(tmp_path, tiny_models, prefill_s=3.0, prefill_from=64) as (cluster, stub):
+        draft_address = cluster.processes["draft"].address
+        computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+
+        def computed() -> int:
+            return worker_info(draft_address, "draft").prefill_tokens_total - computed_before
+
+        first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=1.5)
+        wait_for(lambda: computed() >= len(LONG_PROMPT), timeout_s=10)  # the draft's pass over the prompt ran
+        time.sleep(0.5)  # (its answer read, or the call cancelled and the cache dropped)
+        second = stub.Generate(_model_drafted(20, MESSAGE, session_id="chat"), timeout=60)
+        total = computed()
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    assert list(first.token_ids) == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 3, ignore_eos=True)
+    history = (*LONG_PROMPT, *first.token_ids, *MESSAGE)
+    assert list(second.token_ids) == reference_greedy(str(tiny_models.target), history, 20, ignore_eos=True)
+    assert first.stats.draft_catch_up_rounds == 2 and first.stats.target_only_rounds == 3, first.stats
+    assert second.stats.draft_catch_up_rounds < 5 and second.stats.cache_resyncs == 0, second.stats
+    assert second.stats.rounds > second.stats.target_only_rounds and second.stats.acceptance_rate == 1.0, second.stats
+    assert len(LONG_PROMPT) <= total < 2 * len(LONG_PROMPT), total  # the prompt once, then 30 tokens at most
+    assert failures == 0
+
+
 def test_a_turn_right_after_one_that_left_its_draft_computing_does_not_wait_behind_it(
     tmp_path: Path, tiny_models: TinyModels
 ) -> None:
