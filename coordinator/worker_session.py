@@ -733,14 +733,27 @@ class WorkerSession:
         finished turn whose caches stay for later requests), the draft is left to finish such a
         prefix, as the turn's commits said it holds it (``locations``): its answer is read in the
         background (within the call's time limit, which the caller's deadline does not bound),
-        then the stream closed; a failure trips the
-        breaker as in a turn. Cancelled, the draft would stop it and drop it, and a chat whose
-        turns each ended before the draft had the history would have it computed every turn."""
-        if keep and finished and self.catching_up and self._stream is not None:
-            task = asyncio.create_task(self._finish_catch_up())
-            _FINISHING.add(task)  # (a reference keeps the task alive)
-            task.add_done_callback(_FINISHING.discard)
-            return
+        then the stream closed; a failure trips the breaker as in a turn. Cancelled, the draft
+        would stop it and drop it, and a chat whose turns each ended before the draft had the
+        history would have it computed every turn. A replica is left at most ``max_finishing``
+        such prefixes at once; beyond that the prefix is cancelled (the next turn's claim then
+        costs a resync)."""
+        draft = self._draft
+        if keep and finished and self.catching_up and self._stream is not None and draft is not None:
+            if draft.finishing < draft.max_finishing:
+                draft.finishing += 1
+                self._metrics.draft_prefixes_finishing.inc()
+                task = asyncio.create_task(self._finish_catch_up())
+                _FINISHING.add(task)  # (a reference keeps the task alive)
+
+                def done(task: asyncio.Task[None]) -> None:
+                    _FINISHING.discard(task)
+                    draft.finishing -= 1
+                    self._metrics.draft_prefixes_finishing.dec()
+
+                task.add_done_callback(done)
+                return
+            log.info("draft_prefix_cancelled", address=draft.address, reason="as many left to the replica as turns")
         if self._catch_up is not None:
             self._catch_up.cancel()
             self._catch_up = None

@@ -591,6 +591,10 @@ class DraftClient:
         self.breaker = _Breaker(retry_s)
         self.turns = 0  # this coordinator's turns drafting on the replica now (see ``place``)
         self.prefills = PrefillQueue()
+        # prefixes that finished turns left it computing (``WorkerSession.close_stream``), and how
+        # many it may be left: as many as this coordinator's turns at once (its work from this
+        # coordinator stays within twice what admitted turns can send it)
+        self.finishing, self.max_finishing = 0, settings.max_concurrent_requests
         self._latency_s: float | None = None
         self.info = common_pb2.WorkerInfo()
         self.vocab_limit = 0  # the target's vocabulary size, sent with every proposal request

@@ -174,6 +174,7 @@ def _slow_prefill_cluster(
     prefill_s: float = 0.5,
     prefill_from: int = 32,
     state_url: str = "memory://",
+    coordinator_args: Sequence[str] = (),
 ) -> Iterator[tuple[LocalCluster, coordinator_pb2_grpc.GenerationStub]]:
     """Pipelined (as with the draft on other hardware than the target), a draft whose prefill is
     slow (``prefill_s`` a pass of ``prefill_from`` tokens or more, as a CPU draft's beside a GPU
@@ -187,7 +188,7 @@ def _slow_prefill_cluster(
     draft = build_stalling(
         tiny_models.target, tmp_path / "draft", stall_call=1, stall_s=0.0, wide_from=prefill_from, wide_s=prefill_s
     )
-    pipelined = ["--speculation-mode", "pipelined"]
+    pipelined = ["--speculation-mode", "pipelined", *coordinator_args]
     with (
         fault_cluster(
             tmp_path / "run",
@@ -375,6 +376,46 @@ def test_a_prompt_left_to_the_draft_outlives_the_deadline_of_the_turn_that_sent_
     assert second.stats.rounds > second.stats.target_only_rounds and second.stats.acceptance_rate == 1.0, second.stats
     assert len(LONG_PROMPT) <= total < 2 * len(LONG_PROMPT), total  # the prompt once, then 30 tokens at most
     assert failures == 0
+
+
+def test_the_prefixes_finished_turns_leave_a_draft_are_as_many_as_its_turns_at_once(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """As above with a prefill of 3 s and ``--max-concurrent-requests 1``: two sessions' first
+    turns end one after the other while the draft computes the first one's prompt. The first is
+    left to the draft; the second is not (the replica has as many as the coordinator's turns at
+    once already): its call is cancelled as a turn's end did before, so its next turn has the draft
+    compute its history again (a resync), while the first session's does not. Without the bound,
+    clients whose short turns end sooner than the draft's prefills (a flood of them, or many
+    users' chats) left it an ever longer queue of prefixes, each holding a call and its tokens in
+    the coordinator, while every session's draft calls waited behind them."""
+    other_prompt = [(11 * i) % 250 + 3 for i in range(len(LONG_PROMPT))]
+    coordinator = ["--max-concurrent-requests", "1"]
+    with _slow_prefill_cluster(tmp_path, tiny_models, prefill_s=3.0, prefill_from=64, coordinator_args=coordinator) as (
+        cluster,
+        stub,
+    ):
+        draft_address = cluster.processes["draft"].address
+        computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+        first = {
+            s: stub.Generate(_model_drafted(3, p, session_id=s), timeout=60)
+            for s, p in (("a", LONG_PROMPT), ("b", other_prompt))
+        }
+        finishing = metric(cluster, "coordinator", "specdec_draft_prefixes_finishing")
+        wait_for(
+            lambda: worker_info(draft_address, "draft").prefill_tokens_total - computed_before >= len(LONG_PROMPT),
+            timeout_s=10,
+        )
+        wait_for(lambda: metric(cluster, "coordinator", "specdec_draft_prefixes_finishing") == 0, timeout_s=10)
+        second = {s: stub.Generate(_model_drafted(20, MESSAGE, session_id=s), timeout=60) for s in ("a", "b")}
+    for session, prompt in (("a", LONG_PROMPT), ("b", other_prompt)):
+        history = (*prompt, *first[session].token_ids, *MESSAGE)
+        expected = reference_greedy(str(tiny_models.target), history, 20, ignore_eos=True)
+        assert list(second[session].token_ids) == expected, session
+        assert first[session].stats.draft_catch_up_rounds == 2, first[session].stats
+    assert finishing == 1
+    assert second["a"].stats.cache_resyncs == 0 and second["a"].stats.draft_catch_up_rounds < 5, second["a"].stats
+    assert second["b"].stats.cache_resyncs >= 1, second["b"].stats  # the draft dropped its prompt
 
 
 def test_a_turn_right_after_one_that_left_its_draft_computing_does_not_wait_behind_it(

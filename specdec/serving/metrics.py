@@ -121,6 +121,12 @@ class CoordinatorMetrics:
             "Rounds decoded target-only because more requests were generating than --speculation-max-requests",
             registry=registry,
         )
+        self.draft_prefixes_finishing = Gauge(
+            "specdec_draft_prefixes_finishing",
+            "Prefixes that finished turns left the draft computing for their sessions' next turns, "
+            "read in the background (at most --max-concurrent-requests per draft replica)",
+            registry=registry,
+        )
         self.draft_catch_up_rounds = Counter(
             "specdec_draft_catch_up_rounds",
             "Rounds decoded without the draft model while it computed a long prefix sent without waiting "
