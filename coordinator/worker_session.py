@@ -753,7 +753,11 @@ class WorkerSession:
 
                 task.add_done_callback(done)
                 return
-            log.info("draft_prefix_cancelled", address=draft.address, reason="as many left to the replica as turns")
+            log.info(
+                "draft_prefix_cancelled",
+                address=draft.address,
+                reason="the replica computes --max-concurrent-requests prefixes that finished turns left it",
+            )
         if self._catch_up is not None:
             self._catch_up.cancel()
             self._catch_up = None

@@ -323,16 +323,38 @@ def test_a_turn_that_ends_while_its_draft_computes_the_prompt_leaves_it_to_finis
     and the turn recorded that the draft held nothing, so the next turn had it compute the whole
     history again; a chat whose turns all ended sooner than that never had the draft catch up."""
     with _slow_prefill_cluster(tmp_path, tiny_models) as (cluster, stub):
-        draft_address = cluster.processes["draft"].address
-        computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+        turns = _turn_then_next(cluster, stub)
+    _check_next_turn_went_on_from_the_prompt(tiny_models, *turns)
 
-        def computed() -> int:
-            return worker_info(draft_address, "draft").prefill_tokens_total - computed_before
 
-        first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=60)
-        wait_for(lambda: computed() >= len(LONG_PROMPT), timeout_s=10)  # the reply read: the draft has the prompt
-        second = stub.Generate(_model_drafted(20, MESSAGE, session_id="chat"), timeout=60)
-        total = computed()
+def _turn_then_next(
+    cluster: LocalCluster, stub: coordinator_pb2_grpc.GenerationStub, first_timeout_s: float = 60
+) -> tuple[coordinator_pb2.GenerateResponse, coordinator_pb2.GenerateResponse, int]:
+    """A session's 3-token first turn, then, once the draft's pass over its prompt has run and no
+    prefix is left to the draft, its 20-token next turn: both replies and the tokens the draft
+    computed meanwhile."""
+    draft_address = cluster.processes["draft"].address
+    computed_before = worker_info(draft_address, "draft").prefill_tokens_total
+
+    def computed() -> int:
+        return worker_info(draft_address, "draft").prefill_tokens_total - computed_before
+
+    first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=first_timeout_s)
+    wait_for(lambda: computed() >= len(LONG_PROMPT), timeout_s=10)
+    # its answer read, or the call cancelled (the draft then drops the prompt)
+    wait_for(lambda: metric(cluster, "coordinator", "specdec_draft_prefixes_finishing") == 0, timeout_s=10)
+    second = stub.Generate(_model_drafted(20, MESSAGE, session_id="chat"), timeout=60)
+    return first, second, computed()
+
+
+def _check_next_turn_went_on_from_the_prompt(
+    tiny_models: TinyModels,
+    first: coordinator_pb2.GenerateResponse,
+    second: coordinator_pb2.GenerateResponse,
+    computed: int,
+) -> None:
+    """The first turn of ``_turn_then_next`` ended before the draft had its prompt, and the next
+    turn had the draft compute only the new tokens, then drafted; the tokens are the target's."""
     assert list(first.token_ids) == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 3, ignore_eos=True)
     history = (*LONG_PROMPT, *first.token_ids, *MESSAGE)
     assert list(second.token_ids) == reference_greedy(str(tiny_models.target), history, 20, ignore_eos=True)
@@ -342,7 +364,7 @@ def test_a_turn_that_ends_while_its_draft_computes_the_prompt_leaves_it_to_finis
     # it sends the new tokens without waiting: answered at once (before: 13-15 rounds and a resync)
     assert second.stats.draft_catch_up_rounds < 5 and second.stats.cache_resyncs == 0, second.stats
     assert second.stats.rounds > second.stats.target_only_rounds and second.stats.acceptance_rate == 1.0, second.stats
-    assert len(LONG_PROMPT) <= total < 2 * len(LONG_PROMPT), total  # the prompt once, then 30 tokens at most
+    assert len(LONG_PROMPT) <= computed < 2 * len(LONG_PROMPT), computed  # the prompt once, then 30 tokens at most
 
 
 def test_a_prompt_left_to_the_draft_outlives_the_deadline_of_the_turn_that_sent_it(
@@ -356,25 +378,9 @@ def test_a_prompt_left_to_the_draft_outlives_the_deadline_of_the_turn_that_sent_
     prompt it had computed and the next turn had it computed again (a resync), and a chat whose
     clients' deadlines were all shorter than the draft's prefill of the history never drafted."""
     with _slow_prefill_cluster(tmp_path, tiny_models, prefill_s=3.0, prefill_from=64) as (cluster, stub):
-        draft_address = cluster.processes["draft"].address
-        computed_before = worker_info(draft_address, "draft").prefill_tokens_total
-
-        def computed() -> int:
-            return worker_info(draft_address, "draft").prefill_tokens_total - computed_before
-
-        first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=1.5)
-        wait_for(lambda: computed() >= len(LONG_PROMPT), timeout_s=10)  # the draft's pass over the prompt ran
-        time.sleep(0.5)  # (its answer read, or the call cancelled and the cache dropped)
-        second = stub.Generate(_model_drafted(20, MESSAGE, session_id="chat"), timeout=60)
-        total = computed()
+        turns = _turn_then_next(cluster, stub, first_timeout_s=1.5)
         failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
-    assert list(first.token_ids) == reference_greedy(str(tiny_models.target), tuple(LONG_PROMPT), 3, ignore_eos=True)
-    history = (*LONG_PROMPT, *first.token_ids, *MESSAGE)
-    assert list(second.token_ids) == reference_greedy(str(tiny_models.target), history, 20, ignore_eos=True)
-    assert first.stats.draft_catch_up_rounds == 2 and first.stats.target_only_rounds == 3, first.stats
-    assert second.stats.draft_catch_up_rounds < 5 and second.stats.cache_resyncs == 0, second.stats
-    assert second.stats.rounds > second.stats.target_only_rounds and second.stats.acceptance_rate == 1.0, second.stats
-    assert len(LONG_PROMPT) <= total < 2 * len(LONG_PROMPT), total  # the prompt once, then 30 tokens at most
+    _check_next_turn_went_on_from_the_prompt(tiny_models, *turns)
     assert failures == 0
 
 
