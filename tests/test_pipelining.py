@@ -394,7 +394,7 @@ def test_the_prefixes_finished_turns_leave_a_draft_are_as_many_as_its_turns_at_o
     compute its history again (a resync), while the first session's does not. Without the bound,
     clients whose short turns end sooner than the draft's prefills (a flood of them, or many
     users' chats) left it an ever longer queue of prefixes, each holding a call and its tokens in
-    the coordinator, while every session's draft calls waited behind them."""
+    the coordinator, and the draft's passes went to prompts nobody may come back for."""
     other_prompt = [(11 * i) % 250 + 3 for i in range(len(LONG_PROMPT))]
     coordinator = ["--max-concurrent-requests", "1"]
     with _slow_prefill_cluster(tmp_path, tiny_models, prefill_s=3.0, prefill_from=64, coordinator_args=coordinator) as (
