@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -25,6 +26,8 @@ from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, St
 from tests.helpers import RedisServer
 
 TOKENS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=5)
+# a draft location's ready_by: held, or a time (one with more digits than a cut's re-encoding keeps)
+READY_BY = st.sampled_from([0.0, 1_800_000_000.25, 1_764_590_000.123456])
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -88,7 +91,9 @@ class StoreMachine(RuleBasedStateMachine):
     def commit(self, append: list[int], data: st.DataObject) -> None:
         after = len(self.tokens) + len(append)
         target = CacheLocation("t:1", data.draw(st.integers(0, after)))
-        self._apply(Commit(self.version, f"s{next(self.steps)}", append, target=target))
+        length, ready_by = data.draw(st.integers(0, after)), data.draw(READY_BY)
+        draft = data.draw(st.sampled_from([None, CacheLocation("d:1", length, ready_by=ready_by)]))
+        self._apply(Commit(self.version, f"s{next(self.steps)}", append, target=target, draft=draft))
 
     @rule(append=TOKENS, data=st.data())
     def rollback(self, append: list[int], data: st.DataObject) -> None:
@@ -151,6 +156,29 @@ class StoreMachine(RuleBasedStateMachine):
                 self.store.commit(self.session, self.owner, Commit(self.version, f"s{next(self.steps)}", target=target))
             )
 
+    @rule(data=st.data())
+    def mark_draft_ready(self, data: st.DataObject) -> None:
+        """A finished turn's background read marks the draft location held, with no lease: only
+        while it is the one recorded (by value), and nothing else changes."""
+        record = self.run(self.store.get(self.session))
+        assert record is not None
+        recorded, claims = record.draft, [CacheLocation("d:1", len(self.tokens) // 2, ready_by=1.5)]
+        if recorded is not None:
+            claims += [
+                recorded,
+                dataclasses.replace(recorded, length=recorded.length + 1),
+                dataclasses.replace(recorded, ready_by=recorded.ready_by + 1),
+            ]
+        claim = data.draw(st.sampled_from(claims))
+        marked = self.run(self.store.mark_draft_ready(self.session, claim))
+        assert marked == (claim == recorded)
+        after = self.run(self.store.get(self.session))
+        assert after is not None
+        assert after.draft == (dataclasses.replace(claim, ready_by=0.0) if marked else recorded)
+        assert (after.version, after.tokens, after.target, after.owner) == (
+            record.version, record.tokens, record.target, record.owner
+        )  # fmt: skip
+
     @invariant()
     def matches_model(self) -> None:
         record = self.run(self.store.get(self.session))
@@ -159,8 +187,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert record.version == self.version
         if not self.last_was_rollback:
             assert len(record.tokens) >= self.last_len
-        if record.target is not None:
-            assert record.target.length <= len(record.tokens)
+        for location in (record.target, record.draft):
+            assert location is None or location.length <= len(record.tokens)
         self.last_len = len(record.tokens)
 
 

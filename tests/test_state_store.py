@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
@@ -309,6 +310,40 @@ async def test_a_cache_location_keeps_the_time_by_which_its_worker_has_what_it_w
     got = await store.get(session)
     assert got is not None and got.draft == CacheLocation("d", 1, ready_by=1_800_000_000.25)
     assert CacheLocation.from_json('{"address": "d:1", "length": 97, "source": ""}') == CacheLocation("d:1", 97)
+
+
+async def test_a_draft_location_claimed_without_waiting_is_marked_held_while_it_is_the_one_recorded(
+    store: StateStore,
+) -> None:
+    """The background read of a prefix a finished turn left the draft marks the location that turn
+    recorded as held (``ready_by`` 0) with no lease; not once a later commit recorded another
+    location (a later turn's, or one cut by a rollback), nor a session that is gone."""
+    session, first, later_owner = sid(), sid(), sid()  # (a released owner cannot acquire again)
+    await store.acquire(session, first, create=True)
+    claimed = CacheLocation("d:1", 3, "other", ready_by=1_800_000_000.123456)
+    await store.commit(session, first, Commit(0, "a", [1, 2, 3], target=CacheLocation("t", 3), draft=claimed))
+    await store.release(session, first)
+    assert await store.mark_draft_ready(session, claimed)
+    got = await store.get(session)
+    assert got is not None and got.draft == CacheLocation("d:1", 3, "other") and got.version == 1
+    assert got.tokens == [1, 2, 3] and got.target == CacheLocation("t", 3) and got.owner == ""
+    # a later turn's commit recorded another location: it stays
+    await store.acquire(session, later_owner, create=False)
+    later = CacheLocation("d:1", 4, ready_by=1_800_000_001.5)
+    await store.commit(session, later_owner, Commit(1, "b", [4], draft=later))
+    assert not await store.mark_draft_ready(session, dataclasses.replace(later, length=3))
+    await store.commit(session, later_owner, Commit(2, "c", truncate_to=2))  # a rollback cuts it
+    assert not await store.mark_draft_ready(session, later)
+    got = await store.get(session)
+    assert got is not None and got.draft == CacheLocation("d:1", 2, ready_by=1_800_000_001.5)
+    assert got.owner == later_owner
+    # the location as the cut left it is compared by value (Redis re-encoded the field)
+    assert await store.mark_draft_ready(session, got.draft)
+    got = await store.get(session)
+    assert got is not None and got.draft == CacheLocation("d:1", 2) and got.version == 3
+    await store.delete(session)
+    assert not await store.mark_draft_ready(session, CacheLocation("d:1", 2))
+    assert await store.get(session) is None  # not made again
 
 
 @pytest.mark.asyncio

@@ -221,6 +221,14 @@ class StateStore(ABC):
         the store in any order."""
 
     @abstractmethod
+    async def mark_draft_ready(self, session_id: str, claimed: CacheLocation) -> bool:
+        """The draft has computed the prefix that a turn sent it without waiting and recorded as
+        ``claimed`` (its ``ready_by`` set): the session's draft location, if it still is
+        ``claimed``, becomes held (``ready_by`` 0), so later calls need not wait. Needs no lease
+        (the turn has ended; a later commit that recorded another location wins); False when the
+        location is another by now or the session is gone."""
+
+    @abstractmethod
     async def get(self, session_id: str) -> SessionRecord | None:
         """The record, or None when it does not exist."""
 

@@ -196,6 +196,14 @@ class MemoryStateStore(StateStore):
                 record.owner = ""
                 self._lease_until.pop(session_id, None)
 
+    async def mark_draft_ready(self, session_id: str, claimed: CacheLocation) -> bool:
+        async with self._lock:
+            record = self._live(session_id, time.time())
+            if record is None or record.draft != claimed:
+                return False
+            record.draft = dataclasses.replace(claimed, ready_by=0.0)
+            return True
+
     async def get(self, session_id: str) -> SessionRecord | None:
         async with self._lock:
             record = self._live(session_id, time.time())

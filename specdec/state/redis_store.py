@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -160,6 +161,21 @@ return {'applied', version}
 """
 )
 
+# KEYS: session; ARGV: the draft location claimed (address, length, source, ready_by), the JSON to
+# write; 1 when written (the session exists and its draft location still is the one claimed, by
+# value: a cut re-encodes the field)
+_MARK_DRAFT_READY = """
+local raw = redis.call('HGET', KEYS[1], 'draft')
+if not raw or raw == '' then return 0 end
+local loc = cjson.decode(raw)
+if loc.address ~= ARGV[1] or loc.length ~= tonumber(ARGV[2]) or (loc.source or '') ~= ARGV[3]
+   or (loc.ready_by or 0) ~= tonumber(ARGV[4]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'draft', ARGV[5])
+return 1
+"""
+
 # KEYS: session, session tokens; ARGV: owner, lease_ms, ttl_ms, the session's creation time in ms ('' = any);
 # returns -1 when the session is gone or was made again since, 0 when another request holds it
 _RENEW = (
@@ -273,6 +289,7 @@ class RedisStateStore(StateStore):
         self._commit = self._client.register_script(_COMMIT)
         self._renew = self._client.register_script(_RENEW)
         self._release = self._client.register_script(_RELEASE)
+        self._mark_draft_ready = self._client.register_script(_MARK_DRAFT_READY)
 
     def key(self, session_id: str) -> str:
         return f"{self._prefix}session:{session_id}"
@@ -375,6 +392,11 @@ class RedisStateStore(StateStore):
         keys = [self.key(session_id), self._tombstone(owner), self.tokens_key(session_id)]
         args = [owner, self._lease_ms + TOMBSTONE_EXTRA_MS, int(delete)]
         await self._call(lambda: self._release(keys=keys, args=args))
+
+    async def mark_draft_ready(self, session_id: str, claimed: CacheLocation) -> bool:
+        held = dataclasses.replace(claimed, ready_by=0.0).to_json()
+        args = [claimed.address, claimed.length, claimed.source, repr(claimed.ready_by), held]
+        return bool(await self._call(lambda: self._mark_draft_ready(keys=[self.key(session_id)], args=args)))
 
     async def get(self, session_id: str) -> SessionRecord | None:
         async def read() -> list[Any]:
