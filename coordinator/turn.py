@@ -608,7 +608,8 @@ class Turn:
         --state-retry-s of their own: the caller may be gone, the session must not stay locked."""
         if self._renewal is not None:
             self._renewal.cancel()
-        self.workers.close_stream(finished, keep=not self.one_shot)  # the session's next turn goes on from it
+        # the session's next turn goes on from it
+        self.workers.close_stream(finished, keep=not self.one_shot, held=self._draft_held)
         self.workers.unbind()
         store, budget = self.deps.store, self.deps.state_retry_s
         if self._acquiring:
@@ -630,6 +631,15 @@ class Turn:
             await self._record_prefix()  # a one-shot request's caches stay for reuse (LRU-bounded)
         elif self.one_shot or not finished:
             await self.workers.release(self.deps.cleanup_timeout_s)
+
+    async def _draft_held(self, claimed: CacheLocation) -> None:
+        """The draft has computed the prefix this turn left it (recorded as ``claimed``): the
+        session state says so, if no later turn recorded another location meanwhile (a turn
+        that finds it still waiting only goes without the draft a round longer)."""
+        try:
+            await self.deps.store.mark_draft_ready(self.session_id, claimed)
+        except SpecdecError as exc:
+            log.warning("draft_ready_not_recorded", error=str(exc))
 
     async def _rollback(self) -> CommitResult:
         """The session back to where this turn found it; the owner's commit, whatever the version."""

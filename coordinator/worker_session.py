@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -727,23 +727,29 @@ class WorkerSession:
         """This round does not use the draft model: a block it drafts ahead is of no use."""
         self._last = None
 
-    def close_stream(self, finished: bool = False, keep: bool = False) -> None:
+    def close_stream(
+        self,
+        finished: bool = False,
+        keep: bool = False,
+        held: Callable[[CacheLocation], Awaitable[None]] | None = None,
+    ) -> None:
         """Ends the turn's draft stream: closed cleanly after a turn that finished, else cancelled
         (with a prefix sent without waiting that the draft has not answered). With ``keep`` (a
         finished turn whose caches stay for later requests), the draft is left to finish such a
         prefix, as the turn's commits said it holds it (``locations``): its answer is read in the
         background (within the call's time limit, which the caller's deadline does not bound),
-        then the stream closed; a failure trips the breaker as in a turn. Cancelled, the draft
-        would stop it and drop it, and a chat whose turns each ended before the draft had the
-        history would have it computed every turn. A replica is left at most ``max_finishing``
-        such prefixes at once; beyond that the prefix is cancelled (the next turn's claim then
-        costs a resync)."""
+        then the stream closed and ``held`` called with the location the commits recorded (the
+        session state then says the draft holds it: the next turn need not wait for it); a
+        failure trips the breaker as in a turn. Cancelled, the draft would stop it and drop it,
+        and a chat whose turns each ended before the draft had the history would have it
+        computed every turn. A replica is left at most ``max_finishing`` such prefixes at once;
+        beyond that the prefix is cancelled (the next turn's claim then costs a resync)."""
         draft = self._draft
         if keep and finished and self.catching_up and self._stream is not None and draft is not None:
             if draft.finishing < draft.max_finishing:
                 draft.finishing += 1
                 self._metrics.draft_prefixes_finishing.inc()
-                task = asyncio.create_task(self._finish_catch_up())
+                task = asyncio.create_task(self._finish_catch_up(self.locations()[1], held))
                 _FINISHING.add(task)  # (a reference keeps the task alive)
 
                 def done(task: asyncio.Task[None]) -> None:
@@ -768,9 +774,11 @@ class WorkerSession:
                 self._stream.cancel()
             self._stream = None
 
-    async def _finish_catch_up(self) -> None:
-        """Reads the draft's answer to the prefix a finished turn left it computing, then ends
-        the stream (or takes the failure)."""
+    async def _finish_catch_up(
+        self, claimed: CacheLocation | None, held: Callable[[CacheLocation], Awaitable[None]] | None
+    ) -> None:
+        """Reads the draft's answer to the prefix a finished turn left it computing (recorded as
+        ``claimed``), then ends the stream and says that the draft holds it (or takes the failure)."""
         assert self._catch_up is not None
         try:
             answer = await self._catch_up
@@ -781,8 +789,10 @@ class WorkerSession:
         self._catch_up = None
         if isinstance(answer, WorkerCallFailed):
             self._draft_failed(answer)
-        else:
-            self.close_stream(finished=True)
+            return
+        self.close_stream(finished=True)
+        if held is not None and claimed is not None:
+            await held(claimed)
 
     async def release(self, timeout_s: float) -> None:
         """Frees the session's caches in the workers (best effort)."""
