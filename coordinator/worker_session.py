@@ -306,8 +306,12 @@ class WorkerSession:
         draft = None
         if self._draft is not None:
             # what the draft is computing counts as held: a turn that ends meanwhile leaves it
-            # to finish (``close_stream``); a claim the draft turns out not to hold costs a resync
-            length, ready_by = (self._catch_up_len, self._catch_up_by) if self.catching_up else (self.draft_len, 0.0)
+            # to finish (``close_stream``); a claim the draft turns out not to hold costs a resync.
+            # Else what an earlier turn left it computing, until a call of this turn is answered
+            # (a turn that never calls the draft keeps it for the next)
+            length, ready_by = (
+                (self._catch_up_len, self._catch_up_by) if self.catching_up else (self.draft_len, self._draft_ready_by)
+            )
             draft = CacheLocation(self._draft.address, length, self._draft_source, ready_by)
         return target, draft
 
@@ -328,7 +332,7 @@ class WorkerSession:
         chosen = place(self._drafts.replicas, self.session_id, {})
         if chosen is not None:
             self._set_draft(chosen)
-            self.draft_len, self._draft_source = 0, ""
+            self.draft_len, self._draft_source, self._draft_ready_by = 0, "", 0.0
         return chosen
 
     def _open_stream(self) -> bool:

@@ -449,27 +449,64 @@ def test_a_turn_right_after_one_that_left_its_draft_computing_does_not_wait_behi
     assert failures == 0
 
 
+def test_a_turn_that_does_not_call_the_draft_keeps_the_time_it_may_still_compute_the_prompt(
+    tmp_path: Path, tiny_models: TinyModels
+) -> None:
+    """As above, with a one-token turn sent at once between the two (no round of it can draft,
+    so it never calls the draft): its commits keep the time by which the draft has the prompt, so
+    the turn after it too goes on without the draft until the draft answers, allows for the wait
+    (no draft failure), then drafts. Before, such a turn recorded the draft's location as held
+    at once (``ready_by`` 0): the turn after it called the draft, waited behind the prompt past
+    the draft's patience, and the timeout tripped the draft's breaker (every session then went
+    without the draft for --draft-retry-s)."""
+    with _slow_prefill_cluster(tmp_path, tiny_models, prefill_s=2.0, prefill_from=64) as (cluster, stub):
+        turns = _turns_at_once(stub, stub, cluster.processes["draft"].address, between=True)
+        failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    _check_went_on_then_drafted(tiny_models, *turns)
+    assert failures == 0
+
+
+BETWEEN = [4]  # the message of a one-token turn between two others
+
+
 def _turns_at_once(
-    first_stub: coordinator_pb2_grpc.GenerationStub, next_stub: coordinator_pb2_grpc.GenerationStub, draft_address: str
-) -> tuple[coordinator_pb2.GenerateResponse, list[coordinator_pb2.GenerateStreamResponse], int]:
+    first_stub: coordinator_pb2_grpc.GenerationStub,
+    next_stub: coordinator_pb2_grpc.GenerationStub,
+    draft_address: str,
+    between: bool = False,
+) -> tuple[
+    coordinator_pb2.GenerateResponse,
+    coordinator_pb2.GenerateResponse | None,
+    list[coordinator_pb2.GenerateStreamResponse],
+    int,
+]:
     """A session's 3-token first turn (through ``first_stub``), then its next turn of 100 tokens
-    sent at once (through ``next_stub``): the first turn's reply, the next turn's stream messages
-    and the tokens the draft computed meanwhile."""
+    sent at once (through ``next_stub``); with ``between``, a one-token turn (``BETWEEN``) sent at
+    once before that one (no round of it can draft: it never calls the draft). The replies, the
+    last turn's stream messages and the tokens the draft computed meanwhile."""
     computed_before = worker_info(draft_address, "draft").prefill_tokens_total
     first = first_stub.Generate(_model_drafted(3, session_id="chat"), timeout=60)
+    middle = next_stub.Generate(_model_drafted(1, BETWEEN, session_id="chat"), timeout=60) if between else None
     messages = list(next_stub.GenerateStream(_model_drafted(100, MESSAGE, session_id="chat"), timeout=60))
-    return first, messages, worker_info(draft_address, "draft").prefill_tokens_total - computed_before
+    return first, middle, messages, worker_info(draft_address, "draft").prefill_tokens_total - computed_before
 
 
 def _check_went_on_then_drafted(
     tiny_models: TinyModels,
     first: coordinator_pb2.GenerateResponse,
+    middle: coordinator_pb2.GenerateResponse | None,
     messages: list[coordinator_pb2.GenerateStreamResponse],
     computed: int,
 ) -> None:
-    """The next turn of ``_turns_at_once`` went on without the draft until the draft answered,
+    """The last turn of ``_turns_at_once`` went on without the draft until the draft answered,
     then drafted; the draft computed the prompt once; the tokens are the target's."""
-    history = (*LONG_PROMPT, *first.token_ids, *MESSAGE)
+    history: tuple[int, ...] = (*LONG_PROMPT, *first.token_ids)
+    if middle is not None:
+        history += (*BETWEEN,)
+        assert list(middle.token_ids) == reference_greedy(str(tiny_models.target), history, 1, ignore_eos=True)
+        assert middle.stats.rounds == 1 and middle.stats.draft_catch_up_rounds == 0, middle.stats
+        history += (*middle.token_ids,)
+    history += (*MESSAGE,)
     tokens = [t for m in messages for t in m.token_ids]
     assert tokens == reference_greedy(str(tiny_models.target), history, 100, ignore_eos=True)
     assert first.stats.draft_catch_up_rounds == 2 and first.stats.target_only_rounds == 3, first.stats
