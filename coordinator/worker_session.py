@@ -419,9 +419,13 @@ class WorkerSession:
             self._draft_failed(answer)
             return False
         self.draft_len = _draft_holds(answer, committed)
+        self._time_prefill(answer)
+        return True
+
+    def _time_prefill(self, answer: Proposal) -> None:
+        """A prefix sent without waiting was computed: its pass is the draft's prefill rate."""
         if self._costs is not None:
             self._costs.observe_prefill(answer.computed, answer.compute_ms, draft=True)
-        return True
 
     async def propose(
         self, committed: list[int], k: int, decoding: Decoding, round_id: int, catch_up: bool = False
@@ -782,7 +786,8 @@ class WorkerSession:
         self, claimed: CacheLocation | None, held: Callable[[CacheLocation], Awaitable[None]] | None
     ) -> None:
         """Reads the draft's answer to the prefix a finished turn left it computing (recorded as
-        ``claimed``), then ends the stream and says that the draft holds it (or takes the failure)."""
+        ``claimed``), times its prefill, then ends the stream and says that the draft holds it (or
+        takes the failure)."""
         assert self._catch_up is not None
         try:
             answer = await self._catch_up
@@ -794,6 +799,7 @@ class WorkerSession:
         if isinstance(answer, WorkerCallFailed):
             self._draft_failed(answer)
             return
+        self._time_prefill(answer)
         self.close_stream(finished=True)
         if held is not None and claimed is not None:
             await held(claimed)

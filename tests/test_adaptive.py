@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from coordinator.adaptive import (
@@ -503,6 +505,24 @@ async def test_a_call_that_prefills_gets_the_time_its_tokens_take() -> None:
     expected = 2.0 + 4 * (3000 * 0.75 + 1000) / 1000
     assert session.time_left(prefill=3000, context=4000, ahead_ms=1000) == pytest.approx(expected)
     assert session.time_left(prefill=10, context=4000, ahead_ms=1000) == 2.0  # a round waits for one chunk at most
+
+
+async def test_a_prefix_answered_after_its_turn_ended_still_times_the_draft_s_prefill() -> None:
+    """A finished turn leaves the draft the prefix it sent without waiting, and the answer is
+    read in the background: that pass (a prompt, a history) is the draft's prefill like one a turn
+    reads, so it feeds the rate the next calls' time limits allow for (main: only answers read in
+    a turn did; a chat whose turns all end first kept the rate the draft timed at start-up)."""
+    from coordinator.worker_session import Proposal, WorkerSession
+    from specdec.v1 import common_pb2
+
+    costs = StepCosts()
+    session = WorkerSession("s", None, None, None, 2.0, None, costs=costs)  # type: ignore[arg-type]
+    answer = Proposal(common_pb2.DraftBlock(token_ids=[7]), cache_len=301, start=300, compute_ms=600.0, computed=301)
+    session._catch_up = asyncio.get_running_loop().create_future()
+    session._catch_up.set_result(answer)
+    await session._finish_catch_up(None, None)
+    assert costs.draft_prefill_per_token == pytest.approx(600.0 / 301)
+    assert costs.prefill_per_token is None  # the target's rate is its own
 
 
 def test_a_replica_counts_the_prefills_sent_to_it_until_they_are_answered() -> None:
