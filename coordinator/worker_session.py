@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import structlog
 
@@ -40,13 +41,23 @@ from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
 
+T = TypeVar("T")
+
 _VERIFY_RETRY_PAUSE_S = 0.1
 # A call that must compute a prefix of at least PREFILL_MIN_TOKENS first gets this many times its
 # measured cost on top of its timeout (a long prompt's attention costs more per token than the
 # shorter ones measured); fewer tokens are a round's work, which the timeout itself covers.
 _PREFILL_MARGIN = 4
-# turns' streams left open until the draft answers a prefix sent without waiting (``close_stream``)
-_FINISHING: set[asyncio.Task[None]] = set()
+# what finished turns leave running (``close_stream``): the read of the draft's answer to a prefix
+# sent without waiting, then the session state's record of it; a reference keeps each task alive
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+def _keep(work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    task = asyncio.create_task(work)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
 
 
 @dataclass(frozen=True)
@@ -739,7 +750,7 @@ class WorkerSession:
         self,
         finished: bool = False,
         keep: bool = False,
-        held: Callable[[CacheLocation], Awaitable[None]] | None = None,
+        held: Callable[[CacheLocation], Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         """Ends the turn's draft stream: closed cleanly after a turn that finished, else cancelled
         (with a prefix sent without waiting that the draft has not answered). With ``keep`` (a
@@ -750,20 +761,25 @@ class WorkerSession:
         session state then says the draft holds it: the next turn need not wait for it); a
         failure trips the breaker as in a turn. Cancelled, the draft would stop it and drop it,
         and a chat whose turns each ended before the draft had the history would have it
-        computed every turn. A replica is left at most ``max_finishing`` such prefixes at once;
-        beyond that the prefix is cancelled (the next turn's claim then costs a resync)."""
+        computed every turn. A replica is left at most ``max_finishing`` such prefixes at once,
+        each counted until the draft answers (not while the state records it); beyond that the
+        prefix is cancelled (the next turn's claim then costs a resync)."""
         draft = self._draft
         if keep and finished and self.catching_up and self._stream is not None and draft is not None:
             if draft.finishing < draft.max_finishing:
                 draft.finishing += 1
                 self._metrics.draft_prefixes_finishing.inc()
-                task = asyncio.create_task(self._finish_catch_up(self.locations()[1], held))
-                _FINISHING.add(task)  # (a reference keeps the task alive)
+                claimed = self.locations()[1]
+                task = _keep(self._finish_catch_up())
 
-                def done(task: asyncio.Task[None]) -> None:
-                    _FINISHING.discard(task)
+                def done(task: asyncio.Task[bool]) -> None:
                     draft.finishing -= 1
                     self._metrics.draft_prefixes_finishing.dec()
+                    # the store's write comes after the count is given back: a store out of reach
+                    # does not hold a place of the draft's
+                    answered = not task.cancelled() and task.exception() is None and task.result()
+                    if answered and held is not None and claimed is not None:
+                        _keep(held(claimed))
 
                 task.add_done_callback(done)
                 return
@@ -782,12 +798,9 @@ class WorkerSession:
                 self._stream.cancel()
             self._stream = None
 
-    async def _finish_catch_up(
-        self, claimed: CacheLocation | None, held: Callable[[CacheLocation], Awaitable[None]] | None
-    ) -> None:
-        """Reads the draft's answer to the prefix a finished turn left it computing (recorded as
-        ``claimed``), times its prefill, then ends the stream and says that the draft holds it (or
-        takes the failure)."""
+    async def _finish_catch_up(self) -> bool:
+        """Reads the draft's answer to the prefix a finished turn left it computing, times its
+        prefill and ends the stream: whether the draft holds the prefix (else it took the failure)."""
         assert self._catch_up is not None
         try:
             answer = await self._catch_up
@@ -798,11 +811,10 @@ class WorkerSession:
         self._catch_up = None
         if isinstance(answer, WorkerCallFailed):
             self._draft_failed(answer)
-            return
+            return False
         self._time_prefill(answer)
         self.close_stream(finished=True)
-        if held is not None and claimed is not None:
-            await held(claimed)
+        return True
 
     async def release(self, timeout_s: float) -> None:
         """Frees the session's caches in the workers (best effort)."""

@@ -520,7 +520,7 @@ async def test_a_prefix_answered_after_its_turn_ended_still_times_the_draft_s_pr
     answer = Proposal(common_pb2.DraftBlock(token_ids=[7]), cache_len=301, start=300, compute_ms=600.0, computed=301)
     session._catch_up = asyncio.get_running_loop().create_future()
     session._catch_up.set_result(answer)
-    await session._finish_catch_up(None, None)
+    assert await session._finish_catch_up()
     assert costs.draft_prefill_per_token == pytest.approx(600.0 / 301)
     assert costs.prefill_per_token is None  # the target's rate is its own
 

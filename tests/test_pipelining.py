@@ -576,9 +576,11 @@ def test_a_state_store_out_of_reach_when_the_draft_finishes_a_left_prompt_costs_
     until the draft has answered and the background read has tried to record it: the record
     fails (logged; nothing else waits on it) and the session's next turn, after Redis is back,
     knows only the prompt's time limit: if that has not passed, it goes on without the draft for
-    a round; then it drafts. No draft failure, no resync, the target's tokens."""
+    a round; then it drafts. No draft failure, no resync, the target's tokens. The replica's count
+    of prefixes left to it drops when the draft answers, not after the store's write (which
+    held it for the store's timeout: other turns' prefixes were cancelled at the bound meanwhile)."""
     redis = RedisServer(tmp_path / "redis-data")
-    coordinator = ["--state-timeout-s", "0.5"]
+    coordinator = ["--state-timeout-s", "1"]
     try:
         with _slow_prefill_cluster(
             tmp_path, tiny_models, prefill_s=1.0, prefill_from=64, state_url=redis.url, coordinator_args=coordinator
@@ -586,9 +588,13 @@ def test_a_state_store_out_of_reach_when_the_draft_finishes_a_left_prompt_costs_
             first = stub.Generate(_model_drafted(3, session_id="chat"), timeout=60)
             os.kill(redis.proc.pid, signal.SIGSTOP)
             log_file = cluster.processes["coordinator"].log_file
+            finishing = "specdec_draft_prefixes_finishing"
             try:
+                wait_for(lambda: metric(cluster, "coordinator", finishing) == 1, timeout_s=10)
+                wait_for(lambda: metric(cluster, "coordinator", finishing) == 0, timeout_s=20)
+                assert "draft_ready_not_recorded" not in log_file.read_text()  # the write still waits
                 wait_for(lambda: "draft_ready_not_recorded" in log_file.read_text(), timeout_s=20)
-                assert metric(cluster, "coordinator", "specdec_draft_prefixes_finishing") == 0
+                assert metric(cluster, "coordinator", finishing) == 0
             finally:
                 os.kill(redis.proc.pid, signal.SIGCONT)
             second = stub.Generate(_model_drafted(20, MESSAGE, session_id="chat"), timeout=60)
