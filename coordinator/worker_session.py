@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 
@@ -27,6 +27,7 @@ from coordinator.workers import (
     TargetClient,
     TargetPool,
     WorkerCallFailed,
+    keep_running,
     place,
 )
 from specdec.runtime.logprobs import LogprobsAsk
@@ -41,23 +42,11 @@ from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
-
 _VERIFY_RETRY_PAUSE_S = 0.1
 # A call that must compute a prefix of at least PREFILL_MIN_TOKENS first gets this many times its
 # measured cost on top of its timeout (a long prompt's attention costs more per token than the
 # shorter ones measured); fewer tokens are a round's work, which the timeout itself covers.
 _PREFILL_MARGIN = 4
-# what finished turns leave running (``close_stream``): the read of the draft's answer to a prefix
-# sent without waiting, then the session state's record of it; a reference keeps each task alive
-_BACKGROUND: set[asyncio.Task[Any]] = set()
-
-
-def _keep(work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-    task = asyncio.create_task(work)
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
-    return task
 
 
 @dataclass(frozen=True)
@@ -770,7 +759,7 @@ class WorkerSession:
                 draft.finishing += 1
                 self._metrics.draft_prefixes_finishing.inc()
                 claimed = self.locations()[1]
-                task = _keep(self._finish_catch_up())
+                task = keep_running(self._finish_catch_up())
 
                 def done(task: asyncio.Task[bool]) -> None:
                     draft.finishing -= 1
@@ -779,7 +768,7 @@ class WorkerSession:
                     # does not hold a place of the draft's
                     answered = not task.cancelled() and task.exception() is None and task.result()
                     if answered and held is not None and claimed is not None:
-                        _keep(held(claimed))
+                        keep_running(held(claimed))
 
                 task.add_done_callback(done)
                 return

@@ -7,7 +7,7 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -32,6 +32,7 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target
 
 log = structlog.get_logger(__name__)
 S = TypeVar("S")
+T = TypeVar("T")
 
 
 class StartupWait:
@@ -549,9 +550,7 @@ class DraftStream:
         drafted ahead and ends the call OK (cancelling it would count a CANCELLED call on the
         draft for every request). What it still sends is read and dropped; a draft that has not
         ended the call within CLOSE_S is cancelled."""
-        task = asyncio.get_running_loop().create_task(self._close())
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
+        keep_running(self._close())
 
     async def _close(self) -> None:
         ended = False
@@ -569,7 +568,17 @@ class DraftStream:
 
 
 CLOSE_S = 2.0
-_CLOSING: set[asyncio.Task[None]] = set()  # streams being closed (a reference keeps each task alive)
+# work that no request waits for: streams being closed, what finished turns leave the draft to
+# answer and its record in the session state (a reference keeps each task alive)
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+def keep_running(work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    """Runs ``work`` as a task that lives until it ends, though nothing awaits it."""
+    task = asyncio.get_running_loop().create_task(work)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
 
 
 def translates(info: common_pb2.WorkerInfo) -> bool:
