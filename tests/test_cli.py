@@ -508,6 +508,33 @@ def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
     assert "nan" not in format_table(report)
 
 
+def test_bench_report_compares_each_prompt_with_the_best_hf_row() -> None:
+    """The report gives the default against HF's best speculative row prompt by prompt (its JSON and
+    its table), and the worst of them among the ratios: a total can hide the prompt HF wins."""
+    import json
+
+    from specdec.tools.bench import HEADLINE, BenchConfig, Run, format_table, summarize
+
+    seconds = {
+        ("hf target-only", 0): 4.0, ("hf target-only", 1): 4.0, ("hf assisted K=4", 0): 2.0,
+        ("hf assisted K=4", 1): 0.8, ("hf prompt lookup", 0): 3.0, ("hf prompt lookup", 1): 3.0,
+        ("service target-only", 0): 4.0, ("service target-only", 1): 4.0, (HEADLINE, 0): 1.0, (HEADLINE, 1): 1.0,
+    }  # fmt: skip
+    runs = [
+        Run(method, "complete", prompt, repeat, [1, 2, 3, 4], took)
+        for (method, prompt), took in seconds.items()
+        for repeat in (0, 1, 2)
+    ]
+    report = summarize(BenchConfig(model="m", draft_model="d"), runs, {})
+    data = report["workloads"]["complete"]
+    assert data["best_hf_speculative"] == "hf assisted K=4"  # 2.8 s for both prompts against lookup's 6
+    assert data["per_prompt_default_vs_best_hf"] == pytest.approx({0: 2.0, 1: 0.8})
+    assert data["ratios"]["worst prompt: default / best HF speculative (hf assisted K=4)"] == pytest.approx(0.8)
+    table = format_table(json.loads(json.dumps(report)))  # as a report read back from its file
+    assert "  per prompt, default / service target-only: 0: 4.00x, 1: 4.00x" in table, table
+    assert "  per prompt, default / hf assisted K=4: 0: 2.00x, 1: 0.80x" in table, table
+
+
 CEILING_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
 
 

@@ -775,14 +775,18 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
     ratio("default with the draft vocabulary / default", VOCAB_DEFAULT, HEADLINE)
     ratio("model K with the draft vocabulary / model K", VOCAB_MODEL_K, "service model K")
     ratio("default with the reply index / default", REPLY_INDEX, HEADLINE)
+    against_hf = _per_prompt(runs, HEADLINE, best_hf) if best_hf is not None and HEADLINE in methods else {}
     if best_hf is not None:
         ratio(f"default / best HF speculative ({best_hf})", HEADLINE, best_hf)
+        if against_hf:
+            ratios[f"worst prompt: default / best HF speculative ({best_hf})"] = min(against_hf.values())
         ratio(f"default with the draft vocabulary / best HF speculative ({best_hf})", VOCAB_DEFAULT, best_hf)
         ratio(f"default with the reply index / best HF speculative ({best_hf})", REPLY_INDEX, best_hf)
     return {
         "ratios": ratios,
         "best_hf_speculative": best_hf,
         "per_prompt_default_vs_target_only": per_prompt,
+        "per_prompt_default_vs_best_hf": against_hf,
         "greedy_tokens_identical": {"reference": reference_method, **identical},
     }
 
@@ -812,6 +816,14 @@ def format_table(report: dict[str, Any]) -> str:
             )
         for name, value in data["ratios"].items():
             lines.append(f"  {name:60} {value:.2f}x")
+        against = {
+            SERVICE_TARGET: "per_prompt_default_vs_target_only",
+            data["best_hf_speculative"]: "per_prompt_default_vs_best_hf",
+        }
+        for over, key in against.items():
+            if data.get(key):
+                each = ", ".join(f"{prompt}: {x:.2f}x" for prompt, x in data[key].items())
+                lines.append(f"  per prompt, default / {over}: {each}")
         lines.append("")
     for n, row in report["concurrency"].items():
         rates = []
