@@ -33,7 +33,7 @@ import pytest
 from google.protobuf import json_format
 
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.reference import coordinator_stub, reference_greedy
+from tests.reference import SAMPLED_AT_ONCE, coordinator_stub, reference_greedy
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.tiny_models import TinyModels, build_tokenizer
 
@@ -281,7 +281,7 @@ def test_random_feature_mixes_decode_as_the_target_alone(
 
 # Sampled mixes: their distribution through the whole service, against an exact enumeration.
 
-SAMPLES = 1500  # requests per mix (about 10 ms a request on the 2-core host, 8 at a time)
+SAMPLES = 1500  # requests per mix, SAMPLED_AT_ONCE at a time
 FIRST = 3  # tokens whose joint distribution is tested (fewer where the reply ends sooner)
 MAX_NEW = 8  # each reply's budget: rounds past the tested tokens are drafted ahead too
 FIRST_TURN = 4  # the greedy first turn's tokens, where a mix has a history
@@ -399,8 +399,8 @@ class Sampled:
 def sample_mix(
     stub: coordinator_pb2_grpc.GenerationStub, mix: SampledMix, name: str
 ) -> tuple[Sampled, tuple[int, ...]]:
-    """SAMPLES requests of ``mix`` (seed = request number), 8 at a time; with a history each is the
-    second turn of a session of its own. Also the context the replies followed."""
+    """SAMPLES requests of ``mix`` (seed = request number), SAMPLED_AT_ONCE at a time; with a
+    history each is the second turn of a session of its own. Also the context the replies followed."""
     first_turns: set[tuple[int, ...]] = set()
 
     def one(seed: int) -> coordinator_pb2.GenerateResponse:
@@ -417,7 +417,7 @@ def sample_mix(
             stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id=session), timeout=60)
         return reply
 
-    with ThreadPoolExecutor(8) as pool:  # several at once, as clients send them: the workers batch them
+    with ThreadPoolExecutor(SAMPLED_AT_ONCE) as pool:  # several at once, as clients send them: the workers batch them
         replies = list(pool.map(one, range(SAMPLES)))
     assert len(first_turns) <= 1, first_turns  # greedy: every session has the same history
     sampled = Sampled(collections.Counter(tuple(reply.token_ids[:FIRST]) for reply in replies))

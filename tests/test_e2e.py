@@ -29,7 +29,7 @@ from specdec.v1 import (
 )
 from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer
-from tests.reference import coordinator_stub, make_request, reference_greedy, worker_info
+from tests.reference import SAMPLED_AT_ONCE, coordinator_stub, make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_byte_fallback_tokenizer, build_model
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
@@ -550,7 +550,7 @@ def test_sampled_tokens_follow_the_target_distribution(
     def sample(seed: int) -> coordinator_pb2.GenerateResponse:
         return other.Generate(request(prompt, k=3, max_new=2, temperature=1.0, top_k=4, seed=seed, ignore_eos=True))
 
-    with ThreadPoolExecutor(8) as pool:  # several at once, as clients send them: the target batches them
+    with ThreadPoolExecutor(SAMPLED_AT_ONCE) as pool:  # several at once, as clients send them: the target batches them
         replies = list(pool.map(sample, range(n)))
     for reply in replies:
         pair = (reply.token_ids[0], reply.token_ids[1])
