@@ -114,10 +114,11 @@ def real_tokenizer(name: str, tmp_path_factory: pytest.TempPathFactory) -> PreTr
     checkpoint, no weights), cached beside the test run's temporary folders."""
     cache_dir = Path(tmp_path_factory.getbasetemp()).parent / "specdec-tokenizers"
     cache_dir.mkdir(exist_ok=True)
+    from tests.alone import locked  # imported here: pytest imports the plugin first (assertion rewriting)
+
     # one xdist worker makes it while the other waits: fetch_tokenizer replaces a folder another
     # process may be reading, and the conversion takes up to 30 s (Qwen2.5's, on the CI host)
-    with (cache_dir / f"{name}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(cache_dir / f"{name}.lock", fcntl.LOCK_EX):
         folder = fetch_tokenizer(name, cache_dir)
     return AutoTokenizer.from_pretrained(folder)
 
