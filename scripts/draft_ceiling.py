@@ -22,9 +22,11 @@ beyond first choices: a small tree (SpecInfer's, Medusa's and EAGLE's token tree
 leaves) that adds the draft's second choice as a leaf beside each block token the draft gave a
 probability below ``--leaf-below``; a leaf costs a verify row, and where the block's first miss
 has a leaf that is the target's token, the round also commits the leaf and the target's token
-after it. Predicted decoding rates are scaled to the report by its measured ``service
-target-only`` tokens/s (prefill and timer noise cancel in the ratio), then compared with the
-report's best HF speculative row.
+after it. With ``--block-stops`` each listed block stop is priced too, and so is the best of them
+for each prompt, chosen in hindsight: the most a threshold that adapts to the prompt could gain.
+Predicted decoding rates are scaled to the report by its measured ``service target-only``
+tokens/s (prefill and timer noise cancel in the ratio), then compared with the report's best HF
+speculative row.
 
 With ``--prompts FILE`` (prompts separated by lines holding only '---', as ``specdec bench
 --prompts`` reads them) the replies priced are instead the target's greedy replies to those
@@ -212,8 +214,14 @@ def price(
             sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs, args.leaf_below) for g in guesses),
             "",
         ),
-        oracle: (sum(oracle_ms(a, costs) for a in agree), ""),
     }
+    if args.block_stops:
+        sweep = {t: [stop_ms(g, args.max_k, 0.0, t, costs) for g in guesses] for t in args.block_stops}
+        for t, ms in sweep.items():
+            rows.setdefault(f"model, block stop {t}, up to {args.max_k}", (sum(ms), ""))
+        best = sum(min(column) for column in zip(*sweep.values(), strict=True))
+        rows[f"block stop, the best of {len(sweep)} for each prompt"] = (best, "")
+    rows[oracle] = (sum(oracle_ms(a, costs) for a in agree), "")
     guessed = sum(map(sum, agree))
     second = sum(g.runner_up for reply in guesses for g in reply)
     out(f"the draft guesses {guessed} of the target's {tokens} tokens (teacher-forced); ")
@@ -230,6 +238,17 @@ def price(
     return reference * plain / rows[oracle][0]
 
 
+def _thresholds(text: str) -> tuple[float, ...]:
+    """``--block-stops``: comma-separated thresholds in [0, 1)."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not all(0.0 <= value < 1.0 for value in values):
+        raise argparse.ArgumentTypeError(f"each block stop must be in [0, 1), got {text!r}")
+    return values
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report", type=Path, help="a `specdec bench` JSON report with hf target-only and service rows")
@@ -240,6 +259,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--block-stop", type=float, default=0.5, help="the block stop priced (the server's default)")
     parser.add_argument(
         "--leaf-below", type=float, default=0.7, help="the tree row: a second-choice leaf beside drafts below this"
+    )
+    parser.add_argument(
+        "--block-stops",
+        type=_thresholds,
+        default=(),
+        help="also price each of these block stops (comma-separated), and the best of them chosen for each prompt "
+        "in hindsight: how much a threshold that adapts to the prompt could gain at most",
     )
     parser.add_argument("--prompts", type=Path, help="price the target's replies to these prompts instead")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="with --prompts: the length of each reply")

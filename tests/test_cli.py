@@ -659,6 +659,56 @@ def test_draft_ceiling_prices_second_choice_leaves() -> None:
     assert ceiling.stop_ms(reply, 3, 0.0, 0.0, costs, leaf_below=0.5) == pytest.approx(2 * round_ms)
 
 
+def test_draft_ceiling_prices_each_block_stop_and_the_best_for_each_prompt(
+    tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    """--block-stops adds a row per threshold (one already priced is not repeated) and the best of
+    them for each prompt in hindsight, which no listed threshold beats and the oracle bounds; a
+    threshold outside [0, 1) is refused with what was wrong."""
+    report = _ceiling_report(tiny_models, tmp_path / "report.json")
+    args = [str(report), "--draft-model", str(tiny_models.same), "--max-k", "4", "--block-stops", "0.5,0.999999,0"]
+    done = subprocess.run([sys.executable, str(CEILING_SCRIPT), *args], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    rate = {line[:56].strip(): float(line[56:66]) for line in lines if re.fullmatch(r" *\d+\.\d\d", line[56:66])}
+    assert sum(line.startswith("model, block stop 0.5, up to 4") for line in lines) == 1
+    assert rate["model, block stop 0.999999, up to 4"] == pytest.approx(5.0 * 12 * 102 / (6 * 133), abs=0.006)
+    assert rate["model, block stop 0.0, up to 4"] == rate["model, fixed K = 4"]
+    best = rate["block stop, the best of 3 for each prompt"]
+    swept = [rate[f"model, block stop {t}, up to 4"] for t in ("0.5", "0.999999", "0.0")]
+    assert best == pytest.approx(max(swept), abs=0.006)  # one prompt: the best threshold's rate
+    assert best <= rate["oracle (drafts exactly the runs the draft gets right)"] + 0.006
+    names = [line[:56].strip() for line in lines]
+    assert names.index("block stop, the best of 3 for each prompt") < names.index(
+        "oracle (drafts exactly the runs the draft gets right)"
+    )
+    refused = subprocess.run(
+        [sys.executable, str(CEILING_SCRIPT), str(report), "--block-stops", "0.5,1.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert "each block stop must be in [0, 1), got '0.5,1.5'" in refused.stderr
+
+
+def test_draft_ceiling_best_block_stop_is_chosen_prompt_by_prompt() -> None:
+    """Two prompts that want different thresholds: the best for each prompt beats either threshold
+    applied to both."""
+    ceiling = _ceiling_module()
+    costs = ceiling.Costs(verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0)
+    g = ceiling.Guess
+    sure_and_right = [g(True, 0.6)] * 8  # a low threshold lets its blocks run
+    unsure_and_wrong = [g(True, 0.9), g(False, 0.6), g(True, 0.9), g(False, 0.6)] * 2  # a high one stops early
+    ms = {
+        t: [ceiling.stop_ms(reply, 8, 0.0, t, costs) for reply in (sure_and_right, unsure_and_wrong)]
+        for t in (0.1, 0.8)
+    }
+    assert ms[0.1][0] < ms[0.8][0] and ms[0.8][1] < ms[0.1][1]
+    best = min(ms[0.1][0], ms[0.8][0]) + min(ms[0.1][1], ms[0.8][1])
+    assert best < min(sum(ms[0.1]), sum(ms[0.8]))
+
+
 def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, tmp_path: Path) -> None:
     """--prompts prices the target's greedy replies to a file's prompts at each report workload's
     costs: a draft equal to the target guesses every token, and the oracle drafts each whole reply
