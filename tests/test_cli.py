@@ -106,7 +106,8 @@ def test_a_fetched_tokenizer_holds_the_ggufs_vocabulary_merges_and_template(
 ) -> None:
     """The tokenizer `specdec models fetch --tokenizer-only` makes holds what the checkpoint's GGUF
     says, read here with our own metadata reader: every token at its id, the merges in order, the
-    end-of-sequence token, the chat template. Qwen2.5's is built with its tokenizer type given
+    end-of-sequence token, the chat template, whether a BOS is added, and the class transformers
+    gives the architecture where it names one. Qwen2.5's is built with its tokenizer type given
     (the catalog's ``tokenizer_type``: transformers does not read the whole GGUF again to learn
     it), SmolLM2's by transformers' own lookup."""
     import json
@@ -732,20 +733,27 @@ def test_draft_ceiling_prices_each_block_stop_and_the_best_for_each_prompt(
 
 
 def test_draft_ceiling_best_block_stop_is_chosen_prompt_by_prompt() -> None:
-    """Two prompts that want different thresholds: the best for each prompt beats either threshold
-    applied to both."""
+    """Two replies that want different thresholds: the row of the best for each prompt prices each
+    reply at its better threshold, so it beats either threshold applied to both."""
+    import argparse
+
     ceiling = _ceiling_module()
     costs = ceiling.Costs(verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0)
     g = ceiling.Guess
     sure_and_right = [g(True, 0.6)] * 8  # a low threshold lets its blocks run
     unsure_and_wrong = [g(True, 0.9), g(False, 0.6), g(True, 0.9), g(False, 0.6)] * 2  # a high one stops early
-    ms = {
-        t: [ceiling.stop_ms(reply, 8, 0.0, t, costs) for reply in (sure_and_right, unsure_and_wrong)]
-        for t in (0.1, 0.8)
-    }
+    replies = (sure_and_right, unsure_and_wrong)
+    ms = {t: [ceiling.stop_ms(reply, 8, 0.0, t, costs) for reply in replies] for t in (0.1, 0.8)}
     assert ms[0.1][0] < ms[0.8][0] and ms[0.8][1] < ms[0.1][1]
-    best = min(ms[0.1][0], ms[0.8][0]) + min(ms[0.1][1], ms[0.8][1])
-    assert best < min(sum(ms[0.1]), sum(ms[0.8]))
+    args = argparse.Namespace(max_k=8, token_stop=0.4, block_stop=0.5, leaf_below=0.7, block_stops=(0.1, 0.8))
+    printed: list[str] = []
+    ceiling.price(printed.append, replies, costs, 5.0, {}, 4, args)
+    lines = "".join(printed).splitlines()
+    rate = {line[:56].strip(): float(line[56:66]) for line in lines if re.fullmatch(r" *\d+\.\d\d", line[56:66])}
+    plain = 16 * costs.round_ms(0)  # the target-only time the rates are scaled by
+    best = 5.0 * plain / (min(ms[0.1][0], ms[0.8][0]) + min(ms[0.1][1], ms[0.8][1]))
+    assert rate["block stop, the best of 2 for each prompt"] == pytest.approx(best, abs=0.006)
+    assert best > max(rate["model, block stop 0.1, up to 8"], rate["model, block stop 0.8, up to 8"]) + 0.01
 
 
 def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, tmp_path: Path) -> None:
