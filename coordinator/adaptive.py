@@ -226,6 +226,7 @@ class _GateWindow:
     rounds: int = 0
     requests: int = 0  # the requests generating on the replica, summed over its rounds
     sessions: set[str] = field(default_factory=set)  # the turns whose rounds it counted
+    prefill_s: float = 0.0  # the target's passes over prefixes (prompts, resyncs) in its rounds
 
 
 class LoadGate:
@@ -239,7 +240,11 @@ class LoadGate:
     README's Under load). So the gate counts the tokens that this coordinator's adaptive rounds on
     each target replica commit, in windows of at least ``window_s`` seconds and two rounds per turn
     they saw, each in one mode, and files each window's rate under its mode and the load class of
-    the requests generating on the replica over it (``load_bucket``; from GATE_FROM_BUCKET on). Each load
+    the requests generating on the replica over it (``load_bucket``; from GATE_FROM_BUCKET on).
+    The rate is of decoding: a round whose target pass computed a prefix (a new prompt, a resync)
+    adds none of its tokens, and its pass's time is taken off the window's, since both modes pay
+    for prompts alike and requests arriving in a burst would otherwise weigh on the windows they
+    fell in, not on a mode. Each load
     speculates at first; after 4 windows at a load, one window there decodes target-only as a
     trial; the load then keeps the mode whose median rate over its last windows is higher
     (target-only only when it is at least 5% higher) and tries the other again after a gap that
@@ -266,9 +271,9 @@ class LoadGate:
         window = self._windows.get(replica)
         return window is None or window.speculate
 
-    def record(self, replica: str | None, requests: int, session: str, tokens: int) -> None:
+    def record(self, replica: str | None, requests: int, session: str, tokens: int, prefill_ms: float = 0.0) -> None:
         """An adaptive round of ``session`` on ``replica`` committed ``tokens`` with ``requests``
-        generating there."""
+        generating there; ``prefill_ms``: its target pass, if that computed a prefix too."""
         if not self.on or replica is None:
             return
         now = self._clock()
@@ -276,7 +281,8 @@ class LoadGate:
         if window is None:  # the first window opens: this round's tokens were made before it
             self._windows[replica] = _GateWindow(started=now)
             return
-        window.tokens += tokens
+        window.tokens += 0 if prefill_ms else tokens
+        window.prefill_s += prefill_ms / 1000
         window.rounds += 1
         window.requests += requests
         window.sessions.add(session)
@@ -284,9 +290,11 @@ class LoadGate:
         if elapsed < self.window_s or window.rounds < 2 * len(window.sessions):
             return
         bucket = load_bucket(round(window.requests / window.rounds))
-        if not window.settling and bucket >= GATE_FROM_BUCKET:
-            self._count(replica, bucket, window, window.tokens / elapsed)
-        if window.trial and window.settling:  # a trial's first window is not counted: the next one is
+        decoding = elapsed - window.prefill_s
+        counted = not window.settling and bucket >= GATE_FROM_BUCKET and decoding > elapsed / 4
+        if counted:
+            self._count(replica, bucket, window, window.tokens / decoding)
+        if window.trial and not counted:  # a trial's window that was not counted: the next one is
             self._windows[replica] = _GateWindow(speculate=window.speculate, trial=True, settling=False, started=now)
         else:
             self._windows[replica] = self._next(replica, bucket, window.speculate, now)

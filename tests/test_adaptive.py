@@ -45,11 +45,14 @@ def _serve(
     requests: Callable[[int], int] = lambda _: 8,
     lag: float = 0.0,
     replica: str = "t",
+    prompts_until: float = 0.0,
 ) -> list[bool]:
     """A replica's rounds as the gate plans them: one every 0.1 s for ``seconds``, each committing
     a tenth of its mode's rate (``rates``: tokens a second speculating (True) and target-only),
     ``lag`` seconds after it was planned (a round under load takes that long), with
-    ``requests(i)`` generating there at round i (8 turns take turns). The modes planned."""
+    ``requests(i)`` generating there at round i (8 turns take turns). Until ``prompts_until``
+    every other round is a prompt's: its pass takes 0.3 s (not 0.1) and it commits one token.
+    The modes planned."""
     planned: deque[tuple[float, bool, int]] = deque()
     modes, i, end = [], 0, clock.now + seconds
     while clock.now < end:
@@ -58,7 +61,11 @@ def _serve(
         planned.append((clock.now + lag, mode, requests(i)))
         while planned and planned[0][0] <= clock.now + 1e-9:
             _, done, load = planned.popleft()
-            gate.record(replica, load, f"turn-{i % 8}", rates[done] // 10)
+            if clock.now < prompts_until and i % 2:  # the pass took 0.3 s in all
+                clock.now += 0.2
+                gate.record(replica, load, f"turn-{i % 8}", 1, prefill_ms=300.0)
+            else:
+                gate.record(replica, load, f"turn-{i % 8}", rates[done] // 10)
         clock.now += 0.1
         i += 1
     return modes
@@ -93,6 +100,18 @@ def test_the_load_gate_keeps_speculating_where_it_serves_more_and_tries_target_o
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] >= 1.9 * gaps[0], gaps  # backing off
     assert all(modes[i : i + 40].count(False) <= 32 for i in starts)  # a trial lasts two windows of 16 rounds
     assert modes.count(False) < 0.08 * len(modes)
+
+
+def test_the_load_gate_judges_decoding_not_the_prompts_that_arrived_in_a_window() -> None:
+    """Requests arriving at once: for the first 20 s every other round computes a prompt (its pass
+    0.3 s), while the gate speculates at first; its trial of target-only comes after them. The
+    prompts' passes are taken off the windows' time and their rounds' tokens left out, so
+    speculation, which decodes twice as fast, is kept (counted whole, the prompts made it look 3x
+    slower and the gate went target-only)."""
+    clock = _Clock()
+    gate = LoadGate(1.0, clock=clock)
+    modes = _serve(gate, clock, 60.0, {True: 200, False: 100}, prompts_until=20.0)
+    assert modes[-200:].count(True) >= 0.85 * 200
 
 
 def test_the_load_gate_files_a_window_under_the_load_it_had_on_average() -> None:
