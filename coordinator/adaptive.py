@@ -225,7 +225,6 @@ class _GateWindow:
     tokens: int = 0
     rounds: int = 0
     requests: int = 0  # the requests generating on the replica, summed over its rounds
-    sessions: set[str] = field(default_factory=set)  # the turns whose rounds it counted
     prefill_s: float = 0.0  # the target's passes over prefixes (prompts, resyncs) in its rounds
 
 
@@ -238,8 +237,8 @@ class LoadGate:
     two share a device (one CPU host, or one GPU): with many requests at once, sessions that each
     find speculation cheaper can together serve fewer tokens than target-only decoding would (the
     README's Under load). So the gate counts the tokens that this coordinator's adaptive rounds on
-    each target replica commit, in windows of at least ``window_s`` seconds and two rounds per turn
-    they saw, each in one mode, and files each window's rate under its mode and the load class of
+    each target replica commit, in windows of at least ``window_s`` seconds and of two rounds per
+    request generating there, each in one mode, and files each window's rate under its mode and the load class of
     the requests generating on the replica over it (``load_bucket``; from GATE_FROM_BUCKET on).
     The rate is of decoding: a round whose target pass computed a prefix (a new prompt, a resync)
     adds none of its tokens, and its pass's time is taken off the window's, since both modes pay
@@ -271,9 +270,9 @@ class LoadGate:
         window = self._windows.get(replica)
         return window is None or window.speculate
 
-    def record(self, replica: str | None, requests: int, session: str, tokens: int, prefill_ms: float = 0.0) -> None:
-        """An adaptive round of ``session`` on ``replica`` committed ``tokens`` with ``requests``
-        generating there; ``prefill_ms``: its target pass, if that computed a prefix too."""
+    def record(self, replica: str | None, requests: int, tokens: int, prefill_ms: float = 0.0) -> None:
+        """An adaptive round on ``replica`` committed ``tokens`` with ``requests`` generating
+        there; ``prefill_ms``: its target pass, if that computed a prefix too."""
         if not self.on or replica is None:
             return
         now = self._clock()
@@ -285,9 +284,8 @@ class LoadGate:
         window.prefill_s += prefill_ms / 1000
         window.rounds += 1
         window.requests += requests
-        window.sessions.add(session)
         elapsed = now - window.started
-        if elapsed < self.window_s or window.rounds < 2 * len(window.sessions):
+        if elapsed < self.window_s or window.rounds < 2 * requests:
             return
         bucket = load_bucket(round(window.requests / window.rounds))
         decoding = elapsed - window.prefill_s

@@ -467,7 +467,7 @@ class Turn:
         if self.adaptive and self.request.k > 0:  # the rounds the load gate decides
             prefill_ms = verdict.compute_ms if verdict.computed_tokens > len(block.token_ids) + 1 else 0.0
             w = self.workers
-            self.deps.load_gate.record(w.target_address, w.target_requests, self.owner, len(tokens), prefill_ms)
+            self.deps.load_gate.record(w.target_address, w.target_requests, len(tokens), prefill_ms)
         self._account(
             proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000, source
         )  # fmt: skip

@@ -50,7 +50,7 @@ def _serve(
     """A replica's rounds as the gate plans them: one every 0.1 s for ``seconds``, each committing
     a tenth of its mode's rate (``rates``: tokens a second speculating (True) and target-only),
     ``lag`` seconds after it was planned (a round under load takes that long), with
-    ``requests(i)`` generating there at round i (8 turns take turns). Until ``prompts_until``
+    ``requests(i)`` generating there at round i. Until ``prompts_until``
     every other round is a prompt's: its pass takes 0.3 s (not 0.1) and it commits one token.
     The modes planned."""
     planned: deque[tuple[float, bool, int]] = deque()
@@ -63,9 +63,9 @@ def _serve(
             _, done, load = planned.popleft()
             if clock.now < prompts_until and i % 2:  # the pass took 0.3 s in all
                 clock.now += 0.2
-                gate.record(replica, load, f"turn-{i % 8}", 1, prefill_ms=300.0)
+                gate.record(replica, load, 1, prefill_ms=300.0)
             else:
-                gate.record(replica, load, f"turn-{i % 8}", rates[done] // 10)
+                gate.record(replica, load, rates[done] // 10)
         clock.now += 0.1
         i += 1
     return modes
