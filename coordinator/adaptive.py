@@ -20,23 +20,16 @@ fresh. Target-only decoding's cost is timed only by target-only rounds, so while
 expects so few tokens a round that its lead is the costs' alone, a round decodes target-only now
 and then (the same backoff) to time it again. A lookup draft needs no probes: it costs nothing
 to make, so a round that did not use it still scores it against the tokens the target committed
-(``lookup_score``), and a lookup that keeps failing is not tried at all. ``LoadGate`` (one per
-coordinator) measures what no round's price sees: whether, at a load, target-only decoding
-serves more tokens a second than speculation does.
+(``lookup_score``), and a lookup that keeps failing is not tried at all.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from statistics import median, median_low
-
-import structlog
-
-log = structlog.get_logger(__name__)
+from statistics import median_low
 
 _EWMA = 0.2
 # A round's costs are the lower median of their last samples: a call that stalled (a throttled
@@ -156,8 +149,7 @@ class LoadLimit:
     each share one pass, while speculating requests drift out of step and each pays more of its
     passes, so beyond some load target-only decoding serves more tokens per second (see the
     README's Under load). A round's choice prices only its own session's costs, not what it adds
-    to the passes others share: this bound is the operator's, from the benchmark's sweep, where
-    ``LoadGate`` measures it.
+    to the passes others share, so this bound is the operator's, from the benchmark's sweep.
 
     The requests counted are those on the target replica that verifies the session: this
     coordinator's turns there or, when more, those of every coordinator that uses it, as its
@@ -191,140 +183,6 @@ _NEAREST = {
     now: sorted(range(1, LOAD_BUCKETS + 1), key=lambda b, now=now: (abs(b - now), b))
     for now in range(1, LOAD_BUCKETS + 1)
 }
-
-
-# The load gate (LoadGate) judges loads from this class on: 4 or more requests on a target replica.
-# Below it a round's price is close to what the round costs the replica (a lone request's passes
-# are its own), and a trial of target-only decoding would cost the most there.
-GATE_FROM_BUCKET = 3
-_GATE_SAMPLES = 4  # each mode's rate at a load is the median of its last windows there
-_GATE_MARGIN = 1.05  # target-only must serve this much more to stop speculation at a load
-_GATE_CLEAR_LEAD = 1.5  # a lead this large doubles the gap to the next trial once more
-_LOAD_NAMES = {1: "1", 2: "2-3", 3: "4-7", 4: "8-15", 5: "16+"}
-
-
-@dataclass
-class _GateLoad:
-    """What the load gate learned of one load class of one target replica."""
-
-    speculate: bool = True  # the mode that served more tokens a second here
-    rates: dict[bool, deque[float]] = field(
-        default_factory=lambda: {True: deque(maxlen=_GATE_SAMPLES), False: deque(maxlen=_GATE_SAMPLES)}
-    )
-    trials: _Backoff = field(default_factory=_Backoff)  # windows in the preferred mode since the last trial
-
-
-@dataclass
-class _GateWindow:
-    """A replica's open window: the mode its rounds are planned in and what they committed."""
-
-    speculate: bool = True
-    trial: bool = False  # a trial of the mode the load does not prefer
-    settling: bool = True  # not counted: its first rounds began in another mode (or before it opened)
-    started: float = 0.0
-    tokens: int = 0
-    rounds: int = 0
-    requests: int = 0  # the requests generating on the replica, summed over its rounds
-    prefill_s: float = 0.0  # the target's passes over prefixes (prompts, resyncs) in its rounds
-
-
-class LoadGate:
-    """Turns speculation off at a load where target-only decoding serves more tokens a second, by
-    measuring both (``window_s`` 0 = off).
-
-    A round's plan prices the session's own share of the passes it was in, not what its blocks add
-    to passes other sessions wait for, nor what the draft's passes take from the target where the
-    two share a device (one CPU host, or one GPU): with many requests at once, sessions that each
-    find speculation cheaper can together serve fewer tokens than target-only decoding would (the
-    README's Under load). So the gate counts the tokens that this coordinator's adaptive rounds on
-    each target replica commit, in windows of at least ``window_s`` seconds and of two rounds per
-    request generating there, each in one mode, and files each window's rate under its mode and the load class of
-    the requests generating on the replica over it (``load_bucket``; from GATE_FROM_BUCKET on).
-    The rate is of decoding: a round whose target pass computed a prefix (a new prompt, a resync)
-    adds none of its tokens, and its pass's time is taken off the window's, since both modes pay
-    for prompts alike and requests arriving in a burst would otherwise weigh on the windows they
-    fell in, not on a mode. Each load
-    speculates at first; after 4 windows at a load, one window there decodes target-only as a
-    trial; the load then keeps the mode whose median rate over its last windows is higher
-    (target-only only when it is at least 5% higher) and tries the other again after a gap that
-    doubles up to ``probe_every`` windows. The window after a change of mode is not counted (its
-    first rounds were planned in the mode before). Requests with fixed K keep their K, and their
-    rounds (and those of requests that turn speculation off) are not counted: the gate's mode does
-    not decide them."""
-
-    def __init__(self, window_s: float, probe_every: int = 32, clock: Callable[[], float] = time.monotonic) -> None:
-        self.window_s = window_s
-        self.probe_every = probe_every
-        self._clock = clock
-        self._loads: dict[tuple[str, int], _GateLoad] = {}
-        self._windows: dict[str, _GateWindow] = {}
-
-    @property
-    def on(self) -> bool:
-        return self.window_s > 0
-
-    def speculate(self, replica: str | None, requests: int) -> bool:
-        """Whether a round on ``replica`` with ``requests`` generating there may speculate."""
-        if not self.on or replica is None or load_bucket(requests) < GATE_FROM_BUCKET:
-            return True
-        window = self._windows.get(replica)
-        return window is None or window.speculate
-
-    def record(self, replica: str | None, requests: int, tokens: int, prefill_ms: float = 0.0) -> None:
-        """An adaptive round on ``replica`` committed ``tokens`` with ``requests`` generating
-        there; ``prefill_ms``: its target pass, if that computed a prefix too."""
-        if not self.on or replica is None:
-            return
-        now = self._clock()
-        window = self._windows.get(replica)
-        if window is None:  # the first window opens: this round's tokens were made before it
-            self._windows[replica] = _GateWindow(started=now)
-            return
-        window.tokens += 0 if prefill_ms else tokens
-        window.prefill_s += prefill_ms / 1000
-        window.rounds += 1
-        window.requests += requests
-        elapsed = now - window.started
-        if elapsed < self.window_s or window.rounds < 2 * requests:
-            return
-        bucket = load_bucket(round(window.requests / window.rounds))
-        decoding = elapsed - window.prefill_s
-        counted = not window.settling and bucket >= GATE_FROM_BUCKET and decoding > elapsed / 4
-        if counted:
-            self._count(replica, bucket, window, window.tokens / decoding)
-        if window.trial and not counted:  # a trial's window that was not counted: the next one is
-            self._windows[replica] = _GateWindow(speculate=window.speculate, trial=True, settling=False, started=now)
-        else:
-            self._windows[replica] = self._next(replica, bucket, window.speculate, now)
-
-    def _count(self, replica: str, bucket: int, window: _GateWindow, rate: float) -> None:
-        """A window at ``bucket`` served ``rate`` tokens a second; a trial's decides the load's mode."""
-        load = self._loads.setdefault((replica, bucket), _GateLoad())
-        load.rates[window.speculate].append(rate)
-        if not window.trial or window.speculate == load.speculate or not load.rates[load.speculate]:
-            return
-        spec, off = median(load.rates[True]), median(load.rates[False])
-        speculate = not off > spec * _GATE_MARGIN
-        if speculate != load.speculate:
-            load.speculate = speculate
-            load.trials.reset()
-            log.info(
-                "load_gate", target=replica, load=_LOAD_NAMES[bucket], speculate=speculate,
-                speculating_tokens_per_s=round(spec, 2), target_only_tokens_per_s=round(off, 2),
-            )  # fmt: skip
-        elif max(spec, off) >= _GATE_CLEAR_LEAD * min(spec, off):  # a clear lead: the next trial can wait longer
-            load.trials.gap = min(load.trials.gap * 2, self.probe_every)
-
-    def _next(self, replica: str, bucket: int, speculated: bool, now: float) -> _GateWindow:
-        """The window after one at ``bucket`` (its requests on average): the load's mode, or now
-        and then a trial of the other. A load moving across a class boundary (15 and 16 requests)
-        keeps the mode of the class it is in on average, not flipping with each request."""
-        if bucket < GATE_FROM_BUCKET:
-            return _GateWindow(speculate=True, settling=not speculated, started=now)
-        load = self._loads.setdefault((replica, bucket), _GateLoad())
-        trial = load.trials.due(self.probe_every)
-        speculate = load.speculate != trial
-        return _GateWindow(speculate=speculate, trial=trial, settling=speculate != speculated, started=now)
 
 
 class _LoadCost:

@@ -12,7 +12,7 @@ import grpc
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from coordinator.adaptive import LoadGate, LoadLimit, StepCosts
+from coordinator.adaptive import LoadLimit, StepCosts
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import CLEANUP_TIMEOUT_S, Turn, TurnDeps
 from coordinator.validation import FEATURES, Limits, TurnRequest
@@ -129,7 +129,6 @@ def server_info(
         max_message_bytes=settings.max_message_bytes,
         max_concurrent_requests=settings.max_concurrent_requests,
         speculation_max_requests=settings.speculation_max_requests,
-        speculation_load_gate_window_s=settings.speculation_load_gate_window_s,
         max_prompt_chars=limits.max_prompt_chars,
         speculation_mode="pipelined" if pipelined else "sequential",
         adaptive_k=settings.adaptive_k,
@@ -357,7 +356,6 @@ class Engine:
             prefix_block=s.prefix_block_tokens, prefix_ttl_s=prefix_ttl_s(s.session_ttl_s, target_info),
             ngram=(s.ngram_min, s.ngram_max),
             replies=self._replies, load_limit=LoadLimit(s.speculation_max_requests),
-            load_gate=LoadGate(s.speculation_load_gate_window_s, s.probe_every),
         )  # fmt: skip
         has_template = bool(getattr(tokenizer, "chat_template", None))
         self._info_from = (target_info, draft_info, pipelined, has_template)  # GetInfo's other sources

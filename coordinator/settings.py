@@ -128,14 +128,6 @@ class CoordinatorSettings(ServiceSettings):
         "K excepted: their seeds replay); batched target-only passes can serve many requests faster than speculation "
         "(0 = no limit)",
     )
-    speculation_load_gate_window_s: float = Field(
-        1.0,
-        ge=0,
-        description="the load gate: at 4 or more requests on a target replica, measure the tokens a second this "
-        "coordinator's rounds there commit while speculating and, now and then, while decoding target-only, in "
-        "windows of at least this many seconds (and two rounds per request), and decode target-only at a load where "
-        "that served at least 5% more (requests with fixed K excepted); 0 = off",
-    )
     prefix_block_tokens: int = Field(
         16,
         ge=0,

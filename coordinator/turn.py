@@ -27,7 +27,6 @@ from coordinator.adaptive import (
     REPLY,
     TARGET_ONLY,
     KController,
-    LoadGate,
     LoadLimit,
     Plan,
     StepCosts,
@@ -140,7 +139,6 @@ class TurnDeps:
     ngram: tuple[int, int] = (2, 5)  # suffix lengths a lookup draft matches (n_min, n_max)
     replies: ReplyIndex | None = None  # recent replies of all sessions, by caller (None = off)
     load_limit: LoadLimit = field(default_factory=LoadLimit)  # speculation off above this many requests
-    load_gate: LoadGate = field(default_factory=lambda: LoadGate(0.0))  # speculation off where it serves less
 
 
 @dataclass
@@ -392,10 +390,6 @@ class Turn:
         if self.adaptive and self.deps.load_limit.exceeded(self.workers.target_requests):
             self.deps.metrics.load_target_only_rounds.inc()
             return TARGET_ONLY, NO_DRAFT
-        gate = self.deps.load_gate
-        if self.adaptive and not gate.speculate(self.workers.target_address, self.workers.target_requests):
-            self.deps.metrics.load_gate_target_only_rounds.inc()
-            return TARGET_ONLY, NO_DRAFT
         found = NO_DRAFT
         if self._index is not None:
             k = min(limits.lookup_max_tokens, budget)
@@ -464,10 +458,6 @@ class Turn:
             created_at=self._born,
         )  # fmt: skip
         await self._commit(commit)
-        if self.adaptive and self.request.k > 0:  # the rounds the load gate decides
-            prefill_ms = verdict.compute_ms if verdict.computed_tokens > len(block.token_ids) + 1 else 0.0
-            w = self.workers
-            self.deps.load_gate.record(w.target_address, w.target_requests, len(tokens), prefill_ms)
         self._account(
             proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000, source
         )  # fmt: skip

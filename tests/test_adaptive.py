@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections import deque
-from collections.abc import Callable, Sequence
 
 import pytest
 
 from coordinator.adaptive import (
     KController,
-    LoadGate,
     LoadLimit,
     Plan,
     StepCosts,
@@ -27,109 +23,6 @@ def costs(draft: float, verify: dict[int, float], overhead: float = 0.0) -> Step
     c.draft_per_token, c.overhead = draft, overhead
     c.verify.update(verify)
     return c
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _serve(
-    gate: LoadGate,
-    clock: _Clock,
-    seconds: float,
-    rates: dict[bool, int],
-    requests: Callable[[int], int] = lambda _: 8,
-    lag: float = 0.0,
-    replica: str = "t",
-    prompts_until: float = 0.0,
-) -> list[bool]:
-    """A replica's rounds as the gate plans them: one every 0.1 s for ``seconds``, each committing
-    a tenth of its mode's rate (``rates``: tokens a second speculating (True) and target-only),
-    ``lag`` seconds after it was planned (a round under load takes that long), with
-    ``requests(i)`` generating there at round i. Until ``prompts_until``
-    every other round is a prompt's: its pass takes 0.3 s (not 0.1) and it commits one token.
-    The modes planned."""
-    planned: deque[tuple[float, bool, int]] = deque()
-    modes, i, end = [], 0, clock.now + seconds
-    while clock.now < end:
-        mode = gate.speculate(replica, requests(i))
-        modes.append(mode)
-        planned.append((clock.now + lag, mode, requests(i)))
-        while planned and planned[0][0] <= clock.now + 1e-9:
-            _, done, load = planned.popleft()
-            if clock.now < prompts_until and i % 2:  # the pass took 0.3 s in all
-                clock.now += 0.2
-                gate.record(replica, load, 1, prefill_ms=300.0)
-            else:
-                gate.record(replica, load, rates[done] // 10)
-        clock.now += 0.1
-        i += 1
-    return modes
-
-
-def _trial_starts(modes: Sequence[bool], preferred: bool) -> list[int]:
-    return [i for i in range(1, len(modes)) if modes[i] != preferred and modes[i - 1] == preferred]
-
-
-def test_the_load_gate_decodes_target_only_at_a_load_where_that_serves_more() -> None:
-    """Target-only serving twice the tokens a second at 8 requests: the gate tries it after 4
-    windows of speculation and keeps it; loads below 4 requests and other replicas still
-    speculate. Each round commits a window after it was planned: the window after a change of mode
-    is not counted (without that the trial measured speculation's rate and it never switched)."""
-    clock = _Clock()
-    gate = LoadGate(1.0, clock=clock)
-    modes = _serve(gate, clock, 60.0, {True: 100, False: 200}, lag=1.6)
-    assert not gate.speculate("t", 8) and not gate.speculate("t", 15)
-    assert gate.speculate("t", 3) and gate.speculate("other", 8)
-    assert modes[:100].count(True) >= 80  # it speculated first (4 windows of 1.6 s and the first)
-    assert modes[-300:].count(False) >= 0.85 * 300, "target-only, with speculation tried now and then"
-
-
-def test_the_load_gate_keeps_speculating_where_it_serves_more_and_tries_target_only_less_often() -> None:
-    """Speculation serving twice the tokens a second: one window of target-only now and then (after
-    one not counted), the gap growing to 32 windows; 7% of the rounds in 300 s."""
-    clock = _Clock()
-    gate = LoadGate(1.0, probe_every=32, clock=clock)
-    modes = _serve(gate, clock, 300.0, {True: 200, False: 100}, lag=0.5)
-    starts = _trial_starts(modes, preferred=True)
-    gaps = [b - a for a, b in itertools.pairwise(starts)]
-    assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] >= 1.9 * gaps[0], gaps  # backing off
-    assert all(modes[i : i + 40].count(False) <= 32 for i in starts)  # a trial lasts two windows of 16 rounds
-    assert modes.count(False) < 0.08 * len(modes)
-
-
-def test_the_load_gate_judges_decoding_not_the_prompts_that_arrived_in_a_window() -> None:
-    """Requests arriving at once: for the first 20 s every other round computes a prompt (its pass
-    0.3 s), while the gate speculates at first; its trial of target-only comes after them. The
-    prompts' passes are taken off the windows' time and their rounds' tokens left out, so
-    speculation, which decodes twice as fast, is kept (counted whole, the prompts made it look 3x
-    slower and the gate went target-only)."""
-    clock = _Clock()
-    gate = LoadGate(1.0, clock=clock)
-    modes = _serve(gate, clock, 60.0, {True: 200, False: 100}, prompts_until=20.0)
-    assert modes[-200:].count(True) >= 0.85 * 200
-
-
-def test_the_load_gate_files_a_window_under_the_load_it_had_on_average() -> None:
-    """8 and 7 requests in turn (classes 8-15 and 4-7): the windows count at the class of their
-    average, so the gate decides there and keeps its mode, where a window per class of each
-    round's count would be cut short by every other round."""
-    clock = _Clock()
-    gate = LoadGate(1.0, clock=clock)
-    modes = _serve(gate, clock, 60.0, {True: 100, False: 200}, requests=lambda i: 8 - i % 2, lag=0.3)
-    assert not gate.speculate("t", 8)
-    assert modes[-300:].count(False) >= 0.85 * 300
-
-
-def test_a_load_gate_with_no_window_always_speculates() -> None:
-    clock = _Clock()
-    gate = LoadGate(0.0, clock=clock)
-    modes = _serve(gate, clock, 30.0, {True: 100, False: 200})
-    assert all(modes) and not gate.on
 
 
 def test_the_load_limit_trips_only_above_a_set_limit() -> None:

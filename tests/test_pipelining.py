@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import signal
@@ -15,16 +14,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from specdec.runtime.sampling import Warp, warped_probs
 from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, stream_with_fault, wait_for
 from tests.helpers import RedisServer
-from tests.reference import make_request, reference_greedy, seeded_replies, worker_info
-from tests.spec_oracle import chi_square_pvalue, rejects
+from tests.reference import make_request, reference_greedy, worker_info
 from tests.tiny_models import TinyModels, build_stalling
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0], [9, 9, 9], [77, 66, 55, 44, 33]]
@@ -692,77 +687,6 @@ def test_speculation_stops_above_the_request_limit_and_resumes_below_it(
     assert fixed_beside.stats.target_only_rounds == 0 and fixed_beside.stats.rounds <= 4, fixed_beside.stats
     assert alone.stats.target_only_rounds < alone.stats.rounds // 2, alone.stats
     assert load_rounds > beside.stats.rounds  # the long request's rounds meanwhile too
-
-
-GATE_WINDOW = ["--speculation-load-gate-window-s", "0.02"]  # windows of 2 rounds per request, 20 ms at least
-
-
-@pytest.fixture(scope="module")
-def gate_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
-    """The tiny target, another model as the draft (rejections happen), a coordinator whose load
-    gate closes a window every 2 rounds of each request (20 ms at least), so that 8 requests at
-    once go through many."""
-    workdir = tmp_path_factory.mktemp("gate")
-    with fault_cluster(workdir, tiny_models.target, tiny_models.other, coordinator_args=GATE_WINDOW) as cluster:
-        yield cluster
-
-
-def test_the_load_gate_tries_target_only_under_load_and_every_reply_stays_the_targets(
-    gate_cluster: LocalCluster, tiny_models: TinyModels
-) -> None:
-    """8 adaptive requests at once (200 tokens each) and one with fixed K beside them: the gate
-    decodes windows target-only (trials at least; its counter rises), every reply is HF's greedy
-    reply, and the fixed-K request keeps its K (drafts every round but its last, whose one token
-    left has nothing to draft)."""
-    with grpc.insecure_channel(gate_cluster.address) as channel:
-        stub = coordinator_pb2_grpc.GenerationStub(channel)
-        assert stub.GetInfo(coordinator_pb2.GetInfoRequest(), timeout=10).speculation_load_gate_window_s == 0.02
-        prompts = [[*PROMPTS[i % 4], i] for i in range(8)]
-        adaptive = [make_request(p, k=8, max_new=200, fixed=False, ignore_eos=True) for p in prompts]
-        fixed = make_request(PROMPTS[1], k=4, max_new=150, fixed=True, ignore_eos=True)
-        with ThreadPoolExecutor(9) as pool:
-            replies = list(pool.map(lambda r: stub.Generate(r, timeout=120), [*adaptive, fixed]))
-    gated = metric(gate_cluster, "coordinator", "specdec_load_gate_target_only_rounds_total")
-    assert gated > 0, "no window decoded target-only: the test proves nothing"
-    for prompt, reply in zip([*prompts, PROMPTS[1]], replies, strict=True):
-        assert list(reply.token_ids) == reference_greedy(
-            str(tiny_models.target), tuple(prompt), len(reply.token_ids), ignore_eos=True
-        )
-    fixed_stats = replies[8].stats  # about a round a token: the draft is another model
-    assert fixed_stats.rounds > 100 and fixed_stats.target_only_rounds <= 1, fixed_stats
-
-
-def _pairs(model_dir: Path, prompt: list[int], warp: Warp) -> dict[tuple[int, int], float]:
-    """The exact probability of each pair of first tokens under the warped target."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    exact: dict[tuple[int, int], float] = {}
-    with torch.no_grad():
-        first = warped_probs(model(torch.tensor([prompt])).logits[0, -1], warp)
-        for a in torch.nonzero(first).flatten().tolist():
-            second = warped_probs(model(torch.tensor([[*prompt, a]])).logits[0, -1], warp)
-            for b in torch.nonzero(second).flatten().tolist():
-                exact[(a, b)] = float(first[a] * second[b])
-    return exact
-
-
-def test_sampled_replies_follow_the_target_distribution_while_the_load_gate_switches(
-    gate_cluster: LocalCluster, tiny_models: TinyModels
-) -> None:
-    """600 seeded adaptive requests of 2 sampled tokens, 16 at once, while the gate's windows
-    switch between speculation and target-only decoding: the pairs follow the exact warped target
-    distribution (chi-square), and the same counts reject the draft's (what speculation that kept
-    every draft would give: the test's power)."""
-    warp, prompt, n = Warp(temperature=1.0, top_k=3), PROMPTS[0], 600
-    before = metric(gate_cluster, "coordinator", "specdec_load_gate_target_only_rounds_total")
-    request = make_request(prompt, k=3, max_new=2, fixed=False, temperature=1.0, top_k=3, ignore_eos=True)
-    replies = seeded_replies(gate_cluster.address, request, n)
-    gated = metric(gate_cluster, "coordinator", "specdec_load_gate_target_only_rounds_total") - before
-    speculated = sum(r.stats.rounds - r.stats.target_only_rounds for r in replies)
-    assert gated > 0 and speculated > 0, (gated, speculated)  # both kinds of rounds
-    samples = collections.Counter((r.token_ids[0], r.token_ids[1]) for r in replies)
-    assert chi_square_pvalue(samples, _pairs(tiny_models.target, prompt, warp), n) > 1e-3
-    drafts = _pairs(tiny_models.other, prompt, warp)
-    assert rejects(samples, drafts), "the test cannot tell the draft's distribution apart"
 
 
 @contextlib.contextmanager

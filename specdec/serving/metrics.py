@@ -121,12 +121,6 @@ class CoordinatorMetrics:
             "Rounds decoded target-only because more requests were generating than --speculation-max-requests",
             registry=registry,
         )
-        self.load_gate_target_only_rounds = Counter(
-            "specdec_load_gate_target_only_rounds",
-            "Rounds decoded target-only because the load gate measured that target-only decoding serves more "
-            "tokens a second at the replica's load, or was trying it (--speculation-load-gate-window-s)",
-            registry=registry,
-        )
         self.draft_prefixes_finishing = Gauge(
             "specdec_draft_prefixes_finishing",
             "Prefixes that finished turns left the draft computing for their sessions' next turns, "
