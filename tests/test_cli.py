@@ -658,6 +658,11 @@ def test_draft_ceiling_prices_the_confidence_stops(tiny_models: TinyModels, tmp_
     assert block_stop["model, block stop 0.999999, up to 4"] == pytest.approx(5.0 * 12 * 102 / (6 * 133), abs=0.006)
 
 
+def _predicted(lines: list[str]) -> dict[str, float]:
+    """The ceiling table's rows that have a predicted rate: name -> tok/s (its column 56-66)."""
+    return {line[:56].strip(): float(line[56:66]) for line in lines if re.fullmatch(r" *\d+\.\d\d", line[56:66])}
+
+
 def _ceiling_module() -> Any:
     """scripts/draft_ceiling.py as a module (it is a script, not part of the package)."""
     spec = importlib.util.spec_from_file_location("draft_ceiling", CEILING_SCRIPT)
@@ -702,7 +707,7 @@ def test_draft_ceiling_prices_each_block_stop_and_the_best_for_each_prompt(
     done = subprocess.run([sys.executable, str(CEILING_SCRIPT), *args], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    rate = {line[:56].strip(): float(line[56:66]) for line in lines if re.fullmatch(r" *\d+\.\d\d", line[56:66])}
+    rate = _predicted(lines)
     assert sum(line.startswith("model, block stop 0.5, up to 4") for line in lines) == 1
     assert rate["model, block stop 0.999999, up to 4"] == pytest.approx(5.0 * 12 * 102 / (6 * 133), abs=0.006)
     assert rate["model, block stop 0.0, up to 4"] == rate["model, fixed K = 4"]
@@ -741,7 +746,7 @@ def test_draft_ceiling_best_block_stop_is_chosen_prompt_by_prompt() -> None:
     printed: list[str] = []
     ceiling.price(printed.append, replies, costs, 5.0, {}, 4, args)
     lines = "".join(printed).splitlines()
-    rate = {line[:56].strip(): float(line[56:66]) for line in lines if re.fullmatch(r" *\d+\.\d\d", line[56:66])}
+    rate = _predicted(lines)
     plain = 16 * costs.round_ms(0)  # the target-only time the rates are scaled by
     best = 5.0 * plain / (min(ms[0.1][0], ms[0.8][0]) + min(ms[0.1][1], ms[0.8][1]))
     assert rate["block stop, the best of 2 for each prompt"] == pytest.approx(best, abs=0.006)
