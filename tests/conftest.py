@@ -20,7 +20,18 @@ from tests.tiny_models import TinyModels, build_tiny_models
 
 pytest_plugins = ["tests.alone"]
 
-torch.set_num_threads(2)
+HOST_THREADS = torch.get_num_threads()  # torch's default: the host's cores
+torch.set_num_threads(1)  # (what the fixtures set up before the first test have)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request: pytest.FixtureRequest) -> None:
+    """One intra-op thread in a test that shares the host: two xdist workers share its two cores
+    with the services they start, and torch's OpenMP threads spin while they wait for a core that
+    another process holds (the windowed-cache test of a tiny model took 17 s on two threads beside
+    one busy process, 3.7 s on one; about the same alone). A test marked ``alone`` has the host's
+    cores."""
+    torch.set_num_threads(HOST_THREADS if request.node.get_closest_marker("alone") else 1)
 
 
 @pytest.fixture(scope="session", autouse=True)
