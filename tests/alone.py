@@ -8,8 +8,11 @@ tests that measure timing (adaptive K, stalls, chunked prefill) would measure th
 Two lock files in the run's shared temporary directory, one per run: every test passes through
 a gate, then holds the room shared (other tests) or exclusive (``alone``). An ``alone`` test
 holds the gate while it waits for the room, so the other worker's next test waits behind it
-instead of taking the room again and again (flock makes no promise of order). Without xdist
-(``-n 0``) tests run one at a time anyway and nothing is locked.
+instead of taking the room again and again (flock makes no promise of order). An ``alone`` test
+whose worker runs another one next keeps the room for it: handing it back between them let the
+other worker run one test in every gap while this one waited, so a file of ``alone`` tests and the
+other worker's tests ran one at a time, all of them. Without xdist (``-n 0``) tests run one at a
+time anyway and nothing is locked.
 """
 
 from __future__ import annotations
@@ -37,24 +40,40 @@ def locked(path: Path, mode: int) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+_kept: ExitStack | None = None  # the room an ``alone`` test kept for the next one (this worker's)
+
+
+def _alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
 @contextmanager
-def _turn(item: pytest.Item) -> Iterator[None]:
+def _turn(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    global _kept
     if not hasattr(item.config, "workerinput"):  # not an xdist worker: nothing else runs
         yield
         return
     shared = Path(item.config.option.basetemp).parent  # each worker's basetemp is <run's>/gwN
-    alone = item.get_closest_marker("alone") is not None
-    with ExitStack() as held:
+    alone = _alone(item)
+    held, _kept = _kept, None
+    if held is None:
+        held = ExitStack()
         with locked(shared / "alone-gate.lock", fcntl.LOCK_EX):
             if alone:
                 held.enter_context(locked(shared / "alone-room.lock", fcntl.LOCK_EX))
         if not alone:
             held.enter_context(locked(shared / "alone-room.lock", fcntl.LOCK_SH))
+    try:
         yield
+    finally:
+        if alone and _alone(nextitem):  # (xdist runs an item once it knows the next, or that none comes)
+            _kept = held
+        else:
+            held.close()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, object, object]:
     """Setup, call and teardown of ``item`` all run inside its turn."""
-    with _turn(item):
+    with _turn(item, nextitem):
         return (yield)

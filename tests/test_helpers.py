@@ -42,7 +42,7 @@ def test_a_failing_child_fails_the_call(capfd: pytest.CaptureFixture[str]) -> No
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_TIMED_TESTS = """
+_WORK = """
 import os, time
 import pytest
 
@@ -51,11 +51,13 @@ def _work(name):
     time.sleep(0.8)
     with open(os.environ["TIMES_FILE"], "a") as out:
         out.write(f"{name} {began} {time.monotonic()}\\n")
-
+"""
+_SHARED = """
 @pytest.mark.parametrize("i", range(6))
 def test_shared(i):
     _work(f"shared{i}")
-
+"""
+_ALONE = """
 @pytest.mark.alone
 @pytest.mark.parametrize("i", range(3))
 def test_alone(i):
@@ -63,14 +65,18 @@ def test_alone(i):
 """
 
 
-def _timed_run(tmp_path: Path, plugin: bool) -> list[tuple[str, float, float]]:
-    """Runs 9 sleeping tests, 3 of them marked ``alone``, on two xdist workers; their times."""
+def _timed_run(
+    tmp_path: Path, plugin: bool, files: dict[str, str] | None = None, dist: str = "load"
+) -> list[tuple[str, float, float]]:
+    """Runs sleeping tests on two xdist workers (by default 9 in one file, 3 of them marked
+    ``alone``; or ``files``, each file's tests after _WORK); their times."""
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers = alone: see tests/alone.py\n")
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.alone"]\n' if plugin else "")
-    (tmp_path / "test_timed.py").write_text(_TIMED_TESTS)
+    for name, tests in (files or {"test_timed.py": _SHARED + _ALONE}).items():
+        (tmp_path / name).write_text(_WORK + tests)
     times = tmp_path / "times.txt"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TIMES_FILE": str(times)}
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "load"]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", dist]
     run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     return [(name, float(a), float(b)) for name, a, b in (line.split() for line in times.read_text().splitlines())]
@@ -94,6 +100,17 @@ def test_tests_marked_alone_run_while_no_other_test_runs(tmp_path: Path, plugin:
     assert len(times) == 9
     assert _overlaps(times, "shared"), times  # two workers really ran tests at once
     assert bool(_overlaps(times, "alone")) is not plugin, times
+
+
+def test_alone_tests_in_a_row_run_back_to_back(tmp_path: Path) -> None:
+    """A file of ``alone`` tests on one worker (``--dist loadfile``, as the suite runs) keeps the
+    room from the first to the last: no test of the other worker's file runs between them (one ran
+    in a gap while each handed the room back: on main, 2 and 1 of the 6 in two runs)."""
+    times = _timed_run(tmp_path, True, {"test_a.py": _SHARED, "test_b.py": _ALONE}, dist="loadfile")
+    alone = [(began, ended) for name, began, ended in times if name.startswith("alone")]
+    first, last = min(began for began, _ in alone), max(ended for _, ended in alone)
+    assert len(alone) == 3 and len(times) == 9
+    assert not [name for name, began, ended in times if name.startswith("shared") and began < last and ended > first]
 
 
 def test_top_logprobs_tied_at_the_cut_agree_in_either_order() -> None:
