@@ -30,6 +30,22 @@ def test_round_trip_every_kind() -> None:
             torch.testing.assert_close(q, proposal_matrix(samples, V))
 
 
+def test_sparse_rows_of_any_length_and_a_repeated_id_decode_to_their_distributions() -> None:
+    """Rows are scattered together: each keeps its own ids, an id listed twice adds up, and each
+    row is divided by its own sum."""
+    samples = [
+        DraftSample(2, ids=torch.tensor([2, 7, 2]), probs=torch.tensor([0.25, 0.5, 0.25])),
+        DraftSample(9, ids=torch.tensor([9]), probs=torch.tensor([1.0])),
+        DraftSample(0, ids=torch.tensor([0, 1, 3, 4, 5]), probs=torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2005])),
+    ]
+    tokens, q = decode_block(encode_block(samples), V, "cpu")
+    assert tokens.tolist() == [2, 9, 0] and q is not None
+    assert q[0, 2] == 0.5 and q[0, 7] == 0.5 and q[1, 9] == 1.0
+    torch.testing.assert_close(q[2, [0, 1, 3, 4, 5]], torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2005]) / 1.0005)
+    torch.testing.assert_close(q.sum(-1), torch.ones(3))
+    assert int((q > 0).sum()) == 2 + 1 + 5
+
+
 def sparse(ids: list[int], probs: list[float], tokens: list[int] | None = None) -> common_pb2.DraftBlock:
     return common_pb2.DraftBlock(
         token_ids=tokens or [ids[0]],
