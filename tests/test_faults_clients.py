@@ -299,11 +299,8 @@ def test_a_deadline_that_ran_out_at_the_caller_first_is_still_a_deadline() -> No
     rpc = _Rpc("s/M", "M", ServerControl(), Authenticator(), RpcMetrics(registry))
     for remaining in (0.0, 0.0015, 0.0043, 0.03, 1.0, 30.0, None):
         rpc.ended(_LeftAt(remaining), time.monotonic(), client_left=True)  # type: ignore[arg-type]
-
-    def counted(code: str) -> float | None:
-        return registry.get_sample_value("specdec_rpcs_total", {"method": "s/M", "code": code})
-
-    assert (counted("DEADLINE_EXCEEDED"), counted("CANCELLED")) == (4, 3)  # main: (1, 6)
+    counted = _calls_by_code(registry, "s/M", ("DEADLINE_EXCEEDED", "CANCELLED"))
+    assert counted == {"DEADLINE_EXCEEDED": 4.0, "CANCELLED": 3.0}  # main: 1 and 6
 
 
 CLIENT_SCRIPT = """
@@ -1083,9 +1080,10 @@ async def test_calls_that_outlive_the_cancel_wait_are_a_warning() -> None:
         await slow
 
 
-def _calls_by_code(registry: CollectorRegistry, method: str) -> dict[str, float | None]:
-    """How many calls of ``method`` were counted DEADLINE_EXCEEDED and INVALID_ARGUMENT."""
-    codes = ("DEADLINE_EXCEEDED", "INVALID_ARGUMENT")
+def _calls_by_code(
+    registry: CollectorRegistry, method: str, codes: tuple[str, ...] = ("DEADLINE_EXCEEDED", "INVALID_ARGUMENT")
+) -> dict[str, float | None]:
+    """How many calls of ``method`` were counted with each of ``codes`` (None: none yet)."""
     return {code: registry.get_sample_value("specdec_rpcs_total", {"method": method, "code": code}) for code in codes}
 
 
