@@ -135,7 +135,9 @@ def test_one_slow_verify_does_not_hold_k_down_for_good(tmp_path: Path, tiny_mode
     (2 of 4 runs on two pytest-xdist workers, 1 of them with this test run alone); now 0.45 s
     against 1.17 s (2.6x)."""
     slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.05, width=5, pass_s=0.012)
-    with fault_cluster(tmp_path / "run", slow, tiny_models.target, worker_args=["--trust-remote-code"]) as cluster:
+    # no start-up passes: the stall is the first pass of its width, a request's
+    args = ["--trust-remote-code", "--warm-up-widths", "0"]
+    with fault_cluster(tmp_path / "run", slow, tiny_models.target, worker_args=args) as cluster:
         request = make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True)
         request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
         first, later = generate(cluster, request), generate(cluster, request)
@@ -156,7 +158,8 @@ def test_one_stalled_draft_call_does_not_turn_speculation_off(
     draft's cost. An average that one sample moves priced the draft as slow for the rest of the
     turn (speculation off, re-measured only by the short probes)."""
     stalling = build_stalling(tiny_models.target, tmp_path / "stalling", stall_call=12, stall_s=0.3)
-    with fault_cluster(tmp_path / "run", tiny_models.target, stalling, worker_args=["--trust-remote-code"]) as cluster:
+    args = ["--trust-remote-code", "--warm-up-widths", "0"]  # the stall is a request's 12th one-token step
+    with fault_cluster(tmp_path / "run", tiny_models.target, stalling, worker_args=args) as cluster:
         request = make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True)
         request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
         reply = generate(cluster, request)

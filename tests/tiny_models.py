@@ -287,7 +287,8 @@ def build_stalling(
     wide_s: float = 0.0,
 ) -> Path:
     """A copy of ``source`` whose forward sleeps ``stall_s`` once, on its ``stall_call``-th call of
-    ``width`` tokens (1: a draft's one-token steps; K + 1: a target's verify pass of a K block),
+    ``width`` tokens (1: a draft's one-token steps; K + 1: a target's verify pass of a K block; a
+    worker's start-up passes count, one of each width up to its --warm-up-widths),
     ``pass_s`` in every pass (a target that costs more than its draft, as a deployed one does) and
     ``wide_s`` in every pass of at least ``wide_from`` tokens (a draft on a CPU beside a GPU target:
     its prompt's prefill is slow, its steps are not)."""

@@ -158,6 +158,14 @@ class ModelWorkerSettings(ServiceSettings):
     )
     max_draft_tokens: int = Field(64, gt=0, description="largest draft block this worker takes")
     max_batch: int = Field(16, gt=0, description="requests whose steps share one forward pass at most")
+    warm_up_widths: int = Field(
+        17,
+        ge=0,
+        description="at start-up, one forward pass of every width from 1 to this over a short cache: a width's "
+        "first pass pays one-time costs (kernels chosen for its shapes), which the coordinator would time as the "
+        "width's cost (17 = a block of the coordinator's default --max-speculative-tokens and the target's token; "
+        "0 = none)",
+    )
     prefill_chunk_tokens: int = Field(
         0,
         ge=0,

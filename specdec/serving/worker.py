@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -119,6 +120,9 @@ class WorkerCore:
         self.metrics.cached_sessions.set_function(lambda: len(caches))
         self.metrics.cached_tokens.set_function(lambda: caches.cached_tokens)
         self.metrics.cache_budget_tokens.set(budget)
+        began = time.perf_counter()
+        widest = await self.scheduler.call(caches.warm_up, s.warm_up_widths)
+        log.info("widths_warmed_up", widths=widest, ms=round((time.perf_counter() - began) * 1000, 1))
         self.prefill = await self.scheduler.call(prefill_rates, self._loaded, s.rollback_margin())
         log.info(
             "prefill_measured",
