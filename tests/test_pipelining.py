@@ -99,7 +99,8 @@ def test_adaptive_k_keeps_speculating_with_a_good_draft(
     that cost what its target did, a 5-token block and a 2-token one were near a tie: under three
     busy loops, 1 run in 6 went to K 1 for three rounds (a 2-token pass's cost measured while the
     host was quieter), and so it came to a last round with one token left, target-only, which the
-    test did not allow for (a CI failure: 3 target-only rounds).
+    test did not allow for (a CI failure: 3 target-only rounds); with two tokens left a round may
+    also decode target-only on its costs.
     """
     target = build_stalling(tiny_models.target, tmp_path / "target", stall_call=0, stall_s=0.0, pass_s=0.012)
     with fault_cluster(tmp_path / "run", target, tiny_models.target, worker_args=["--trust-remote-code"]) as cluster:
@@ -113,11 +114,14 @@ def test_adaptive_k_keeps_speculating_with_a_good_draft(
     stats, per_round = messages[-1].stats, [len(m.token_ids) for m in messages]
     assert len(per_round) == stats.rounds, per_round  # a message per round
     # Every draft is right. Target-only rounds: the prompt's prefill, the one that measures what a
-    # one-token pass costs, and a last round with one token left (it has nothing to draft); every
-    # other round speculates, most at K 4 (the stop is gone after a few blocks).
+    # one-token pass costs, and at the end those with two tokens left or fewer (nothing to draft
+    # with one; with two, a one-token block, which the draft call's overhead can outweigh: under
+    # three busy loops 20 ms against 8 ms target-only); every other round speculates, most at K 4
+    # (the stop is gone after a few blocks).
     assert stats.acceptance_rate == 1.0, stats
+    left = [60 - sum(per_round[:i]) for i in range(len(per_round))]  # tokens to go before each round
     target_only = [i for i, n in enumerate(per_round) if n == 1]
-    assert target_only in ([0, 1], [0, 1, len(per_round) - 1]), per_round
+    assert target_only[:2] == [0, 1] and all(left[i] <= 2 for i in target_only[2:]), per_round
     assert stats.target_only_rounds == len(target_only), stats
     assert per_round.count(5) >= 9 and stats.mean_k >= 2.0 and stats.mean_accepted_length >= 3.0, per_round
 
