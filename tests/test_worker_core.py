@@ -134,16 +134,17 @@ def test_the_cpu_quota_of_a_container_is_read(
     assert cpu_quota(proc_cgroup, tmp_path) == expected
 
 
-@pytest.mark.parametrize("widths", [17, 0])
+@pytest.mark.parametrize(("widths", "max_draft", "widest"), [(17, 64, 17), (17, 4, 5), (0, 64, 0)])
 def test_the_worker_runs_each_block_width_once_before_it_serves(
-    tiny_models: TinyModels, monkeypatch: pytest.MonkeyPatch, widths: int
+    tiny_models: TinyModels, monkeypatch: pytest.MonkeyPatch, widths: int, max_draft: int, widest: int
 ) -> None:
     """A model's first pass of a width pays one-time costs (the tiny target on CPU: 4.5-6 ms, then
     2.2 ms each, from the second request on as well), and the coordinator times target-only
     decoding by one pass, its turn's second round: that one cost stood for a one-token pass, 2x
     too dear. The worker runs a pass of every width up to --warm-up-widths over a short cache at
-    start-up, keeping each width's rows of logits as a verify pass does, then drops the cache:
-    no session, no tokens counted as computed."""
+    start-up (no wider than the widest verify pass, --max-draft-tokens + 1), keeping each width's
+    rows of logits as a verify pass does, then drops the cache: no session, no tokens counted as
+    computed."""
     passes: list[tuple[int, int]] = []  # (tokens in the pass, tokens in the cache before it)
     forward = LlamaForCausalLM.forward
 
@@ -157,7 +158,9 @@ def test_the_worker_runs_each_block_width_once_before_it_serves(
     monkeypatch.setattr(LlamaForCausalLM, "forward", recording)
 
     async def scenario() -> tuple[int, int]:
-        settings = ModelWorkerSettings(model=str(tiny_models.target), device="cpu", warm_up_widths=widths)
+        settings = ModelWorkerSettings(
+            model=str(tiny_models.target), device="cpu", warm_up_widths=widths, max_draft_tokens=max_draft
+        )
         core = WorkerCore(settings, ServerControl(), CollectorRegistry())
         await core.load()
         try:
@@ -167,4 +170,4 @@ def test_the_worker_runs_each_block_width_once_before_it_serves(
 
     assert asyncio.run(scenario()) == (0, 0)
     over_a_cache = {tokens for tokens, before in passes if before > 0 and tokens <= widths}
-    assert over_a_cache == set(range(1, widths + 1)), passes
+    assert over_a_cache == set(range(1, widest + 1)), passes

@@ -161,9 +161,10 @@ class ModelWorkerSettings(ServiceSettings):
     warm_up_widths: int = Field(
         17,
         ge=0,
-        description="at start-up, one forward pass of every width from 1 to this over a short cache: a width's "
-        "first pass pays one-time costs (kernels chosen for its shapes), which the coordinator would time as the "
-        "width's cost (17 = a block of the coordinator's default --max-speculative-tokens and the target's token; "
+        description="at start-up, one forward pass of every width from 1 to this (at most max_draft_tokens + 1) over "
+        "a short cache: a width's first pass pays one-time costs (kernels chosen for its shapes), which the "
+        "coordinator would time as the width's cost (17 = a block of the coordinator's default "
+        "--max-speculative-tokens and the target's token; "
         "0 = none)",
     )
     prefill_chunk_tokens: int = Field(

@@ -121,7 +121,7 @@ class WorkerCore:
         self.metrics.cached_tokens.set_function(lambda: caches.cached_tokens)
         self.metrics.cache_budget_tokens.set(budget)
         began = time.perf_counter()
-        widest = await self.scheduler.call(caches.warm_up, s.warm_up_widths)
+        widest = await self.scheduler.call(caches.warm_up, min(s.warm_up_widths, s.max_draft_tokens + 1))
         log.info("widths_warmed_up", widths=widest, ms=round((time.perf_counter() - began) * 1000, 1))
         self.prefill = await self.scheduler.call(prefill_rates, self._loaded, s.rollback_margin())
         log.info(
