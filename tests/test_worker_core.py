@@ -140,11 +140,11 @@ def test_the_worker_runs_each_block_width_once_before_it_serves(
 ) -> None:
     """A model's first pass of a width pays one-time costs (the tiny target on CPU: 4.5-6 ms, then
     2.2 ms each, from the second request on as well), and the coordinator times target-only
-    decoding by one pass, its turn's second round: that one cost stood for a one-token pass, 2x
-    too dear. The worker runs a pass of every width up to --warm-up-widths over a short cache at
-    start-up (no wider than the widest verify pass, --max-draft-tokens + 1), keeping each width's
-    rows of logits as a verify pass does, then drops the cache: no session, no tokens counted as
-    computed."""
+    decoding only by target-only rounds, with a good draft its first turn's second round alone:
+    that one cost stood for a one-token pass, 2x too dear. The worker runs a pass of every width
+    up to --warm-up-widths over a short cache at start-up (no wider than the widest verify pass,
+    --max-draft-tokens + 1), keeping each width's rows of logits as a verify pass does, then drops
+    the cache: no session, no tokens counted as computed."""
     passes: list[tuple[int, int]] = []  # (tokens in the pass, tokens in the cache before it)
     forward = LlamaForCausalLM.forward
 

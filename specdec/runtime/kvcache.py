@@ -821,8 +821,9 @@ class SessionCaches:
         and leaves ``prefill_tokens_total`` as it was; returns the widest width run. A model's
         first pass of a width pays one-time costs (kernels chosen and buffers made for its shapes:
         on CPU the tiny test model's first took 4.5-6 ms, the later ones 2.2 ms), and the
-        coordinator times a one-token pass only once, on a turn's second round: no live request's
-        pass of a width may be that width's first. Before the worker serves (no session yet)."""
+        coordinator times target-only decoding only by rounds that decode target-only (with a good
+        draft, one in its life): a session's pass of a width should not be that width's first.
+        Before the worker serves (no session yet)."""
         widths = min(widths, self._loaded.max_context_len - 1 - WARM_UP_PREFIX_TOKENS)
         if widths < 1:
             return 0
