@@ -26,10 +26,28 @@ def encode_block(samples: list[DraftSample]) -> common_pb2.DraftBlock:
     for s in samples:
         if s.probs is None:
             raise ValueError("a block mixes one-hot and sampled proposals")
-        entry = block.proposals.add(probs=s.probs.float().cpu().tolist())
+        entry = block.proposals.add()
+        entry.MergeFromString(_packed_probs(s.probs))
         if sparse and s.ids is not None:
             entry.ids.extend(s.ids.cpu().tolist())
     return block
+
+
+_PROBS_TAG = bytes([common_pb2.TokenProposal.PROBS_FIELD_NUMBER << 3 | 2])  # wire type 2: length-delimited
+
+
+def _packed_probs(probs: torch.Tensor) -> bytes:
+    """A TokenProposal holding only ``probs``, as protobuf writes it: the field's tag, its length
+    in bytes as a varint, then the values as little-endian float32 (proto3 packs a repeated
+    float). Built from the array's bytes at once: a dense row of 151,936 values took protobuf
+    about 6 ms as a Python list, the only input it takes without a per-value call."""
+    data = probs.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes()
+    size, length = len(data), bytearray()
+    while size > 0x7F:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    length.append(size)
+    return _PROBS_TAG + bytes(length) + data
 
 
 def decode_block(
