@@ -79,7 +79,11 @@ class Costs:
 def measured_costs(runs: Sequence[dict[str, Any]]) -> Costs:
     """The costs from one workload's service runs (their stats) over the report's draft model (not
     the early-exit or other-tokenizer rows): sums over runs, not means of ratios. The draft's time
-    per token counts model-drafted tokens only (lookup drafts cost none)."""
+    per token counts model-drafted tokens only (lookup drafts cost none). The stats do not give a
+    request's first round (which holds the prompt's prefill) apart, so the prefill is spread over
+    the target-only row's rounds and the drafting rows' drafted tokens: small with short prompts,
+    but with long ones (``edit``) a drafted token is overcharged, and schedules that verify more
+    rows than the measured rows are priced too slow."""
     own = {name for name, row in SERVICE_METHODS.items() if row.coordinator == "main"}
     plain = [r["stats"] for r in runs if r["method"] == TARGET_ONLY]
     drafted = [r["stats"] for r in runs if r["method"] in own and r["stats"]["proposed"] > 0]
