@@ -48,8 +48,8 @@ def test_sparse_rows_of_any_length_and_a_repeated_id_decode_to_their_distributio
 
 def test_a_block_is_encoded_as_protobuf_encodes_it() -> None:
     """The proposals' probabilities are written from the arrays' bytes (a dense row of the real
-    vocabulary took protobuf ~6 ms as a list): the same wire bytes protobuf writes from a list,
-    for a dense row longer than a one-byte and a two-byte length, sparse rows, a row of one value,
+    vocabulary took ~10 ms as a list): the same wire bytes protobuf writes from a list, for a
+    dense row longer than a one-byte and a two-byte length, sparse rows, a row of one value,
     values float32 rounds, and the edge values a row holds (0, the smallest subnormal, 1)."""
     long_row = torch.softmax(torch.randn(40_000, generator=torch.Generator().manual_seed(2), dtype=torch.float64), -1)
     edges = torch.tensor([0.0, 1e-45, 0.5, 1.0, 1 / 3])

@@ -39,8 +39,8 @@ _PROBS_TAG = bytes([common_pb2.TokenProposal.PROBS_FIELD_NUMBER << 3 | 2])  # wi
 def _packed_probs(probs: torch.Tensor) -> bytes:
     """A TokenProposal holding only ``probs``, as protobuf writes it: the field's tag, its length
     in bytes as a varint, then the values as little-endian float32 (proto3 packs a repeated
-    float). Built from the array's bytes at once: a dense row of 151,936 values took protobuf
-    about 6 ms as a Python list, the only input it takes without a per-value call."""
+    float). Built from the array's bytes at once: a dense row of 151,936 values took about 10 ms
+    as a Python list (protobuf's fastest input; a numpy array is read a value at a time)."""
     data = probs.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes()
     size, length = len(data), bytearray()
     while size > 0x7F:
