@@ -54,6 +54,12 @@ def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
         reply_lookup_rounds=s.reply_lookup_rounds,
         reply_lookup_tokens_accepted=s.reply_lookup_accepted,
         draft_catch_up_rounds=s.draft_catch_up_rounds,
+        first_round=coordinator_pb2.FirstRound(
+            draft_ms=s.first_round.draft_ms,
+            verify_ms=s.first_round.verify_ms,
+            draft_tokens_proposed=s.first_round.proposed,
+            lookup_tokens_proposed=s.first_round.lookup_proposed,
+        ),
         proposed_by_position=s.proposed_by_position,
         accepted_by_position=s.accepted_by_position,
     )

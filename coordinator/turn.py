@@ -56,6 +56,16 @@ class Finish(enum.Enum):
 
 
 @dataclass
+class FirstRound:
+    """A turn's first round, which also computes the prompt's uncached tokens (its part of TurnStats)."""
+
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    proposed: int = 0
+    lookup_proposed: int = 0
+
+
+@dataclass
 class TurnStats:
     """Counters of one turn (SpeculationStats and Usage on the wire)."""
 
@@ -79,6 +89,7 @@ class TurnStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     overhead_ms: float = 0.0
+    first_round: FirstRound = field(default_factory=FirstRound)
 
     @property
     def acceptance_rate(self) -> float:
@@ -531,6 +542,8 @@ class Turn:
         k = len(proposal.block.token_ids) if proposal else 0
         method = proposal.method if proposal else "none"
         overhead = round_ms - verdict.compute_ms - min(draft_ms, proposal.compute_ms if proposal else 0.0)
+        if s.rounds == 0:
+            s.first_round = FirstRound(draft_ms, verdict.compute_ms, k, k if method == NGRAM else 0)
         s.rounds += 1
         s.completion_tokens += committed
         s.k_total += k

@@ -115,6 +115,24 @@ def test_target_only_mode_is_identical(same: coordinator_pb2_grpc.GenerationStub
     assert reply.stats.target_only_rounds == reply.stats.rounds == len(reply.token_ids)
 
 
+def test_the_first_round_which_computes_the_prompt_is_reported_apart(same: coordinator_pb2_grpc.GenerationStub) -> None:
+    """``stats.first_round``: the turn's first round (it also computes the prompt on both workers),
+    part of the totals; a one-round turn's totals are its first round's; target-only, no draft
+    tokens (and well under a millisecond of draft time: the round's bookkeeping)."""
+    reply = same.Generate(request(PROMPTS[0], k=4))
+    s, first = reply.stats, reply.stats.first_round
+    assert s.rounds > 1 and (first.draft_tokens_proposed, first.lookup_tokens_proposed) == (4, 0), s
+    assert 0 < first.verify_ms < s.verify_ms and 0 < first.draft_ms < s.draft_ms, s
+    one = same.Generate(request(PROMPTS[1], k=4, max_new=5)).stats
+    assert one.rounds == 1 and one.first_round.draft_tokens_proposed == one.draft_tokens_proposed == 4, one
+    assert (one.first_round.verify_ms, one.first_round.draft_ms) == (one.verify_ms, one.draft_ms), one
+    alone = request(PROMPTS[0])
+    alone.speculation.disable = True
+    plain = same.Generate(alone).stats
+    assert plain.first_round.draft_tokens_proposed == 0 and plain.first_round.draft_ms <= plain.draft_ms < 1, plain
+    assert 0 < plain.first_round.verify_ms < plain.verify_ms, plain
+
+
 def test_text_prompt_round_trip(other: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_models.target)
     prompt_ids = tokenizer("The capital of France is")["input_ids"]

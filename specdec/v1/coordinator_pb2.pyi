@@ -81,7 +81,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs", "pipelined_rounds", "draft_ms", "verify_ms", "overhead_ms", "mean_k", "lookup_rounds", "lookup_tokens_proposed", "lookup_tokens_accepted", "proposed_by_position", "accepted_by_position", "reply_lookup_rounds", "reply_lookup_tokens_accepted", "draft_catch_up_rounds")
+    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs", "pipelined_rounds", "draft_ms", "verify_ms", "overhead_ms", "mean_k", "lookup_rounds", "lookup_tokens_proposed", "lookup_tokens_accepted", "proposed_by_position", "accepted_by_position", "reply_lookup_rounds", "reply_lookup_tokens_accepted", "draft_catch_up_rounds", "first_round")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class SpeculationStats(_message.Message):
     REPLY_LOOKUP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     REPLY_LOOKUP_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CATCH_UP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ROUND_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens_proposed: int
     draft_tokens_accepted: int
@@ -124,7 +125,20 @@ class SpeculationStats(_message.Message):
     reply_lookup_rounds: int
     reply_lookup_tokens_accepted: int
     draft_catch_up_rounds: int
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., mean_k: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., lookup_tokens_proposed: _Optional[int] = ..., lookup_tokens_accepted: _Optional[int] = ..., proposed_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., reply_lookup_rounds: _Optional[int] = ..., reply_lookup_tokens_accepted: _Optional[int] = ..., draft_catch_up_rounds: _Optional[int] = ...) -> None: ...
+    first_round: FirstRound
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., mean_k: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., lookup_tokens_proposed: _Optional[int] = ..., lookup_tokens_accepted: _Optional[int] = ..., proposed_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., reply_lookup_rounds: _Optional[int] = ..., reply_lookup_tokens_accepted: _Optional[int] = ..., draft_catch_up_rounds: _Optional[int] = ..., first_round: _Optional[_Union[FirstRound, _Mapping]] = ...) -> None: ...
+
+class FirstRound(_message.Message):
+    __slots__ = ("draft_ms", "verify_ms", "draft_tokens_proposed", "lookup_tokens_proposed")
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    draft_ms: float
+    verify_ms: float
+    draft_tokens_proposed: int
+    lookup_tokens_proposed: int
+    def __init__(self, draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., draft_tokens_proposed: _Optional[int] = ..., lookup_tokens_proposed: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("session_id", "token_ids", "text", "finish_reason", "usage", "stats", "seed", "stop_string", "stop_token_id", "logprobs", "prompt_logprobs")
