@@ -25,14 +25,18 @@ has a leaf that is the target's token, the round also commits the leaf and the t
 after it. With ``--block-stops`` each listed block stop is priced too, and so is the best of them
 for each prompt, chosen in hindsight: the most a threshold that adapts to the prompt could gain.
 Predicted decoding rates are scaled to the report by its measured ``service target-only``
-tokens/s (prefill and timer noise cancel in the ratio), then compared with the report's best HF
-speculative row.
+tokens/s (timer noise cancels in the ratio), then compared with the report's best HF speculative
+row. Where the report gives each request's first round apart (it also computes the prompt), the
+rounds are priced without it and each request's prefill is added to every row (the draft's to the
+rows that draft); in older reports the prefill is spread over the measured rounds and drafted
+tokens (see ``measured_costs``).
 
 With ``--prompts FILE`` (prompts separated by lines holding only '---', as ``specdec bench
 --prompts`` reads them) the replies priced are instead the target's greedy replies to those
 prompts (``--max-new-tokens`` each, through the target worker's loader and cache path), at the
-costs of each of the report's workloads: prompts other than the report's, so that a stop or a
-threshold is not chosen on the prompts it is then measured on.
+costs of each of the report's workloads (its rounds' costs; not its prompts' prefills): prompts
+other than the report's, so that a stop or a threshold is not chosen on the prompts it is then
+measured on.
 
     .venv/bin/python scripts/draft_ceiling.py docs/bench/qwen-2core.json
     .venv/bin/python scripts/draft_ceiling.py docs/bench/fair/hf-adaptive.json \
@@ -69,6 +73,8 @@ class Costs:
     draft_per_token: float
     overhead: float  # per round that drafted
     local_overhead: float  # per target-only round
+    prefill: float = 0.0  # per request: what the target's first round costs beyond a target-only pass
+    draft_prefill: float = 0.0  # per request that drafts: the draft's first call beyond its drafted tokens
 
     def round_ms(self, drafted: int) -> float:
         if drafted == 0:
@@ -79,25 +85,56 @@ class Costs:
 def measured_costs(runs: Sequence[dict[str, Any]]) -> Costs:
     """The costs from one workload's service runs (their stats) over the report's draft model (not
     the early-exit or other-tokenizer rows): sums over runs, not means of ratios. The draft's time
-    per token counts model-drafted tokens only (lookup drafts cost none). The stats do not give a
-    request's first round (which holds the prompt's prefill) apart, so the prefill is spread over
-    the target-only row's rounds and the drafting rows' drafted tokens: small with short prompts,
-    but with long ones (``edit``) a drafted token is overcharged, and schedules that verify more
-    rows than the measured rows are priced too slow."""
+    per token counts model-drafted tokens only (lookup drafts cost none).
+
+    A request's first round also computes its prompt on both workers. Where the report has it apart
+    (the stats' ``first_round_*``, written since the coordinator reports ``stats.first_round``), the
+    costs per round and per drafted token come from the other rounds, and what the first round
+    costs beyond them is the request's prefill (``prefill``, ``draft_prefill``). Older reports
+    lack it: there the prefill is spread over the target-only row's rounds and the drafting rows'
+    drafted tokens, small with short prompts, but with long ones (``edit``) a drafted token is
+    overcharged, and schedules that verify more rows than the measured rows are priced too slow."""
     own = {name for name, row in SERVICE_METHODS.items() if row.coordinator == "main"}
     plain = [r["stats"] for r in runs if r["method"] == TARGET_ONLY]
     drafted = [r["stats"] for r in runs if r["method"] in own and r["stats"]["proposed"] > 0]
     if not plain or not drafted:
         raise SystemExit("the report needs the 'service target-only' row and a row that drafted")
-    verify = sum(s["verify_ms"] for s in plain) / sum(s["rounds"] for s in plain)
-    extra = sum(s["verify_ms"] for s in drafted) - verify * sum(s["rounds"] for s in drafted)
-    model_tokens = sum(s["proposed"] - s["lookup_proposed"] for s in drafted)
+    overhead = sum(s["overhead_ms"] for s in drafted) / sum(s["rounds"] for s in drafted)
+    local_overhead = sum(s["overhead_ms"] for s in plain) / sum(s["rounds"] for s in plain)
+    if not all("first_round_verify_ms" in s for s in plain + drafted):
+        verify = sum(s["verify_ms"] for s in plain) / sum(s["rounds"] for s in plain)
+        extra = sum(s["verify_ms"] for s in drafted) - verify * sum(s["rounds"] for s in drafted)
+        model_tokens = sum(s["proposed"] - s["lookup_proposed"] for s in drafted)
+        return Costs(
+            verify=verify,
+            verify_per_draft=max(extra, 0.0) / sum(s["proposed"] for s in drafted),
+            draft_per_token=sum(s["draft_ms"] for s in drafted) / max(model_tokens, 1),
+            overhead=overhead,
+            local_overhead=local_overhead,
+        )
+
+    def later(s: dict[str, Any], key: str) -> float:  # a total without the first round's part
+        return s[key] - s[f"first_round_{key}"]
+
+    def first_model_tokens(s: dict[str, Any]) -> int:
+        return s["first_round_proposed"] - s["first_round_lookup_proposed"]
+
+    verify = sum(later(s, "verify_ms") for s in plain) / max(sum(s["rounds"] - 1 for s in plain), 1)
+    extra = sum(later(s, "verify_ms") for s in drafted) - verify * sum(s["rounds"] - 1 for s in drafted)
+    model_tokens = sum(s["proposed"] - s["lookup_proposed"] - first_model_tokens(s) for s in drafted)
+    per_draft = max(extra, 0.0) / max(sum(later(s, "proposed") for s in drafted), 1)
+    draft_per_token = sum(later(s, "draft_ms") for s in drafted) / max(model_tokens, 1)
     return Costs(
         verify=verify,
-        verify_per_draft=max(extra, 0.0) / sum(s["proposed"] for s in drafted),
-        draft_per_token=sum(s["draft_ms"] for s in drafted) / max(model_tokens, 1),
-        overhead=sum(s["overhead_ms"] for s in drafted) / sum(s["rounds"] for s in drafted),
-        local_overhead=sum(s["overhead_ms"] for s in plain) / sum(s["rounds"] for s in plain),
+        verify_per_draft=per_draft,
+        draft_per_token=draft_per_token,
+        overhead=overhead,
+        local_overhead=local_overhead,
+        prefill=max(sum(s["first_round_verify_ms"] - verify for s in plain) / len(plain), 0.0),
+        draft_prefill=max(
+            sum(s["first_round_draft_ms"] - draft_per_token * first_model_tokens(s) for s in drafted) / len(drafted),
+            0.0,
+        ),
     )
 
 
@@ -201,31 +238,33 @@ def price(
     draft; returns the oracle's."""
     agree = [[g.right for g in reply] for reply in guesses]
     tokens = sum(len(a) for a in agree)
-    plain = tokens * costs.round_ms(0)
+    # each request's prefill: the target's in every row, the draft's in the rows that draft
+    plain = tokens * costs.round_ms(0) + len(guesses) * costs.prefill
+    start = len(guesses) * (costs.prefill + costs.draft_prefill)
     oracle = "oracle (drafts exactly the runs the draft gets right)"
     rows = {
         TARGET_ONLY: (plain, TARGET_ONLY),
-        f"model, fixed K = {k}": (sum(stop_ms(g, k, 0.0, 0.0, costs) for g in guesses), MODEL_K),
+        f"model, fixed K = {k}": (start + sum(stop_ms(g, k, 0.0, 0.0, costs) for g in guesses), MODEL_K),
         f"model, token stop {args.token_stop}, up to {args.max_k}": (
-            sum(stop_ms(g, args.max_k, args.token_stop, 0.0, costs) for g in guesses),
+            start + sum(stop_ms(g, args.max_k, args.token_stop, 0.0, costs) for g in guesses),
             "",
         ),
         f"model, block stop {args.block_stop}, up to {args.max_k}": (
-            sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs) for g in guesses),
+            start + sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs) for g in guesses),
             "",
         ),
         f"tree: block stop {args.block_stop} + 2nd choice below {args.leaf_below}": (
-            sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs, args.leaf_below) for g in guesses),
+            start + sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs, args.leaf_below) for g in guesses),
             "",
         ),
     }
     if args.block_stops:
         sweep = {t: [stop_ms(g, args.max_k, 0.0, t, costs) for g in guesses] for t in args.block_stops}
         for t, ms in sweep.items():
-            rows.setdefault(f"model, block stop {t}, up to {args.max_k}", (sum(ms), ""))
-        best = sum(min(column) for column in zip(*sweep.values(), strict=True))
+            rows.setdefault(f"model, block stop {t}, up to {args.max_k}", (start + sum(ms), ""))
+        best = start + sum(min(column) for column in zip(*sweep.values(), strict=True))
         rows[f"block stop, the best of {len(sweep)} for each prompt"] = (best, "")
-    rows[oracle] = (sum(oracle_ms(a, costs) for a in agree), "")
+    rows[oracle] = (start + sum(oracle_ms(a, costs) for a in agree), "")
     guessed = sum(map(sum, agree))
     second = sum(g.runner_up for reply in guesses for g in reply)
     out(f"the draft guesses {guessed} of the target's {tokens} tokens (teacher-forced); ")
@@ -233,8 +272,11 @@ def price(
     out(
         f"costs: verify {costs.verify:.1f} ms + {costs.verify_per_draft:.1f} ms per drafted token, draft "
         f"{costs.draft_per_token:.1f} ms per token, overhead {costs.overhead:.1f} ms per round "
-        f"({costs.local_overhead:.1f} without a draft)\n"
+        f"({costs.local_overhead:.1f} without a draft)"
     )
+    if costs.prefill or costs.draft_prefill:
+        out(f"; per request, prefill {costs.prefill:.1f} ms and the draft's {costs.draft_prefill:.1f} ms")
+    out("\n")
     out(f"{'tok/s':56} {'predicted':>9} {'measured':>9}\n")
     for name, (ms, row) in rows.items():
         seen = measured.get(row, {}).get("tokens_per_s", {}).get("median")
@@ -299,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         draft = load_model(cfg.draft_model, LoadOptions(device="cpu", dtype="float32", quantize=quantize))
         guesses = [draft_guesses(draft, p, r) for p, r in zip(prompts, replies, strict=True)]
         for workload, summary in report["workloads"].items():
-            costs = measured_costs([r for r in report["runs"] if r["workload"] == workload])
+            # decoding costs only: these prompts' prefills are not the report's
+            costs = replace(measured_costs([r for r in report["runs"] if r["workload"] == workload]), prefill=0.0)
+            costs = replace(costs, draft_prefill=0.0)
             reference = summary["methods"][TARGET_ONLY]["tokens_per_s"]["median"]
             out(f"== {len(prompts)} prompts of {args.prompts} at the costs of {workload} ==\n")
             price(out, guesses, costs, reference, {}, k, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import re
@@ -671,6 +672,43 @@ def _ceiling_module() -> Any:
     sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
+
+
+def test_draft_ceiling_takes_the_first_round_s_prefill_apart() -> None:
+    """With each request's first round in the stats, the costs per round and per drafted token
+    are the later rounds' and the prefill a cost per request; without it (older reports) a 900-ms
+    prefill made a target-only round 190 ms and a drafted token 50 ms where they cost 100 and 5."""
+    ceiling = _ceiling_module()
+    counts = {"proposed": 0, "lookup_proposed": 0, "draft_ms": 0.0}
+    # target-only: 10 rounds of 100 ms, the first also computes the prompt (+900 ms)
+    plain = counts | {"rounds": 10, "verify_ms": 1900.0, "overhead_ms": 20.0}
+    first = {"first_round_draft_ms": 0.0, "first_round_verify_ms": 1000.0}
+    plain_first = plain | first | {"first_round_proposed": 0, "first_round_lookup_proposed": 0}
+    # 4 rounds of 3 drafts (100 + 3 x 5 ms to verify, 20 ms a draft), prefills 900 and 300 ms
+    drafted = counts | {"rounds": 4, "proposed": 12, "verify_ms": 4 * 115 + 900.0, "draft_ms": 12 * 20 + 300.0}
+    drafted |= {"overhead_ms": 32.0}
+    drafted_first = drafted | {"first_round_draft_ms": 360.0, "first_round_verify_ms": 1015.0}
+    drafted_first |= {"first_round_proposed": 3, "first_round_lookup_proposed": 0}
+
+    def runs(*stats: dict[str, float]) -> list[dict[str, object]]:
+        return [
+            {"method": m, "stats": s} for m, s in zip(("service target-only", "service model K"), stats, strict=True)
+        ]
+
+    apart = ceiling.measured_costs(runs(plain_first, drafted_first))
+    assert (apart.verify, apart.verify_per_draft, apart.draft_per_token) == pytest.approx((100.0, 5.0, 20.0))
+    assert (apart.prefill, apart.draft_prefill, apart.overhead, apart.local_overhead) == pytest.approx(
+        (900.0, 300.0, 8.0, 2.0)
+    )
+    spread = ceiling.measured_costs(runs(plain, drafted))
+    assert (spread.verify, spread.verify_per_draft, spread.prefill) == pytest.approx((190.0, 50.0, 0.0))
+    # priced: a reply of 4 tokens, all guessed, in one round of 3 drafts, against 4 target-only rounds
+    out: list[str] = []
+    reply = [ceiling.Guess(True, 0.9)] * 4
+    args = argparse.Namespace(max_k=16, token_stop=0.4, block_stop=0.5, leaf_below=0.7, block_stops=())
+    oracle = ceiling.price(out.append, [reply], apart, 1.0, {}, 4, args)
+    assert oracle == pytest.approx((4 * 102 + 900) / (900 + 300 + 100 + 3 * 25 + 8))
+    assert "per request, prefill 900.0 ms and the draft's 300.0 ms" in "".join(out)
 
 
 def test_draft_ceiling_prices_second_choice_leaves() -> None:

@@ -580,6 +580,11 @@ def _stats(reply: Any) -> dict[str, Any]:
         "verify_ms": s.verify_ms,
         "overhead_ms": s.overhead_ms,
         "mean_k": s.mean_k,
+        # the turn's first round, which also computes the prompt (scripts/draft_ceiling.py takes it apart)
+        "first_round_draft_ms": s.first_round.draft_ms,
+        "first_round_verify_ms": s.first_round.verify_ms,
+        "first_round_proposed": s.first_round.draft_tokens_proposed,
+        "first_round_lookup_proposed": s.first_round.lookup_tokens_proposed,
         "proposed_by_position": list(s.proposed_by_position),
         "accepted_by_position": list(s.accepted_by_position),
     }
