@@ -101,38 +101,31 @@ def measured_costs(runs: Sequence[dict[str, Any]]) -> Costs:
         raise SystemExit("the report needs the 'service target-only' row and a row that drafted")
     overhead = sum(s["overhead_ms"] for s in drafted) / sum(s["rounds"] for s in drafted)
     local_overhead = sum(s["overhead_ms"] for s in plain) / sum(s["rounds"] for s in plain)
-    if not all("first_round_verify_ms" in s for s in plain + drafted):
-        verify = sum(s["verify_ms"] for s in plain) / sum(s["rounds"] for s in plain)
-        extra = sum(s["verify_ms"] for s in drafted) - verify * sum(s["rounds"] for s in drafted)
-        model_tokens = sum(s["proposed"] - s["lookup_proposed"] for s in drafted)
-        return Costs(
-            verify=verify,
-            verify_per_draft=max(extra, 0.0) / sum(s["proposed"] for s in drafted),
-            draft_per_token=sum(s["draft_ms"] for s in drafted) / max(model_tokens, 1),
-            overhead=overhead,
-            local_overhead=local_overhead,
-        )
+    # rounds and totals without each request's first round where the report has it, else all of them
+    apart = int(all("first_round_verify_ms" in s for s in plain + drafted))
 
-    def later(s: dict[str, Any], key: str) -> float:  # a total without the first round's part
-        return s[key] - s[f"first_round_{key}"]
+    def first(s: dict[str, Any], key: str) -> float:
+        return s[f"first_round_{key}"] if apart else 0.0
 
-    def first_model_tokens(s: dict[str, Any]) -> int:
-        return s["first_round_proposed"] - s["first_round_lookup_proposed"]
+    def later(s: dict[str, Any], key: str) -> float:
+        return s[key] - first(s, key)
 
-    verify = sum(later(s, "verify_ms") for s in plain) / max(sum(s["rounds"] - 1 for s in plain), 1)
-    extra = sum(later(s, "verify_ms") for s in drafted) - verify * sum(s["rounds"] - 1 for s in drafted)
+    def first_model_tokens(s: dict[str, Any]) -> float:
+        return first(s, "proposed") - first(s, "lookup_proposed")
+
+    verify = sum(later(s, "verify_ms") for s in plain) / max(sum(s["rounds"] - apart for s in plain), 1)
+    extra = sum(later(s, "verify_ms") for s in drafted) - verify * sum(s["rounds"] - apart for s in drafted)
     model_tokens = sum(s["proposed"] - s["lookup_proposed"] - first_model_tokens(s) for s in drafted)
-    per_draft = max(extra, 0.0) / max(sum(later(s, "proposed") for s in drafted), 1)
     draft_per_token = sum(later(s, "draft_ms") for s in drafted) / max(model_tokens, 1)
     return Costs(
         verify=verify,
-        verify_per_draft=per_draft,
+        verify_per_draft=max(extra, 0.0) / max(sum(later(s, "proposed") for s in drafted), 1),
         draft_per_token=draft_per_token,
         overhead=overhead,
         local_overhead=local_overhead,
-        prefill=max(sum(s["first_round_verify_ms"] - verify for s in plain) / len(plain), 0.0),
+        prefill=max(sum(first(s, "verify_ms") - verify for s in plain) / len(plain), 0.0),
         draft_prefill=max(
-            sum(s["first_round_draft_ms"] - draft_per_token * first_model_tokens(s) for s in drafted) / len(drafted),
+            sum(first(s, "draft_ms") - draft_per_token * first_model_tokens(s) for s in drafted) / len(drafted),
             0.0,
         ),
     )
@@ -244,27 +237,29 @@ def price(
     oracle = "oracle (drafts exactly the runs the draft gets right)"
     rows = {
         TARGET_ONLY: (plain, TARGET_ONLY),
-        f"model, fixed K = {k}": (start + sum(stop_ms(g, k, 0.0, 0.0, costs) for g in guesses), MODEL_K),
+        f"model, fixed K = {k}": (sum(stop_ms(g, k, 0.0, 0.0, costs) for g in guesses), MODEL_K),
         f"model, token stop {args.token_stop}, up to {args.max_k}": (
-            start + sum(stop_ms(g, args.max_k, args.token_stop, 0.0, costs) for g in guesses),
+            sum(stop_ms(g, args.max_k, args.token_stop, 0.0, costs) for g in guesses),
             "",
         ),
         f"model, block stop {args.block_stop}, up to {args.max_k}": (
-            start + sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs) for g in guesses),
+            sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs) for g in guesses),
             "",
         ),
         f"tree: block stop {args.block_stop} + 2nd choice below {args.leaf_below}": (
-            start + sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs, args.leaf_below) for g in guesses),
+            sum(stop_ms(g, args.max_k, 0.0, args.block_stop, costs, args.leaf_below) for g in guesses),
             "",
         ),
     }
     if args.block_stops:
         sweep = {t: [stop_ms(g, args.max_k, 0.0, t, costs) for g in guesses] for t in args.block_stops}
         for t, ms in sweep.items():
-            rows.setdefault(f"model, block stop {t}, up to {args.max_k}", (start + sum(ms), ""))
-        best = start + sum(min(column) for column in zip(*sweep.values(), strict=True))
+            rows.setdefault(f"model, block stop {t}, up to {args.max_k}", (sum(ms), ""))
+        best = sum(min(column) for column in zip(*sweep.values(), strict=True))
         rows[f"block stop, the best of {len(sweep)} for each prompt"] = (best, "")
-    rows[oracle] = (start + sum(oracle_ms(a, costs) for a in agree), "")
+    rows[oracle] = (sum(oracle_ms(a, costs) for a in agree), "")
+    # every row but target-only drafts: it pays the draft's prefill as well as the target's
+    rows = {name: (ms if name == TARGET_ONLY else start + ms, row) for name, (ms, row) in rows.items()}
     guessed = sum(map(sum, agree))
     second = sum(g.runner_up for reply in guesses for g in reply)
     out(f"the draft guesses {guessed} of the target's {tokens} tokens (teacher-forced); ")
@@ -342,8 +337,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         guesses = [draft_guesses(draft, p, r) for p, r in zip(prompts, replies, strict=True)]
         for workload, summary in report["workloads"].items():
             # decoding costs only: these prompts' prefills are not the report's
-            costs = replace(measured_costs([r for r in report["runs"] if r["workload"] == workload]), prefill=0.0)
-            costs = replace(costs, draft_prefill=0.0)
+            costs = measured_costs([r for r in report["runs"] if r["workload"] == workload])
+            costs = replace(costs, prefill=0.0, draft_prefill=0.0)
             reference = summary["methods"][TARGET_ONLY]["tokens_per_s"]["median"]
             out(f"== {len(prompts)} prompts of {args.prompts} at the costs of {workload} ==\n")
             price(out, guesses, costs, reference, {}, k, args)
