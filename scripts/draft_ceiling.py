@@ -29,7 +29,9 @@ tokens/s (timer noise cancels in the ratio), then compared with the report's bes
 row. Where the report gives each request's first round apart (it also computes the prompt), the
 rounds are priced without it and each request's prefill is added to every row (the draft's to the
 rows that draft); in older reports the prefill is spread over the measured rounds and drafted
-tokens (see ``measured_costs``).
+tokens (see ``measured_costs``). With ``--per-prompt`` each prompt is also priced alone, beside
+what the report measured on it for the default and the best HF speculative row: which prompts a
+schedule loses on, and how far from the oracle it is there.
 
 With ``--prompts FILE`` (prompts separated by lines holding only '---', as ``specdec bench
 --prompts`` reads them) the replies priced are instead the target's greedy replies to those
@@ -39,6 +41,7 @@ other than the report's, so that a stop or a threshold is not chosen on the prom
 measured on.
 
     .venv/bin/python scripts/draft_ceiling.py docs/bench/qwen-2core.json
+    .venv/bin/python scripts/draft_ceiling.py docs/bench/fair/amd-11c70ed.json --per-prompt
     .venv/bin/python scripts/draft_ceiling.py docs/bench/fair/hf-adaptive.json \
       --prompts docs/bench/complete-16.txt --max-new-tokens 96
 """
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -58,7 +62,7 @@ import torch
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.serving.logging import configure_logging
-from specdec.tools.bench import HF_TARGET, SERVICE_METHODS, BenchConfig, tokenize_prompts, workloads_from
+from specdec.tools.bench import HEADLINE, HF_TARGET, SERVICE_METHODS, BenchConfig, tokenize_prompts, workloads_from
 
 TARGET_ONLY = "service target-only"
 MODEL_K = "service model K"
@@ -279,6 +283,51 @@ def price(
     return reference * plain / rows[oracle][0]
 
 
+def measured_rate(runs: Sequence[dict[str, Any]], method: str, prompt: int) -> float | None:
+    """A report row's tokens/s on one prompt: the median over its repeats (None: not in the report)."""
+    rates = [
+        len(r["token_ids"]) / r["seconds"]
+        for r in runs
+        if r["method"] == method and r["prompt"] == prompt and r.get("seconds")
+    ]
+    return statistics.median(rates) if rates else None
+
+
+def price_each(
+    out: Callable[[str], object],
+    prompts: Sequence[int],
+    guesses: Sequence[Sequence[Guess]],
+    costs: Costs,
+    reference: float,
+    runs: Sequence[dict[str, Any]],
+    best_hf: str | None,
+    args: argparse.Namespace,
+) -> None:
+    """``--per-prompt``: each prompt's reply priced alone (its own prefill, scaled to the report as
+    the workload's rows are), beside what the report measured on that prompt for the default and
+    for the best HF speculative row: which prompts a schedule loses on, and what it leaves there."""
+    out(
+        f"per prompt, tok/s: predicted block stop {args.block_stop} / token stop {args.token_stop} / oracle; "
+        f"measured {HEADLINE}{f' / {best_hf}' if best_hf else ''} (median of repeats)\n"
+    )
+    for prompt, reply in zip(prompts, guesses, strict=True):
+        plain = len(reply) * costs.round_ms(0) + costs.prefill
+        start = costs.prefill + costs.draft_prefill
+        predicted = [
+            stop_ms(reply, args.max_k, 0.0, args.block_stop, costs),
+            stop_ms(reply, args.max_k, args.token_stop, 0.0, costs),
+            oracle_ms([g.right for g in reply], costs),
+        ]
+        measured = [measured_rate(runs, m, prompt) for m in (HEADLINE, best_hf) if m]
+        out(
+            f"prompt {prompt}: the draft guesses {sum(g.right for g in reply)} of {len(reply)}; predicted "
+            + " / ".join(f"{reference * plain / (start + ms):.2f}" for ms in predicted)
+            + "; measured "
+            + " / ".join("-" if rate is None else f"{rate:.2f}" for rate in measured)
+            + "\n"
+        )
+
+
 def _thresholds(text: str) -> tuple[float, ...]:
     """``--block-stops``: comma-separated thresholds in [0, 1)."""
     try:
@@ -310,9 +359,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--prompts", type=Path, help="price the target's replies to these prompts instead")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="with --prompts: the length of each reply")
+    parser.add_argument(
+        "--per-prompt",
+        action="store_true",
+        help="also price each of the report's prompts alone, beside the default's and the best HF row's measured "
+        "rate on it (not with --prompts: those prompts have no measured rows)",
+    )
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be at least 1")
+    if args.per_prompt and args.prompts is not None:
+        parser.error("--per-prompt prices the report's own prompts; it cannot be used with --prompts")
     configure_logging("warning", "console")
     report = json.loads(args.report.read_text())
     config = report["config"]
@@ -356,11 +413,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         out(f"== {workload} ==\n")
         oracle = price(out, guesses, costs, reference, summary["methods"], k, args)
         hf = [m for m in summary["methods"] if m.startswith("hf ") and m != HF_TARGET]
-        if hf:
-            best = max(hf, key=lambda m: summary["methods"][m]["tokens_per_s"]["median"])
+        best = max(hf, key=lambda m: summary["methods"][m]["tokens_per_s"]["median"]) if hf else None
+        if best is not None:
             rate = summary["methods"][best]["tokens_per_s"]["median"]
             out(f"{'best HF speculative: ' + best:56} {'':9} {rate:9.2f}\n")
             out(f"oracle / best HF speculative: {oracle / rate:.2f}x\n")
+        if args.per_prompt:
+            price_each(out, [p.index for p in here], guesses, costs, reference, runs, best, args)
 
 
 if __name__ == "__main__":

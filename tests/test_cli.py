@@ -791,6 +791,51 @@ def test_draft_ceiling_best_block_stop_is_chosen_prompt_by_prompt() -> None:
     assert best > max(rate["model, block stop 0.1, up to 8"], rate["model, block stop 0.8, up to 8"]) + 0.01
 
 
+def test_draft_ceiling_prices_each_prompt_beside_its_measured_rates(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """--per-prompt prices each reply alone (its own prefill) beside the default's and the best HF
+    row's median measured rate on that prompt ("-" where the report has none); it refuses
+    --prompts, whose prompts have no measured rows."""
+    import argparse
+
+    ceiling = _ceiling_module()
+    costs = ceiling.Costs(100.0, 5.0, 20.0, 8.0, 2.0, prefill=900.0, draft_prefill=300.0)
+    g = ceiling.Guess
+    right, wrong = [g(True, 0.9)] * 4, [g(False, 0.9)] * 4
+    # right: one block of 3 (its product stays above 0.5), all taken: 100 + 3 x 25 + 8 ms for the
+    # reply; wrong: blocks of 3, 2 and 1 (as far as the reply goes) commit a token each, then the
+    # last token target-only (block stop and token stop alike); the oracle drafts nothing there
+    wrong_ms = sum(100 + 25 * b + 8 for b in (3, 2, 1)) + 102.0
+    ms = {0: (183.0, 183.0, 183.0), 1: (wrong_ms, wrong_ms, 4 * 102.0)}
+    runs = [{"method": ceiling.HEADLINE, "prompt": 0, "token_ids": [1] * 4, "seconds": s} for s in (2.0, 1.0, 4.0)] + [
+        {"method": "hf assisted default", "prompt": 0, "token_ids": [1] * 4, "seconds": 0.5}
+    ]
+    args = argparse.Namespace(max_k=16, token_stop=0.4, block_stop=0.5)
+    printed: list[str] = []
+    ceiling.price_each(printed.append, [0, 1], [right, wrong], costs, 5.0, runs, "hf assisted default", args)
+    lines = "".join(printed).splitlines()
+    assert lines[0].startswith("per prompt, tok/s: predicted block stop 0.5 / token stop 0.4 / oracle; measured ")
+    plain = 4 * 102 + 900.0  # the reply target-only, with its prefill
+    # the default's median of 4/2, 4/1 and 4/4 tok/s; HF's 4/0.5; prompt 1 has no runs
+    for n, (count, measured) in enumerate(((4, "2.00 / 8.00"), (0, "- / -"))):
+        predicted = " / ".join(f"{5.0 * plain / (1200.0 + t):.2f}" for t in ms[n])
+        want = f"prompt {n}: the draft guesses {count} of 4; predicted {predicted}; measured {measured}"
+        assert lines[1 + n] == want
+    report = _ceiling_report(tiny_models, tmp_path / "report.json")
+    both = [str(report), "--per-prompt", "--prompts", str(tmp_path / "any.txt")]
+    refused = subprocess.run([sys.executable, str(CEILING_SCRIPT), *both], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "--per-prompt prices the report's own prompts; it cannot be used with --prompts" in refused.stderr
+    done = subprocess.run(
+        [sys.executable, str(CEILING_SCRIPT), str(report), "--draft-model", str(tiny_models.same), "--per-prompt"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "prompt 0: the draft guesses 12 of 12; predicted " in done.stdout  # the hand-made report has no seconds
+    assert done.stdout.rstrip().endswith("; measured - / -")
+
+
 def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, tmp_path: Path) -> None:
     """--prompts prices the target's greedy replies to a file's prompts at each report workload's
     costs: a draft equal to the target guesses every token, and the oracle drafts each whole reply
