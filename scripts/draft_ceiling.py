@@ -310,9 +310,9 @@ def price_each(
         f"per prompt, tok/s: predicted block stop {args.block_stop} / token stop {args.token_stop} / oracle; "
         f"measured {HEADLINE}{f' / {best_hf}' if best_hf else ''} (median of repeats)\n"
     )
+    start = costs.prefill + costs.draft_prefill  # each drafting row's prefills, as in ``price``
     for prompt, reply in zip(prompts, guesses, strict=True):
         plain = len(reply) * costs.round_ms(0) + costs.prefill
-        start = costs.prefill + costs.draft_prefill
         predicted = [
             stop_ms(reply, args.max_k, 0.0, args.block_stop, costs),
             stop_ms(reply, args.max_k, args.token_stop, 0.0, costs),
