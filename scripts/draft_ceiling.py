@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -62,7 +61,16 @@ import torch
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.serving.logging import configure_logging
-from specdec.tools.bench import HEADLINE, HF_TARGET, SERVICE_METHODS, BenchConfig, tokenize_prompts, workloads_from
+from specdec.tools.bench import (
+    HEADLINE,
+    HF_TARGET,
+    SERVICE_METHODS,
+    BenchConfig,
+    Run,
+    prompt_rate,
+    tokenize_prompts,
+    workloads_from,
+)
 
 TARGET_ONLY = "service target-only"
 MODEL_K = "service model K"
@@ -283,23 +291,13 @@ def price(
     return reference * plain / rows[oracle][0]
 
 
-def measured_rate(runs: Sequence[dict[str, Any]], method: str, prompt: int) -> float | None:
-    """A report row's tokens/s on one prompt: the median over its repeats (None: not in the report)."""
-    rates = [
-        len(r["token_ids"]) / r["seconds"]
-        for r in runs
-        if r["method"] == method and r["prompt"] == prompt and r.get("seconds")
-    ]
-    return statistics.median(rates) if rates else None
-
-
 def price_each(
     out: Callable[[str], object],
     prompts: Sequence[int],
     guesses: Sequence[Sequence[Guess]],
     costs: Costs,
     reference: float,
-    runs: Sequence[dict[str, Any]],
+    runs: Sequence[Run],
     best_hf: str | None,
     args: argparse.Namespace,
 ) -> None:
@@ -318,7 +316,7 @@ def price_each(
             stop_ms(reply, args.max_k, args.token_stop, 0.0, costs),
             oracle_ms([g.right for g in reply], costs),
         ]
-        measured = [measured_rate(runs, m, prompt) for m in (HEADLINE, best_hf) if m]
+        measured = [prompt_rate(runs, m, prompt) for m in (HEADLINE, best_hf) if m]
         out(
             f"prompt {prompt}: the draft guesses {sum(g.right for g in reply)} of {len(reply)}; predicted "
             + " / ".join(f"{reference * plain / (start + ms):.2f}" for ms in predicted)
@@ -419,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             out(f"{'best HF speculative: ' + best:56} {'':9} {rate:9.2f}\n")
             out(f"oracle / best HF speculative: {oracle / rate:.2f}x\n")
         if args.per_prompt:
-            price_each(out, [p.index for p in here], guesses, costs, reference, runs, best, args)
+            price_each(out, [p.index for p in here], guesses, costs, reference, [Run(**r) for r in runs], best, args)
 
 
 if __name__ == "__main__":

@@ -568,6 +568,21 @@ def test_bench_report_compares_each_prompt_with_the_best_hf_row() -> None:
     assert "  per prompt, default / hf assisted K=4: 0: 2.00x, 1: 0.80x" in table, table
 
 
+def test_prompt_rate_is_one_rows_median_over_its_repeats_on_one_prompt() -> None:
+    """A row's tokens/s on one prompt is the median over its repeats of that run's tokens over its
+    seconds (the other prompts and rows left out), and None where the row never ran the prompt:
+    the report's per-prompt ratios and the draft ceiling's per-prompt column both read it."""
+    from specdec.tools.bench import HEADLINE, Run, prompt_rate
+
+    runs = [Run(HEADLINE, "complete", 0, repeat, [1] * 4, took) for repeat, took in enumerate((2.0, 1.0, 4.0))]
+    runs += [Run(HEADLINE, "complete", 1, 0, [1] * 6, 1.0), Run("hf assisted K=4", "complete", 0, 0, [1] * 4, 0.5)]
+    assert prompt_rate(runs, HEADLINE, 0) == 2.0  # 2, 4 and 1 tok/s
+    assert prompt_rate(runs, HEADLINE, 1) == 6.0
+    assert prompt_rate(runs, "hf assisted K=4", 0) == 8.0
+    assert prompt_rate(runs, "hf assisted K=4", 1) is None
+    assert prompt_rate(runs, "hf prompt lookup", 0) is None
+
+
 CEILING_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"
 
 
@@ -589,11 +604,11 @@ def _ceiling_report(tiny_models: TinyModels, path: Path) -> Path:
     counts = {"proposed": 0, "lookup_proposed": 0, "draft_ms": 0.0}
     plain = counts | {"rounds": 10, "verify_ms": 1000.0, "overhead_ms": 20.0}
     drafted = counts | {"rounds": 4, "proposed": 12, "verify_ms": 460.0, "draft_ms": 240.0, "overhead_ms": 32.0}
-    run = {"workload": "complete", "prompt": 0, "repeat": 0}
+    run = {"workload": "complete", "prompt": 0, "repeat": 0, "token_ids": reply}
     runs = [
-        run | {"method": "hf target-only", "token_ids": reply, "stats": {}},
-        run | {"method": "service target-only", "stats": plain},
-        run | {"method": "service model K", "stats": drafted},
+        run | {"method": "hf target-only", "seconds": 3.0, "stats": {}},
+        run | {"method": "service target-only", "seconds": 2.4, "stats": plain},
+        run | {"method": "service model K", "seconds": 12 / 9, "stats": drafted},
     ]
     methods = {
         "service target-only": {"tokens_per_s": {"median": 5.0}},
@@ -806,9 +821,8 @@ def test_draft_ceiling_prices_each_prompt_beside_its_measured_rates(tiny_models:
     # last token target-only (block stop and token stop alike); the oracle drafts nothing there
     wrong_ms = sum(100 + 25 * b + 8 for b in (3, 2, 1)) + 102.0
     ms = {0: (183.0, 183.0, 183.0), 1: (wrong_ms, wrong_ms, 4 * 102.0)}
-    runs = [{"method": ceiling.HEADLINE, "prompt": 0, "token_ids": [1] * 4, "seconds": s} for s in (2.0, 1.0, 4.0)] + [
-        {"method": "hf assisted default", "prompt": 0, "token_ids": [1] * 4, "seconds": 0.5}
-    ]
+    runs = [ceiling.Run(ceiling.HEADLINE, "complete", 0, i, [1] * 4, s) for i, s in enumerate((2.0, 1.0, 4.0))]
+    runs.append(ceiling.Run("hf assisted default", "complete", 0, 0, [1] * 4, 0.5))
     args = argparse.Namespace(max_k=16, token_stop=0.4, block_stop=0.5)
     printed: list[str] = []
     ceiling.price_each(printed.append, [0, 1], [right, wrong], costs, 5.0, runs, "hf assisted default", args)
@@ -832,8 +846,8 @@ def test_draft_ceiling_prices_each_prompt_beside_its_measured_rates(tiny_models:
         timeout=180,
     )
     assert done.returncode == 0, done.stderr
-    assert "prompt 0: the draft guesses 12 of 12; predicted " in done.stdout  # the hand-made report has no seconds
-    assert done.stdout.rstrip().endswith("; measured - / -")
+    assert "prompt 0: the draft guesses 12 of 12; predicted " in done.stdout
+    assert done.stdout.rstrip().endswith("; measured - / -")  # the report has neither the default nor HF's best row
 
 
 def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, tmp_path: Path) -> None:

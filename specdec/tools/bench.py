@@ -739,13 +739,21 @@ def _median(methods: dict[str, Any], name: str) -> float:
     return methods[name]["tokens_per_s"]["median"]
 
 
+def prompt_rate(runs: Sequence[Run], method: str, prompt: int) -> float | None:
+    """``method``'s tokens/s on one prompt: the median over its repeats of each run's tokens over
+    its seconds (None: the row never ran that prompt)."""
+    rates = [len(r.token_ids) / r.seconds for r in runs if r.method == method and r.prompt == prompt]
+    return statistics.median(rates) if rates else None
+
+
 def _per_prompt(runs: list[Run], method: str, baseline: str) -> dict[int, float]:
-    """``method``'s tokens/s over ``baseline``'s on each prompt (medians over the repeats)."""
-
-    def rate(name: str, prompt: int) -> float:
-        return statistics.median(len(r.token_ids) / r.seconds for r in runs if r.method == name and r.prompt == prompt)
-
-    return {p: rate(method, p) / rate(baseline, p) for p in sorted({r.prompt for r in runs})}
+    """``method``'s tokens/s over ``baseline``'s on each prompt both rows ran (medians over the repeats)."""
+    ratios = {}
+    for prompt in sorted({r.prompt for r in runs}):
+        mine, theirs = prompt_rate(runs, method, prompt), prompt_rate(runs, baseline, prompt)
+        if mine is not None and theirs is not None:
+            ratios[prompt] = mine / theirs
+    return ratios
 
 
 def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
