@@ -93,6 +93,14 @@ class Costs:
             return self.verify + self.local_overhead
         return self.verify + (self.verify_per_draft + self.draft_per_token) * drafted + self.overhead
 
+    def target_only_ms(self, tokens: int, requests: int) -> float:
+        """``requests`` replies of ``tokens`` in all, target-only: a round a token, each request's prefill."""
+        return tokens * self.round_ms(0) + requests * self.prefill
+
+    def drafting_prefill_ms(self, requests: int) -> float:
+        """What a row that drafts pays beyond its rounds: each request's prefill on both models."""
+        return requests * (self.prefill + self.draft_prefill)
+
 
 def measured_costs(runs: Sequence[dict[str, Any]]) -> Costs:
     """The costs from one workload's service runs (their stats) over the report's draft model (not
@@ -244,8 +252,8 @@ def price(
     agree = [[g.right for g in reply] for reply in guesses]
     tokens = sum(len(a) for a in agree)
     # each request's prefill: the target's in every row, the draft's in the rows that draft
-    plain = tokens * costs.round_ms(0) + len(guesses) * costs.prefill
-    start = len(guesses) * (costs.prefill + costs.draft_prefill)
+    plain = costs.target_only_ms(tokens, len(guesses))
+    start = costs.drafting_prefill_ms(len(guesses))
     oracle = "oracle (drafts exactly the runs the draft gets right)"
     rows = {
         TARGET_ONLY: (plain, TARGET_ONLY),
@@ -308,9 +316,9 @@ def price_each(
         f"per prompt, tok/s: predicted block stop {args.block_stop} / token stop {args.token_stop} / oracle; "
         f"measured {HEADLINE}{f' / {best_hf}' if best_hf else ''} (median of repeats)\n"
     )
-    start = costs.prefill + costs.draft_prefill  # each drafting row's prefills, as in ``price``
+    start = costs.drafting_prefill_ms(1)
     for prompt, reply in zip(prompts, guesses, strict=True):
-        plain = len(reply) * costs.round_ms(0) + costs.prefill
+        plain = costs.target_only_ms(len(reply), 1)
         predicted = [
             stop_ms(reply, args.max_k, 0.0, args.block_stop, costs),
             stop_ms(reply, args.max_k, args.token_stop, 0.0, costs),
