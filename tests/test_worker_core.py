@@ -9,13 +9,17 @@ import functools
 import json
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from transformers import LlamaForCausalLM
 
+from specdec.runtime import kvcache
 from specdec.runtime.grammar import grammar_of
+from specdec.runtime.kvcache import WARM_UP_PREFIX_TOKENS, SessionCaches
+from specdec.runtime.modeling import LoadOptions, load_model
 from specdec.runtime.scheduler import Extend, Job
 from specdec.serving.server import ServerControl
 from specdec.serving.settings import ModelWorkerSettings
@@ -171,3 +175,56 @@ def test_the_worker_runs_each_block_width_once_before_it_serves(
     assert asyncio.run(scenario()) == (0, 0)
     over_a_cache = {tokens for tokens, before in passes if before > 0 and tokens <= widths}
     assert over_a_cache == set(range(1, widest + 1)), passes
+    # the prefill rates' probe takes no first pass of its own after the start-up passes took it
+    firsts = [tokens for tokens, before in passes if before == 0 and tokens == WARM_UP_PREFIX_TOKENS]
+    assert len(firsts) == 1, passes
+
+
+@pytest.mark.parametrize(
+    ("first_s", "later_s", "widths_run", "width_one_passes"),
+    [
+        (0.30, 0.29, {1}, 2),  # slow passes, a first no dearer: width 1 timed twice, then no more
+        (0.60, 0.30, set(range(1, 9)), 2),  # slow passes, a first dearer: timed twice, then every width
+        (0.03, 0.03, set(range(1, 9)), 1),  # fast passes (a GPU, a small model): every width, untimed
+        (0.006, 0.002, set(range(1, 9)), 1),  # the tiny target on CPU: every width
+    ],
+)
+def test_the_start_up_passes_stop_where_a_first_pass_costs_no_more_than_later_ones(
+    tiny_models: TinyModels,
+    monkeypatch: pytest.MonkeyPatch,
+    first_s: float,
+    later_s: float,
+    widths_run: set[int],
+    width_one_passes: int,
+) -> None:
+    """One-time costs of a width's first pass (kernels chosen, buffers made) are a few
+    milliseconds on a CPU, whatever the model: Qwen2.5-Coder 1.5B's first passes took what its
+    later ones do (~300 ms), and its 17 start-up passes added 6.5-7.4 s to the target's start for
+    nothing. Where a one-token pass takes 0.1 s or more, the warm-up times it a second time and,
+    if the first cost no more than 1.1x that, runs no other width; faster passes, or a first pass
+    dearer than that, and it runs them all. The clock here is driven by the model's passes: each
+    pass of a width (by its token count) costs ``first_s`` the first time, ``later_s`` after."""
+    now = [0.0]
+    seen: set[int] = set()
+    passes: list[tuple[int, int]] = []
+    forward = LlamaForCausalLM.forward
+
+    @functools.wraps(forward)
+    def costed(self: LlamaForCausalLM, *args: object, **kwargs: object) -> object:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        tokens = kwargs["input_ids"].shape[-1]  # type: ignore[union-attr]
+        passes.append((tokens, cache.get_seq_length() if cache is not None else 0))  # type: ignore[attr-defined]
+        now[0] += later_s if tokens in seen else first_s
+        seen.add(tokens)
+        return forward(self, *args, **kwargs)
+
+    loaded = load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="float32"))
+    caches = SessionCaches(loaded, 4, 600)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", costed)
+    monkeypatch.setattr(kvcache, "time", types.SimpleNamespace(perf_counter=lambda: now[0], monotonic=time.monotonic))
+    widest = caches.warm_up(8)
+    over_a_cache = [tokens for tokens, before in passes if before > 0]
+    assert set(over_a_cache) == widths_run, passes
+    assert over_a_cache.count(1) == width_one_passes, passes
+    assert widest == max(widths_run)
+    assert (len(caches), caches.prefill_tokens_total) == (0, 0)

@@ -227,6 +227,8 @@ def kv_bytes_per_token(loaded: LoadedModel) -> int:
 PREFILL_PROBE_TOKENS = 256  # the start-up passes that prefill_rates times
 PREFILL_CONTEXT_PROBE_TOKENS = 2048  # the cache the second of them runs over
 WARM_UP_PREFIX_TOKENS = 8  # the cache SessionCaches.warm_up's passes run over
+WARM_UP_SLOW_PASS_S = 0.1  # a one-token pass this slow: warm_up times it again before the others
+WARM_UP_FIRST_PASS_RATIO = 1.1  # a first pass within this of the second: no one-time costs to take
 PREFILL_PROBE_TRIES = 4  # pairs of the two passes timed at most, while the second is no slower
 
 
@@ -239,9 +241,10 @@ class PrefillRates:
     per_1k_context_ms: float
 
 
-def prefill_rates(loaded: LoadedModel, margin: int | None = None) -> PrefillRates:
+def prefill_rates(loaded: LoadedModel, margin: int | None = None, warmed: bool = False) -> PrefillRates:
     """Times a pass of PREFILL_PROBE_TOKENS tokens (fewer if the context is shorter) on an empty
-    cache, after a short pass that takes the one-time costs of a first forward pass, and the same
+    cache, after a short pass that takes the one-time costs of a first forward pass (none where
+    ``warmed``: SessionCaches.warm_up's passes took them), and the same
     pass over a cache of PREFILL_CONTEXT_PROBE_TOKENS tokens (its keys and values copies of the
     first pass's: a pass's cost is not the values'; windowed layers keeping what a session's keep
     with the rollback ``margin``), where the context has room for it (else the rate is 0). The
@@ -252,7 +255,8 @@ def prefill_rates(loaded: LoadedModel, margin: int | None = None) -> PrefillRate
     ids = torch.zeros(1, tokens, dtype=torch.long, device=loaded.device)  # a pass's cost is not the ids'
     copies = min(PREFILL_CONTEXT_PROBE_TOKENS, loaded.max_context_len - 1 - tokens) // tokens
     with torch.inference_mode():
-        _timed_pass(loaded, ids[:, : min(tokens, 8)], new_cache(loaded.model.config))
+        if not warmed:
+            _timed_pass(loaded, ids[:, : min(tokens, 8)], new_cache(loaded.model.config))
         first = new_cache(loaded.model.config)
         short = _timed_pass(loaded, ids, first)
         if copies < 1:
@@ -823,6 +827,10 @@ class SessionCaches:
         on CPU the tiny test model's first took 4.5-6 ms, the later ones 2.2 ms), and the
         coordinator times target-only decoding only by rounds that decode target-only (with a good
         draft, one in its life): a session's pass of a width should not be that width's first.
+        Those costs do not grow with the model: where a one-token pass takes WARM_UP_SLOW_PASS_S
+        or more, it is run a second time, and if the first cost no more than
+        WARM_UP_FIRST_PASS_RATIO times the second, no other width is run (Qwen2.5-Coder 1.5B on a
+        CPU: ~300 ms a pass, the first no dearer, 17 passes 6.5-7.4 s of its start-up).
         Before the worker serves (no session yet)."""
         widths = min(widths, self._loaded.max_context_len - 1 - WARM_UP_PREFIX_TOKENS)
         if widths < 1:
@@ -832,12 +840,29 @@ class SessionCaches:
             entry = self.sync(session, 0, 0)
             self.extend(entry, [0] * WARM_UP_PREFIX_TOKENS, 1)  # a pass's cost is not the ids'
             for width in range(1, widths + 1):
-                self.extend(entry, [0] * width, width)
-                entry.truncate(WARM_UP_PREFIX_TOKENS)
+                first = self._timed_width(entry, width)
+                if width == 1 and first >= WARM_UP_SLOW_PASS_S:
+                    again = self._timed_width(entry, width)
+                    if first <= again * WARM_UP_FIRST_PASS_RATIO:
+                        log.info(
+                            "warm_up_cut_short", first_pass_ms=round(first * 1000, 1), again_ms=round(again * 1000, 1)
+                        )
+                        return 1
         finally:
             self.release(session)
             self.prefill_tokens_total = counted
         return widths
+
+    def _timed_width(self, entry: SessionCache, width: int) -> float:
+        """Seconds a warm-up pass of ``width`` tokens over ``entry`` takes (the device's work
+        included); the cache is cut back to the warm-up prefix after it."""
+        started = time.perf_counter()
+        self.extend(entry, [0] * width, width)
+        if self._loaded.device.type == "cuda":
+            torch.cuda.synchronize(self._loaded.device)
+        took = time.perf_counter() - started
+        entry.truncate(WARM_UP_PREFIX_TOKENS)
+        return took
 
     def evict_idle(self) -> None:
         """Frees caches unused for longer than the idle limit."""

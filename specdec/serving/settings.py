@@ -163,7 +163,8 @@ class ModelWorkerSettings(ServiceSettings):
         ge=0,
         description="at start-up, one forward pass of every width from 1 to this (at most max_draft_tokens + 1) over "
         "a short cache: a width's first pass pays one-time costs (kernels chosen for its shapes), which the "
-        "coordinator would time as the width's cost (17 = a block of the coordinator's default "
+        "coordinator would time as the width's cost; where a one-token pass takes 0.1 s or more and its first cost "
+        "no more than 1.1x a second one, the other widths are not run (17 = a block of the coordinator's default "
         "--max-speculative-tokens and the target's token; 0 = none)",
     )
     prefill_chunk_tokens: int = Field(

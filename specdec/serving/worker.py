@@ -123,7 +123,7 @@ class WorkerCore:
         began = time.perf_counter()
         widest = await self.scheduler.call(caches.warm_up, min(s.warm_up_widths, s.max_draft_tokens + 1))
         log.info("widths_warmed_up", widths=widest, ms=round((time.perf_counter() - began) * 1000, 1))
-        self.prefill = await self.scheduler.call(prefill_rates, self._loaded, s.rollback_margin())
+        self.prefill = await self.scheduler.call(prefill_rates, self._loaded, s.rollback_margin(), widest > 0)
         log.info(
             "prefill_measured",
             ms_per_token=round(self.prefill.per_token_ms, 3),
