@@ -295,8 +295,19 @@ def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int, margin: int |
 
 def _timed_pass(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache) -> float:
     """Seconds one forward pass of ``ids`` over ``cache`` takes (the device's work included)."""
+    return _timed(
+        loaded,
+        lambda: loaded.model(
+            input_ids=ids, **logit_rows_argument(loaded.model, 1), **cache_argument(loaded.model, cache)
+        ),
+    )
+
+
+def _timed(loaded: LoadedModel, work: Callable[[], object]) -> float:
+    """Seconds ``work`` takes on ``loaded``'s device, the device's queued work included (a GPU's
+    passes return before they run)."""
     started = time.perf_counter()
-    loaded.model(input_ids=ids, **logit_rows_argument(loaded.model, 1), **cache_argument(loaded.model, cache))
+    work()
     if loaded.device.type == "cuda":
         torch.cuda.synchronize(loaded.device)
     return time.perf_counter() - started
@@ -856,11 +867,7 @@ class SessionCaches:
     def _timed_width(self, entry: SessionCache, width: int) -> float:
         """Seconds a warm-up pass of ``width`` tokens over ``entry`` takes (the device's work
         included); the cache is cut back to the warm-up prefix after it."""
-        started = time.perf_counter()
-        self.extend(entry, [0] * width, width)
-        if self._loaded.device.type == "cuda":
-            torch.cuda.synchronize(self._loaded.device)
-        took = time.perf_counter() - started
+        took = _timed(self._loaded, lambda: self.extend(entry, [0] * width, width))
         entry.truncate(WARM_UP_PREFIX_TOKENS)
         return took
 
