@@ -185,7 +185,7 @@ def test_the_worker_runs_each_block_width_once_before_it_serves(
     [
         (0.30, 0.29, {1}, 2),  # slow passes, a first no dearer: width 1 timed twice, then no more
         (0.60, 0.30, set(range(1, 9)), 2),  # slow passes, a first dearer: timed twice, then every width
-        (0.03, 0.03, set(range(1, 9)), 1),  # fast passes (a GPU, a small model): every width, untimed
+        (0.03, 0.03, set(range(1, 9)), 1),  # fast passes (a GPU, a small model): every width, width 1 once
         (0.006, 0.002, set(range(1, 9)), 1),  # the tiny target on CPU: every width
     ],
 )
