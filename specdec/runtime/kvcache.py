@@ -182,9 +182,12 @@ class WindowedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def can_cut(self, tokens: int) -> bool:
-        """Whether cutting the last ``tokens`` positions leaves every key the next queries see."""
-        return self.first <= max(0, self.length - tokens - (self.window - 1))
+    def can_cut(self, tokens: int, after: int = 0) -> bool:
+        """Whether cutting the last ``tokens`` positions leaves every key the next queries see; with
+        ``after``, once a pass has added that many more (and dropped what the limit then drops)."""
+        length = self.length + after
+        first = self.first if self.limit is None else max(self.first, length - self.limit)
+        return first <= max(0, length - tokens - (self.window - 1))
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0 or not self.can_cut(-tokens_to_remove):
@@ -437,10 +440,12 @@ class SessionCache:
         """Its copies of the windowed layers."""
         return [kept for kept in (self.prompt_end, self.shared) if kept is not None]
 
-    def _within_margin(self, length: int) -> bool:
-        excess = len(self.tokens) - length
+    def _within_margin(self, length: int, after: int = 0) -> bool:
+        """Whether its windowed layers can be cut back to ``length`` tokens (once a pass has added
+        ``after`` more)."""
+        excess = len(self.tokens) + after - length
         windowed = [layer for layer in self.cache.layers if isinstance(layer, WindowedLayer)]
-        return excess <= 0 or all(layer.can_cut(excess) for layer in windowed)
+        return excess <= 0 or all(layer.can_cut(excess, after) for layer in windowed)
 
     def reaches(self, length: int) -> bool:
         """Whether the cache can be cut back to its first ``length`` tokens: a windowed layer keeps
@@ -507,6 +512,19 @@ class SessionCache:
         if self.shared_wanted() and len(self.tokens) >= self.shared_len and self._within_margin(self.shared_len):
             self.shared = WindowedCopy.of(self.cache, len(self.tokens), upto=self.shared_len)
         self._changed()
+
+    def shared_stop(self, tokens: int, num_logits: int, unless_kept: bool = False) -> int:
+        """Where a pass of ``tokens`` more (keeping the last ``num_logits`` rows' logits) stops
+        first, so that the copy at the shared prefix's end is taken there: the tokens before the
+        stop (0: no stop). ``unless_kept``: only where the whole pass would leave no copy (one cut
+        back to it is kept where the pass ends within the margin after it): a batched pass stops only
+        then, as each stop costs it another pass."""
+        head = self.shared_len - len(self.tokens) if self.shared_wanted() else 0
+        if not 0 < head <= tokens - max(num_logits, 1) or (
+            unless_kept and self._within_margin(self.shared_len, tokens)
+        ):
+            return 0
+        return head
 
     def shared_wanted(self) -> bool:
         """Whether a copy at the shared prefix's end is still to be taken: one is asked for, not
@@ -740,8 +758,8 @@ class SessionCaches:
         rows = earlier.rows if earlier is not None else 0
         if num_logits + rows > len(token_ids):
             raise ValueError(f"{num_logits} + {rows} logit rows asked of a {len(token_ids)}-token pass")
-        head = entry.shared_len - len(entry.tokens) if entry.shared_wanted() else 0
-        if not rows and 0 < head < len(token_ids) and head <= len(token_ids) - num_logits:
+        head = 0 if rows else entry.shared_stop(len(token_ids), num_logits)
+        if head:
             self.extend(entry, token_ids[:head], 0)  # stops where the shared prefix ends, for its copy
             return self.extend(entry, token_ids[head:], num_logits)
         apart = bool(rows) and self._output_layer_runs_apart()
@@ -804,11 +822,17 @@ class SessionCaches:
 
         Past caches are left-padded to the longest and new tokens right-padded; the attention
         mask hides the padding and each row gets its own positions. The new keys/values are then
-        appended to each session's own cache.
+        appended to each session's own cache. A row that would run past a shared prefix by more than
+        a copy cut back to it keeps (``SessionCache.shared_stop``) first runs up to it, in a pass of
+        such rows before this one.
         """
         if len(ops) == 1:
             entry, token_ids, num_logits = ops[0]
             return [self.extend(entry, token_ids, num_logits)]
+        stops = [entry.shared_stop(len(ids), num_logits, unless_kept=True) for entry, ids, num_logits in ops]
+        if any(stops):
+            self.extend_many([(entry, ids[:stop], 0) for (entry, ids, _), stop in zip(ops, stops, strict=True) if stop])
+            ops = [(entry, ids[stop:], num_logits) for (entry, ids, num_logits), stop in zip(ops, stops, strict=True)]
         batch = _Batch.build(ops, self._loaded)
         with torch.inference_mode():
             out = self._loaded.model(
