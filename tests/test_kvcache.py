@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import random
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -811,32 +812,46 @@ def test_where_a_prefix_other_requests_share_ends_a_copy_of_the_windowed_layers_
     torch.testing.assert_close(caches.extend(e, [5, 6], 2), full_logits(loaded, [*replaced[:24], 5, 6])[-2:])
 
 
+@contextlib.contextmanager
+def _passes(loaded: LoadedModel) -> Iterator[list[tuple[int, ...]]]:
+    """The shapes of the token ids of each forward pass run meanwhile."""
+    shapes: list[tuple[int, ...]] = []
+    hook = loaded.model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        yield shapes
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
 def test_a_copy_at_a_shared_prefix_is_taken_only_where_no_other_copy_reaches_it(tmp_path: Path, arch: str) -> None:
     """Margin 8. A shared prefix within half the margin before the prompt's end (27 of 30) takes no
     copy, nor a stop: the copy at the prompt's end reaches it, and a request sharing it starts
-    there once the session has decoded past the margin. A batched pass (``extend_many``) stops at a
-    shared prefix only for a row that would run past the margin after it: one that ends within the
-    margin (24 of a 30-token pass) keeps a copy cut back to it (holding only that copy's memory)
-    from the one pass; one that ends past it (10 of 40) runs its first 10 tokens in a pass before
-    the batched one and keeps a copy there, which a request sharing that prefix starts from. (Main
-    ran both rows in one pass and kept no copy for the second: at 16 requests at once, each a
-    24-token prompt and a block of 4 drafts past a 16-position window and a margin of 10, 278 of 300
-    requests for the same prompt found none of it cached; one at a time, 2 of 60.)"""
+    there once the session has decoded past the margin. A pass stops at a shared prefix only where
+    it would run past the margin after it: a session's pass alone that ends within the margin (24
+    of a 30-token pass) keeps a copy cut back to it from the one pass (it used to stop there: a pass
+    more, a decoding step's cost for a short one); in a batched pass (``extend_many``) likewise, holding only that copy's memory, and a
+    row that ends past it (10 of 40) runs its first 10 tokens in a pass before the batched one and
+    keeps a copy there, which a request sharing that prefix starts from. (A batched pass stopped
+    for none: at 16 requests at once, each a 24-token prompt and a block of 4 drafts past a
+    16-position window and a margin of 10, 278 of 300 requests for the same prompt found none of
+    it cached; one at a time, 2 of 60.)"""
     loaded = _windowed_model(tmp_path, arch)
     caches = SessionCaches(loaded, max_sessions=8, idle_s=60, margin=8)
     a = caches.sync("a", 0, 0, prompt_len=30, shared_len=27)
     caches.extend(a, SEQ[:30], 1)
     assert a.shared_len == 0 and a.shared is None and a.prompt_end is not None and a.prompt_end.length == 30
     assert caches.prefill_tokens_total == 30  # one pass, not stopped at 27
+    g = caches.sync("g", 0, 0, prompt_len=40, shared_len=24)
+    with _passes(loaded) as passes:
+        caches.extend(g, SEQ[:30], 1)
+    assert passes == [(1, 30)] and g.shared is not None and g.shared.length == 24
     c = caches.sync("c", 0, 0, prompt_len=40, shared_len=24)
     d = caches.sync("d", 0, 0, prompt_len=40, shared_len=10)
-    passes: list[tuple[int, ...]] = []
-    hook = loaded.model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: passes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
-    )
-    logits = caches.extend_many([(c, SEQ[:30], 1), (d, SEQ[:40], 1)])
-    hook.remove()
+    with _passes(loaded) as passes:
+        logits = caches.extend_many([(c, SEQ[:30], 1), (d, SEQ[:40], 1)])
     assert passes == [(1, 10), (2, 30)]  # d's shared prefix alone, then both rows
     torch.testing.assert_close(logits[0], full_logits(loaded, SEQ[:30])[-1:], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[1], full_logits(loaded, SEQ[:40])[-1:], atol=1e-4, rtol=1e-4)

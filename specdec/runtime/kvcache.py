@@ -513,16 +513,13 @@ class SessionCache:
             self.shared = WindowedCopy.of(self.cache, len(self.tokens), upto=self.shared_len)
         self._changed()
 
-    def shared_stop(self, tokens: int, num_logits: int, unless_kept: bool = False) -> int:
+    def shared_stop(self, tokens: int, num_logits: int) -> int:
         """Where a pass of ``tokens`` more (keeping the last ``num_logits`` rows' logits) stops
         first, so that the copy at the shared prefix's end is taken there: the tokens before the
-        stop (0: no stop). ``unless_kept``: only where the whole pass would leave no copy (one cut
-        back to it is kept where the pass ends within the margin after it): a batched pass stops only
-        then, as each stop costs it another pass."""
+        stop (0: no stop). It stops only where the whole pass would leave no copy: one that ends
+        within the margin after the prefix keeps a copy cut back to it, and a stop costs a pass."""
         head = self.shared_len - len(self.tokens) if self.shared_wanted() else 0
-        if not 0 < head <= tokens - max(num_logits, 1) or (
-            unless_kept and self._within_margin(self.shared_len, tokens)
-        ):
+        if not 0 < head <= tokens - max(num_logits, 1) or self._within_margin(self.shared_len, tokens):
             return 0
         return head
 
@@ -829,7 +826,7 @@ class SessionCaches:
         if len(ops) == 1:
             entry, token_ids, num_logits = ops[0]
             return [self.extend(entry, token_ids, num_logits)]
-        stops = [entry.shared_stop(len(ids), num_logits, unless_kept=True) for entry, ids, num_logits in ops]
+        stops = [entry.shared_stop(len(ids), num_logits) for entry, ids, num_logits in ops]
         if any(stops):
             self.extend_many([(entry, ids[:stop], 0) for (entry, ids, _), stop in zip(ops, stops, strict=True) if stop])
             ops = [(entry, ids[stop:], num_logits) for (entry, ids, num_logits), stop in zip(ops, stops, strict=True)]
