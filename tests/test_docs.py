@@ -1,4 +1,5 @@
-"""The README stays true: every setting of every service is documented, with its default."""
+"""The README and docs/ stay true: every setting of every service is documented, with its default;
+every test they cite exists."""
 
 from __future__ import annotations
 
@@ -93,3 +94,28 @@ def test_readme_bench_commands_name_rows_the_bench_has() -> None:
     assert len(commands) >= 3, "the README's benchmark commands were not found"
     for argv in commands:
         check_methods(bench_config(build_parser().parse_args(["bench", *argv])))
+
+
+def cited_tests(text: str, tests: Path) -> list[str]:
+    """The tests ``text`` cites (``file.py::name`` or a bare ``test_...`` name) that ``tests``
+    does not hold: a test renamed or removed leaves the sentence citing it unbacked."""
+    sources = {path.stem: path.read_text() for path in tests.glob("test_*.py")}
+    every = "\n".join(sources.values())
+    missing = [
+        f"{stem}.py::{name}"
+        for stem, name in re.findall(r"\b(test_\w+)\.py::(test_\w+)", text)
+        if not re.search(rf"\bdef {name}\(", sources.get(stem, ""))
+    ]
+    bare = re.findall(r"(?<![\w/.:])(test_\w+)\b(?!\.py|\*)", text)
+    missing += [name for name in bare if name not in sources and not re.search(rf"\bdef {name}\(", every)]
+    return sorted(set(missing))
+
+
+def test_the_docs_cite_only_tests_that_exist(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    for doc in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        assert cited_tests(doc.read_text(), root / "tests") == [], f"{doc.name} cites tests that do not exist"
+    # the check sees a renamed test, in either form, and a file named with its test
+    (tmp_path / "test_a.py").write_text("def test_kept(x):\n    pass\n")
+    text = "`test_a.py::test_kept`, `test_a.py::test_gone`, `test_b.py::test_kept`, `test_kept`, `test_lost`, `test_a`"
+    assert cited_tests(text, tmp_path) == ["test_a.py::test_gone", "test_b.py::test_kept", "test_lost"]
