@@ -119,3 +119,16 @@ def test_the_docs_cite_only_tests_that_exist(tmp_path: Path) -> None:
     (tmp_path / "test_a.py").write_text("def test_kept(x):\n    pass\n")
     text = "`test_a.py::test_kept`, `test_a.py::test_gone`, `test_b.py::test_kept`, `test_kept`, `test_lost`, `test_a`"
     assert cited_tests(text, tmp_path) == ["test_a.py::test_gone", "test_b.py::test_kept", "test_lost"]
+
+
+def test_the_docs_name_only_files_that_exist() -> None:
+    """Every repository path the README and docs/ name in code spans or links (reports, plots,
+    scripts, manifests) is there: a report moved or a script renamed leaves its sentence unbacked."""
+    root = Path(__file__).resolve().parents[1]
+    tops = "docs|scripts|k8s|protos|specdec|coordinator|draft_worker|target_worker|tests|\\.ci"
+    for doc in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        text = doc.read_text()
+        named = re.findall(rf"`((?:{tops})/[^`\s:*]*)`", text) + re.findall(rf"\]\(((?:{tops})/[^)\s]+)\)", text)
+        assert named or doc.name != "README.md", "the README's paths were not found"
+        missing = sorted({path for path in named if not (root / path).exists()})
+        assert missing == [], f"{doc.name} names files that are not in the repository: {missing}"
