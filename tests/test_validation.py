@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator.adaptive import NO_STOP, ConfidenceStop
 from coordinator.validation import Limits, parse_request
-from specdec.serving.errors import InvalidRequest, RequestTooLarge
+from specdec.serving.errors import InvalidRequest, RequestTooLarge, Unsupported
 from specdec.v1 import common_pb2, coordinator_pb2
 
 LIMITS = Limits(
@@ -205,3 +211,74 @@ def test_chat_messages_are_an_input() -> None:
     ]
     turn = parse_request(coordinator_pb2.GenerateRequest(messages=messages), LIMITS)
     assert turn.messages == (("system", "be brief"), ("user", "")) and turn.prompt_ids is None
+
+
+def _values(field: FieldDescriptor) -> st.SearchStrategy[Any]:
+    """Values of a scalar field's type: any of them, its edges (-1, 0, 1, the least and largest),
+    and small ones that validation decides on (ids within the vocabulary, counts near the limits,
+    rates in [0, 1]), these more often."""
+    kind = field.type
+    if kind == FieldDescriptor.TYPE_BOOL:
+        return st.booleans()
+    if kind == FieldDescriptor.TYPE_STRING:
+        return st.text(max_size=24) | st.sampled_from(["", "user", "system", "{}", '{"type": "object"}', "[a-z]+"])
+    if kind in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
+        small = st.floats(0, 1, width=32)
+        return st.one_of(small, small, small, st.floats(width=32 if kind == FieldDescriptor.TYPE_FLOAT else 64))
+    if kind == FieldDescriptor.TYPE_ENUM:
+        return st.integers(0, 8)  # unknown values too: a newer client's
+    bits = 64 if kind in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT64) else 32
+    signed = kind in (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64)
+    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+    edges = st.sampled_from(sorted({low, max(low, -1), 0, 1, high}))
+    return st.one_of(edges, st.integers(max(low, -2), 12), st.integers(low, high), st.integers(0, 130))
+
+
+def _fill(draw: Callable[[st.SearchStrategy[Any]], Any], message: Message, depth: int = 0) -> None:
+    """Sets up to 4 of ``message``'s fields (the others keep their defaults, so that every check
+    is reached), nested messages, lists and maps included."""
+    names = [field.name for field in message.DESCRIPTOR.fields]
+    for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
+        field, held = message.DESCRIPTOR.fields_by_name[name], getattr(message, name)
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            fields = entry.fields_by_name
+            held.update(draw(st.dictionaries(_values(fields["key"]), _values(fields["value"]), max_size=4)))
+        elif entry is not None and depth < 3:
+            for item in [held.add() for _ in range(draw(st.integers(0, 3)))] if field.is_repeated else [held]:
+                item.SetInParent()
+                _fill(draw, item, depth + 1)
+        elif entry is None and field.is_repeated:
+            held.extend(draw(st.lists(_values(field), max_size=5)))
+        elif entry is None:
+            setattr(message, name, draw(_values(field)))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.data())
+def test_any_request_is_parsed_or_refused_as_the_client_s_error(data: st.DataObject) -> None:
+    """Any request a client can send (its input one of the three kinds or any fields at all, and
+    every field of its sampling and speculation parameters set or not, to any value of its type:
+    NaN and infinite floats, the largest integers, unknown enum values, nested messages and maps)
+    either parses to a request within the server's limits or is refused with a client error that
+    says what was wrong: never another exception (an INTERNAL error for the client)."""
+    request = coordinator_pb2.GenerateRequest()
+    kind = data.draw(st.sampled_from(["ids", "text", "messages", "any"]))
+    if kind == "ids":
+        request.prompt_token_ids.ids.extend(data.draw(st.lists(st.integers(0, 99), min_size=1, max_size=8)))
+    elif kind == "text":
+        request.prompt = data.draw(st.text(min_size=1, max_size=40))
+    elif kind == "messages":
+        for role in data.draw(st.lists(st.sampled_from(["system", "user", "assistant"]), min_size=1, max_size=3)):
+            request.messages.add(role=role, content=data.draw(st.text(max_size=20)))
+    else:
+        _fill(data.draw, request)
+    _fill(data.draw, request.sampling)
+    _fill(data.draw, request.speculation)
+    for limits in (LIMITS, dataclasses.replace(LIMITS, structured_output=True, draft_context_len=32)):
+        try:
+            parsed = parse_request(request, limits)
+        except (InvalidRequest, RequestTooLarge, Unsupported) as refused:
+            assert str(refused)
+            continue
+        assert 1 <= parsed.max_new_tokens <= limits.max_context_len
