@@ -819,9 +819,9 @@ class SessionCaches:
 
         Past caches are left-padded to the longest and new tokens right-padded; the attention
         mask hides the padding and each row gets its own positions. The new keys/values are then
-        appended to each session's own cache. A row that would run past a shared prefix by more than
-        a copy cut back to it keeps (``SessionCache.shared_stop``) first runs up to it, in a pass of
-        such rows before this one.
+        appended to each session's own cache. A row whose pass would leave no copy where its shared
+        prefix ends (``SessionCache.shared_stop``) first runs up to there, in a pass of such rows
+        before this one.
         """
         if len(ops) == 1:
             entry, token_ids, num_logits = ops[0]
