@@ -831,10 +831,11 @@ def test_a_copy_at_a_shared_prefix_is_taken_only_where_no_other_copy_reaches_it(
     copy, nor a stop: the copy at the prompt's end reaches it, and a request sharing it starts
     there once the session has decoded past the margin. A pass stops at a shared prefix only where
     it would run past the margin after it: a session's pass alone that ends within the margin (24
-    of a 30-token pass) keeps a copy cut back to it from the one pass (it used to stop there: a pass
-    more, a decoding step's cost for a short one); in a batched pass (``extend_many``) likewise, holding only that copy's memory, and a
-    row that ends past it (10 of 40) runs its first 10 tokens in a pass before the batched one and
-    keeps a copy there, which a request sharing that prefix starts from. (A batched pass stopped
+    of a 30-token pass) keeps a copy cut back to it from the one pass (it used to stop there: a
+    pass more, a decoding step's cost for a short one); in a batched pass (``extend_many``)
+    likewise, holding only that copy's memory, and a row that ends past it (10 of 40) runs its
+    first 10 tokens in a pass before the batched one and keeps a copy there, which a request
+    sharing that prefix starts from. (A batched pass stopped
     for none: at 16 requests at once, each a 24-token prompt and a block of 4 drafts past a
     16-position window and a margin of 10, 278 of 300 requests for the same prompt found none of
     it cached; one at a time, 2 of 60.)"""
