@@ -1,5 +1,5 @@
 """The README and docs/ stay true: every setting of every service is documented, with its default;
-every test they cite exists."""
+every test and repository file they name exists."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from coordinator.settings import CoordinatorSettings
 from draft_worker.settings import DraftSettings
 from target_worker.settings import TargetSettings
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 @pytest.mark.parametrize("settings_cls", [CoordinatorSettings, DraftSettings, TargetSettings])
@@ -112,9 +114,8 @@ def cited_tests(text: str, tests: Path) -> list[str]:
 
 
 def test_the_docs_cite_only_tests_that_exist(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
-    for doc in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
-        assert cited_tests(doc.read_text(), root / "tests") == [], f"{doc.name} cites tests that do not exist"
+    for doc in DOCS:
+        assert cited_tests(doc.read_text(), ROOT / "tests") == [], f"{doc.name} cites tests that do not exist"
     # the check sees a renamed test, in either form, and a file named with its test
     (tmp_path / "test_a.py").write_text("def test_kept(x):\n    pass\n")
     text = "`test_a.py::test_kept`, `test_a.py::test_gone`, `test_b.py::test_kept`, `test_kept`, `test_lost`, `test_a`"
@@ -124,11 +125,10 @@ def test_the_docs_cite_only_tests_that_exist(tmp_path: Path) -> None:
 def test_the_docs_name_only_files_that_exist() -> None:
     """Every repository path the README and docs/ name in code spans or links (reports, plots,
     scripts, manifests) is there: a report moved or a script renamed leaves its sentence unbacked."""
-    root = Path(__file__).resolve().parents[1]
     tops = "docs|scripts|k8s|protos|specdec|coordinator|draft_worker|target_worker|tests|\\.ci"
-    for doc in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+    for doc in DOCS:
         text = doc.read_text()
         named = re.findall(rf"`((?:{tops})/[^`\s:*]*)`", text) + re.findall(rf"\]\(((?:{tops})/[^)\s]+)\)", text)
         assert named or doc.name != "README.md", "the README's paths were not found"
-        missing = sorted({path for path in named if not (root / path).exists()})
+        missing = sorted({path for path in named if not (ROOT / path).exists()})
         assert missing == [], f"{doc.name} names files that are not in the repository: {missing}"

@@ -258,7 +258,7 @@ def _fill(draw: Callable[[st.SearchStrategy[Any]], Any], message: Message, depth
 @given(st.data())
 def test_any_request_is_parsed_or_refused_as_the_client_s_error(data: st.DataObject) -> None:
     """Any request a client can send (its input one of the three kinds or any fields at all, and
-    every field of its sampling and speculation parameters set or not, to any value of its type:
+    up to 4 fields each of its sampling and speculation parameters set to any value of their type:
     NaN and infinite floats, the largest integers, unknown enum values, nested messages and maps)
     either parses to a request within the server's limits or is refused with a client error that
     says what was wrong: never another exception (an INTERNAL error for the client)."""
