@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,11 +14,14 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 
 from coordinator.adaptive import NO_STOP, ConfidenceStop
+from coordinator.engine_api import VllmEngineServicer
 from coordinator.validation import Limits, parse_request
 from specdec.serving.errors import InvalidRequest, RequestTooLarge, Unsupported
 from specdec.v1 import common_pb2, coordinator_pb2
+from tests.tiny_models import build_tokenizer
 
 LIMITS = Limits(
     vocab_size=100,
@@ -28,6 +33,7 @@ LIMITS = Limits(
     max_prompt_chars=1000,
 )
 
+BYTES = build_tokenizer()  # the tiny models' tokenizer (the engine API's text input)
 
 S = common_pb2.SamplingParams
 
@@ -220,6 +226,8 @@ def _values(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     kind = field.type
     if kind == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
+    if kind == FieldDescriptor.TYPE_BYTES:
+        return st.binary(max_size=16)
     if kind == FieldDescriptor.TYPE_STRING:
         return st.text(max_size=24) | st.sampled_from(["", "user", "system", "{}", '{"type": "object"}', "[a-z]+"])
     if kind in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
@@ -242,8 +250,13 @@ def _fill(draw: Callable[[st.SearchStrategy[Any]], Any], message: Message, depth
         field, held = message.DESCRIPTOR.fields_by_name[name], getattr(message, name)
         entry = field.message_type
         if entry is not None and entry.GetOptions().map_entry:
-            fields = entry.fields_by_name
-            held.update(draw(st.dictionaries(_values(fields["key"]), _values(fields["value"]), max_size=4)))
+            key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            if value.message_type is None:
+                held.update(draw(st.dictionaries(_values(key), _values(value), max_size=4)))
+            elif depth < 3:
+                for k in draw(st.lists(_values(key), max_size=3, unique=True)):
+                    held[k].SetInParent()
+                    _fill(draw, held[k], depth + 1)
         elif entry is not None and depth < 3:
             for item in [held.add() for _ in range(draw(st.integers(0, 3)))] if field.is_repeated else [held]:
                 item.SetInParent()
@@ -282,3 +295,60 @@ def test_any_request_is_parsed_or_refused_as_the_client_s_error(data: st.DataObj
             assert str(refused)
             continue
         assert 1 <= parsed.max_new_tokens <= limits.max_context_len
+
+
+class _Parsed(Exception):
+    """Raised by the stand-in engine once every completion of an engine-API request is parsed."""
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.data())
+def test_any_engine_api_request_is_parsed_or_refused_as_the_client_s_error(data: st.DataObject) -> None:
+    """Any request a gateway can send to the engine API (``vllm.grpc.engine.VllmEngine.Generate``:
+    token ids, text, or any of its fields at all, and up to 4 of its sampling parameters at any
+    value of their types) goes through the servicer's own checks and conversion to the native
+    request, up to where its completions would start: each completion's request parses within the
+    limits, or the call is refused with a client error that names no native field (the engine
+    caller never saw those names): never another exception (an INTERNAL error for the gateway)."""
+    request = vllm_pb2.GenerateRequest(request_id="r")
+    kind = data.draw(st.sampled_from(["ids", "text", "any"]))
+    if kind == "ids":
+        request.tokenized.input_ids.extend(data.draw(st.lists(st.integers(0, 99), min_size=1, max_size=8)))
+    elif kind == "text":
+        request.text = data.draw(st.text(min_size=1, max_size=40))
+    else:
+        _fill(data.draw, request)
+    _fill(data.draw, request.sampling_params)
+    parsed: list[Any] = []
+    n = request.sampling_params.n or 1
+
+    def new_turn(turn_request: Any, _deadline: float | None) -> SimpleNamespace:
+        parsed.append(turn_request)
+        if len(parsed) == n:
+            raise _Parsed
+        return SimpleNamespace(request=turn_request)
+
+    for limits in (LIMITS, dataclasses.replace(LIMITS, structured_output=True, draft_context_len=32)):
+        engine = SimpleNamespace(
+            limits=limits,
+            settings=SimpleNamespace(max_message_bytes=8 << 20),
+            deps=SimpleNamespace(tokenizer=BYTES),
+            new_turn=new_turn,
+        )
+        parsed.clear()
+        context = SimpleNamespace(time_remaining=lambda: None)
+
+        async def call(engine: SimpleNamespace = engine, context: SimpleNamespace = context) -> None:
+            async for _ in VllmEngineServicer(engine).Generate(request, context):  # type: ignore[arg-type]
+                pass
+
+        try:
+            asyncio.run(call())
+        except _Parsed:
+            assert len(parsed) == n and all(1 <= p.max_new_tokens <= limits.max_context_len for p in parsed)
+            continue
+        except (InvalidRequest, RequestTooLarge, Unsupported) as refused:
+            message = str(refused)
+            assert message and "sampling." not in message and "max_new_tokens" not in message, message
+            continue
+        raise AssertionError("the request neither started nor was refused")
