@@ -5,13 +5,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
@@ -21,6 +18,7 @@ from coordinator.engine_api import VllmEngineServicer
 from coordinator.validation import Limits, parse_request
 from specdec.serving.errors import InvalidRequest, RequestTooLarge, Unsupported
 from specdec.v1 import common_pb2, coordinator_pb2
+from tests.fuzz import fill_any
 from tests.tiny_models import build_tokenizer
 
 LIMITS = Limits(
@@ -219,54 +217,6 @@ def test_chat_messages_are_an_input() -> None:
     assert turn.messages == (("system", "be brief"), ("user", "")) and turn.prompt_ids is None
 
 
-def _values(field: FieldDescriptor) -> st.SearchStrategy[Any]:
-    """Values of a scalar field's type: any of them, its edges (-1, 0, 1, the least and largest),
-    and small ones that validation decides on (ids within the vocabulary, counts near the limits,
-    rates in [0, 1]), these more often."""
-    kind = field.type
-    if kind == FieldDescriptor.TYPE_BOOL:
-        return st.booleans()
-    if kind == FieldDescriptor.TYPE_BYTES:
-        return st.binary(max_size=16)
-    if kind == FieldDescriptor.TYPE_STRING:
-        return st.text(max_size=24) | st.sampled_from(["", "user", "system", "{}", '{"type": "object"}', "[a-z]+"])
-    if kind in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
-        small = st.floats(0, 1, width=32)
-        return st.one_of(small, small, small, st.floats(width=32 if kind == FieldDescriptor.TYPE_FLOAT else 64))
-    if kind == FieldDescriptor.TYPE_ENUM:
-        return st.integers(0, 8)  # unknown values too: a newer client's
-    bits = 64 if kind in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_INT64) else 32
-    signed = kind in (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64)
-    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
-    edges = st.sampled_from(sorted({low, max(low, -1), 0, 1, high}))
-    return st.one_of(edges, st.integers(max(low, -2), 12), st.integers(low, high), st.integers(0, 130))
-
-
-def _fill(draw: Callable[[st.SearchStrategy[Any]], Any], message: Message, depth: int = 0) -> None:
-    """Sets up to 4 of ``message``'s fields (the others keep their defaults, so that every check
-    is reached), nested messages, lists and maps included."""
-    names = [field.name for field in message.DESCRIPTOR.fields]
-    for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
-        field, held = message.DESCRIPTOR.fields_by_name[name], getattr(message, name)
-        entry = field.message_type
-        if entry is not None and entry.GetOptions().map_entry:
-            key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
-            if value.message_type is None:
-                held.update(draw(st.dictionaries(_values(key), _values(value), max_size=4)))
-            elif depth < 3:
-                for k in draw(st.lists(_values(key), max_size=3, unique=True)):
-                    held[k].SetInParent()
-                    _fill(draw, held[k], depth + 1)
-        elif entry is not None and depth < 3:
-            for item in [held.add() for _ in range(draw(st.integers(0, 3)))] if field.is_repeated else [held]:
-                item.SetInParent()
-                _fill(draw, item, depth + 1)
-        elif entry is None and field.is_repeated:
-            held.extend(draw(st.lists(_values(field), max_size=5)))
-        elif entry is None:
-            setattr(message, name, draw(_values(field)))
-
-
 @settings(max_examples=1000, deadline=None)
 @given(st.data())
 def test_any_request_is_parsed_or_refused_as_the_client_s_error(data: st.DataObject) -> None:
@@ -285,9 +235,9 @@ def test_any_request_is_parsed_or_refused_as_the_client_s_error(data: st.DataObj
         for role in data.draw(st.lists(st.sampled_from(["system", "user", "assistant"]), min_size=1, max_size=3)):
             request.messages.add(role=role, content=data.draw(st.text(max_size=20)))
     else:
-        _fill(data.draw, request)
-    _fill(data.draw, request.sampling)
-    _fill(data.draw, request.speculation)
+        fill_any(data.draw, request)
+    fill_any(data.draw, request.sampling)
+    fill_any(data.draw, request.speculation)
     for limits in (LIMITS, dataclasses.replace(LIMITS, structured_output=True, draft_context_len=32)):
         try:
             parsed = parse_request(request, limits)
@@ -317,8 +267,8 @@ def test_any_engine_api_request_is_parsed_or_refused_as_the_client_s_error(data:
     elif kind == "text":
         request.text = data.draw(st.text(min_size=1, max_size=40))
     else:
-        _fill(data.draw, request)
-    _fill(data.draw, request.sampling_params)
+        fill_any(data.draw, request)
+    fill_any(data.draw, request.sampling_params)
     parsed: list[Any] = []
     n = request.sampling_params.n or 1
 

@@ -1,0 +1,167 @@
+"""The workers' RPCs on any request: served, or refused as the caller's error; the worker serves on."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from types import SimpleNamespace
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from draft_worker.servicer import DraftServicer, Vocabulary
+from draft_worker.settings import DraftSettings
+from specdec.serving.errors import SpecdecError
+from specdec.serving.server import ServerControl
+from specdec.serving.worker import WorkerCore
+from specdec.v1 import common_pb2, draft_pb2, target_pb2
+from target_worker.servicer import TargetServicer
+from target_worker.settings import TargetSettings
+from tests.fuzz import fill_any
+from tests.tiny_models import TinyModels
+
+T = TypeVar("T")
+
+# What a caller's bad request may be answered with: its own error, never INTERNAL (a worker fault)
+CALLER_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,  # another vocabulary
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+IDENTITY = frozenset({"session_id", "tokenizer_hash", "vocab_size"})
+
+
+class _Worker:
+    """A worker's servicer over a loaded tiny model, its event loop in a thread of its own (the
+    worker's asyncio objects stay on one loop across hypothesis examples), set up as
+    ``specdec serve target`` / ``draft`` set theirs up."""
+
+    def __init__(self, role: str, model: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.control = ServerControl()
+        options: dict[str, Any] = {"model": model, "device": "cpu", "max_draft_tokens": 8, "warm_up_widths": 0}
+        if role == "target":
+            target_settings = TargetSettings(**options)
+            self.core = WorkerCore(target_settings, self.control, CollectorRegistry())
+            self.run(self.core.load())
+            self.servicer: Any = TargetServicer(self.core, target_settings)
+        else:
+            draft_settings = DraftSettings(**options)
+            self.core = WorkerCore(draft_settings, self.control, CollectorRegistry())
+            vocabulary = Vocabulary()
+            self.run(self.core.load())
+            self.run(self.core.scheduler.call(vocabulary.load, draft_settings, self.core.loaded))
+            self.servicer = DraftServicer(self.core, draft_settings, vocabulary)
+        self.info = self.core.info()
+
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout=60)
+
+    def close(self) -> None:
+        self.core.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_models: TinyModels) -> Iterator[_Worker]:
+    worker = _Worker("target", str(tiny_models.target))
+    yield worker
+    worker.close()
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_models: TinyModels) -> Iterator[_Worker]:
+    worker = _Worker("draft", str(tiny_models.other))
+    yield worker
+    worker.close()
+
+
+def _verify(worker: _Worker, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
+    return worker.run(worker.servicer.Verify(request, SimpleNamespace()))  # type: ignore[arg-type]
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_verify_request_is_served_or_refused_as_the_caller_s_error(target: _Worker, data: st.DataObject) -> None:
+    """Any Verify request (a block after a few committed tokens, as the coordinator sends, with up
+    to 4 fields each of the request, its prefix sync, its block, its warping and its logits
+    processing set to any value of their types: ids past the vocabulary, NaN probabilities and
+    temperatures, unknown proposal kinds, the largest counts) is verified or refused with the
+    caller's error saying what was wrong: never INTERNAL, never a model fault that stops the
+    worker; and the worker still verifies a plain block afterwards."""
+    vocab = target.info.vocab_size
+    request = target_pb2.VerifyRequest(
+        session_id=data.draw(st.sampled_from(["a", "b", "c"])),
+        tokenizer_hash=target.info.tokenizer_hash,
+        vocab_size=vocab,
+    )
+    request.sync.tail_token_ids.extend(data.draw(st.lists(st.integers(0, vocab + 1), min_size=1, max_size=6)))
+    request.draft.kind = common_pb2.PROPOSAL_KIND_ONE_HOT
+    request.draft.token_ids.extend(data.draw(st.lists(st.integers(0, vocab + 1), max_size=4)))
+    # the session and vocabulary fields as the coordinator sends them, in most requests: any
+    # other value is refused before the rest is read
+    fill_any(data.draw, request, keep=IDENTITY if data.draw(st.integers(0, 4)) else frozenset())
+    for message in (request.sync, request.draft, request.warp, request.processing):
+        fill_any(data.draw, message)
+    try:
+        reply = _verify(target, request)
+    except SpecdecError as refused:
+        assert refused.code in CALLER_ERRORS and str(refused), (refused.code, str(refused))
+    else:
+        assert reply.cache_status in (common_pb2.CACHE_STATUS_OK, common_pb2.CACHE_STATUS_RESYNC_REQUIRED)
+    assert not target.control.stop_requested.is_set()
+    plain = target_pb2.VerifyRequest(session_id="plain", warp=common_pb2.WarpParams(temperature=0.0))
+    plain.sync.tail_token_ids.extend([5, 6, 7])
+    plain.draft.kind = common_pb2.PROPOSAL_KIND_ONE_HOT
+    plain.draft.token_ids.extend([8, 9])
+    assert _verify(target, plain).cache_status == common_pb2.CACHE_STATUS_OK
+
+
+async def _one(request: draft_pb2.ProposeRequest) -> AsyncIterator[draft_pb2.ProposeRequest]:
+    yield request
+
+
+def _propose(worker: _Worker, request: draft_pb2.ProposeRequest) -> list[draft_pb2.ProposeResponse]:
+    async def replies() -> list[draft_pb2.ProposeResponse]:
+        return [reply async for reply in worker.servicer.Propose(_one(request), SimpleNamespace())]
+
+    return worker.run(replies())
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_any_propose_request_is_served_or_refused_as_the_caller_s_error(draft: _Worker, data: st.DataObject) -> None:
+    """Any Propose request (a block of 1-4 tokens after a few committed tokens, as the coordinator
+    asks, with up to 4 fields each of the request, its prefix sync, its warping and its logits
+    processing set to any value of their types) gets its proposal or a resync, or ends the stream
+    with the caller's error saying what was wrong: never INTERNAL, never a model fault that stops
+    the worker; and the worker still drafts a plain block afterwards."""
+    vocab = draft.info.vocab_size
+    request = draft_pb2.ProposeRequest(
+        session_id=data.draw(st.sampled_from(["a", "b", "c"])), num_tokens=data.draw(st.integers(1, 4))
+    )
+    request.sync.tail_token_ids.extend(data.draw(st.lists(st.integers(0, vocab + 1), min_size=1, max_size=6)))
+    fill_any(data.draw, request, keep=frozenset({"session_id"}) if data.draw(st.integers(0, 4)) else frozenset())
+    for message in (request.sync, request.warp, request.processing):
+        fill_any(data.draw, message)
+    try:
+        replies = _propose(draft, request)
+    except SpecdecError as refused:
+        assert refused.code in CALLER_ERRORS and str(refused), (refused.code, str(refused))
+    else:
+        assert all(
+            r.cache_status in (common_pb2.CACHE_STATUS_OK, common_pb2.CACHE_STATUS_RESYNC_REQUIRED) for r in replies
+        )
+    assert not draft.control.stop_requested.is_set()
+    plain = draft_pb2.ProposeRequest(session_id="plain", num_tokens=3, warp=common_pb2.WarpParams(temperature=0.0))
+    plain.sync.tail_token_ids.extend([5, 6, 7])
+    (reply,) = _propose(draft, plain)
+    assert reply.cache_status == common_pb2.CACHE_STATUS_OK and len(reply.draft.token_ids) == 3
