@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -47,18 +47,15 @@ class _Worker:
         self._thread.start()
         self.control = ServerControl()
         options: dict[str, Any] = {"model": model, "device": "cpu", "max_draft_tokens": 8, "warm_up_widths": 0}
-        if role == "target":
-            target_settings = TargetSettings(**options)
-            self.core = WorkerCore(target_settings, self.control, CollectorRegistry())
-            self.run(self.core.load())
-            self.servicer: Any = TargetServicer(self.core, target_settings)
+        worker_settings = TargetSettings(**options) if role == "target" else DraftSettings(**options)
+        self.core = WorkerCore(worker_settings, self.control, CollectorRegistry())
+        self.run(self.core.load())
+        if isinstance(worker_settings, TargetSettings):
+            self.servicer: Any = TargetServicer(self.core, worker_settings)
         else:
-            draft_settings = DraftSettings(**options)
-            self.core = WorkerCore(draft_settings, self.control, CollectorRegistry())
             vocabulary = Vocabulary()
-            self.run(self.core.load())
-            self.run(self.core.scheduler.call(vocabulary.load, draft_settings, self.core.loaded))
-            self.servicer = DraftServicer(self.core, draft_settings, vocabulary)
+            self.run(self.core.scheduler.call(vocabulary.load, worker_settings, self.core.loaded))
+            self.servicer = DraftServicer(self.core, worker_settings, vocabulary)
         self.info = self.core.info()
 
     def run(self, work: Coroutine[Any, Any, T]) -> T:
@@ -82,6 +79,19 @@ def draft(tiny_models: TinyModels) -> Iterator[_Worker]:
     worker = _Worker("draft", str(tiny_models.other))
     yield worker
     worker.close()
+
+
+def _served_or_refused(worker: _Worker, send: Callable[[], Sequence[Any]]) -> None:
+    """``send``'s replies are proposals or verdicts (OK) or resyncs, or it raises the caller's error
+    saying what was wrong; either way the worker has not asked to stop."""
+    try:
+        replies = send()
+    except SpecdecError as refused:
+        assert refused.code in CALLER_ERRORS and str(refused), (refused.code, str(refused))
+    else:
+        served = (common_pb2.CACHE_STATUS_OK, common_pb2.CACHE_STATUS_RESYNC_REQUIRED)
+        assert all(reply.cache_status in served for reply in replies)
+    assert not worker.control.stop_requested.is_set()
 
 
 def _verify(worker: _Worker, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
@@ -111,13 +121,7 @@ def test_any_verify_request_is_served_or_refused_as_the_caller_s_error(target: _
     fill_any(data.draw, request, keep=IDENTITY if data.draw(st.integers(0, 4)) else frozenset())
     for message in (request.sync, request.draft, request.warp, request.processing):
         fill_any(data.draw, message)
-    try:
-        reply = _verify(target, request)
-    except SpecdecError as refused:
-        assert refused.code in CALLER_ERRORS and str(refused), (refused.code, str(refused))
-    else:
-        assert reply.cache_status in (common_pb2.CACHE_STATUS_OK, common_pb2.CACHE_STATUS_RESYNC_REQUIRED)
-    assert not target.control.stop_requested.is_set()
+    _served_or_refused(target, lambda: [_verify(target, request)])
     plain = target_pb2.VerifyRequest(session_id="plain", warp=common_pb2.WarpParams(temperature=0.0))
     plain.sync.tail_token_ids.extend([5, 6, 7])
     plain.draft.kind = common_pb2.PROPOSAL_KIND_ONE_HOT
@@ -152,15 +156,7 @@ def test_any_propose_request_is_served_or_refused_as_the_caller_s_error(draft: _
     fill_any(data.draw, request, keep=frozenset({"session_id"}) if data.draw(st.integers(0, 4)) else frozenset())
     for message in (request.sync, request.warp, request.processing):
         fill_any(data.draw, message)
-    try:
-        replies = _propose(draft, request)
-    except SpecdecError as refused:
-        assert refused.code in CALLER_ERRORS and str(refused), (refused.code, str(refused))
-    else:
-        assert all(
-            r.cache_status in (common_pb2.CACHE_STATUS_OK, common_pb2.CACHE_STATUS_RESYNC_REQUIRED) for r in replies
-        )
-    assert not draft.control.stop_requested.is_set()
+    _served_or_refused(draft, lambda: _propose(draft, request))
     plain = draft_pb2.ProposeRequest(session_id="plain", num_tokens=3, warp=common_pb2.WarpParams(temperature=0.0))
     plain.sync.tail_token_ids.extend([5, 6, 7])
     (reply,) = _propose(draft, plain)
