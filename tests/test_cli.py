@@ -43,6 +43,20 @@ def test_generate_starts_three_services_and_prints_text_and_summary(tiny_models:
     assert float(match[2]) > 0.9  # the draft is a copy of the target
 
 
+def test_generate_runs_a_bfloat16_target_beside_an_int8_draft(tiny_models: TinyModels) -> None:
+    """``--dtype`` is the target's; an int8 draft is quantized from float32 whatever it says (both
+    workers were given it: the draft stopped at start-up, "expected scalar type Float but found
+    BFloat16", and generate with it)."""
+    result = run(
+        "generate", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.same),
+        "--prompt", "Once upon a time", "--max-new-tokens", "8", "--device", "cpu", "--dtype", "bfloat16",
+        "--draft-quantize", "int8",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    acceptance = re.search(r"\| acceptance rate ([\d.]+) \|", result.stdout.strip().splitlines()[-1])
+    assert acceptance and float(acceptance[1]) > 0.5  # the draft (the target's weights in int8) drafted
+
+
 def test_serve_without_a_role_explains_itself() -> None:
     result = run("serve")
     assert result.returncode == 2

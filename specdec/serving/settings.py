@@ -153,8 +153,9 @@ class ModelWorkerSettings(ServiceSettings):
     quantize: Literal["none", "int8"] = Field("none", description="int8 = dynamic int8 Linear layers (CPU draft)")
     cpu_kernel: Literal["auto", "packed", "torch"] = Field(
         "auto",
-        description="Linear layers of a float32 CPU model: packed = weights pre-packed for oneDNN once at load "
-        "(faster, most of all for the few rows of a verify block); torch = nn.Linear; auto = packed where available",
+        description="Linear layers of a float32 or bfloat16 CPU model: packed = weights pre-packed for oneDNN once "
+        "at load (faster, most of all for the few rows of a verify block); torch = nn.Linear; auto = packed where "
+        "available (bfloat16: where the CPU has AMX)",
     )
     max_draft_tokens: int = Field(64, gt=0, description="largest draft block this worker takes")
     max_batch: int = Field(16, gt=0, description="requests whose steps share one forward pass at most")

@@ -101,7 +101,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
         "--worker-startup-timeout-s; default 30)",
     )  # fmt: skip
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:n] for both workers")
-    p.add_argument("--dtype", default="auto", help="auto|float32|float16|bfloat16")
+    p.add_argument(
+        "--dtype", default="auto", help="auto|float32|float16|bfloat16: the target's, and the draft's unless int8"
+    )
     p.add_argument("--draft-quantize", choices=["none", "int8"], default="none", help="int8: dynamic int8 CPU draft")
 
 
@@ -188,9 +190,11 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         sys.stderr.write(f"specdec generate: error: --device {e}\n")
         return 2
-    worker_args = ["--device", args.device, "--dtype", args.dtype]
-    # the draft translates only if its tokenizer differs from the target's
-    draft_args = ["--quantize", args.draft_quantize, "--target-tokenizer", args.model]
+    worker_args = ["--device", args.device]
+    # an int8 draft is quantized from float32 whatever --dtype the target runs in (bfloat16 on a CPU
+    # with AMX: see README, CPU specifics); the draft translates only if its tokenizer differs
+    draft_dtype = "float32" if args.draft_quantize == "int8" else args.dtype
+    draft_args = ["--dtype", draft_dtype, "--quantize", args.draft_quantize, "--target-tokenizer", args.model]
     draft_args += ["--vocab-method", args.draft_vocab_method]
     # the workers serve before the coordinator starts: its start-up waits only for the state store,
     # which a local run does not wait 10 minutes for
@@ -207,6 +211,7 @@ def _generate(args: argparse.Namespace) -> int:
             draft_args,
             coordinator_args=coordinator_args,
             share_cpu=device.type == "cpu",
+            replica_args={"target-0": ["--dtype", args.dtype]},
         )
         try:
             with cluster:
