@@ -154,6 +154,39 @@ def test_generate_reports_bad_input_without_a_traceback(tiny_models: TinyModels)
     assert "Traceback" not in result.stderr
 
 
+def test_bench_runs_both_sides_in_the_dtype_asked_and_an_int8_draft_in_float32() -> None:
+    """``--dtype`` is the target's for HF's rows and the service's alike (so a kernel's speed is not
+    counted as speculation's); an int8 draft is quantized from float32 on both sides."""
+    from specdec.tools.bench import BenchConfig, worker_dtypes
+
+    assert worker_dtypes(BenchConfig(model="m", draft_model="d")) == ("auto", "auto")
+    assert worker_dtypes(BenchConfig(model="m", draft_model="d", dtype="bfloat16")) == ("bfloat16", "bfloat16")
+    int8 = BenchConfig(model="m", draft_model="d", dtype="bfloat16", draft_quantize="int8")
+    assert worker_dtypes(int8) == ("bfloat16", "float32")
+
+
+def test_bench_loads_both_sides_in_the_dtype_asked(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """A run with ``--dtype bfloat16`` and an int8 draft: HF's models and the service's workers
+    report bfloat16 for the target and float32 for the draft (quantized from it)."""
+    import json
+
+    out = tmp_path / "bench.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\n")
+    result = run(
+        "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy), "--prompts", str(prompts),
+        "--max-new-tokens", "4", "--repeats", "1", "--concurrency", "", "--dtype", "bfloat16",
+        "--draft-quantize", "int8", "--method", "hf target-only", "--method", "service target-only", "--no-plots",
+        "--out", str(out), timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dtypes"] == {
+        "hf target": "bfloat16", "hf draft": "float32", "service target": "bfloat16", "service draft": "float32",
+    }  # fmt: skip
+    assert set(report["workloads"]["file"]["methods"]) == {"hf target-only", "service target-only"}
+
+
 def test_bench_method_choice_keeps_the_target_only_references() -> None:
     """``--method`` without the target-only rows still runs them: every row's tokens are checked
     against them (a run without them failed after all its rows)."""
@@ -268,6 +301,8 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     ]  # fmt: skip
     assert all(row["repeats"] == 2 for row in data["methods"].values())
     assert report["hf"]["assisted_default_adapts_threshold"] is True
+    sides = ("hf target", "hf draft", "service target", "service draft")
+    assert report["dtypes"] == dict.fromkeys(sides, "float32")  # --dtype auto on a CPU
     # every service run prefilled its prompt, as HF's generate does: none started from the cache
     # an earlier row or repeat left (the second prompt is long enough to be reused)
     assert all(r["stats"]["cached_tokens"] == 0 for r in report["runs"] if r["stats"])
@@ -485,6 +520,7 @@ def test_bench_says_what_is_wrong_with_a_path_before_it_runs(
         (["--concurrency", "1,0"], "--concurrency takes request counts of at least 1 such as 1,2,4, got '1,0'"),
         (["--concurrency", "x"], "--concurrency takes request counts of at least 1 such as 1,2,4, got 'x'"),
         (["--device", "nope"], "--device nope is not a device torch knows"),
+        (["--dtype", "bf16"], "--dtype must be auto or one of float32, float16, bfloat16, got 'bf16'"),
     ],
 )
 def test_bench_says_what_is_wrong_with_a_number_before_it_runs(

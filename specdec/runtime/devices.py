@@ -23,7 +23,9 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bfloat16 on CUDA and float32 elsewhere (CPU half precision is slow and inexact)."""
+    """``auto`` is bfloat16 on CUDA and float32 elsewhere: on a CPU half precision is slow except
+    bfloat16 where the CPU has AMX, and bfloat16's greedy tokens are not always those of one-token
+    passes (README, Guarantees), so a CPU user opts in."""
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[spec]

@@ -321,6 +321,12 @@ def _context_len(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
     return int(getattr(text_config(config), "max_position_embeddings", 0) or tokenizer.model_max_length)
 
 
+def packed_by_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``--cpu-kernel auto`` packs a model of ``dtype`` on ``device`` (the Benchmark's HF
+    rows take the same kernel as the workers)."""
+    return _wants_packed("auto", device, dtype)
+
+
 def _wants_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether to pack the model's Linear layers; an explicit ``packed`` that cannot apply raises."""
     if choice == "torch":

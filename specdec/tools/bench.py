@@ -156,6 +156,7 @@ class BenchConfig:
     repeats: int = 3
     concurrency: tuple[int, ...] = (1, 2, 4)
     device: str = "cpu"
+    dtype: str = "auto"  # the target's, on both sides (HF's rows and the service's); an int8 draft stays float32
     early_exit_layers: int = 0  # the early-exit rows keep this many of the target's layers; 0 = no such rows
     cross_draft_model: str = ""  # a draft with another tokenizer: TLI and SLEM rows ("" = no such rows)
     draft_vocab: str = ""  # a `specdec draft-vocab` file: rows whose draft scores only its tokens ("" = none)
@@ -236,31 +237,36 @@ def hf_methods(cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     return _chosen(cfg, every)
 
 
-def hf_runs(cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], None]) -> Iterator[list[Run]]:
+def hf_runs(
+    cfg: BenchConfig, prompts: Sequence[Prompt], tick: Callable[[str], None], dtypes: dict[str, str]
+) -> Iterator[list[Run]]:
     """HF generate on this device, one repeat of every method over the prompts per item: the
     target's Linear layers packed as our target worker packs them on a CPU (same kernel on both
     sides) and its attention run as our workers run it there (``use_grouped_attention``), the
-    draft quantized as our draft worker's."""
+    draft quantized as our draft worker's. Records the models' dtypes in ``dtypes`` ("hf target",
+    "hf draft")."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from specdec.runtime.attention import use_grouped_attention
     from specdec.runtime.devices import resolve_device, resolve_dtype
-    from specdec.runtime.modeling import quantize_int8, release_freed_memory, use_packed_linear
+    from specdec.runtime.modeling import packed_by_default, quantize_int8, release_freed_memory, use_packed_linear
     from specdec.runtime.tokenizer import check_source
 
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype("auto", device)
+    target_dtype, draft_dtype = (resolve_dtype(spec, device) for spec in worker_dtypes(cfg))
     check_source(cfg.model)
     check_source(cfg.draft_model)
-    target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device).eval()
-    draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=dtype).to(device).eval()
+    target = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=target_dtype).to(device).eval()
+    draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=draft_dtype).to(device).eval()
     if cfg.draft_quantize == "int8":
         draft = quantize_int8(draft)
     if device.type == "cpu":
-        use_packed_linear(target)
+        if packed_by_default(device, target_dtype):
+            use_packed_linear(target)
         use_grouped_attention()  # the attention path our workers' CPU passes take
     release_freed_memory()  # the fp32 draft the quantized copy replaced: the service's workers need the room
+    dtypes["hf target"], dtypes["hf draft"] = (str(model.dtype).removeprefix("torch.") for model in (target, draft))
     defaults = draft.generation_config
     methods = hf_methods(cfg)
     with torch.inference_mode():
@@ -420,9 +426,15 @@ def check_methods(cfg: BenchConfig) -> None:
         raise ValueError(f"no row named '{name}' in this run; --method takes one of: {known}")
 
 
+def worker_dtypes(cfg: BenchConfig) -> tuple[str, str]:
+    """The target's and the draft's ``--dtype``, the same for HF's rows and the service's: the
+    run's, except that an int8 draft is quantized from float32."""
+    return cfg.dtype, "float32" if cfg.draft_quantize == "int8" else cfg.dtype
+
+
 def check_numbers(cfg: BenchConfig) -> None:
-    """Every count and the device can be run with; raises ValueError naming the flag."""
-    from specdec.runtime.devices import resolve_device
+    """Every count, the device and the dtype can be run with; raises ValueError naming the flag."""
+    from specdec.runtime.devices import DTYPES, resolve_device
 
     bounds = {
         "--repeats": (cfg.repeats, 1, ""),
@@ -440,6 +452,8 @@ def check_numbers(cfg: BenchConfig) -> None:
         resolve_device(cfg.device)
     except ValueError as e:
         raise ValueError(f"--device {e}") from None
+    if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -476,11 +490,24 @@ class ServiceExited(RuntimeError):
     """A service process of the benchmark exited while it ran: its rows measured something else."""
 
 
+def _worker_dtype(address: str, role: str) -> str:
+    """The dtype a running draft or target worker reports it loaded its model in."""
+    import grpc
+
+    from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        if role == "target":
+            return target_pb2_grpc.TargetWorkerStub(channel).Info(target_pb2.TargetInfoRequest(), timeout=30).info.dtype
+        return draft_pb2_grpc.DraftWorkerStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=30).info.dtype
+
+
 @contextmanager
-def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
+def service(cfg: BenchConfig, workdir: Path, dtypes: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Target + draft workers and the coordinator with default settings (K = cfg.k); for the
     early-exit and cross-tokenizer rows also their draft workers, each with a coordinator over it
-    and the same target (only those some chosen row uses). Yields the coordinators' addresses."""
+    and the same target (only those some chosen row uses). Yields the coordinators' addresses;
+    records in ``dtypes`` the ones the main workers report ("service target", "service draft")."""
     from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
 
     k = str(cfg.k)
@@ -488,13 +515,18 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
     # the row before it would skip the prefill that HF's generate (and a new prompt) pays.
     common = ["--max-speculative-tokens", str(MAX_K), "--num-speculative-tokens", k, "--default-max-new-tokens", "1024",
               "--prefix-block-tokens", "0"]  # fmt: skip
+    target_dtype, draft_dtype = worker_dtypes(cfg)
     cluster = LocalCluster(
         cfg.model, cfg.draft_model, workdir, worker_args=["--device", cfg.device],
-        draft_args=["--quantize", cfg.draft_quantize], coordinator_args=common, share_cpu=cfg.device == "cpu",
+        draft_args=["--dtype", draft_dtype, "--quantize", cfg.draft_quantize], coordinator_args=common,
+        share_cpu=cfg.device == "cpu", replica_args={"target-0": ["--dtype", target_dtype]},
     )  # fmt: skip
     used = {spec.coordinator for spec in service_methods(cfg).values()}
     with cluster, ExitStack() as extra:
         processes = dict(cluster.processes)
+        if dtypes is not None:
+            dtypes["service target"] = _worker_dtype(processes["target-0"].address, "target")
+            dtypes["service draft"] = _worker_dtype(processes["draft"].address, "draft")
         lock = ["--cpu-lock-file", str(workdir / "cpu.lock")] if cfg.device == "cpu" else []
 
         def start(role: str, args: list[str], name: str) -> ServiceProcess:
@@ -519,7 +551,8 @@ def service(cfg: BenchConfig, workdir: Path) -> Iterator[dict[str, str]]:
         for name, model_args in _extra_drafts(cfg).items():
             if name not in used:
                 continue
-            draft_args = [*model_args, "--device", cfg.device, "--quantize", cfg.draft_quantize, *lock]
+            draft_args = [*model_args, "--device", cfg.device, "--dtype", draft_dtype, "--quantize", cfg.draft_quantize]
+            draft_args += lock
             draft = start("draft", draft_args, f"draft-{name}")
             draft.wait_ready(900)
             args = list(cluster.processes["coordinator"].args)
@@ -944,16 +977,18 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             bar.update(1)
 
         runs: list[Run] = []
-        with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp, service(cfg, Path(tmp)) as addresses:
+        dtypes: dict[str, str] = {}  # what each side's models run in, as loaded (not as asked)
+        with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp, service(cfg, Path(tmp), dtypes) as addresses:
             # one repeat of the HF rows, then one of the service's, and so on: a machine whose speed
             # drifts during the run (a shared host) moves both sides alike
-            hf = iter(()) if cfg.skip_hf or not hf_methods(cfg) else hf_runs(cfg, prompts, tick)
+            hf = iter(()) if cfg.skip_hf or not hf_methods(cfg) else hf_runs(cfg, prompts, tick, dtypes)
             for batch in interleave(hf, service_runs(cfg, prompts, addresses, tick)):
                 runs += batch
             sweep = concurrency_runs(cfg, prompts, addresses, tick)
     report = summarize(cfg, runs, sweep)
     report["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     report["prompt_tokens"] = {f"{p.workload}/{p.index}": len(p.token_ids) for p in prompts}
+    report["dtypes"] = dtypes
     report["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     if not cfg.skip_hf:
         import transformers

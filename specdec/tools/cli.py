@@ -366,6 +366,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="request counts for the concurrency sweep of the default and target-only ('' = none)",
     )
     p.add_argument("--device", default="cpu", help="device of the workers and of the HF baselines")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto|float32|float16|bfloat16: the target's on both sides (an int8 draft: float32)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/bench.json"), help="where to write the JSON report")
     p.add_argument("--skip-hf", action="store_true", help="leave out the in-process HF baselines")
     p.add_argument("--no-plots", action="store_true", help="write no PNG plots (they need matplotlib)")
@@ -385,6 +390,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         repeats=args.repeats,
         concurrency=bench.parse_concurrency(args.concurrency),
         device=args.device,
+        dtype=args.dtype,
         early_exit_layers=args.early_exit_layers,
         cross_draft_model=args.cross_draft_model,
         draft_vocab=args.draft_vocab,
