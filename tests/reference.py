@@ -17,10 +17,6 @@ from specdec.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
-    draft_pb2,
-    draft_pb2_grpc,
-    target_pb2,
-    target_pb2_grpc,
 )
 from tests.spec_oracle import Processor
 
@@ -115,11 +111,3 @@ def read_session(url: str, session_id: str) -> SessionRecord:
     record = asyncio.run(read())
     assert record is not None, f"session {session_id} not found"
     return record
-
-
-def worker_info(address: str, role: str) -> common_pb2.WorkerInfo:
-    """Info of a draft or target worker ("target" for any target replica)."""
-    with grpc.insecure_channel(address) as channel:
-        if role.startswith("target"):
-            return target_pb2_grpc.TargetWorkerStub(channel).Info(target_pb2.TargetInfoRequest(), timeout=5).info
-        return draft_pb2_grpc.DraftWorkerStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=5).info

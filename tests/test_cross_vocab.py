@@ -16,14 +16,14 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from specdec.runtime.tokenizer import tokenizer_fingerprint
-from specdec.tools.launch import LaunchError, LocalCluster
+from specdec.tools.launch import LaunchError, LocalCluster, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric, wait_for
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.forkserver import run_command
 from tests.helpers import RedisServer, real_tokenizer
 from tests.netproxy import LateLink
-from tests.reference import coordinator_stub, make_request, reference_greedy, seeded_replies, worker_info
+from tests.reference import coordinator_stub, make_request, reference_greedy, seeded_replies
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.test_combinations import decode_random_mixes
 from tests.tiny_models import build_text_bigram

@@ -13,12 +13,12 @@ import grpc
 import pytest
 
 from specdec.runtime.output_vocab import write_output_vocab
-from specdec.tools.launch import LocalCluster
+from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
 from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.helpers import draft_vocab_file
-from tests.reference import coordinator_stub, make_request, reference_greedy, seeded_replies, worker_info
+from tests.reference import coordinator_stub, make_request, reference_greedy, seeded_replies
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.tiny_models import TinyModels
 

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.settings import CoordinatorSettings
-from specdec.tools.launch import LaunchError, LocalCluster, spawn
+from specdec.tools.launch import LaunchError, LocalCluster, spawn, worker_info
 from specdec.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -29,7 +29,7 @@ from specdec.v1 import (
 )
 from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer
-from tests.reference import SAMPLED_AT_ONCE, coordinator_stub, make_request, reference_greedy, worker_info
+from tests.reference import SAMPLED_AT_ONCE, coordinator_stub, make_request, reference_greedy
 from tests.tiny_models import TinyModels, build_byte_fallback_tokenizer, build_model
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]

@@ -23,12 +23,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from specdec.serving.errors import InvalidRequest
-from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
+from specdec.tools.launch import LocalCluster, ServiceProcess, spawn, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import FAULT_COORDINATOR_ARGS, HUGE_TEXT, fault_cluster, loop_stall_during, metric, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes, TcpProxy
-from tests.reference import make_request, read_session, reference_greedy, worker_info
+from tests.reference import make_request, read_session, reference_greedy
 from tests.tiny_models import TinyModels
 
 PROMPT = [5, 17, 99, 3]

@@ -17,11 +17,12 @@ import pytest
 
 from specdec.runtime.grammar import grammar_of
 from specdec.serving.server import INTERNAL_MESSAGE
+from specdec.tools.launch import worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, logged_events, metric, stream_with_fault, wait_for
 from tests.helpers import RedisServer
 from tests.netproxy import LateLink, ProxyRoutes
-from tests.reference import make_request, read_session, reference_greedy, worker_info
+from tests.reference import make_request, read_session, reference_greedy
 from tests.spec_oracle import reference_grammar
 from tests.tiny_models import TinyModels, build_crashy, build_model, build_tokenizer
 

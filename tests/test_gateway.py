@@ -29,11 +29,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from coordinator.engine_api import _derived_seed
 from specdec.runtime.tokenizer import tokenizer_fingerprint
-from specdec.tools.launch import LocalCluster
+from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CLUSTER_WORKER_ARGS
 from tests.helpers import free_ports, real_tokenizer
-from tests.reference import reference_greedy, worker_info
+from tests.reference import reference_greedy
 from tests.tiny_models import build_model, build_sliding
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]

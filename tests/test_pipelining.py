@@ -15,11 +15,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
+from specdec.tools.launch import LocalCluster, ServiceProcess, spawn, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, stream_with_fault, wait_for
 from tests.helpers import RedisServer
-from tests.reference import make_request, reference_greedy, worker_info
+from tests.reference import make_request, reference_greedy
 from tests.tiny_models import TinyModels, build_stalling
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0], [9, 9, 9], [77, 66, 55, 44, 33]]

@@ -16,11 +16,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specdec.tools.launch import LocalCluster
+from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
 from tests.netproxy import ProxyRoutes
-from tests.reference import make_request, reference_greedy, worker_info
+from tests.reference import make_request, reference_greedy
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.test_combinations import FIRST, SAMPLES, SampledMix, sample_mix, sampled_request
 from tests.tiny_models import (

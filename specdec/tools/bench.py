@@ -490,25 +490,13 @@ class ServiceExited(RuntimeError):
     """A service process of the benchmark exited while it ran: its rows measured something else."""
 
 
-def _worker_dtype(address: str, role: str) -> str:
-    """The dtype a running draft or target worker reports it loaded its model in."""
-    import grpc
-
-    from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        if role == "target":
-            return target_pb2_grpc.TargetWorkerStub(channel).Info(target_pb2.TargetInfoRequest(), timeout=30).info.dtype
-        return draft_pb2_grpc.DraftWorkerStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=30).info.dtype
-
-
 @contextmanager
 def service(cfg: BenchConfig, workdir: Path, dtypes: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
     """Target + draft workers and the coordinator with default settings (K = cfg.k); for the
     early-exit and cross-tokenizer rows also their draft workers, each with a coordinator over it
     and the same target (only those some chosen row uses). Yields the coordinators' addresses;
     records in ``dtypes`` the ones the main workers report ("service target", "service draft")."""
-    from specdec.tools.launch import LocalCluster, ServiceProcess, spawn
+    from specdec.tools.launch import LocalCluster, ServiceProcess, spawn, worker_info
 
     k = str(cfg.k)
     # Prefix reuse off: every row sends the same prompts, and a row that found the prompt cached by
@@ -525,8 +513,8 @@ def service(cfg: BenchConfig, workdir: Path, dtypes: dict[str, str] | None = Non
     with cluster, ExitStack() as extra:
         processes = dict(cluster.processes)
         if dtypes is not None:
-            dtypes["service target"] = _worker_dtype(processes["target-0"].address, "target")
-            dtypes["service draft"] = _worker_dtype(processes["draft"].address, "draft")
+            dtypes["service target"] = worker_info(processes["target-0"].address, "target", timeout_s=30).dtype
+            dtypes["service draft"] = worker_info(processes["draft"].address, "draft", timeout_s=30).dtype
         lock = ["--cpu-lock-file", str(workdir / "cpu.lock")] if cfg.device == "cpu" else []
 
         def start(role: str, args: list[str], name: str) -> ServiceProcess:

@@ -11,7 +11,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from specdec.v1 import common_pb2
 
 
 class ServiceProc(Protocol):
@@ -140,6 +143,20 @@ def spawn(
     argv += ["--metrics-port", "0", "--ready-file", str(ready), *args]
     proc = _starter(argv, log_file, {**os.environ, **(env or {})})
     return ServiceProcess(role=role, proc=proc, ready_file=ready, log_file=log_file, args=list(args), env=env)
+
+
+def worker_info(address: str, role: str, timeout_s: float = 5.0) -> common_pb2.WorkerInfo:
+    """The ``Info`` a running worker reports (its dtype, sessions, counters); ``role`` "draft" or
+    any target replica's name ("target", "target-1")."""
+    import grpc
+
+    from specdec.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        if role.startswith("target"):
+            stub = target_pb2_grpc.TargetWorkerStub(channel)
+            return stub.Info(target_pb2.TargetInfoRequest(), timeout=timeout_s).info
+        return draft_pb2_grpc.DraftWorkerStub(channel).Info(draft_pb2.DraftInfoRequest(), timeout=timeout_s).info
 
 
 @dataclass
