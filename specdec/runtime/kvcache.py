@@ -862,7 +862,10 @@ class SessionCaches:
         Those costs do not grow with the model: where a one-token pass takes WARM_UP_SLOW_PASS_S
         or more, it is run a second time, and if the first cost no more than
         WARM_UP_FIRST_PASS_RATIO times the second, no other width is run (Qwen2.5-Coder 1.5B on a
-        CPU: ~300 ms a pass, the first no dearer, 17 passes 6.5-7.4 s of its start-up).
+        CPU: ~300 ms a pass, the first no dearer, 17 passes 6.5-7.4 s of its start-up). Only width
+        1 is timed twice; on the 2-core AMX host no other width's first pass was dearer either:
+        the 1.5B in packed bfloat16 153-166 ms against 152-158 for the next two passes of widths
+        2-9, the int8 0.5B draft within 3 ms of the faster of its next two for widths 1-9 and 16.
         Before the worker serves (no session yet)."""
         widths = min(widths, self._loaded.max_context_len - 1 - WARM_UP_PREFIX_TOKENS)
         if widths < 1:
