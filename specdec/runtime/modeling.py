@@ -36,9 +36,13 @@ class PackedLinear(torch.nn.Module):
     host (Qwen2.5 1.5B shapes): 1 row 8.3 -> 6.7 ms, 5 rows 24.9 -> 8.9 ms, 8 rows 23.3 -> 10.0 ms
     per MLP+attention projection set. Results equal ``nn.Linear`` up to float rounding (the
     summation order differs), as any other kernel choice would. A bf16 layer runs on the CPU's
-    AMX tiles where it has them (``cpu_has_amx``): the 1.5B target's one-token step 158 ms against
-    270 in fp32 (both packed), a 9-row verify 164 against 345, a 250-token prefill 0.54 s against
-    2.39 (2-core Intel Xeon with AMX, median of 10 and 5).
+    AMX tiles where it has them: the 1.5B target's one-token step 158 ms against 270 in fp32 (both
+    packed), a 9-row verify 164 against 345, a 250-token prefill 0.54 s against 2.39 (2-core Intel
+    Xeon with AMX, median of 10 and 5). Without AMX packed bf16 still beats ``nn.Linear``'s bf16
+    (the same host with oneDNN capped by ONEDNN_MAX_CPU_ISA, 3 passes each: avx512_bf16 one token
+    147-153 ms against 195-207, 9 rows 207-217 against 287-297; avx512_core_vnni 146-151 against
+    176-225, 698-700 against 861-886; a 256-row prefill no slower), though there bf16 is no clear
+    win over fp32 (README).
 
     A pass of ``PAD_FROM_ROWS`` rows or more (a prefill) runs on a multiple of ``ROW_MULTIPLE``
     rows, zeros added and their outputs dropped: oneDNN's blocking makes some row counts slow
@@ -83,13 +87,6 @@ def packed_linear_available() -> bool:
 def packed_bfloat16_available() -> bool:
     """Whether PackedLinear can run a bf16 layer here: oneDNN computes bf16 on this CPU."""
     return packed_linear_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (Intel Xeon from Sapphire Rapids on), where packed bf16 layers
-    measured far faster than fp32 ones (PackedLinear); False where torch cannot tell."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe()) if probe is not None else False
 
 
 def use_packed_linear(model: torch.nn.Module) -> int:
@@ -162,7 +159,7 @@ class LoadOptions:
     device: str = "auto"
     dtype: str = "auto"
     quantize: str = "none"  # none | int8
-    cpu_kernel: str = "auto"  # auto (packed for fp32 CPU models, bf16 ones where the CPU has AMX) | packed | torch
+    cpu_kernel: str = "auto"  # auto (packed for fp32 CPU models, bf16 ones where oneDNN computes bf16) | packed | torch
     trust_remote_code: bool = False
     layers: int = 0  # keep only the first N decoder layers (an early-exit draft); 0 = all
     output_vocab: str = ""  # a `specdec draft-vocab` file: score only its tokens (a draft); "" = all
@@ -338,7 +335,7 @@ def _wants_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool
     elif dtype == torch.bfloat16 and not packed_bfloat16_available():
         problem = "needs a CPU on which oneDNN computes bfloat16 for a bfloat16 model"
     else:
-        return dtype == torch.float32 or choice == "packed" or cpu_has_amx()  # auto: bf16 only measured on AMX
+        return True
     if choice == "packed":
         raise ValueError(f"--cpu-kernel packed {problem}; use auto or torch here")
     return False

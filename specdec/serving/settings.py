@@ -155,7 +155,7 @@ class ModelWorkerSettings(ServiceSettings):
         "auto",
         description="Linear layers of a float32 or bfloat16 CPU model: packed = weights pre-packed for oneDNN once "
         "at load (faster, most of all for the few rows of a verify block); torch = nn.Linear; auto = packed where "
-        "available (bfloat16: where the CPU has AMX)",
+        "available (bfloat16: where oneDNN computes it on this CPU)",
     )
     max_draft_tokens: int = Field(64, gt=0, description="largest draft block this worker takes")
     max_batch: int = Field(16, gt=0, description="requests whose steps share one forward pass at most")
