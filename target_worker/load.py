@@ -28,6 +28,7 @@ MAX_GAP_S = 5.0
 GAP_HALF_LIFE_S = 2.0
 MAX_COORDINATORS = 256  # counts kept at most (the most recently heard from)
 MAX_ID_CHARS = 128
+UINT32_MAX = 2**32 - 1  # the largest sum a reply carries (VerifyResponse.service_requests)
 
 
 @dataclass
@@ -46,7 +47,8 @@ class ServiceLoad:
 
     def report(self, coordinator: str, requests: int) -> int:
         """Records ``coordinator``'s count (an empty id is not counted: a coordinator older than
-        the field) and returns the sum over the coordinators still counted."""
+        the field) and returns the sum over the coordinators still counted, at most UINT32_MAX
+        (more does not fit the reply; any count that large is past every limit it is compared with)."""
         if len(coordinator) > MAX_ID_CHARS:
             raise InvalidRequest(f"coordinator_id has {len(coordinator)} characters; at most {MAX_ID_CHARS}")
         now = self._clock()
@@ -62,4 +64,4 @@ class ServiceLoad:
         quiet = [name for name, r in self._reports.items() if now - r.at > max(MIN_SILENCE_S, 2 * r.gap)]
         for name in quiet:
             del self._reports[name]
-        return sum(r.requests for r in self._reports.values())
+        return min(sum(r.requests for r in self._reports.values()), UINT32_MAX)

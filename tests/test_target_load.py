@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.serving.errors import InvalidRequest
-from target_worker.load import MAX_COORDINATORS, MAX_GAP_S, MAX_ID_CHARS, MIN_SILENCE_S, ServiceLoad
+from target_worker.load import MAX_COORDINATORS, MAX_GAP_S, MAX_ID_CHARS, MIN_SILENCE_S, UINT32_MAX, ServiceLoad
 
 
 class Clock:
@@ -61,3 +61,12 @@ def test_the_coordinators_kept_are_bounded() -> None:
     assert load.report("last", 1) == MAX_COORDINATORS  # the ones heard from longest ago went first
     with pytest.raises(InvalidRequest, match="coordinator_id"):
         load.report("x" * (MAX_ID_CHARS + 1), 1)
+
+
+def test_the_sum_stops_at_the_largest_count_a_reply_carries() -> None:
+    """The sum goes into VerifyResponse.service_requests (uint32): two coordinators' counts past
+    it made every verify reply of the worker fail to serialize ("Value out of range:
+    4294967300", INTERNAL, until the report went quiet); the sum now stops at UINT32_MAX."""
+    load = ServiceLoad(Clock())
+    assert load.report("a", UINT32_MAX) == UINT32_MAX
+    assert load.report("b", 5) == UINT32_MAX

@@ -129,6 +129,26 @@ def test_any_verify_request_is_served_or_refused_as_the_caller_s_error(target: _
     assert _verify(target, plain).cache_status == common_pb2.CACHE_STATUS_OK
 
 
+def test_coordinator_counts_past_a_reply_s_range_do_not_break_the_worker_s_replies(target: _Worker) -> None:
+    """Found by the Verify fuzz test above (flaky, as reports go quiet): one coordinator reporting
+    the largest uint32 count and another any count made the sum of their counts, which every reply
+    carries (service_requests, uint32), fail to serialize: INTERNAL for every caller. Now the
+    reply says the largest count it can carry."""
+
+    def block(coordinator: str, requests: int) -> target_pb2.VerifyRequest:
+        request = target_pb2.VerifyRequest(
+            session_id=f"counts-{coordinator}", coordinator_id=coordinator, coordinator_requests=requests
+        )
+        request.sync.tail_token_ids.extend([5, 6, 7])
+        request.draft.kind = common_pb2.PROPOSAL_KIND_ONE_HOT
+        request.draft.token_ids.extend([8, 9])
+        return request
+
+    assert _verify(target, block("huge", 2**32 - 1)).service_requests == 2**32 - 1
+    reply = _verify(target, block("small", 5))
+    assert reply.cache_status == common_pb2.CACHE_STATUS_OK and reply.service_requests == 2**32 - 1
+
+
 async def _one(request: draft_pb2.ProposeRequest) -> AsyncIterator[draft_pb2.ProposeRequest]:
     yield request
 
