@@ -98,6 +98,15 @@ def _verify(worker: _Worker, request: target_pb2.VerifyRequest) -> target_pb2.Ve
     return worker.run(worker.servicer.Verify(request, SimpleNamespace()))  # type: ignore[arg-type]
 
 
+def _plain_block(session_id: str, **fields: Any) -> target_pb2.VerifyRequest:
+    """A well-formed greedy Verify: two draft tokens after three committed ones."""
+    request = target_pb2.VerifyRequest(session_id=session_id, warp=common_pb2.WarpParams(temperature=0.0), **fields)
+    request.sync.tail_token_ids.extend([5, 6, 7])
+    request.draft.kind = common_pb2.PROPOSAL_KIND_ONE_HOT
+    request.draft.token_ids.extend([8, 9])
+    return request
+
+
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_any_verify_request_is_served_or_refused_as_the_caller_s_error(target: _Worker, data: st.DataObject) -> None:
@@ -122,11 +131,7 @@ def test_any_verify_request_is_served_or_refused_as_the_caller_s_error(target: _
     for message in (request.sync, request.draft, request.warp, request.processing):
         fill_any(data.draw, message)
     _served_or_refused(target, lambda: [_verify(target, request)])
-    plain = target_pb2.VerifyRequest(session_id="plain", warp=common_pb2.WarpParams(temperature=0.0))
-    plain.sync.tail_token_ids.extend([5, 6, 7])
-    plain.draft.kind = common_pb2.PROPOSAL_KIND_ONE_HOT
-    plain.draft.token_ids.extend([8, 9])
-    assert _verify(target, plain).cache_status == common_pb2.CACHE_STATUS_OK
+    assert _verify(target, _plain_block("plain")).cache_status == common_pb2.CACHE_STATUS_OK
 
 
 def test_coordinator_counts_past_a_reply_s_range_do_not_break_the_worker_s_replies(target: _Worker) -> None:
@@ -134,18 +139,9 @@ def test_coordinator_counts_past_a_reply_s_range_do_not_break_the_worker_s_repli
     the largest uint32 count and another any count made the sum of their counts, which every reply
     carries (service_requests, uint32), fail to serialize: INTERNAL for every caller. Now the
     reply says the largest count it can carry."""
-
-    def block(coordinator: str, requests: int) -> target_pb2.VerifyRequest:
-        request = target_pb2.VerifyRequest(
-            session_id=f"counts-{coordinator}", coordinator_id=coordinator, coordinator_requests=requests
-        )
-        request.sync.tail_token_ids.extend([5, 6, 7])
-        request.draft.kind = common_pb2.PROPOSAL_KIND_ONE_HOT
-        request.draft.token_ids.extend([8, 9])
-        return request
-
-    assert _verify(target, block("huge", 2**32 - 1)).service_requests == 2**32 - 1
-    reply = _verify(target, block("small", 5))
+    huge = _plain_block("counts-huge", coordinator_id="huge", coordinator_requests=2**32 - 1)
+    assert _verify(target, huge).service_requests == 2**32 - 1
+    reply = _verify(target, _plain_block("counts-small", coordinator_id="small", coordinator_requests=5))
     assert reply.cache_status == common_pb2.CACHE_STATUS_OK and reply.service_requests == 2**32 - 1
 
 
