@@ -14,11 +14,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
+from tests.fuzz import fill_any
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
@@ -35,6 +38,7 @@ from tests.tiny_models import (
 )
 
 PROMPT = [5, 17, 99, 3]
+FUZZ_EXAMPLES = 400  # requests-at-once examples of the end-to-end fuzz test (~10 s)
 U32_MAX = 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1e-45  # the smallest positive (denormal) float32
@@ -856,3 +860,124 @@ def test_a_port_another_service_holds_stops_start_up(tmp_path: Path, tiny_models
         assert first.proc.poll() is None
     finally:
         first.stop()
+
+
+# Codes that say the request was the client's error (or, for NOT_FOUND, named a session that is
+# not there); anything else for a lone client's request is the service's failure.
+CLIENT_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+def _within_limits(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest) -> None:
+    """Sets any of the sampling and speculation fields to values validation accepts, their
+    edges included (a temperature at the greedy cut-off, biases of +-100, every penalty at its
+    largest, a stop id or string that ends the reply at once), so that the features meet one
+    another while the request decodes, not only at the checks."""
+    s, spec = request.sampling, request.speculation
+    ids = st.integers(0, len(EVERY_ID) - 1)
+    unit = st.floats(0, 1, exclude_max=True, width=32)
+    fields: dict[str, Callable[[], None]] = {
+        "temperature": lambda: setattr(s, "temperature", draw(st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | unit)),
+        "top_k": lambda: setattr(s, "top_k", draw(st.integers(0, 300))),
+        "top_p": lambda: setattr(s, "top_p", draw(st.sampled_from([FLOAT32_TINY, 1.0]) | st.floats(FLOAT32_TINY, 1))),
+        "min_p": lambda: setattr(s, "min_p", draw(st.sampled_from([0.0, 1.0]) | unit)),
+        "seed": lambda: setattr(s, "seed", draw(st.integers(0, 2**64 - 1))),
+        "stop_token_ids": lambda: s.stop_token_ids.extend(draw(st.lists(ids, max_size=4))),
+        "stop": lambda: s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=3), max_size=3))),
+        "include_stop_str_in_output": lambda: setattr(s, "include_stop_str_in_output", True),
+        "ignore_eos": lambda: setattr(s, "ignore_eos", True),
+        "logprobs": lambda: (setattr(s, "logprobs", True), setattr(s, "top_logprobs", draw(st.integers(0, 20)))),
+        "prompt_logprobs": lambda: setattr(s, "prompt_logprobs", draw(st.integers(0, 20))),
+        "min_tokens": lambda: setattr(s, "min_tokens", draw(st.integers(0, s.max_new_tokens))),
+        "repetition_penalty": lambda: setattr(s, "repetition_penalty", draw(st.sampled_from([1e-3, 1.0, 100.0]))),
+        "presence_penalty": lambda: setattr(s, "presence_penalty", draw(st.floats(-2, 2, width=32))),
+        "frequency_penalty": lambda: setattr(s, "frequency_penalty", draw(st.floats(-2, 2, width=32))),
+        "logit_bias": lambda: s.logit_bias.update(
+            draw(st.dictionaries(ids, st.floats(-100, 100, width=32), max_size=4))
+        ),
+        "structured_output": lambda: s.structured_output.choice.values.extend(
+            draw(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
+        ),
+        "num_speculative_tokens": lambda: setattr(spec, "num_speculative_tokens", draw(st.integers(0, 8))),
+        "disable": lambda: setattr(spec, "disable", True),
+        "fixed": lambda: setattr(spec, "fixed", True),
+        "method": lambda: setattr(spec, "method", draw(st.integers(0, 3))),
+        "draft_confidence": lambda: setattr(spec, "draft_confidence", draw(unit)),
+        "draft_block_confidence": lambda: setattr(spec, "draft_block_confidence", draw(unit)),
+    }
+    for name in sorted(fields):  # each field in about two requests of five
+        if draw(st.integers(0, 4)) < 2:
+            fields[name]()
+
+
+def _any_request(draw: st.DrawFn) -> coordinator_pb2.GenerateRequest:
+    """A prompt of any kind, then either any of the sampling and speculation fields within the
+    limits (``_within_limits``) or up to 4 fields each of the request, its sampling and
+    speculation parameters at any value of their type; at most 8 new tokens."""
+    request = coordinator_pb2.GenerateRequest()
+    kind = draw(st.sampled_from(["ids", "text", "messages", "any"]))
+    if kind == "ids":
+        request.prompt_token_ids.ids.extend(draw(st.lists(st.integers(0, len(EVERY_ID) - 1), min_size=1, max_size=8)))
+    elif kind == "text":
+        request.prompt = draw(st.text(min_size=1, max_size=40))
+    elif kind == "messages":
+        for role in draw(st.lists(st.sampled_from(["system", "user", "assistant"]), min_size=1, max_size=3)):
+            request.messages.add(role=role, content=draw(st.text(max_size=20)))
+    else:
+        fill_any(draw, request, keep=frozenset({"sampling", "speculation"}))
+    request.sampling.max_new_tokens = draw(st.integers(1, 8))  # a few tokens keep the run short
+    if draw(st.booleans()):  # turns of a few sessions, each with other parameters
+        request.session_id = draw(st.sampled_from(["", "fuzz-1", "fuzz-2"]))
+        request.require_existing_session = draw(st.booleans())
+    if draw(st.booleans()):
+        _within_limits(draw, request)
+    else:
+        fill_any(draw, request.sampling, keep=frozenset({"max_new_tokens"}))
+        fill_any(draw, request.speculation)
+    return request
+
+
+def _outcome(address: str, request: coordinator_pb2.GenerateRequest, streamed: bool, busy_ok: bool) -> str:
+    """Sends ``request``; returns OK or the refusal's code and message, and fails the test where
+    the service failed the request (ABORTED, a session busy with another request, counts as a
+    refusal where ``busy_ok``)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        try:
+            if streamed:
+                for _ in stub.GenerateStream(request, timeout=60):
+                    pass
+            else:
+                stub.Generate(request, timeout=60)
+        except grpc.RpcError as exc:
+            refusals = CLIENT_ERRORS | ({grpc.StatusCode.ABORTED} if busy_ok else set())
+            assert exc.code() in refusals, (exc.code(), exc.details(), request)
+            assert exc.details() and "Traceback" not in exc.details()
+            return f"{exc.code().name}: {exc.details()}"
+    return "OK"
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(st.data())
+def test_any_requests_through_the_running_service_are_served_or_refused_as_the_client_s_error(
+    robust_cluster: LocalCluster, data: st.DataObject
+) -> None:
+    """Any requests a client can send (``_any_request``: NaN and infinite floats, the largest
+    integers, unknown enum values, maps, or every feature within its limits together), one to
+    three at once (the workers batch them), unary or streamed, through the real processes
+    (coordinator, draft, target): each is served or refused with a client error that says what
+    was wrong (no traceback); no process exits and the draft is never blamed for them."""
+    requests = [(_any_request(data.draw), data.draw(st.booleans())) for _ in range(data.draw(st.integers(1, 3)))]
+    sessions = [request.session_id for request, _ in requests if request.session_id]
+    shared = len(sessions) > len(set(sessions))  # two requests at once in one session: one may be refused
+    draft_failures = metric(robust_cluster, "coordinator", "specdec_draft_failures_total")
+    with ThreadPoolExecutor(len(requests)) as pool:
+        outcomes = list(pool.map(lambda sent: _outcome(robust_cluster.address, *sent, busy_ok=shared), requests))
+    for outcome in outcomes:
+        event(outcome.split(":")[0])
+    assert set(_pids(robust_cluster)) == {"target-0", "draft", "coordinator"}
+    assert metric(robust_cluster, "coordinator", "specdec_draft_failures_total") == draft_failures
