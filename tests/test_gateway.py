@@ -15,13 +15,16 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import openai
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
@@ -31,7 +34,9 @@ from coordinator.engine_api import _derived_seed
 from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.clusters import metric
 from tests.conftest import CLUSTER_WORKER_ARGS
+from tests.fuzz import fill_any
 from tests.helpers import free_ports, real_tokenizer
 from tests.reference import reference_greedy
 from tests.tiny_models import build_model, build_sliding
@@ -64,6 +69,7 @@ def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], lo
 
 
 NO_SPEC = ["--num-speculative-tokens", "0"]
+FUZZ_EXAMPLES = 200  # requests-at-once examples of the engine API's end-to-end fuzz test (~15 s)
 
 
 @contextlib.contextmanager
@@ -636,3 +642,99 @@ def test_fields_the_gateway_drops_before_the_engine(gateway: Gateway) -> None:
         model=model, prompt="hi", max_tokens=8, temperature=0, extra_body={"json_schema": schema}
     )
     assert completion.choices[0].text.lstrip().startswith("{")  # passed on by /v1/completions
+
+
+# What an engine-API caller's own mistake is answered with; anything else for a lone request is
+# the service's failure.
+ENGINE_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED}
+
+
+def _engine_params_within_limits(draw: st.DrawFn, p: vllm_pb2.SamplingParams, vocab: int) -> None:
+    """Each of the engine's sampling parameters, in about two requests of five, at a value the
+    service takes, edges included (vLLM's top_k -1 as the unsigned field carries it, min_p 1,
+    penalties and biases at their largest, n up to 3, truncation to the last tokens)."""
+    ids = st.integers(0, vocab - 1)
+    unit = st.floats(0, 1, exclude_max=True, width=32)
+    fields: dict[str, Callable[[], object]] = {
+        "temperature": lambda: setattr(p, "temperature", draw(st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | unit)),
+        "top_p": lambda: setattr(p, "top_p", draw(st.sampled_from([1e-45, 1.0]) | st.floats(1e-45, 1))),
+        "top_k": lambda: setattr(p, "top_k", draw(st.sampled_from([0, 1, 2**32 - 1]) | st.integers(0, 300))),
+        "min_p": lambda: setattr(p, "min_p", draw(st.sampled_from([0.0, 1.0]) | unit)),
+        "frequency_penalty": lambda: setattr(p, "frequency_penalty", draw(st.floats(-2, 2, width=32))),
+        "presence_penalty": lambda: setattr(p, "presence_penalty", draw(st.floats(-2, 2, width=32))),
+        "repetition_penalty": lambda: setattr(p, "repetition_penalty", draw(st.sampled_from([1e-3, 1.0, 100.0]))),
+        "min_tokens": lambda: setattr(p, "min_tokens", draw(st.integers(0, p.max_tokens))),
+        "stop": lambda: p.stop.extend(draw(st.lists(st.text(min_size=1, max_size=3), max_size=3))),
+        "stop_token_ids": lambda: p.stop_token_ids.extend(draw(st.lists(ids, max_size=4))),
+        "skip_special_tokens": lambda: setattr(p, "skip_special_tokens", draw(st.booleans())),
+        "spaces_between_special_tokens": lambda: setattr(p, "spaces_between_special_tokens", draw(st.booleans())),
+        "ignore_eos": lambda: setattr(p, "ignore_eos", True),
+        "n": lambda: setattr(p, "n", draw(st.integers(1, 3))),
+        "logprobs": lambda: setattr(p, "logprobs", draw(st.integers(0, 20))),
+        "prompt_logprobs": lambda: setattr(p, "prompt_logprobs", draw(st.integers(0, 20))),
+        "seed": lambda: setattr(p, "seed", draw(st.integers(-(2**31), 2**31 - 1))),
+        "include_stop_str_in_output": lambda: setattr(p, "include_stop_str_in_output", True),
+        "logit_bias": lambda: p.logit_bias.update(
+            draw(st.dictionaries(ids, st.floats(-100, 100, width=32), max_size=4))
+        ),
+        "truncate_prompt_tokens": lambda: setattr(p, "truncate_prompt_tokens", draw(st.sampled_from([-1, 1, 2, 8]))),
+        "choice": lambda: p.choice.choices.extend(
+            draw(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
+        ),
+    }
+    for name in sorted(fields):
+        if draw(st.integers(0, 4)) < 2:
+            fields[name]()
+
+
+def _any_engine_request(draw: st.DrawFn, vocab: int) -> vllm_pb2.GenerateRequest:
+    """Token ids or text, then either the sampling parameters within the limits or up to 4
+    fields each of the request and its sampling parameters at any value of their type (NaN and
+    infinite floats, the largest integers, multimodal and KV-transfer fields); at most 8 tokens."""
+    request = vllm_pb2.GenerateRequest(request_id=f"fuzz-{draw(st.integers(0, 2**63))}")
+    if draw(st.booleans()):
+        request.tokenized.input_ids.extend(draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8)))
+    else:
+        request.text = draw(st.text(min_size=1, max_size=40))
+    request.sampling_params.max_tokens = draw(st.integers(1, 8))  # a few tokens keep the run short
+    if draw(st.booleans()):
+        fill_any(draw, request, keep=frozenset({"request_id", "tokenized", "text", "sampling_params"}))
+        fill_any(draw, request.sampling_params, keep=frozenset({"max_tokens"}))
+    else:
+        _engine_params_within_limits(draw, request.sampling_params, vocab)
+    return request
+
+
+def _engine_outcome(address: str, request: vllm_pb2.GenerateRequest) -> str:
+    """Sends ``request``; returns OK or the refusal's code, and fails the test where the service
+    failed the request."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for _ in vllm_grpc.VllmEngineStub(channel).Generate(request, timeout=60):
+                pass
+        except grpc.RpcError as exc:
+            assert exc.code() in ENGINE_REFUSALS, (exc.code(), exc.details(), request)
+            assert exc.details() and "Traceback" not in exc.details()
+            return exc.code().name
+    return "OK"
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(st.data())
+def test_any_engine_requests_through_the_running_service_are_served_or_refused_as_the_caller_s_error(
+    gateway: Gateway, data: st.DataObject
+) -> None:
+    """What any gateway could send to the engine API (``_any_engine_request``), one to three
+    requests at once, through the running coordinator, draft and target (a real tokenizer with a
+    chat template): each is served or refused with a client error that says what was wrong; no
+    process exits and the draft's failures never grow."""
+    vocab = len(gateway.tokenizer)
+    requests = [_any_engine_request(data.draw, vocab) for _ in range(data.draw(st.integers(1, 3)))]
+    cluster = gateway.cluster
+    draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    with ThreadPoolExecutor(len(requests)) as pool:
+        outcomes = list(pool.map(lambda request: _engine_outcome(cluster.address, request), requests))
+    for outcome in outcomes:
+        event(outcome)
+    assert all(process.proc.poll() is None for process in cluster.processes.values())
+    assert metric(cluster, "coordinator", "specdec_draft_failures_total") == draft_failures
