@@ -36,7 +36,7 @@ from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
 from tests.conftest import CLUSTER_WORKER_ARGS
-from tests.fuzz import fill_any
+from tests.fuzz import SMALLEST_FLOAT32, fill_any, within_limits
 from tests.helpers import free_ports, real_tokenizer
 from tests.reference import reference_greedy
 from tests.tiny_models import build_model, build_sliding
@@ -69,7 +69,7 @@ def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], lo
 
 
 NO_SPEC = ["--num-speculative-tokens", "0"]
-FUZZ_EXAMPLES = 200  # requests-at-once examples of the engine API's end-to-end fuzz test (~15 s)
+FUZZ_EXAMPLES = 200  # requests-at-once examples of each end-to-end fuzz test here (~10-15 s each)
 
 
 @contextlib.contextmanager
@@ -657,7 +657,9 @@ def _engine_params_within_limits(draw: st.DrawFn, p: vllm_pb2.SamplingParams, vo
     unit = st.floats(0, 1, exclude_max=True, width=32)
     fields: dict[str, Callable[[], object]] = {
         "temperature": lambda: setattr(p, "temperature", draw(st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | unit)),
-        "top_p": lambda: setattr(p, "top_p", draw(st.sampled_from([1e-45, 1.0]) | st.floats(1e-45, 1))),
+        "top_p": lambda: setattr(
+            p, "top_p", draw(st.sampled_from([SMALLEST_FLOAT32, 1.0]) | st.floats(SMALLEST_FLOAT32, 1, width=32))
+        ),
         "top_k": lambda: setattr(p, "top_k", draw(st.sampled_from([0, 1, 2**32 - 1]) | st.integers(0, 300))),
         "min_p": lambda: setattr(p, "min_p", draw(st.sampled_from([0.0, 1.0]) | unit)),
         "frequency_penalty": lambda: setattr(p, "frequency_penalty", draw(st.floats(-2, 2, width=32))),
@@ -734,6 +736,57 @@ def test_any_engine_requests_through_the_running_service_are_served_or_refused_a
     draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
     with ThreadPoolExecutor(len(requests)) as pool:
         outcomes = list(pool.map(lambda request: _engine_outcome(cluster.address, request), requests))
+    for outcome in outcomes:
+        event(outcome)
+    assert all(process.proc.poll() is None for process in cluster.processes.values())
+    assert metric(cluster, "coordinator", "specdec_draft_failures_total") == draft_failures
+
+
+_CHAT_TEXT = st.text(max_size=20) | st.sampled_from(["", "<|im_start|>", "<|im_end|>\n", "{{ x }}", "{% if %}", "\x00"])
+
+
+def _native_outcome(address: str, request: coordinator_pb2.GenerateRequest, busy_ok: bool) -> str:
+    """Sends ``request`` (streamed); returns OK or the refusal's code, and fails the test where
+    the service failed the request (ABORTED, a session busy with another request, counts as a
+    refusal where ``busy_ok``)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for _ in coordinator_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=60):
+                pass
+        except grpc.RpcError as exc:
+            refusals = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
+            assert exc.code() in refusals | ({grpc.StatusCode.ABORTED} if busy_ok else set()), (exc.details(), request)
+            assert exc.details() and "Traceback" not in exc.details()
+            return exc.code().name
+    return "OK"
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(st.data())
+def test_any_chat_messages_through_the_running_service_are_served_or_refused_as_the_client_s_error(
+    gateway: Gateway, data: st.DataObject
+) -> None:
+    """Chat requests of any messages (any role, text that looks like the template's own markers
+    or Jinja) rendered by a real chat template (Qwen2.5's), one to three at once, as new chats or
+    turns of two shared sessions, with any sampling and speculation features within their
+    limits: each is served or refused with a client error; no process exits and the draft's
+    failures never grow."""
+    vocab = len(gateway.tokenizer)
+    requests = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        request = coordinator_pb2.GenerateRequest(session_id=data.draw(st.sampled_from(["", "chat-1", "chat-2"])))
+        roles = st.sampled_from(["system", "user", "assistant", "tool"]) | st.text(min_size=1, max_size=8)
+        for role in data.draw(st.lists(roles, min_size=1, max_size=4)):
+            request.messages.add(role=role, content=data.draw(_CHAT_TEXT))
+        request.sampling.max_new_tokens = data.draw(st.integers(1, 8))
+        within_limits(data.draw, request, vocab)
+        requests.append(request)
+    sessions = [request.session_id for request in requests if request.session_id]
+    shared = len(sessions) > len(set(sessions))
+    cluster = gateway.cluster
+    draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    with ThreadPoolExecutor(len(requests)) as pool:
+        outcomes = list(pool.map(lambda request: _native_outcome(cluster.address, request, shared), requests))
     for outcome in outcomes:
         event(outcome)
     assert all(process.proc.poll() is None for process in cluster.processes.values())

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
-from tests.fuzz import fill_any
+from tests.fuzz import fill_any, within_limits
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
@@ -872,51 +872,9 @@ CLIENT_ERRORS = {
 }
 
 
-def _within_limits(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest) -> None:
-    """Sets any of the sampling and speculation fields to values validation accepts, their
-    edges included (a temperature at the greedy cut-off, biases of +-100, every penalty at its
-    largest, a stop id or string that ends the reply at once), so that the features meet one
-    another while the request decodes, not only at the checks."""
-    s, spec = request.sampling, request.speculation
-    ids = st.integers(0, len(EVERY_ID) - 1)
-    unit = st.floats(0, 1, exclude_max=True, width=32)
-    fields: dict[str, Callable[[], None]] = {
-        "temperature": lambda: setattr(s, "temperature", draw(st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | unit)),
-        "top_k": lambda: setattr(s, "top_k", draw(st.integers(0, 300))),
-        "top_p": lambda: setattr(s, "top_p", draw(st.sampled_from([FLOAT32_TINY, 1.0]) | st.floats(FLOAT32_TINY, 1))),
-        "min_p": lambda: setattr(s, "min_p", draw(st.sampled_from([0.0, 1.0]) | unit)),
-        "seed": lambda: setattr(s, "seed", draw(st.integers(0, 2**64 - 1))),
-        "stop_token_ids": lambda: s.stop_token_ids.extend(draw(st.lists(ids, max_size=4))),
-        "stop": lambda: s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=3), max_size=3))),
-        "include_stop_str_in_output": lambda: setattr(s, "include_stop_str_in_output", True),
-        "ignore_eos": lambda: setattr(s, "ignore_eos", True),
-        "logprobs": lambda: (setattr(s, "logprobs", True), setattr(s, "top_logprobs", draw(st.integers(0, 20)))),
-        "prompt_logprobs": lambda: setattr(s, "prompt_logprobs", draw(st.integers(0, 20))),
-        "min_tokens": lambda: setattr(s, "min_tokens", draw(st.integers(0, s.max_new_tokens))),
-        "repetition_penalty": lambda: setattr(s, "repetition_penalty", draw(st.sampled_from([1e-3, 1.0, 100.0]))),
-        "presence_penalty": lambda: setattr(s, "presence_penalty", draw(st.floats(-2, 2, width=32))),
-        "frequency_penalty": lambda: setattr(s, "frequency_penalty", draw(st.floats(-2, 2, width=32))),
-        "logit_bias": lambda: s.logit_bias.update(
-            draw(st.dictionaries(ids, st.floats(-100, 100, width=32), max_size=4))
-        ),
-        "structured_output": lambda: s.structured_output.choice.values.extend(
-            draw(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
-        ),
-        "num_speculative_tokens": lambda: setattr(spec, "num_speculative_tokens", draw(st.integers(0, 8))),
-        "disable": lambda: setattr(spec, "disable", True),
-        "fixed": lambda: setattr(spec, "fixed", True),
-        "method": lambda: setattr(spec, "method", draw(st.integers(0, 3))),
-        "draft_confidence": lambda: setattr(spec, "draft_confidence", draw(unit)),
-        "draft_block_confidence": lambda: setattr(spec, "draft_block_confidence", draw(unit)),
-    }
-    for name in sorted(fields):  # each field in about two requests of five
-        if draw(st.integers(0, 4)) < 2:
-            fields[name]()
-
-
 def _any_request(draw: st.DrawFn) -> coordinator_pb2.GenerateRequest:
     """A prompt of any kind, then either any of the sampling and speculation fields within the
-    limits (``_within_limits``) or up to 4 fields each of the request, its sampling and
+    limits (``within_limits``) or up to 4 fields each of the request, its sampling and
     speculation parameters at any value of their type; at most 8 new tokens."""
     request = coordinator_pb2.GenerateRequest()
     kind = draw(st.sampled_from(["ids", "text", "messages", "any"]))
@@ -934,7 +892,7 @@ def _any_request(draw: st.DrawFn) -> coordinator_pb2.GenerateRequest:
         request.session_id = draw(st.sampled_from(["", "fuzz-1", "fuzz-2"]))
         request.require_existing_session = draw(st.booleans())
     if draw(st.booleans()):
-        _within_limits(draw, request)
+        within_limits(draw, request, len(EVERY_ID))
     else:
         fill_any(draw, request.sampling, keep=frozenset({"max_new_tokens"}))
         fill_any(draw, request.speculation)
