@@ -3,14 +3,18 @@ with a few of its fields set to such values (the tests that send any request a c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
+from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2
+from tests.clusters import metric
 
 SMALLEST_FLOAT32 = 2.0**-149  # the smallest positive (denormal) float32
 
@@ -107,3 +111,51 @@ def within_limits(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest, voc
     for name in sorted(fields):  # each field in about two requests of five
         if draw(st.integers(0, 4)) < 2:
             fields[name]()
+
+
+# What a lone client's request may be refused with as its own error (NOT_FOUND: it named a session
+# that is not there); anything else is the service's failure.
+CLIENT_ERRORS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+def sent_at_once(
+    cluster: LocalCluster, calls: Sequence[Callable[[], object]], requests: Sequence[object], busy_ok: bool = False
+) -> list[str]:
+    """Makes ``calls`` (each sends its request of ``requests``; a stream is read to its end) at
+    once; returns each one's outcome, OK or its refusal's code name. Fails the test where a request
+    failed with anything but a client error saying what was wrong (ABORTED also counts as one where
+    ``busy_ok``: two of them in one session), where a process of ``cluster`` exited, or where its
+    coordinator counted a draft failure meanwhile (a client's request never blames the draft)."""
+    refusals = CLIENT_ERRORS | ({grpc.StatusCode.ABORTED} if busy_ok else set())
+
+    def outcome(call: Callable[[], object], request: object) -> str:
+        try:
+            reply = call()
+            if isinstance(reply, Iterable):
+                for _ in reply:
+                    pass
+        except grpc.RpcError as exc:
+            assert exc.code() in refusals, (exc.code(), exc.details(), request)
+            assert exc.details() and "Traceback" not in exc.details()
+            return exc.code().name
+        return "OK"
+
+    draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
+    with ThreadPoolExecutor(len(calls)) as pool:
+        outcomes = list(pool.map(outcome, calls, requests))
+    assert all(process.proc.poll() is None for process in cluster.processes.values()), "a process exited"
+    assert metric(cluster, "coordinator", "specdec_draft_failures_total") == draft_failures
+    return outcomes
+
+
+def shares_a_session(requests: Sequence[coordinator_pb2.GenerateRequest]) -> bool:
+    """Whether two of ``requests`` name the same session (sent at once, one may be refused as busy)."""
+    sessions = [request.session_id for request in requests if request.session_id]
+    return len(sessions) > len(set(sessions))
