@@ -17,6 +17,8 @@ from specdec.v1 import coordinator_pb2
 from tests.clusters import metric
 
 SMALLEST_FLOAT32 = 2.0**-149  # the smallest positive (denormal) float32
+# a top_p: in (0, 1], its edges (the smallest float32, 1) often
+TOP_P = st.sampled_from([SMALLEST_FLOAT32, 1.0]) | st.floats(SMALLEST_FLOAT32, 1, width=32)
 
 
 def values_of(field: FieldDescriptor) -> st.SearchStrategy[Any]:
@@ -78,11 +80,10 @@ def within_limits(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest, voc
     s, spec = request.sampling, request.speculation
     ids = st.integers(0, vocab - 1)
     unit = st.floats(0, 1, exclude_max=True, width=32)
-    positive = st.sampled_from([SMALLEST_FLOAT32, 1.0]) | st.floats(SMALLEST_FLOAT32, 1, width=32)  # (0, 1]
-    fields: dict[str, Callable[[], None]] = {
+    fields: dict[str, Callable[[], object]] = {
         "temperature": lambda: setattr(s, "temperature", draw(st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | unit)),
         "top_k": lambda: setattr(s, "top_k", draw(st.integers(0, 300))),
-        "top_p": lambda: setattr(s, "top_p", draw(positive)),
+        "top_p": lambda: setattr(s, "top_p", draw(TOP_P)),
         "min_p": lambda: setattr(s, "min_p", draw(st.sampled_from([0.0, 1.0]) | unit)),
         "seed": lambda: setattr(s, "seed", draw(st.integers(0, 2**64 - 1))),
         "stop_token_ids": lambda: s.stop_token_ids.extend(draw(st.lists(ids, max_size=4))),

@@ -35,7 +35,7 @@ from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CLUSTER_WORKER_ARGS
-from tests.fuzz import SMALLEST_FLOAT32, fill_any, sent_at_once, shares_a_session, within_limits
+from tests.fuzz import TOP_P, fill_any, sent_at_once, shares_a_session, within_limits
 from tests.helpers import free_ports, real_tokenizer
 from tests.reference import reference_greedy
 from tests.tiny_models import build_model, build_sliding
@@ -651,9 +651,7 @@ def _engine_params_within_limits(draw: st.DrawFn, p: vllm_pb2.SamplingParams, vo
     unit = st.floats(0, 1, exclude_max=True, width=32)
     fields: dict[str, Callable[[], object]] = {
         "temperature": lambda: setattr(p, "temperature", draw(st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | unit)),
-        "top_p": lambda: setattr(
-            p, "top_p", draw(st.sampled_from([SMALLEST_FLOAT32, 1.0]) | st.floats(SMALLEST_FLOAT32, 1, width=32))
-        ),
+        "top_p": lambda: setattr(p, "top_p", draw(TOP_P)),
         "top_k": lambda: setattr(p, "top_k", draw(st.sampled_from([0, 1, 2**32 - 1]) | st.integers(0, 300))),
         "min_p": lambda: setattr(p, "min_p", draw(st.sampled_from([0.0, 1.0]) | unit)),
         "frequency_penalty": lambda: setattr(p, "frequency_penalty", draw(st.floats(-2, 2, width=32))),
