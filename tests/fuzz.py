@@ -1,5 +1,7 @@
-"""Hypothesis strategies for fuzzing protobuf requests: any value of a field's type, and a message
-with a few of its fields set to such values (the tests that send any request a client can)."""
+"""Fuzzing the requests a client can send: Hypothesis strategies for any value of a field's type,
+a message with a few of its fields set to such values, a native request with its features within
+the limits; and ``sent_at_once``, which sends such requests to a running cluster at once and fails
+the test where the service, not the request, was at fault."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from specdec.serving.errors import SpecdecError
 from specdec.serving.server import ServerControl
 from specdec.serving.worker import WorkerCore
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
+from target_worker.load import UINT32_MAX
 from target_worker.servicer import TargetServicer
 from target_worker.settings import TargetSettings
 from tests.fuzz import fill_any
@@ -139,10 +140,10 @@ def test_coordinator_counts_past_a_reply_s_range_do_not_break_the_worker_s_repli
     the largest uint32 count and another any count made the sum of their counts, which every reply
     carries (service_requests, uint32), fail to serialize: INTERNAL for every caller. Now the
     reply says the largest count it can carry."""
-    huge = _plain_block("counts-huge", coordinator_id="huge", coordinator_requests=2**32 - 1)
-    assert _verify(target, huge).service_requests == 2**32 - 1
+    huge = _plain_block("counts-huge", coordinator_id="huge", coordinator_requests=UINT32_MAX)
+    assert _verify(target, huge).service_requests == UINT32_MAX
     reply = _verify(target, _plain_block("counts-small", coordinator_id="small", coordinator_requests=5))
-    assert reply.cache_status == common_pb2.CACHE_STATUS_OK and reply.service_requests == 2**32 - 1
+    assert reply.cache_status == common_pb2.CACHE_STATUS_OK and reply.service_requests == UINT32_MAX
 
 
 async def _one(request: draft_pb2.ProposeRequest) -> AsyncIterator[draft_pb2.ProposeRequest]:
