@@ -5,6 +5,7 @@ the test where the service, not the request, was at fault."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -12,10 +13,11 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from hypothesis import event
 from hypothesis import strategies as st
 
 from specdec.tools.launch import LocalCluster
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
 
 SMALLEST_FLOAT32 = 2.0**-149  # the smallest positive (denormal) float32
@@ -129,16 +131,24 @@ CLIENT_ERRORS = frozenset(
 
 
 def sent_at_once(
-    cluster: LocalCluster, calls: Sequence[Callable[[], object]], requests: Sequence[object], busy_ok: bool = False
+    cluster: LocalCluster,
+    calls: Sequence[Callable[[], object]],
+    requests: Sequence[object],
+    busy_ok: bool = False,
+    chats: bool = False,
 ) -> list[str]:
     """Makes ``calls`` (each sends its request of ``requests``; a stream is read to its end) at
     once; returns each one's outcome, OK or its refusal's code name. Fails the test where a request
     failed with anything but a client error saying what was wrong (ABORTED also counts as one where
     ``busy_ok``: two of them in one session), where a process of ``cluster`` exited, or where its
-    coordinator counted a draft failure meanwhile (a client's request never blames the draft)."""
+    coordinator counted a draft failure meanwhile (a client's request never blames the draft), or
+    where a session one of them named is still held once they have all ended: a turn sent to it
+    right after them, as a client that read the reply would, must not be refused as busy (a chat turn
+    where ``chats``: the cluster's sessions are chats; a session that turn cannot continue, its
+    context full, is closed, so that the next example's turns of it are decoded, not refused)."""
     refusals = CLIENT_ERRORS | ({grpc.StatusCode.ABORTED} if busy_ok else set())
 
-    def outcome(call: Callable[[], object], request: object) -> str:
+    def outcome(call: Callable[[], object], request: object, refusals: frozenset[grpc.StatusCode] = refusals) -> str:
         try:
             reply = call()
             if isinstance(reply, Iterable):
@@ -155,6 +165,23 @@ def sent_at_once(
         outcomes = list(pool.map(outcome, calls, requests))
     assert all(process.proc.poll() is None for process in cluster.processes.values()), "a process exited"
     assert metric(cluster, "coordinator", "specdec_draft_failures_total") == draft_failures
+    sessions = {r.session_id for r in requests if isinstance(r, coordinator_pb2.GenerateRequest) and r.session_id}
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        for session in sorted(sessions):  # its lease is checked before the turn's contents
+            turn = coordinator_pb2.GenerateRequest(session_id=session, require_existing_session=True)
+            if chats:
+                turn.messages.add(role="user", content="and then?")
+            else:
+                turn.prompt_token_ids.ids.append(1)
+            turn.sampling.max_new_tokens = 1
+            following = outcome(functools.partial(stub.Generate, turn, timeout=60), turn, CLIENT_ERRORS)
+            event(f"next turn {following}")
+            if following not in ("OK", "NOT_FOUND"):  # full (its context): later examples start it anew
+                try:
+                    stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id=session), timeout=60)
+                except grpc.RpcError as exc:  # a session id the checks refuse
+                    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
     return outcomes
 
 

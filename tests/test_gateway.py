@@ -743,5 +743,5 @@ def test_any_chat_messages_through_the_running_service_are_served_or_refused_as_
     with grpc.insecure_channel(gateway.cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         calls = [functools.partial(stub.GenerateStream, request, timeout=60) for request in requests]
-        for outcome in sent_at_once(gateway.cluster, calls, requests, busy_ok=shares_a_session(requests)):
+        for outcome in sent_at_once(gateway.cluster, calls, requests, shares_a_session(requests), chats=True):
             event(outcome)
