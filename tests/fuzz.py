@@ -79,7 +79,8 @@ def fill_any(
 def within_limits(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest, vocab: int) -> None:
     """Sets any of the sampling and speculation fields to values validation accepts, their
     edges included (a temperature at the greedy cut-off, biases of +-100, every penalty at its
-    largest, a stop id or string that ends the reply at once), so that the features meet one
+    largest, a stop id or string that ends the reply at once; a structured output without
+    ignore_eos or min_tokens), so that the features meet one
     another while the request decodes, not only at the checks; token ids below ``vocab``."""
     s, spec = request.sampling, request.speculation
     ids = st.integers(0, vocab - 1)
@@ -116,6 +117,8 @@ def within_limits(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest, voc
     for name in sorted(fields):  # each field in about two requests of five
         if draw(st.integers(0, 4)) < 2:
             fields[name]()
+    if s.HasField("structured_output"):  # it decides where the reply ends: validation refuses these with it
+        s.ignore_eos, s.min_tokens = False, 0
 
 
 # What a lone client's request may be refused with as its own error (NOT_FOUND: it named a session

@@ -646,7 +646,8 @@ def test_fields_the_gateway_drops_before_the_engine(gateway: Gateway) -> None:
 def _engine_params_within_limits(draw: st.DrawFn, p: vllm_pb2.SamplingParams, vocab: int) -> None:
     """Each of the engine's sampling parameters, in about two requests of five, at a value the
     service takes, edges included (vLLM's top_k -1 as the unsigned field carries it, min_p 1,
-    penalties and biases at their largest, n up to 3, truncation to the last tokens)."""
+    penalties and biases at their largest, n up to 3, truncation to the last tokens; a choice
+    without ignore_eos or min_tokens)."""
     ids = st.integers(0, vocab - 1)
     unit = st.floats(0, 1, exclude_max=True, width=32)
     fields: dict[str, Callable[[], object]] = {
@@ -679,6 +680,8 @@ def _engine_params_within_limits(draw: st.DrawFn, p: vllm_pb2.SamplingParams, vo
     for name in sorted(fields):
         if draw(st.integers(0, 4)) < 2:
             fields[name]()
+    if p.HasField("choice"):  # it decides where the reply ends: the service refuses these with it
+        p.ignore_eos, p.min_tokens = False, 0
 
 
 def _any_engine_request(draw: st.DrawFn, vocab: int) -> vllm_pb2.GenerateRequest:

@@ -881,7 +881,7 @@ def _any_request(draw: st.DrawFn) -> coordinator_pb2.GenerateRequest:
     request.sampling.max_new_tokens = draw(st.integers(1, 8))  # a few tokens keep the run short
     if draw(st.booleans()):  # turns of a few sessions, each with other parameters
         request.session_id = draw(st.sampled_from(["", "fuzz-1", "fuzz-2"]))
-        request.require_existing_session = draw(st.booleans())
+        request.require_existing_session = bool(request.session_id) and draw(st.booleans())
     if draw(st.booleans()):
         within_limits(draw, request, len(EVERY_ID))
     else:
