@@ -68,7 +68,7 @@ def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], lo
 
 
 NO_SPEC = ["--num-speculative-tokens", "0"]
-FUZZ_EXAMPLES = 300  # requests-at-once examples of each end-to-end fuzz test here (~15-20 s each)
+FUZZ_EXAMPLES = 300  # requests-at-once examples of each end-to-end fuzz test here (40-50 s each in CI)
 
 
 @contextlib.contextmanager
