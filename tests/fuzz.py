@@ -21,8 +21,33 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
 
 SMALLEST_FLOAT32 = 2.0**-149  # the smallest positive (denormal) float32
-# a top_p: in (0, 1], its edges (the smallest float32, 1) often
-TOP_P = st.sampled_from([SMALLEST_FLOAT32, 1.0]) | st.floats(SMALLEST_FLOAT32, 1, width=32)
+# Values within a sampling parameter's limits, its edges often (the native and the engine API's
+# strategies both draw from these)
+UNIT = st.floats(0, 1, exclude_max=True, width=32)
+TOP_P = st.sampled_from([SMALLEST_FLOAT32, 1.0]) | st.floats(SMALLEST_FLOAT32, 1, width=32)  # (0, 1]
+TEMPERATURE = st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | UNIT  # greedy, at the greedy cut-off, sampled
+MIN_P = st.sampled_from([0.0, 1.0]) | UNIT
+PENALTY = st.floats(-2, 2, width=32)  # presence and frequency
+REPETITION_PENALTY = st.sampled_from([1e-3, 1.0, 100.0])
+STOP_STRINGS = st.lists(st.text(min_size=1, max_size=3), max_size=3)
+CHOICES = st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3)
+
+
+def stop_ids(vocab: int) -> st.SearchStrategy[list[int]]:
+    """Up to 4 stop token ids below ``vocab``."""
+    return st.lists(st.integers(0, vocab - 1), max_size=4)
+
+
+def biases(vocab: int) -> st.SearchStrategy[dict[int, float]]:
+    """Logit biases of any ids below ``vocab``, up to +-100."""
+    return st.dictionaries(st.integers(0, vocab - 1), st.floats(-100, 100, width=32), max_size=4)
+
+
+def set_some(draw: st.DrawFn, fields: dict[str, Callable[[], object]]) -> None:
+    """Calls each of ``fields``' setters in about two draws of five (in name order)."""
+    for name in sorted(fields):
+        if draw(st.integers(0, 4)) < 2:
+            fields[name]()
 
 
 def values_of(field: FieldDescriptor) -> st.SearchStrategy[Any]:
@@ -83,40 +108,32 @@ def within_limits(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest, voc
     ignore_eos or min_tokens), so that the features meet one
     another while the request decodes, not only at the checks; token ids below ``vocab``."""
     s, spec = request.sampling, request.speculation
-    ids = st.integers(0, vocab - 1)
-    unit = st.floats(0, 1, exclude_max=True, width=32)
     fields: dict[str, Callable[[], object]] = {
-        "temperature": lambda: setattr(s, "temperature", draw(st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | unit)),
+        "temperature": lambda: setattr(s, "temperature", draw(TEMPERATURE)),
         "top_k": lambda: setattr(s, "top_k", draw(st.integers(0, 300))),
         "top_p": lambda: setattr(s, "top_p", draw(TOP_P)),
-        "min_p": lambda: setattr(s, "min_p", draw(st.sampled_from([0.0, 1.0]) | unit)),
+        "min_p": lambda: setattr(s, "min_p", draw(MIN_P)),
         "seed": lambda: setattr(s, "seed", draw(st.integers(0, 2**64 - 1))),
-        "stop_token_ids": lambda: s.stop_token_ids.extend(draw(st.lists(ids, max_size=4))),
-        "stop": lambda: s.stop.extend(draw(st.lists(st.text(min_size=1, max_size=3), max_size=3))),
+        "stop_token_ids": lambda: s.stop_token_ids.extend(draw(stop_ids(vocab))),
+        "stop": lambda: s.stop.extend(draw(STOP_STRINGS)),
         "include_stop_str_in_output": lambda: setattr(s, "include_stop_str_in_output", True),
         "ignore_eos": lambda: setattr(s, "ignore_eos", True),
         "logprobs": lambda: (setattr(s, "logprobs", True), setattr(s, "top_logprobs", draw(st.integers(0, 20)))),
         "prompt_logprobs": lambda: setattr(s, "prompt_logprobs", draw(st.integers(0, 20))),
         "min_tokens": lambda: setattr(s, "min_tokens", draw(st.integers(0, s.max_new_tokens))),
-        "repetition_penalty": lambda: setattr(s, "repetition_penalty", draw(st.sampled_from([1e-3, 1.0, 100.0]))),
-        "presence_penalty": lambda: setattr(s, "presence_penalty", draw(st.floats(-2, 2, width=32))),
-        "frequency_penalty": lambda: setattr(s, "frequency_penalty", draw(st.floats(-2, 2, width=32))),
-        "logit_bias": lambda: s.logit_bias.update(
-            draw(st.dictionaries(ids, st.floats(-100, 100, width=32), max_size=4))
-        ),
-        "structured_output": lambda: s.structured_output.choice.values.extend(
-            draw(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
-        ),
+        "repetition_penalty": lambda: setattr(s, "repetition_penalty", draw(REPETITION_PENALTY)),
+        "presence_penalty": lambda: setattr(s, "presence_penalty", draw(PENALTY)),
+        "frequency_penalty": lambda: setattr(s, "frequency_penalty", draw(PENALTY)),
+        "logit_bias": lambda: s.logit_bias.update(draw(biases(vocab))),
+        "structured_output": lambda: s.structured_output.choice.values.extend(draw(CHOICES)),
         "num_speculative_tokens": lambda: setattr(spec, "num_speculative_tokens", draw(st.integers(0, 8))),
         "disable": lambda: setattr(spec, "disable", True),
         "fixed": lambda: setattr(spec, "fixed", True),
         "method": lambda: setattr(spec, "method", draw(st.integers(0, 3))),
-        "draft_confidence": lambda: setattr(spec, "draft_confidence", draw(unit)),
-        "draft_block_confidence": lambda: setattr(spec, "draft_block_confidence", draw(unit)),
+        "draft_confidence": lambda: setattr(spec, "draft_confidence", draw(UNIT)),
+        "draft_block_confidence": lambda: setattr(spec, "draft_block_confidence", draw(UNIT)),
     }
-    for name in sorted(fields):  # each field in about two requests of five
-        if draw(st.integers(0, 4)) < 2:
-            fields[name]()
+    set_some(draw, fields)  # each field in about two requests of five
     if s.HasField("structured_output"):  # it decides where the reply ends: validation refuses these with it
         s.ignore_eos, s.min_tokens = False, 0
 

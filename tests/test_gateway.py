@@ -35,7 +35,22 @@ from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.conftest import CLUSTER_WORKER_ARGS
-from tests.fuzz import TOP_P, fill_any, sent_at_once, shares_a_session, within_limits
+from tests.fuzz import (
+    CHOICES,
+    MIN_P,
+    PENALTY,
+    REPETITION_PENALTY,
+    STOP_STRINGS,
+    TEMPERATURE,
+    TOP_P,
+    biases,
+    fill_any,
+    sent_at_once,
+    set_some,
+    shares_a_session,
+    stop_ids,
+    within_limits,
+)
 from tests.helpers import free_ports, real_tokenizer
 from tests.reference import reference_greedy
 from tests.tiny_models import build_model, build_sliding
@@ -648,19 +663,17 @@ def _engine_params_within_limits(draw: st.DrawFn, p: vllm_pb2.SamplingParams, vo
     service takes, edges included (vLLM's top_k -1 as the unsigned field carries it, min_p 1,
     penalties and biases at their largest, n up to 3, truncation to the last tokens; a choice
     without ignore_eos or min_tokens)."""
-    ids = st.integers(0, vocab - 1)
-    unit = st.floats(0, 1, exclude_max=True, width=32)
     fields: dict[str, Callable[[], object]] = {
-        "temperature": lambda: setattr(p, "temperature", draw(st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | unit)),
+        "temperature": lambda: setattr(p, "temperature", draw(TEMPERATURE)),
         "top_p": lambda: setattr(p, "top_p", draw(TOP_P)),
         "top_k": lambda: setattr(p, "top_k", draw(st.sampled_from([0, 1, 2**32 - 1]) | st.integers(0, 300))),
-        "min_p": lambda: setattr(p, "min_p", draw(st.sampled_from([0.0, 1.0]) | unit)),
-        "frequency_penalty": lambda: setattr(p, "frequency_penalty", draw(st.floats(-2, 2, width=32))),
-        "presence_penalty": lambda: setattr(p, "presence_penalty", draw(st.floats(-2, 2, width=32))),
-        "repetition_penalty": lambda: setattr(p, "repetition_penalty", draw(st.sampled_from([1e-3, 1.0, 100.0]))),
+        "min_p": lambda: setattr(p, "min_p", draw(MIN_P)),
+        "frequency_penalty": lambda: setattr(p, "frequency_penalty", draw(PENALTY)),
+        "presence_penalty": lambda: setattr(p, "presence_penalty", draw(PENALTY)),
+        "repetition_penalty": lambda: setattr(p, "repetition_penalty", draw(REPETITION_PENALTY)),
         "min_tokens": lambda: setattr(p, "min_tokens", draw(st.integers(0, p.max_tokens))),
-        "stop": lambda: p.stop.extend(draw(st.lists(st.text(min_size=1, max_size=3), max_size=3))),
-        "stop_token_ids": lambda: p.stop_token_ids.extend(draw(st.lists(ids, max_size=4))),
+        "stop": lambda: p.stop.extend(draw(STOP_STRINGS)),
+        "stop_token_ids": lambda: p.stop_token_ids.extend(draw(stop_ids(vocab))),
         "skip_special_tokens": lambda: setattr(p, "skip_special_tokens", draw(st.booleans())),
         "spaces_between_special_tokens": lambda: setattr(p, "spaces_between_special_tokens", draw(st.booleans())),
         "ignore_eos": lambda: setattr(p, "ignore_eos", True),
@@ -669,17 +682,11 @@ def _engine_params_within_limits(draw: st.DrawFn, p: vllm_pb2.SamplingParams, vo
         "prompt_logprobs": lambda: setattr(p, "prompt_logprobs", draw(st.integers(0, 20))),
         "seed": lambda: setattr(p, "seed", draw(st.integers(-(2**31), 2**31 - 1))),
         "include_stop_str_in_output": lambda: setattr(p, "include_stop_str_in_output", True),
-        "logit_bias": lambda: p.logit_bias.update(
-            draw(st.dictionaries(ids, st.floats(-100, 100, width=32), max_size=4))
-        ),
+        "logit_bias": lambda: p.logit_bias.update(draw(biases(vocab))),
         "truncate_prompt_tokens": lambda: setattr(p, "truncate_prompt_tokens", draw(st.sampled_from([-1, 1, 2, 8]))),
-        "choice": lambda: p.choice.choices.extend(
-            draw(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3))
-        ),
+        "choice": lambda: p.choice.choices.extend(draw(CHOICES)),
     }
-    for name in sorted(fields):
-        if draw(st.integers(0, 4)) < 2:
-            fields[name]()
+    set_some(draw, fields)
     if p.HasField("choice"):  # it decides where the reply ends: the service refuses these with it
         p.ignore_eos, p.min_tokens = False, 0
 

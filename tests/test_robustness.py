@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
-from tests.fuzz import fill_any, sent_at_once, shares_a_session, within_limits
+from tests.fuzz import SMALLEST_FLOAT32, fill_any, sent_at_once, shares_a_session, within_limits
 from tests.netproxy import ProxyRoutes
 from tests.reference import make_request, reference_greedy
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
@@ -42,7 +42,6 @@ PROMPT = [5, 17, 99, 3]
 FUZZ_EXAMPLES = 800  # requests-at-once examples of the end-to-end fuzz test (~35 s in CI)
 U32_MAX = 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38
-FLOAT32_TINY = 1e-45  # the smallest positive (denormal) float32
 EVERY_ID = list(range(len(build_tokenizer())))  # the tiny models' whole vocabulary
 
 
@@ -63,13 +62,13 @@ EXTREME = [
     ("temperature 1e-5", _sampled(temperature=1e-5, seed=1)),
     ("temperature 1e-4", _sampled(temperature=1e-4, seed=1)),
     ("temperature float32 max", _sampled(temperature=FLOAT32_MAX, seed=1)),
-    ("top_p smallest float", _sampled(temperature=1.0, top_p=FLOAT32_TINY, seed=2)),
+    ("top_p smallest float", _sampled(temperature=1.0, top_p=SMALLEST_FLOAT32, seed=2)),
     ("top_p just below 1", _sampled(temperature=1.0, top_p=0.99999994, seed=2)),
     ("top_k 2^31-1", _sampled(temperature=0.7, top_k=2**31 - 1, seed=3)),
     ("seed 2^64-1", _sampled(temperature=1.0, seed=2**64 - 1)),
     ("seed 0", _sampled(temperature=1.0, seed=0)),
     ("100k stop ids", _sampled(temperature=1.0, seed=4, stop_token_ids=[i % 250 + 3 for i in range(100_000)])),
-    ("tiny temperature, tiny top_p", _sampled(temperature=1e-3, top_p=FLOAT32_TINY, seed=5)),
+    ("tiny temperature, tiny top_p", _sampled(temperature=1e-3, top_p=SMALLEST_FLOAT32, seed=5)),
     ("max_new_tokens 2^32-1", make_request(PROMPT, max_new=U32_MAX)),
     ("K 2^32-1", make_request(PROMPT, k=U32_MAX)),
     ("token id 2^32-1", make_request([U32_MAX])),
@@ -85,7 +84,7 @@ EXTREME = [
     ("draft confidence 1", _confident(1.0)),
     ("draft confidence float32 max", _confident(FLOAT32_MAX)),
     ("draft confidence just below 1, sampled", _confident(0.99999994, temperature=1.0, seed=6)),
-    ("draft confidence smallest float", _confident(FLOAT32_TINY, temperature=1.0, seed=6)),
+    ("draft confidence smallest float", _confident(SMALLEST_FLOAT32, temperature=1.0, seed=6)),
     ("draft block confidence NaN", _confident(float("nan"), "draft_block_confidence")),
     ("draft block confidence 1", _confident(1.0, "draft_block_confidence")),
     (
@@ -94,7 +93,7 @@ EXTREME = [
     ),
     (
         "draft block confidence smallest float",
-        _confident(FLOAT32_TINY, "draft_block_confidence", temperature=1.0, seed=6),
+        _confident(SMALLEST_FLOAT32, "draft_block_confidence", temperature=1.0, seed=6),
     ),
 ]
 
