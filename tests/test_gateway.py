@@ -272,6 +272,23 @@ ANSWER_SCHEMA = {
 }
 
 
+@pytest.mark.parametrize("text", ["\uf900", "A\u030a"])
+def test_a_choice_of_text_the_tokenizer_normalizes_is_the_reply(gateway: Gateway, text: str) -> None:
+    """A choice whose text is not in the NFC form Qwen2.5's tokenizer normalizes to (a CJK
+    compatibility ideograph, a letter and a combining ring) is the reply, byte for byte, sampled
+    or not; before, the first step allowed only the normalized text's first token, the next one
+    found the reply off the constraint and the request failed INTERNAL (found by the chat fuzz
+    test)."""
+    for temperature in (0.0, 1.0):
+        sampling = common_pb2.SamplingParams(max_new_tokens=8, temperature=temperature, seed=1)
+        sampling.structured_output.choice.values.append(text)
+        request = coordinator_pb2.GenerateRequest(prompt="Answer:", sampling=sampling)
+        with grpc.insecure_channel(gateway.cluster.address) as channel:
+            reply = coordinator_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
+        assert reply.text == text
+        assert gateway.tokenizer.decode(list(reply.token_ids), skip_special_tokens=True) == text
+
+
 def test_structured_outputs_through_the_gateway(gateway: Gateway) -> None:
     """response_format json_schema and json_object on chat completions and an SGLang-style
     ``ebnf`` on completions reach the engine, which constrains the reply: greedy, each equals the native

@@ -302,7 +302,7 @@ def test_a_tokenizer_llguidance_cannot_read_turns_grammars_off(
         tries.append(1)
         raise ValueError("unsupported pre-tokenizer")
 
-    monkeypatch.setattr(grammar_module, "from_tokenizer", unreadable)
+    monkeypatch.setattr(grammar_module, "LLTokenizer", unreadable)
     masks = GrammarMasks.build(tokenizer, len(tokenizer), [EOS])
     assert masks is not None and masks.failed
     grammar = grammar_of(SO(regex="ab"))
@@ -412,3 +412,27 @@ def test_a_grammar_that_cannot_go_on_after_the_reply_so_far_says_so(
     for strict in (True, False):
         with pytest.raises(InvalidRequest, match=r"allows no token after the reply so far .*fix the constraint"):
             constrain(torch.zeros(1, len(tokenizer)), GrammarState(masks), reply, len(reply), grammar, 2, strict=strict)
+
+
+@pytest.mark.parametrize("text", ["\uf900", "A\u030a", "\u212b", "x\uf900y"])
+def test_text_the_tokenizer_would_normalize_is_masked_as_the_matcher_reads_it(
+    text: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Qwen2.5's tokenizer normalizes text to NFC (U+F900 to U+8C48, A + a combining ring and
+    the angstrom sign to U+00C5). llguidance tokenized the text a constraint forces with it, so
+    the masks allowed the normalized text's first token where the matcher follows the bytes: the
+    next step found the reply off the constraint, and the request failed INTERNAL (found by the
+    chat fuzz test: a choice of U+F900). Following the masks, each token they allow is one the
+    matcher takes, and the reply is the text itself."""
+    qwen = real_tokenizer("qwen2.5-coder-0.5b", tmp_path_factory)
+    masks = GrammarMasks.build(qwen, len(qwen), [qwen.eos_token_id])
+    assert masks is not None
+    grammar, state, reply = grammar_of(SO(choice=common_pb2.Choices(values=[text]))), GrammarState(masks), []
+    for _ in range(len(text.encode()) + 1):
+        row = state.masked(torch.zeros(1, len(qwen)), reply, len(reply), grammar, 0)
+        assert row is not None, f"the mask allowed {reply[-1]} after {reply[:-1]}, the matcher refuses it"
+        choices = sorted(allowed(row[0]))
+        if choices == [qwen.eos_token_id]:
+            break
+        reply.append(choices[0])
+    assert qwen.decode(reply) == text

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import structlog
 import torch
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper, grammar_from
-from llguidance.hf import from_tokenizer
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from specdec.runtime.tokens import common_prefix_len
@@ -152,6 +151,31 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "rejected by the grammar compiler"
 
 
+_UNICODE_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+
+
+def _as_matched(tokenizer: PreTrainedTokenizerFast) -> str:
+    """The tokenizer as llguidance reads it (its Rust ``tokenizers`` JSON, without padding or
+    truncation), less any Unicode normalization (NFC and the like; other normalizers, such as
+    SentencePiece's spaces, stay). llguidance tokenizes the text a constraint forces with it, and
+    a normalized tokenization spells other bytes than the constraint's where the text is not in
+    that form (Qwen2.5's NFC: U+F900 is read as U+8C48): the mask then allowed a token its own
+    matcher refuses. Text already in the form tokenizes the same either way."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["padding"] = spec["truncation"] = None
+    spec["normalizer"] = _without_unicode_forms(spec.get("normalizer"))
+    return json.dumps(spec)
+
+
+def _without_unicode_forms(normalizer: dict | None) -> dict | None:
+    if normalizer is None or normalizer.get("type") in _UNICODE_FORMS:
+        return None
+    if normalizer.get("type") == "Sequence":
+        kept = [n for n in map(_without_unicode_forms, normalizer.get("normalizers", [])) if n is not None]
+        return {**normalizer, "normalizers": kept} if kept else None
+    return normalizer
+
+
 class GrammarMasks:
     """One model's grammar compiler: its tokenizer as llguidance sees it (the end-of-sequence ids
     are the model's: a finished grammar allows only them) and the grammars compiled lately. The
@@ -165,7 +189,8 @@ class GrammarMasks:
         self.eos = frozenset(eos_ids)
         self._tokenizer: LLTokenizer | None = None
         try:
-            self._tokenizer = from_tokenizer(tokenizer, n_vocab=self._n_vocab, eos_token=sorted(self.eos))
+            spec = _as_matched(tokenizer)
+            self._tokenizer = LLTokenizer(spec, n_vocab=self._n_vocab, eos_token=sorted(self.eos))
         except Exception as exc:  # a Rust-backed tokenizer llguidance still cannot read
             log.warning("structured_output_unavailable", reason=_first_line(str(exc)))
         self._templates: collections.OrderedDict[str, LLMatcher] = collections.OrderedDict()
