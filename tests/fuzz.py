@@ -6,8 +6,10 @@ the test where the service, not the request, was at fault."""
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -16,9 +18,11 @@ from google.protobuf.message import Message
 from hypothesis import event
 from hypothesis import strategies as st
 
+from specdec.state import SessionRecord
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
+from tests.reference import find_session
 
 SMALLEST_FLOAT32 = 2.0**-149  # the smallest positive (denormal) float32
 # Values within a sampling parameter's limits, its edges often (the native and the engine API's
@@ -150,42 +154,73 @@ CLIENT_ERRORS = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Sent:
+    """How a call ended: OK or its error's code name, and its reply where it was unary and OK."""
+
+    outcome: str
+    reply: Any = None
+
+
 def sent_at_once(
     cluster: LocalCluster,
     calls: Sequence[Callable[[], object]],
     requests: Sequence[object],
     busy_ok: bool = False,
     chats: bool = False,
+    state_url: str = "",
+    cancels: Sequence[bool] = (),
+    greedy: Callable[[list[int], int], list[int]] | None = None,
 ) -> list[str]:
     """Makes ``calls`` (each sends its request of ``requests``; a stream is read to its end) at
     once; returns each one's outcome, OK or its refusal's code name. Fails the test where a request
     failed with anything but a client error saying what was wrong (ABORTED also counts as one where
-    ``busy_ok``: two of them in one session), where a process of ``cluster`` exited, or where its
-    coordinator counted a draft failure meanwhile (a client's request never blames the draft), or
-    where a session one of them named is still held once they have all ended: a turn sent to it
-    right after them, as a client that read the reply would, must not be refused as busy (a chat turn
-    where ``chats``: the cluster's sessions are chats; a session that turn cannot continue, its
-    context full, is closed, so that the next example's turns of it are decoded, not refused)."""
+    ``busy_ok``: two of them in one session; CANCELLED where ``cancels`` says its call cancels
+    it), where a process of ``cluster`` exited, or where its coordinator counted a draft failure
+    meanwhile (a client's request never blames the draft), or where a session one of them named is
+    still held once they have all ended: a turn sent to it right after them, as a client that read
+    the reply would, must not be refused as busy (a chat turn where ``chats``: the cluster's
+    sessions are chats; a session that turn cannot continue, its context full, is closed, so that
+    the next example's turns of it are decoded, not refused).
+
+    With ``state_url`` (the Redis the cluster's coordinator keeps its sessions in), also where a
+    session is not as its requests left it (``_check_session``), and with ``greedy`` (the tokens
+    target-only greedy decoding gives after a history) where the next turn, greedy, does not give
+    them after the session's stored tokens: what the workers' caches hold for the session must be
+    those tokens, whatever the requests before did. A cancelled request must ask for exactly its
+    ``max_new_tokens`` after its prompt ids (``ignore_eos``, no stop or constraint), so that a turn
+    it did not cancel in time is known by its length."""
+    cancels = list(cancels) or [False] * len(calls)
+    assert not any(cancels) or state_url, "a cancelled turn's session is checked in the state store"
+
     refusals = CLIENT_ERRORS | ({grpc.StatusCode.ABORTED} if busy_ok else set())
 
-    def outcome(call: Callable[[], object], request: object, refusals: frozenset[grpc.StatusCode] = refusals) -> str:
+    def outcome(call: Callable[[], object], request: object, cancel: bool, allowed: frozenset = refusals) -> Sent:
         try:
             reply = call()
             if isinstance(reply, Iterable):
                 for _ in reply:
                     pass
         except grpc.RpcError as exc:
-            assert exc.code() in refusals, (exc.code(), exc.details(), request)
+            if cancel and exc.code() == grpc.StatusCode.CANCELLED:
+                return Sent("CANCELLED")
+            assert exc.code() in allowed, (exc.code(), exc.details(), request)
             assert exc.details() and "Traceback" not in exc.details()
-            return exc.code().name
-        return "OK"
+            return Sent(exc.code().name)
+        return Sent("OK", reply)
 
+    named = [r.session_id if isinstance(r, coordinator_pb2.GenerateRequest) else "" for r in requests]
+    sessions = set(named) - {""}
+    before = {session: find_session(state_url, session) for session in sessions} if state_url else {}
     draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
     with ThreadPoolExecutor(len(calls)) as pool:
-        outcomes = list(pool.map(outcome, calls, requests))
+        outcomes = [sent.outcome for sent in pool.map(outcome, calls, requests, cancels)]
     assert all(process.proc.poll() is None for process in cluster.processes.values()), "a process exited"
     assert metric(cluster, "coordinator", "specdec_draft_failures_total") == draft_failures
-    sessions = {r.session_id for r in requests if isinstance(r, coordinator_pb2.GenerateRequest) and r.session_id}
+    after: dict[str, list[int] | None] = {}
+    for session, was in before.items():
+        mine = [(o, r) for o, r, name in zip(outcomes, requests, named, strict=True) if name == session]
+        after[session] = _check_session(state_url, session, was, mine)
     with grpc.insecure_channel(cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         for session in sorted(sessions):  # its lease is checked before the turn's contents
@@ -195,14 +230,61 @@ def sent_at_once(
             else:
                 turn.prompt_token_ids.ids.append(1)
             turn.sampling.max_new_tokens = 1
-            following = outcome(functools.partial(stub.Generate, turn, timeout=60), turn, CLIENT_ERRORS)
-            event(f"next turn {following}")
-            if following not in ("OK", "NOT_FOUND"):  # full (its context): later examples start it anew
+            history = after.get(session)
+            if greedy is not None and history is not None:
+                turn.sampling.max_new_tokens, turn.sampling.ignore_eos = 4, True
+            following = outcome(functools.partial(stub.Generate, turn, timeout=60), turn, False, CLIENT_ERRORS)
+            event(f"next turn {following.outcome}")
+            if following.outcome == "OK" and greedy is not None and history is not None:
+                got, expected = list(following.reply.token_ids), greedy([*history, 1], 4)
+                assert got == expected, (session, history, got, expected, requests)
+            if following.outcome not in ("OK", "NOT_FOUND"):  # full (its context): later examples start it anew
                 try:
                     stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id=session), timeout=60)
                 except grpc.RpcError as exc:  # a session id the checks refuse
                     assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
     return outcomes
+
+
+def _check_session(
+    state_url: str, session: str, was: SessionRecord | None, turns: list[tuple[str, object]]
+) -> list[int] | None:
+    """Fails where ``session`` (stored as ``was`` before ``turns``, each an outcome and its
+    request) is not as they left it, or still held by one of them (a cancelled one: 10 s after it
+    was cancelled); returns its tokens (None: no such session). Refused turns are rolled back
+    whole: the tokens and conversation as they were (a session they would have made is not there).
+    A cancelled turn is rolled back too, unless it had finished before the cancel reached it: the
+    tokens then end in its prompt ids and exactly its ``max_new_tokens``. A served turn of a prompt
+    session appends to its tokens (a chat's may re-render its tail)."""
+    now = find_session(state_url, session)
+    # a cancelled turn rolls back once the cancel reaches it; the others have let go by their reply
+    deadline = time.monotonic() + (10 if any(o == "CANCELLED" for o, _ in turns) else 0)
+    while now is not None and now.owner and time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = find_session(state_url, session)
+    assert now is None or not now.owner, (session, now, turns)
+    old, new = (was.tokens, was.chat) if was else None, (now.tokens, now.chat) if now else None
+    if any(o == "OK" for o, _ in turns):
+        if was is not None and not was.chat and now is not None:
+            assert now.tokens[: len(was.tokens)] == was.tokens, (session, was, now, turns)
+        return new and new[0]
+    finished_anyway = []
+    for o, request in turns:
+        if o == "CANCELLED":
+            assert isinstance(request, coordinator_pb2.GenerateRequest)
+            ids, s = list(request.prompt_token_ids.ids), request.sampling
+            assert ids and s.ignore_eos and not (s.stop or s.stop_token_ids or s.HasField("structured_output"))
+            start = list(was.tokens) if was else []
+            finished_anyway.append((start + ids, len(start) + len(ids) + s.max_new_tokens))
+    if new == old:
+        kind = "new" if was is None else "existing"
+        event(f"a session its turns left as it was ({kind}, {len(finished_anyway)} cancelled)")
+    else:
+        assert now is not None and any(
+            now.tokens[: len(begins)] == begins and len(now.tokens) == length for begins, length in finished_anyway
+        ), (session, was, now, turns)
+        event("a cancelled turn that had finished")
+    return new and new[0]
 
 
 def shares_a_session(requests: Sequence[coordinator_pb2.GenerateRequest]) -> bool:

@@ -90,8 +90,13 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        return self.database(0)
+
+    def database(self, number: int) -> str:
+        """The URL of the server's database ``number`` (a cluster of its own keeps its sessions
+        apart from the others' there)."""
         auth = f":{self.password}@" if self.password else ""
-        return f"{'rediss' if self.tls else 'redis'}://{auth}127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{auth}127.0.0.1:{self.port}/{number}"
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + 10

@@ -98,8 +98,9 @@ def coordinator_stub(cluster: LocalCluster) -> Iterator[coordinator_pb2_grpc.Gen
         yield coordinator_pb2_grpc.GenerationStub(channel)
 
 
-def read_session(url: str, session_id: str) -> SessionRecord:
-    """A session record straight from the state store (for assertions about what was committed)."""
+def find_session(url: str, session_id: str) -> SessionRecord | None:
+    """A session record straight from the state store (for assertions about what was committed);
+    None where there is no such session."""
 
     async def read() -> SessionRecord | None:
         store = open_store(url, ttl_s=60, lease_s=60, timeout_s=2)
@@ -108,6 +109,28 @@ def read_session(url: str, session_id: str) -> SessionRecord:
         await store.close()
         return record
 
-    record = asyncio.run(read())
+    return asyncio.run(read())
+
+
+def read_session(url: str, session_id: str) -> SessionRecord:
+    """The record of a session that must be there (see ``find_session``)."""
+    record = find_session(url, session_id)
     assert record is not None, f"session {session_id} not found"
     return record
+
+
+@cache
+def _greedy_model(model_dir: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def greedy_continuation(model_dir: str, history: list[int], n: int) -> list[int]:
+    """The ``n`` tokens target-only greedy decoding gives after ``history``, end-of-sequence
+    ignored: each the argmax of one plain forward pass over all the tokens before it (the model
+    loaded once per directory; for many short checks, where ``reference_greedy``'s loading would
+    dominate)."""
+    model, ids = _greedy_model(model_dir), list(history)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(history) :]

@@ -51,7 +51,7 @@ from tests.fuzz import (
     stop_ids,
     within_limits,
 )
-from tests.helpers import free_ports, real_tokenizer
+from tests.helpers import RedisServer, free_ports, real_tokenizer
 from tests.reference import reference_greedy
 from tests.tiny_models import build_model, build_sliding
 
@@ -83,6 +83,7 @@ def _wait_for_models(client: openai.OpenAI, gateway: subprocess.Popen[bytes], lo
 
 
 NO_SPEC = ["--num-speculative-tokens", "0"]
+COORDINATOR_ARGS = ["--served-model-name", "tiny-qwen", "--no-adaptive-k"]
 FUZZ_EXAMPLES = 300  # requests-at-once examples of each end-to-end fuzz test here (40-50 s each in CI)
 
 
@@ -93,12 +94,14 @@ def launch(
     with_draft: bool,
     tokenizer_on_gateway_host: bool = True,
     windowed: bool = False,
+    state_url: str = "memory://",
 ) -> Iterator[Gateway]:
     """Target (+ draft) + coordinator, and an ``smg`` gateway process in front of them. Without a
     tokenizer on the gateway's host (the files deleted once the services have loaded, no
     --model-path), the gateway must fetch it from the coordinator (GetTokenizer). ``windowed``:
     Mistral models whose attention is windowed (16 positions), served with --max-draft-tokens 4
-    (their windowed layers keep 25 positions)."""
+    (their windowed layers keep 25 positions). ``state_url``: where the coordinator keeps its
+    sessions."""
     if windowed:
         target = build_sliding(root / "target", "mistral", seed=3, tokenizer=tokenizer)
         draft = build_sliding(root / "draft", "mistral", seed=4, tokenizer=tokenizer)
@@ -112,7 +115,7 @@ def launch(
         worker_args=[*CLUSTER_WORKER_ARGS, *(["--max-draft-tokens", "4"] if windowed else [])],
         # without a draft worker: no speculation at all (not even lookup drafts), so the target
         # computes exactly the uncached prompt and one token per round
-        coordinator_args=["--served-model-name", "tiny-qwen", "--no-adaptive-k", *([] if with_draft else NO_SPEC)],
+        coordinator_args=[*COORDINATOR_ARGS, "--state-url", state_url, *([] if with_draft else NO_SPEC)],
         startup_timeout_s=180,
     )
     with cluster:
@@ -144,10 +147,15 @@ def _qwen_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedToken
     return real_tokenizer("qwen2.5-coder-0.5b", tmp_path_factory)
 
 
+GATEWAY_STATE_DB = 2  # the Redis database of the gateway fixture's sessions (the other clusters' are apart)
+
+
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    """The gateway in front of a speculating service (target + draft)."""
-    with launch(tmp_path_factory.mktemp("gateway"), _qwen_tokenizer(tmp_path_factory), with_draft=True) as gw:
+def gateway(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Gateway]:
+    """The gateway in front of a speculating service (target + draft), its sessions in a real
+    redis-server."""
+    root, tokenizer, state = tmp_path_factory.mktemp("gateway"), _qwen_tokenizer(tmp_path_factory), redis_server
+    with launch(root, tokenizer, with_draft=True, state_url=state.database(GATEWAY_STATE_DB)) as gw:
         yield gw
 
 
@@ -750,13 +758,14 @@ _CHAT_TEXT = st.text(max_size=20) | st.sampled_from(["", "<|im_start|>", "<|im_e
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 @given(st.data())
 def test_any_chat_messages_through_the_running_service_are_served_or_refused_as_the_client_s_error(
-    gateway: Gateway, data: st.DataObject
+    gateway: Gateway, redis_server: RedisServer, data: st.DataObject
 ) -> None:
     """Chat requests of any messages (any role, text that looks like the template's own markers
     or Jinja) rendered by a real chat template (Qwen2.5's), one to three at once, as new chats or
     turns of two shared sessions, with any sampling and speculation features within their
-    limits: each is served or refused with a client error; no process exits and the draft's
-    failures never grow."""
+    limits: each is served or refused with a client error; no process exits, the draft's
+    failures never grow, and a session that only refused requests named keeps its conversation
+    and tokens in Redis as they were."""
     vocab = len(gateway.tokenizer)
     requests = []
     for _ in range(data.draw(st.integers(1, 3))):
@@ -770,5 +779,6 @@ def test_any_chat_messages_through_the_running_service_are_served_or_refused_as_
     with grpc.insecure_channel(gateway.cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         calls = [functools.partial(stub.GenerateStream, request, timeout=60) for request in requests]
-        for outcome in sent_at_once(gateway.cluster, calls, requests, shares_a_session(requests), chats=True):
+        state = redis_server.database(GATEWAY_STATE_DB)
+        for outcome in sent_at_once(gateway.cluster, calls, requests, shares_a_session(requests), True, state):
             event(outcome)

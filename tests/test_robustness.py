@@ -23,8 +23,9 @@ from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
 from tests.fuzz import SMALLEST_FLOAT32, fill_any, sent_at_once, shares_a_session, within_limits
+from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
-from tests.reference import make_request, reference_greedy
+from tests.reference import greedy_continuation, make_request, reference_greedy
 from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.test_combinations import FIRST, SAMPLES, SampledMix, sample_mix, sampled_request
 from tests.tiny_models import (
@@ -102,12 +103,22 @@ def _pids(cluster: LocalCluster) -> dict[str, int]:
     return {name: p.proc.pid for name, p in cluster.processes.items() if p.proc.poll() is None}
 
 
+ROBUST_STATE_DB = 1  # the Redis database of the robust cluster's sessions (the other clusters' are apart)
+
+
 @pytest.fixture(scope="module")
-def robust_cluster(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
-    """A pipelined cluster with a sometimes-right draft (both workers sample on every request)."""
+def robust_cluster(
+    tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels, redis_server: RedisServer
+) -> Iterator[LocalCluster]:
+    """A pipelined cluster with a sometimes-right draft (both workers sample on every request),
+    its sessions in a real redis-server."""
     workdir = Path(tmp_path_factory.mktemp("robust"))
     with fault_cluster(
-        workdir, tiny_models.target, tiny_models.noisy, coordinator_args=["--speculation-mode", "pipelined"]
+        workdir,
+        tiny_models.target,
+        tiny_models.noisy,
+        state_url=redis_server.database(ROBUST_STATE_DB),
+        coordinator_args=["--speculation-mode", "pipelined"],
     ) as cluster:
         yield cluster
 
@@ -892,19 +903,55 @@ def _any_request(draw: st.DrawFn) -> coordinator_pb2.GenerateRequest:
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 @given(st.data())
 def test_any_requests_through_the_running_service_are_served_or_refused_as_the_client_s_error(
-    robust_cluster: LocalCluster, data: st.DataObject
+    robust_cluster: LocalCluster, redis_server: RedisServer, tiny_models: TinyModels, data: st.DataObject
 ) -> None:
     """Any requests a client can send (``_any_request``: NaN and infinite floats, the largest
     integers, unknown enum values, maps, or every feature within its limits together), one to
     three at once (the workers batch them), unary or streamed, through the real processes
     (coordinator, draft, target): each is served or refused with a client error that says what
-    was wrong (no traceback); no process exits and the draft is never blamed for them."""
+    was wrong (no traceback), or cancelled by the client after its first round (one in five);
+    no process exits, the draft is never blamed for them, each session they named is in Redis as
+    they left it (a refused or cancelled turn rolled back) and free, and its next turn gives
+    target-only greedy decoding's tokens after what Redis holds (``sent_at_once``)."""
+    target = str(tiny_models.target)
     requests = [_any_request(data.draw) for _ in range(data.draw(st.integers(1, 3)))]
+    cancels = [data.draw(st.integers(0, 4)) == 0 for _ in requests]  # one in five cancelled mid-stream
     calls = []
     with grpc.insecure_channel(robust_cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        for request in requests:
+        for request, cancel in zip(requests, cancels, strict=True):
+            if cancel:
+                _to_cancel(data.draw, request)
+                calls.append(functools.partial(_cancelled_after_its_first_round, stub, request))
+                continue
             method = stub.GenerateStream if data.draw(st.booleans()) else stub.Generate
             calls.append(functools.partial(method, request, timeout=60))
-        for outcome in sent_at_once(robust_cluster, calls, requests, busy_ok=shares_a_session(requests)):
+        state, greedy = redis_server.database(ROBUST_STATE_DB), functools.partial(greedy_continuation, target)
+        outcomes = sent_at_once(
+            robust_cluster, calls, requests, shares_a_session(requests), False, state, cancels, greedy
+        )
+        for outcome in outcomes:
             event(outcome)
+
+
+def _to_cancel(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest) -> None:
+    """Makes ``request`` one whose turn is known by its length where the cancel comes too late:
+    prompt ids, a named session or none, 8-40 new tokens, end-of-sequence ignored, no stop or
+    constraint (its other features stay as drawn)."""
+    request.prompt_token_ids.ids[:] = draw(st.lists(st.integers(0, len(EVERY_ID) - 1), min_size=1, max_size=8))
+    del request.messages[:]
+    s = request.sampling
+    s.max_new_tokens, s.ignore_eos = draw(st.integers(8, 40)), True
+    del s.stop[:], s.stop_token_ids[:]
+    s.ClearField("structured_output")
+
+
+def _cancelled_after_its_first_round(
+    stub: coordinator_pb2_grpc.GenerationStub, request: coordinator_pb2.GenerateRequest
+) -> Iterator[coordinator_pb2.GenerateStreamResponse]:
+    """Streams ``request`` and cancels it once its first round's tokens came (as a client that
+    disconnects); the rest of the stream ends CANCELLED, or as it was where it had ended."""
+    call = stub.GenerateStream(request, timeout=60)
+    next(call, None)  # the refusal, if it was refused, comes out here
+    call.cancel()
+    return call
