@@ -195,7 +195,9 @@ def sent_at_once(
 
     refusals = CLIENT_ERRORS | ({grpc.StatusCode.ABORTED} if busy_ok else set())
 
-    def outcome(call: Callable[[], object], request: object, cancel: bool, allowed: frozenset = refusals) -> Sent:
+    def outcome(
+        call: Callable[[], object], request: object, cancel: bool, allowed: frozenset[grpc.StatusCode] = refusals
+    ) -> Sent:
         try:
             reply = call()
             if isinstance(reply, Iterable):
@@ -264,10 +266,11 @@ def _check_session(
         now = find_session(state_url, session)
     assert now is None or not now.owner, (session, now, turns)
     old, new = (was.tokens, was.chat) if was else None, (now.tokens, now.chat) if now else None
+    tokens = list(now.tokens) if now else None
     if any(o == "OK" for o, _ in turns):
         if was is not None and not was.chat and now is not None:
             assert now.tokens[: len(was.tokens)] == was.tokens, (session, was, now, turns)
-        return new and new[0]
+        return tokens
     finished_anyway = []
     for o, request in turns:
         if o == "CANCELLED":
@@ -284,7 +287,7 @@ def _check_session(
             now.tokens[: len(begins)] == begins and len(now.tokens) == length for begins, length in finished_anyway
         ), (session, was, now, turns)
         event("a cancelled turn that had finished")
-    return new and new[0]
+    return tokens
 
 
 def shares_a_session(requests: Sequence[coordinator_pb2.GenerateRequest]) -> bool:

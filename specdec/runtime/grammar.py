@@ -18,6 +18,7 @@ import functools
 import json
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
 import torch
@@ -167,7 +168,7 @@ def _as_matched(tokenizer: PreTrainedTokenizerFast) -> str:
     return json.dumps(spec)
 
 
-def _without_unicode_forms(normalizer: dict | None) -> dict | None:
+def _without_unicode_forms(normalizer: dict[str, Any] | None) -> dict[str, Any] | None:
     if normalizer is None or normalizer.get("type") in _UNICODE_FORMS:
         return None
     if normalizer.get("type") == "Sequence":
