@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from coordinator.adaptive import NO_STOP, ConfidenceStop, drafting_method
 from specdec.runtime.grammar import grammar_of
 from specdec.runtime.logprobs import MAX_TOP_LOGPROBS
-from specdec.runtime.processing import NO_PROCESSING, Processing
+from specdec.runtime.processing import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, NO_PROCESSING, Processing
 from specdec.runtime.sampling import Warp
 from specdec.serving.errors import InvalidRequest, RequestTooLarge
 from specdec.serving.session_ids import check_session_id
@@ -161,7 +161,6 @@ def _warp(sampling: common_pb2.SamplingParams) -> Warp:
     return Warp(temperature=temperature, top_k=sampling.top_k, top_p=top_p, min_p=sampling.min_p)
 
 
-MAX_REPETITION_PENALTY = 100.0
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -169,9 +168,10 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 
 def _processing(sampling: common_pb2.SamplingParams, limits: Limits, stop_ids: frozenset[int]) -> Processing:
     repetition = sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
-    if not (0.0 < repetition <= MAX_REPETITION_PENALTY):
+    if not (MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY):
         raise InvalidRequest(
-            f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {repetition}"
+            f"sampling.repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+            f"(1 = off), got {repetition}"
         )
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(sampling, name)

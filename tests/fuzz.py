@@ -32,7 +32,7 @@ TOP_P = st.sampled_from([SMALLEST_FLOAT32, 1.0]) | st.floats(SMALLEST_FLOAT32, 1
 TEMPERATURE = st.sampled_from([0.0, 1e-5, 0.5, 1.0, 2.0]) | UNIT  # greedy, at the greedy cut-off, sampled
 MIN_P = st.sampled_from([0.0, 1.0]) | UNIT
 PENALTY = st.floats(-2, 2, width=32)  # presence and frequency
-REPETITION_PENALTY = st.sampled_from([1e-3, 1.0, 100.0])
+REPETITION_PENALTY = st.sampled_from([0.01, 1.0, 100.0])
 STOP_STRINGS = st.lists(st.text(min_size=1, max_size=3), max_size=3)
 CHOICES = st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3)
 

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from transformers import MinPLogitsWarper
 
 from specdec.runtime.logprobs import token_logprobs
-from specdec.runtime.processing import Processing, TokenCounts, process_logits
+from specdec.runtime.processing import Processing, TokenCounts, process_logits, processing_from_proto
 from specdec.runtime.sampling import Warp, warped_probs
+from specdec.serving.errors import InvalidRequest
+from specdec.v1 import common_pb2
 from tests.helpers import opcodes
 from tests.spec_oracle import reference_processing
 
@@ -176,3 +178,16 @@ def test_a_penalised_step_costs_the_same_in_a_long_session() -> None:
         logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
         work.append(opcodes(lambda t=tokens, k=kept, x=logits: process_logits(x, t, len(t) - 5, PROCESSING, k)))
     assert work[1] < 2 * work[0], work
+
+
+def test_a_repetition_penalty_whose_division_could_overflow_is_the_caller_s_error() -> None:
+    """A penalty near 0 divides a positive logit past float32's range (2^-149: every seen token's
+    logit became +inf, and the worker failed the request INTERNAL for non-finite logits; found by
+    the Propose fuzz test). Penalties below 1/100 (the largest is 100) are refused as the caller's
+    error; 1/100 and up are served, and keep a large logit finite."""
+    for refused in (2.0**-149, 1e-30, 0.0099):
+        with pytest.raises(InvalidRequest, match=r"repetition penalty in \[0.01, 100\]"):
+            processing_from_proto(common_pb2.LogitsParams(repetition_penalty=refused))
+    processing = processing_from_proto(common_pb2.LogitsParams(repetition_penalty=0.01))
+    out = process_logits(torch.tensor([[1e30, -1e30, 2.0]]), [0, 1], 2, processing)
+    assert torch.isfinite(out).all() and out[0, 0] == torch.tensor(1e30) / 0.01

@@ -152,12 +152,21 @@ def process_logits(
     return out
 
 
+# A penalty divides positive logits: one near 0 took them past float32's range (2^-149 made every
+# seen token's logit +inf), so it is kept to [1/100, 100]; 1/100 as the float32 the wire carries.
+MAX_REPETITION_PENALTY = 100.0
+MIN_REPETITION_PENALTY = float(torch.tensor(1 / MAX_REPETITION_PENALTY, dtype=torch.float32))
+
+
 def processing_from_proto(params: common_pb2.LogitsParams) -> Processing:
     """LogitsParams -> Processing (0 repetition penalty = off), checked."""
     repetition = params.repetition_penalty or 1.0
     values = (repetition, params.presence_penalty, params.frequency_penalty, *params.logit_bias.values())
-    if not all(math.isfinite(v) for v in values) or repetition <= 0:
-        raise InvalidRequest("logits processing needs finite values and a repetition penalty > 0")
+    if not all(math.isfinite(v) for v in values) or not MIN_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:
+        raise InvalidRequest(
+            "logits processing needs finite values and a repetition penalty in "
+            f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"
+        )
     return Processing(
         repetition_penalty=repetition,
         presence_penalty=params.presence_penalty,
