@@ -85,7 +85,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     p.add_argument("--system", help="with --chat: a system message before it")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS / stop before this many tokens")
-    p.add_argument("--repetition-penalty", type=float, help="HF repetition penalty (> 0; 1 = off)")
+    p.add_argument("--repetition-penalty", type=float, help="HF repetition penalty (0.01 to 100; 1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty [-2, 2]")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p filter [0, 1]")
