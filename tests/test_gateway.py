@@ -154,8 +154,8 @@ GATEWAY_STATE_DB = 2  # the Redis database of the gateway fixture's sessions (th
 def gateway(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[Gateway]:
     """The gateway in front of a speculating service (target + draft), its sessions in a real
     redis-server."""
-    root, tokenizer, state = tmp_path_factory.mktemp("gateway"), _qwen_tokenizer(tmp_path_factory), redis_server
-    with launch(root, tokenizer, with_draft=True, state_url=state.database(GATEWAY_STATE_DB)) as gw:
+    root, state_url = tmp_path_factory.mktemp("gateway"), redis_server.database(GATEWAY_STATE_DB)
+    with launch(root, _qwen_tokenizer(tmp_path_factory), with_draft=True, state_url=state_url) as gw:
         yield gw
 
 
