@@ -6,8 +6,9 @@ the test where the service, not the request, was at fault."""
 from __future__ import annotations
 
 import functools
+import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +172,7 @@ def sent_at_once(
     state_url: str = "",
     cancels: Sequence[bool] = (),
     greedy: Callable[[list[int], int], list[int]] | None = None,
+    render: Callable[[list[dict[str, str]]], list[int]] | None = None,
 ) -> list[str]:
     """Makes ``calls`` (each sends its request of ``requests``; a stream is read to its end) at
     once; returns each one's outcome, OK or its refusal's code name. Fails the test where a request
@@ -186,10 +188,10 @@ def sent_at_once(
     With ``state_url`` (the Redis the cluster's coordinator keeps its sessions in), also where a
     session is not as its requests left it (``_check_session``), and with ``greedy`` (the tokens
     target-only greedy decoding gives after a history) where the next turn, greedy, does not give
-    them after the session's stored tokens: what the workers' caches hold for the session must be
-    those tokens, whatever the requests before did. A cancelled request must ask for exactly its
-    ``max_new_tokens`` after its prompt ids (``ignore_eos``, no stop or constraint), so that a turn
-    it did not cancel in time is known by its length."""
+    them after the session's stored tokens (a chat's: after its stored conversation and the next
+    message, rendered by ``render``, the chat template's tokens): what the workers' caches hold
+    for the session must be those tokens, whatever the requests before did. A cancelled request
+    must be ``known_by_length``, so that a turn it did not cancel in time is known by its length."""
     cancels = list(cancels) or [False] * len(calls)
     assert not any(cancels) or state_url, "a cancelled turn's session is checked in the state store"
 
@@ -219,10 +221,10 @@ def sent_at_once(
         outcomes = [sent.outcome for sent in pool.map(outcome, calls, requests, cancels)]
     assert all(process.proc.poll() is None for process in cluster.processes.values()), "a process exited"
     assert metric(cluster, "coordinator", "specdec_draft_failures_total") == draft_failures
-    after: dict[str, list[int] | None] = {}
+    after: dict[str, SessionRecord | None] = {}
     for session, was in before.items():
         mine = [(o, r) for o, r, name in zip(outcomes, requests, named, strict=True) if name == session]
-        after[session] = _check_session(state_url, session, was, mine)
+        after[session] = _check_session(state_url, session, was, mine, render)
     with grpc.insecure_channel(cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         for session in sorted(sessions):  # its lease is checked before the turn's contents
@@ -232,14 +234,21 @@ def sent_at_once(
             else:
                 turn.prompt_token_ids.ids.append(1)
             turn.sampling.max_new_tokens = 1
-            history = after.get(session)
-            if greedy is not None and history is not None:
+            record = after.get(session)
+            if greedy is not None and record is not None:
                 turn.sampling.max_new_tokens, turn.sampling.ignore_eos = 4, True
             following = outcome(functools.partial(stub.Generate, turn, timeout=60), turn, False, CLIENT_ERRORS)
             event(f"next turn {following.outcome}")
-            if following.outcome == "OK" and greedy is not None and history is not None:
-                got, expected = list(following.reply.token_ids), greedy([*history, 1], 4)
-                assert got == expected, (session, history, got, expected, requests)
+            if following.outcome == "OK" and greedy is not None and record is not None:
+                if chats:
+                    assert render is not None, "a chat's next turn is checked against its rendered conversation"
+                    history = render([*json.loads(record.chat or "[]"), {"role": "user", "content": "and then?"}])
+                    same = history[: len(record.tokens)] == record.tokens
+                    event("next turn keeps the stored tokens" if same else "next turn re-renders the stored tail")
+                else:
+                    history = [*record.tokens, 1]
+                got, expected = list(following.reply.token_ids), greedy(history, 4)
+                assert got == expected, (session, record, got, expected, requests)
             if following.outcome not in ("OK", "NOT_FOUND"):  # full (its context): later examples start it anew
                 try:
                     stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id=session), timeout=60)
@@ -249,15 +258,21 @@ def sent_at_once(
 
 
 def _check_session(
-    state_url: str, session: str, was: SessionRecord | None, turns: list[tuple[str, object]]
-) -> list[int] | None:
+    state_url: str,
+    session: str,
+    was: SessionRecord | None,
+    turns: list[tuple[str, object]],
+    render: Callable[[list[dict[str, str]]], list[int]] | None,
+) -> SessionRecord | None:
     """Fails where ``session`` (stored as ``was`` before ``turns``, each an outcome and its
     request) is not as they left it, or still held by one of them (a cancelled one: 10 s after it
-    was cancelled); returns its tokens (None: no such session). Refused turns are rolled back
+    was cancelled); returns it as it is now (None: no such session). Refused turns are rolled back
     whole: the tokens and conversation as they were (a session they would have made is not there).
     A cancelled turn is rolled back too, unless it had finished before the cancel reached it: the
-    tokens then end in its prompt ids and exactly its ``max_new_tokens``. A served turn of a prompt
-    session appends to its tokens (a chat's may re-render its tail)."""
+    tokens then end in its prompt (a chat's: the conversation with its messages, rendered by
+    ``render``) and exactly its ``max_new_tokens``, and a chat's conversation in its messages and
+    the reply. A served turn of a prompt session appends to its tokens (a chat's may re-render
+    its tail)."""
     now = find_session(state_url, session)
     # a cancelled turn rolls back once the cancel reaches it; the others have let go by their reply
     deadline = time.monotonic() + (10 if any(o == "CANCELLED" for o, _ in turns) else 0)
@@ -266,28 +281,68 @@ def _check_session(
         now = find_session(state_url, session)
     assert now is None or not now.owner, (session, now, turns)
     old, new = (was.tokens, was.chat) if was else None, (now.tokens, now.chat) if now else None
-    tokens = list(now.tokens) if now else None
     if any(o == "OK" for o, _ in turns):
         if was is not None and not was.chat and now is not None:
             assert now.tokens[: len(was.tokens)] == was.tokens, (session, was, now, turns)
-        return tokens
-    finished_anyway = []
-    for o, request in turns:
-        if o == "CANCELLED":
-            assert isinstance(request, coordinator_pb2.GenerateRequest)
-            ids, s = list(request.prompt_token_ids.ids), request.sampling
-            assert ids and s.ignore_eos and not (s.stop or s.stop_token_ids or s.HasField("structured_output"))
-            start = list(was.tokens) if was else []
-            finished_anyway.append((start + ids, len(start) + len(ids) + s.max_new_tokens))
+        return now
+    finished_anyway = [_finished(request, was, render) for o, request in turns if o == "CANCELLED"]
     if new == old:
         kind = "new" if was is None else "existing"
         event(f"a session its turns left as it was ({kind}, {len(finished_anyway)} cancelled)")
     else:
         assert now is not None and any(
-            now.tokens[: len(begins)] == begins and len(now.tokens) == length for begins, length in finished_anyway
+            now.tokens[: len(begins)] == begins
+            and len(now.tokens) == len(begins) + length
+            and (chat is None or _without_reply(now.chat) == chat)
+            for begins, length, chat in finished_anyway
         ), (session, was, now, turns)
         event("a cancelled turn that had finished")
-    return tokens
+    return now
+
+
+def _finished(
+    request: object, was: SessionRecord | None, render: Callable[[list[dict[str, str]]], list[int]] | None
+) -> tuple[list[int], int, list[dict[str, str]] | None]:
+    """What a cancelled ``request`` (``known_by_length``) leaves where it had finished before the
+    cancel reached it: the tokens its reply follows, the reply's length, and a chat's
+    conversation before the reply (None: a prompt turn)."""
+    assert isinstance(request, coordinator_pb2.GenerateRequest)
+    s = request.sampling
+    assert s.ignore_eos and not (s.stop or s.stop_token_ids or s.HasField("structured_output"))
+    if request.messages:
+        assert render is not None, "a cancelled chat turn's prompt is its rendered conversation"
+        said = [{"role": message.role, "content": message.content} for message in request.messages]
+        chat = [*json.loads(was.chat if was and was.chat else "[]"), *said]
+        return render(chat), s.max_new_tokens, chat
+    assert request.prompt_token_ids.ids
+    return [*(was.tokens if was else []), *request.prompt_token_ids.ids], s.max_new_tokens, None
+
+
+def _without_reply(chat: str) -> list[dict[str, str]] | None:
+    """A stored conversation less its last message where that is the assistant's reply."""
+    messages = json.loads(chat) if chat else []
+    return messages[:-1] if messages and messages[-1]["role"] == "assistant" else None
+
+
+def known_by_length(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest) -> None:
+    """Makes ``request`` one whose turn is known by its length where a cancel comes too late:
+    8-40 new tokens, end-of-sequence ignored, no stop or constraint (its prompt and other features
+    stay as drawn)."""
+    s = request.sampling
+    s.max_new_tokens, s.ignore_eos = draw(st.integers(8, 40)), True
+    del s.stop[:], s.stop_token_ids[:]
+    s.ClearField("structured_output")
+
+
+def cancelled_after_its_first_round(
+    stub: coordinator_pb2_grpc.GenerationStub, request: coordinator_pb2.GenerateRequest
+) -> Iterator[coordinator_pb2.GenerateStreamResponse]:
+    """Streams ``request`` and cancels it once its first round's tokens came (as a client that
+    disconnects); the rest of the stream ends CANCELLED, or as it was where it had ended."""
+    call = stub.GenerateStream(request, timeout=60)
+    next(call, None)  # the refusal, if it was refused, comes out here
+    call.cancel()
+    return call
 
 
 def shares_a_session(requests: Sequence[coordinator_pb2.GenerateRequest]) -> bool:

@@ -31,6 +31,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from coordinator.engine_api import _derived_seed
+from coordinator.turn import render_chat
 from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -44,7 +45,9 @@ from tests.fuzz import (
     TEMPERATURE,
     TOP_P,
     biases,
+    cancelled_after_its_first_round,
     fill_any,
+    known_by_length,
     sent_at_once,
     set_some,
     shares_a_session,
@@ -52,7 +55,7 @@ from tests.fuzz import (
     within_limits,
 )
 from tests.helpers import RedisServer, free_ports, real_tokenizer
-from tests.reference import reference_greedy
+from tests.reference import greedy_continuation, reference_greedy
 from tests.tiny_models import build_model, build_sliding
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
@@ -763,11 +766,14 @@ def test_any_chat_messages_through_the_running_service_are_served_or_refused_as_
     """Chat requests of any messages (any role, text that looks like the template's own markers
     or Jinja) rendered by a real chat template (Qwen2.5's), one to three at once, as new chats or
     turns of two shared sessions, with any sampling and speculation features within their
-    limits: each is served or refused with a client error; no process exits, the draft's
-    failures never grow, and a session that only refused requests named keeps its conversation
-    and tokens in Redis as they were."""
+    limits, streamed, one in five cancelled by the client after its first round: each is served
+    or refused with a client error; no process exits, the draft's failures never grow, a session
+    is in Redis as its turns left it (one that only refused or cancelled turns named keeps its
+    conversation and tokens as they were, unless a cancelled turn had finished) and free, and its
+    next turn gives target-only greedy decoding's tokens after its stored conversation rendered
+    with the next message (``sent_at_once``)."""
     vocab = len(gateway.tokenizer)
-    requests = []
+    requests, cancels = [], []
     for _ in range(data.draw(st.integers(1, 3))):
         request = coordinator_pb2.GenerateRequest(session_id=data.draw(st.sampled_from(["", "chat-1", "chat-2"])))
         roles = st.sampled_from(["system", "user", "assistant", "tool"]) | st.text(min_size=1, max_size=8)
@@ -775,10 +781,23 @@ def test_any_chat_messages_through_the_running_service_are_served_or_refused_as_
             request.messages.add(role=role, content=data.draw(_CHAT_TEXT))
         request.sampling.max_new_tokens = data.draw(st.integers(1, 8))
         within_limits(data.draw, request, vocab)
+        cancels.append(data.draw(st.integers(0, 4)) == 0)  # one in five cancelled mid-stream
+        if cancels[-1]:
+            known_by_length(data.draw, request)
         requests.append(request)
     with grpc.insecure_channel(gateway.cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        calls = [functools.partial(stub.GenerateStream, request, timeout=60) for request in requests]
+        calls = [
+            functools.partial(cancelled_after_its_first_round, stub, request)
+            if cancel
+            else functools.partial(stub.GenerateStream, request, timeout=60)
+            for request, cancel in zip(requests, cancels, strict=True)
+        ]
         state = redis_server.database(GATEWAY_STATE_DB)
-        for outcome in sent_at_once(gateway.cluster, calls, requests, shares_a_session(requests), True, state):
+        greedy = functools.partial(greedy_continuation, gateway.cluster.target_model)
+        render = functools.partial(render_chat, gateway.tokenizer)
+        outcomes = sent_at_once(
+            gateway.cluster, calls, requests, shares_a_session(requests), True, state, cancels, greedy, render
+        )
+        for outcome in outcomes:
             event(outcome)

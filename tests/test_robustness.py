@@ -22,7 +22,15 @@ from transformers import AutoModelForCausalLM
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, wait_for
-from tests.fuzz import SMALLEST_FLOAT32, fill_any, sent_at_once, shares_a_session, within_limits
+from tests.fuzz import (
+    SMALLEST_FLOAT32,
+    cancelled_after_its_first_round,
+    fill_any,
+    known_by_length,
+    sent_at_once,
+    shares_a_session,
+    within_limits,
+)
 from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
 from tests.reference import greedy_continuation, make_request, reference_greedy
@@ -922,7 +930,7 @@ def test_any_requests_through_the_running_service_are_served_or_refused_as_the_c
         for request, cancel in zip(requests, cancels, strict=True):
             if cancel:
                 _to_cancel(data.draw, request)
-                calls.append(functools.partial(_cancelled_after_its_first_round, stub, request))
+                calls.append(functools.partial(cancelled_after_its_first_round, stub, request))
                 continue
             method = stub.GenerateStream if data.draw(st.booleans()) else stub.Generate
             calls.append(functools.partial(method, request, timeout=60))
@@ -936,22 +944,7 @@ def test_any_requests_through_the_running_service_are_served_or_refused_as_the_c
 
 def _to_cancel(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest) -> None:
     """Makes ``request`` one whose turn is known by its length where the cancel comes too late:
-    prompt ids, a named session or none, 8-40 new tokens, end-of-sequence ignored, no stop or
-    constraint (its other features stay as drawn)."""
+    prompt ids, a named session or none, ``known_by_length`` (its other features stay as drawn)."""
     request.prompt_token_ids.ids[:] = draw(st.lists(st.integers(0, len(EVERY_ID) - 1), min_size=1, max_size=8))
     del request.messages[:]
-    s = request.sampling
-    s.max_new_tokens, s.ignore_eos = draw(st.integers(8, 40)), True
-    del s.stop[:], s.stop_token_ids[:]
-    s.ClearField("structured_output")
-
-
-def _cancelled_after_its_first_round(
-    stub: coordinator_pb2_grpc.GenerationStub, request: coordinator_pb2.GenerateRequest
-) -> Iterator[coordinator_pb2.GenerateStreamResponse]:
-    """Streams ``request`` and cancels it once its first round's tokens came (as a client that
-    disconnects); the rest of the stream ends CANCELLED, or as it was where it had ended."""
-    call = stub.GenerateStream(request, timeout=60)
-    next(call, None)  # the refusal, if it was refused, comes out here
-    call.cancel()
-    return call
+    known_by_length(draw, request)
