@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import redis
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import event
@@ -25,6 +26,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
 from tests.reference import find_session
 
+SESSION_KEY = "specdec:session:"  # a session's key in a Redis state store (the default key prefix)
 SMALLEST_FLOAT32 = 2.0**-149  # the smallest positive (denormal) float32
 # Values within a sampling parameter's limits, its edges often (the native and the engine API's
 # strategies both draw from these)
@@ -186,7 +188,8 @@ def sent_at_once(
     the next example's turns of it are decoded, not refused).
 
     With ``state_url`` (the Redis the cluster's coordinator keeps its sessions in), also where a
-    session is not as its requests left it (``_check_session``), and with ``greedy`` (the tokens
+    session is not as its requests left it (``_check_session``) or one they did not name is left
+    there (``_check_none_left``), and with ``greedy`` (the tokens
     target-only greedy decoding gives after a history) where the next turn, greedy, does not give
     them after the session's stored tokens (a chat's: after its stored conversation and the next
     message, rendered by ``render``, the chat template's tokens): what the workers' caches hold
@@ -216,11 +219,14 @@ def sent_at_once(
     named = [r.session_id if isinstance(r, coordinator_pb2.GenerateRequest) else "" for r in requests]
     sessions = set(named) - {""}
     before = {session: find_session(state_url, session) for session in sessions} if state_url else {}
+    stored = _stored_sessions(state_url) if state_url else set()
     draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
     with ThreadPoolExecutor(len(calls)) as pool:
         outcomes = [sent.outcome for sent in pool.map(outcome, calls, requests, cancels)]
     assert all(process.proc.poll() is None for process in cluster.processes.values()), "a process exited"
     assert metric(cluster, "coordinator", "specdec_draft_failures_total") == draft_failures
+    if state_url:
+        _check_none_left(state_url, stored | sessions, any(o == "CANCELLED" for o in outcomes))
     after: dict[str, SessionRecord | None] = {}
     for session, was in before.items():
         mine = [(o, r) for o, r, name in zip(outcomes, requests, named, strict=True) if name == session]
@@ -255,6 +261,23 @@ def sent_at_once(
                 except grpc.RpcError as exc:  # a session id the checks refuse
                     assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
     return outcomes
+
+
+def _stored_sessions(state_url: str) -> set[str]:
+    """The ids of the sessions a Redis state store holds (its keys ``specdec:session:<id>``)."""
+    with redis.Redis.from_url(state_url) as client:
+        return {key.decode().removeprefix(SESSION_KEY) for key in client.scan_iter(f"{SESSION_KEY}*")}
+
+
+def _check_none_left(state_url: str, kept: set[str], cancelled: bool) -> None:
+    """Fails where the state store holds a session besides ``kept`` (those there before and those
+    the requests named) once the requests have ended: a one-shot request's session (or one a
+    refused request would have made) left behind, to live out its TTL in Redis. A cancelled
+    request's goes once the cancel reaches it (10 s at most); the others' by their reply (2 s)."""
+    deadline = time.monotonic() + (10 if cancelled else 2)
+    while (left := _stored_sessions(state_url) - kept) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not left, f"sessions left in the state store after their requests ended: {sorted(left)}"
 
 
 def _check_session(
@@ -334,12 +357,11 @@ def known_by_length(draw: st.DrawFn, request: coordinator_pb2.GenerateRequest) -
     s.ClearField("structured_output")
 
 
-def cancelled_after_its_first_round(
-    stub: coordinator_pb2_grpc.GenerationStub, request: coordinator_pb2.GenerateRequest
-) -> Iterator[coordinator_pb2.GenerateStreamResponse]:
-    """Streams ``request`` and cancels it once its first round's tokens came (as a client that
-    disconnects); the rest of the stream ends CANCELLED, or as it was where it had ended."""
-    call = stub.GenerateStream(request, timeout=60)
+def cancelled_after_its_first_round(stream: Callable[..., Iterator[Any]], request: Message) -> Iterator[Any]:
+    """Streams ``request`` with ``stream`` (a server-streaming method) and cancels it once its
+    first reply came, its first round's tokens (as a client that disconnects); the rest of the
+    stream ends CANCELLED, or as it was where it had ended."""
+    call = stream(request, timeout=60)
     next(call, None)  # the refusal, if it was refused, comes out here
     call.cancel()
     return call

@@ -740,18 +740,29 @@ def _any_engine_request(draw: st.DrawFn, vocab: int) -> vllm_pb2.GenerateRequest
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 @given(st.data())
 def test_any_engine_requests_through_the_running_service_are_served_or_refused_as_the_caller_s_error(
-    gateway: Gateway, data: st.DataObject
+    gateway: Gateway, redis_server: RedisServer, data: st.DataObject
 ) -> None:
     """What any gateway could send to the engine API (``_any_engine_request``), one to three
     requests at once, through the running coordinator, draft and target (a real tokenizer with a
-    chat template): each is served or refused with a client error that says what was wrong; no
-    process exits and the draft's failures never grow."""
+    chat template), one in five cancelled after its first reply (as a gateway whose client went
+    away): each is served or refused with a client error that says what was wrong; no process
+    exits, the draft's failures never grow, and no request leaves a session in Redis."""
     vocab = len(gateway.tokenizer)
     requests = [_any_engine_request(data.draw, vocab) for _ in range(data.draw(st.integers(1, 3)))]
+    cancels = [data.draw(st.integers(0, 4)) == 0 for _ in requests]  # one in five cancelled mid-stream
+    for request, cancel in zip(requests, cancels, strict=True):
+        if cancel:  # long enough to be cancelled before its end, mostly
+            request.sampling_params.max_tokens = data.draw(st.integers(8, 40))
     with grpc.insecure_channel(gateway.cluster.address) as channel:
         stub = vllm_grpc.VllmEngineStub(channel)
-        calls = [functools.partial(stub.Generate, request, timeout=60) for request in requests]
-        for outcome in sent_at_once(gateway.cluster, calls, requests):
+        calls = [
+            functools.partial(cancelled_after_its_first_round, stub.Generate, request)
+            if cancel
+            else functools.partial(stub.Generate, request, timeout=60)
+            for request, cancel in zip(requests, cancels, strict=True)
+        ]
+        state = redis_server.database(GATEWAY_STATE_DB)
+        for outcome in sent_at_once(gateway.cluster, calls, requests, False, False, state, cancels):
             event(outcome)
 
 
@@ -788,7 +799,7 @@ def test_any_chat_messages_through_the_running_service_are_served_or_refused_as_
     with grpc.insecure_channel(gateway.cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         calls = [
-            functools.partial(cancelled_after_its_first_round, stub, request)
+            functools.partial(cancelled_after_its_first_round, stub.GenerateStream, request)
             if cancel
             else functools.partial(stub.GenerateStream, request, timeout=60)
             for request, cancel in zip(requests, cancels, strict=True)

@@ -930,7 +930,7 @@ def test_any_requests_through_the_running_service_are_served_or_refused_as_the_c
         for request, cancel in zip(requests, cancels, strict=True):
             if cancel:
                 _to_cancel(data.draw, request)
-                calls.append(functools.partial(cancelled_after_its_first_round, stub, request))
+                calls.append(functools.partial(cancelled_after_its_first_round, stub.GenerateStream, request))
                 continue
             method = stub.GenerateStream if data.draw(st.booleans()) else stub.Generate
             calls.append(functools.partial(method, request, timeout=60))
