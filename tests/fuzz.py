@@ -367,6 +367,19 @@ def cancelled_after_its_first_round(stream: Callable[..., Iterator[Any]], reques
     return call
 
 
+def streamed(
+    stream: Callable[..., Iterator[Any]], requests: Sequence[Message], cancels: Sequence[bool]
+) -> list[Callable[[], object]]:
+    """A call per request for ``sent_at_once``: each streams its request with ``stream`` (a
+    server-streaming method), cancelled after its first reply where ``cancels`` says so."""
+    return [
+        functools.partial(cancelled_after_its_first_round, stream, request)
+        if cancel
+        else functools.partial(stream, request, timeout=60)
+        for request, cancel in zip(requests, cancels, strict=True)
+    ]
+
+
 def shares_a_session(requests: Sequence[coordinator_pb2.GenerateRequest]) -> bool:
     """Whether two of ``requests`` name the same session (sent at once, one may be refused as busy)."""
     sessions = [request.session_id for request in requests if request.session_id]

@@ -45,13 +45,13 @@ from tests.fuzz import (
     TEMPERATURE,
     TOP_P,
     biases,
-    cancelled_after_its_first_round,
     fill_any,
     known_by_length,
     sent_at_once,
     set_some,
     shares_a_session,
     stop_ids,
+    streamed,
     within_limits,
 )
 from tests.helpers import RedisServer, free_ports, real_tokenizer
@@ -755,12 +755,7 @@ def test_any_engine_requests_through_the_running_service_are_served_or_refused_a
             request.sampling_params.max_tokens = data.draw(st.integers(8, 40))
     with grpc.insecure_channel(gateway.cluster.address) as channel:
         stub = vllm_grpc.VllmEngineStub(channel)
-        calls = [
-            functools.partial(cancelled_after_its_first_round, stub.Generate, request)
-            if cancel
-            else functools.partial(stub.Generate, request, timeout=60)
-            for request, cancel in zip(requests, cancels, strict=True)
-        ]
+        calls = streamed(stub.Generate, requests, cancels)
         state = redis_server.database(GATEWAY_STATE_DB)
         for outcome in sent_at_once(gateway.cluster, calls, requests, False, False, state, cancels):
             event(outcome)
@@ -798,12 +793,7 @@ def test_any_chat_messages_through_the_running_service_are_served_or_refused_as_
         requests.append(request)
     with grpc.insecure_channel(gateway.cluster.address) as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
-        calls = [
-            functools.partial(cancelled_after_its_first_round, stub.GenerateStream, request)
-            if cancel
-            else functools.partial(stub.GenerateStream, request, timeout=60)
-            for request, cancel in zip(requests, cancels, strict=True)
-        ]
+        calls = streamed(stub.GenerateStream, requests, cancels)
         state = redis_server.database(GATEWAY_STATE_DB)
         greedy = functools.partial(greedy_continuation, gateway.cluster.target_model)
         render = functools.partial(render_chat, gateway.tokenizer)
