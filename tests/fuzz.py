@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import redis
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import event
@@ -24,9 +23,9 @@ from specdec.state import SessionRecord
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import metric
+from tests.helpers import stored_sessions
 from tests.reference import find_session
 
-SESSION_KEY = "specdec:session:"  # a session's key in a Redis state store (the default key prefix)
 SMALLEST_FLOAT32 = 2.0**-149  # the smallest positive (denormal) float32
 # Values within a sampling parameter's limits, its edges often (the native and the engine API's
 # strategies both draw from these)
@@ -219,7 +218,7 @@ def sent_at_once(
     named = [r.session_id if isinstance(r, coordinator_pb2.GenerateRequest) else "" for r in requests]
     sessions = set(named) - {""}
     before = {session: find_session(state_url, session) for session in sessions} if state_url else {}
-    stored = _stored_sessions(state_url) if state_url else set()
+    stored = stored_sessions(state_url) if state_url else set()
     draft_failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
     with ThreadPoolExecutor(len(calls)) as pool:
         outcomes = [sent.outcome for sent in pool.map(outcome, calls, requests, cancels)]
@@ -263,19 +262,13 @@ def sent_at_once(
     return outcomes
 
 
-def _stored_sessions(state_url: str) -> set[str]:
-    """The ids of the sessions a Redis state store holds (its keys ``specdec:session:<id>``)."""
-    with redis.Redis.from_url(state_url) as client:
-        return {key.decode().removeprefix(SESSION_KEY) for key in client.scan_iter(f"{SESSION_KEY}*")}
-
-
 def _check_none_left(state_url: str, kept: set[str], cancelled: bool) -> None:
     """Fails where the state store holds a session besides ``kept`` (those there before and those
     the requests named) once the requests have ended: a one-shot request's session (or one a
     refused request would have made) left behind, to live out its TTL in Redis. A cancelled
     request's goes once the cancel reaches it (10 s at most); the others' by their reply (2 s)."""
     deadline = time.monotonic() + (10 if cancelled else 2)
-    while (left := _stored_sessions(state_url) - kept) and time.monotonic() < deadline:
+    while (left := stored_sessions(state_url) - kept) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not left, f"sessions left in the state store after their requests ended: {sorted(left)}"
 

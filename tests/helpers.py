@@ -19,6 +19,7 @@ from types import FrameType
 from typing import TypeVar
 
 import pytest
+import redis
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -112,6 +113,15 @@ class RedisServer:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
+
+
+SESSION_KEY = "specdec:session:"  # a session's key in a Redis state store, less its id (the default prefix)
+
+
+def stored_sessions(url: str, pattern: str = "*") -> set[str]:
+    """The ids (those matching ``pattern``) of the sessions the Redis state store at ``url`` holds."""
+    with redis.Redis.from_url(url) as client:
+        return {key.decode().removeprefix(SESSION_KEY) for key in client.scan_iter(f"{SESSION_KEY}{pattern}")}
 
 
 def real_tokenizer(name: str, tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:

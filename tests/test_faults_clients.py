@@ -26,7 +26,7 @@ from specdec.serving.errors import InvalidRequest
 from specdec.tools.launch import LocalCluster, ServiceProcess, spawn, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import FAULT_COORDINATOR_ARGS, HUGE_TEXT, fault_cluster, loop_stall_during, metric, wait_for
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, stored_sessions
 from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import make_request, read_session, reference_greedy
 from tests.tiny_models import TinyModels
@@ -85,7 +85,7 @@ def test_cancelled_streams_free_everything(
         client = redis.Redis.from_url(redis_server.url)
         ttls = [client.pttl(key) for key in client.scan_iter("specdec:session:cancel-*")]
         assert all(ttl > 0 for ttl in ttls)  # a session its own cancelled turn created is deleted
-        assert not list(client.scan_iter("specdec:session:oneshot-*"))
+        assert not stored_sessions(redis_server.url, "oneshot-*")
         client.close()
         fd_growth = open_fds(coordinator_pid) - baseline
         assert fd_growth <= 2
@@ -446,7 +446,7 @@ def test_bad_input_is_rejected_before_any_worker_is_called(
 ) -> None:
     with fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url) as cluster:
         before = computed_tokens(cluster)
-        keys_before = set(redis.Redis.from_url(redis_server.url).scan_iter("specdec:session:*"))
+        sessions_before = stored_sessions(redis_server.url)
         with grpc.insecure_channel(cluster.address, options=[("grpc.max_send_message_length", 16 << 20)]) as channel:
             stub = coordinator_pb2_grpc.GenerationStub(channel)
             for name, request, code, message in BAD_INPUTS:
@@ -456,7 +456,7 @@ def test_bad_input_is_rejected_before_any_worker_is_called(
                 assert message in (err.value.details() or ""), (name, err.value.details())
                 assert "Traceback" not in (err.value.details() or "") and "redis://" not in (err.value.details() or "")
         assert computed_tokens(cluster) == before
-        assert set(redis.Redis.from_url(redis_server.url).scan_iter("specdec:session:*")) == keys_before
+        assert stored_sessions(redis_server.url) == sessions_before
     fault_report["bad input (14 kinds)"] = {
         "rejected_before_workers": True,
         "codes": sorted({c for _, _, c, _ in BAD_INPUTS}),

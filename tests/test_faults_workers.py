@@ -20,7 +20,7 @@ from specdec.serving.server import INTERNAL_MESSAGE
 from specdec.tools.launch import worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, logged_events, metric, stream_with_fault, wait_for
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, stored_sessions
 from tests.netproxy import LateLink, ProxyRoutes
 from tests.reference import make_request, read_session, reference_greedy
 from tests.spec_oracle import reference_grammar
@@ -750,22 +750,13 @@ def test_only_target_down_is_unavailable_within_a_second_and_leaves_no_state(
         record = read_session(redis_server.url, "down-1")
         assert record.tokens == [*PROMPT, *turn1.token_ids]  # the failed turn was rolled back
         assert record.owner == ""  # and its lease released
-        assert "specdec:session:down-1" in _session_keys(redis_server.url)
-        assert not _session_keys(redis_server.url, "oneshot-*")  # the failed one-shot left nothing
+        assert "down-1" in stored_sessions(redis_server.url)
+        assert not stored_sessions(redis_server.url, "oneshot-*")  # the failed one-shot left nothing
     fault_report["only target down"] = {
         "client_code": "UNAVAILABLE",
         "worst_latency_s": round(max(timings), 3),
         "orphaned_state": "none",
     }
-
-
-def _session_keys(url: str, pattern: str = "*") -> list[str]:
-    import redis
-
-    client = redis.Redis.from_url(url)
-    keys = sorted(k.decode() for k in client.scan_iter(f"specdec:session:{pattern}"))
-    client.close()
-    return keys
 
 
 @pytest.mark.parametrize("draft_name", ["adversarial", "other", "noisy"])
