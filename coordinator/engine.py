@@ -102,6 +102,15 @@ def choose_pipelined(mode: str, target: common_pb2.WorkerInfo, draft: common_pb2
     return not shared_cpu
 
 
+def package_version() -> str:
+    """specdec's installed version; "unknown" where it runs from a source tree on PYTHONPATH that
+    was never installed (no package metadata), rather than failing the coordinator's start-up."""
+    try:
+        return importlib.metadata.version("specdec")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def server_info(
     settings: CoordinatorSettings,
     limits: Limits,
@@ -112,7 +121,7 @@ def server_info(
 ) -> coordinator_pb2.GetInfoResponse:
     """What GetInfo answers (made at start-up, and again if a draft that was down then joins)."""
     return coordinator_pb2.GetInfoResponse(
-        server_version=importlib.metadata.version("specdec"),
+        server_version=package_version(),
         target_model_id=target.model_id,
         draft_model_id=draft.model_id if draft else "",
         draft_methods=["model", "ngram", "hybrid"] if draft else ["ngram"],

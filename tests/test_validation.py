@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -303,3 +304,21 @@ def test_any_engine_api_request_is_parsed_or_refused_as_the_client_s_error(data:
             assert message and "sampling." not in message and "max_new_tokens" not in message, message
             continue
         raise AssertionError("the request neither started nor was refused")
+
+
+def test_get_info_says_unknown_version_when_specdec_runs_from_a_tree_not_installed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A coordinator started from a source tree on PYTHONPATH (no package metadata) once failed its
+    start-up on GetInfo's version; it reports "unknown" instead."""
+    from coordinator.engine import server_info
+    from coordinator.settings import CoordinatorSettings
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    target = common_pb2.WorkerInfo(model_id="t")
+    info = server_info(CoordinatorSettings(target_addresses=["t:1"]), LIMITS, target, None, False, False)
+    assert info.server_version == "unknown"
+    assert info.target_model_id == "t"
