@@ -564,3 +564,21 @@ def test_target_only_decoding_is_not_timed_again_while_the_draft_pays() -> None:
         controller.observe(4, 1)
     choices = [controller.choose(100) for _ in range(100)]
     assert 0 not in choices, choices
+
+
+def test_on_the_h200_s_measured_costs_the_model_draft_is_off_and_a_matching_lookup_on() -> None:
+    """Costs as measured on an H200 with eager passes (README, Benchmark, On a GPU): the 1.5B
+    target's pass 26.9 ms for one row and ~30 ms for 2-9, the 0.5B draft 21.9 ms a token, 3.3 ms
+    of the service's own a round. At the pair's CPU-measured agreement (0.75) a model block
+    costs more than the tokens it wins (K = 1: 1.75 tokens in 54.8 ms against 1 in 30.2), so the
+    default decodes target-only there, while a lookup (free to draft) that matches still pays."""
+    gpu = costs(21.9, {1: 26.9, 2: 29.6, 3: 30.1, 5: 29.7, 9: 30.1}, overhead=3.3)
+    controller = KController(k_max=8, costs=gpu)
+    for _ in range(40):
+        controller.observe(4, 3)  # 3 of 4 drafted tokens taken a round
+    assert 0.7 < controller.alpha < 0.8
+    assert controller.plan(model=8, lookup=0).k == 0
+    for _ in range(10):
+        controller.observe(8, 8, "ngram")
+    plan = controller.plan(model=8, lookup=8)
+    assert plan.method == "ngram" and plan.k >= 6
