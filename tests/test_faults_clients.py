@@ -26,7 +26,7 @@ from specdec.serving.errors import InvalidRequest
 from specdec.tools.launch import LocalCluster, ServiceProcess, spawn, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import FAULT_COORDINATOR_ARGS, HUGE_TEXT, fault_cluster, loop_stall_during, metric, wait_for
-from tests.helpers import RedisServer, stored_sessions
+from tests.helpers import SESSION_KEY, RedisServer, stored_sessions
 from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import make_request, read_session, reference_greedy
 from tests.tiny_models import TinyModels
@@ -83,7 +83,7 @@ def test_cancelled_streams_free_everything(
                 cleanup.append(wait_for(lambda: idle(cluster, kept), 5, 0.005))
         assert max(cleanup) < 0.5, f"slowest cleanup {max(cleanup):.3f}s"
         client = redis.Redis.from_url(redis_server.url)
-        ttls = [client.pttl(key) for key in client.scan_iter("specdec:session:cancel-*")]
+        ttls = [client.pttl(key) for key in client.scan_iter(f"{SESSION_KEY}cancel-*")]
         assert all(ttl > 0 for ttl in ttls)  # a session its own cancelled turn created is deleted
         assert not stored_sessions(redis_server.url, "oneshot-*")
         client.close()

@@ -17,7 +17,7 @@ import redis
 from specdec.tools.launch import LaunchError
 from specdec.v1 import coordinator_pb2_grpc
 from tests.clusters import fault_cluster, wait_for
-from tests.helpers import RedisServer, free_port
+from tests.helpers import SESSION_KEY, RedisServer, free_port
 from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import make_request, read_session, reference_greedy
 from tests.tiny_models import TinyModels
@@ -469,7 +469,7 @@ def test_a_redis_failover_that_keeps_the_old_primary_up_is_ridden_out(
             first = stub.Generate(make_request(PROMPT, session_id="kept", max_new=5, ignore_eos=True), timeout=30)
             history = [*PROMPT, *first.token_ids]
             old_client, new_client = redis.Redis(port=old.port), redis.Redis(port=new.port)
-            wait_for(lambda: new_client.exists("specdec:session:kept") == 1, 10, 0.05)
+            wait_for(lambda: new_client.exists(f"{SESSION_KEY}kept") == 1, 10, 0.05)
             new_client.replicaof("NO", "ONE")
             old_client.replicaof("127.0.0.1", new.port)
             name.retarget(f"127.0.0.1:{new.port}")
