@@ -571,13 +571,17 @@ def test_on_the_h200_s_measured_costs_the_model_draft_is_off_and_a_matching_look
     target's pass 26.9 ms for one row and ~30 ms for 2-9, the 0.5B draft 21.9 ms a token, 3.3 ms
     of the service's own a round. At the pair's CPU-measured agreement (0.75) a model block
     costs more than the tokens it wins (K = 1: 1.75 tokens in 54.8 ms against 1 in 30.2), so the
-    default decodes target-only there, while a lookup (free to draft) that matches still pays."""
-    gpu = costs(21.9, {1: 26.9, 2: 29.6, 3: 30.1, 5: 29.7, 9: 30.1}, overhead=3.3)
-    controller = KController(k_max=8, costs=gpu)
+    default decodes target-only there, while a lookup (free to draft) that matches still pays; a
+    draft of 8 ms a token would be drafted with at K = 3."""
+    verify = {1: 26.9, 2: 29.6, 3: 30.1, 5: 29.7, 9: 30.1}
+    cheaper = KController(k_max=8, costs=costs(8.0, verify, overhead=3.3))
+    controller = KController(k_max=8, costs=costs(21.9, verify, overhead=3.3))
     for _ in range(40):
-        controller.observe(4, 3)  # 3 of 4 drafted tokens taken a round
+        for ctl in (controller, cheaper):
+            ctl.observe(4, 3)  # 3 of 4 drafted tokens taken a round
     assert 0.7 < controller.alpha < 0.8
     assert controller.plan(model=8, lookup=0).k == 0
+    assert cheaper.plan(model=8, lookup=0) == Plan("model", 3)
     for _ in range(10):
         controller.observe(8, 8, "ngram")
     plan = controller.plan(model=8, lookup=8)
