@@ -1,7 +1,7 @@
 """What one forward pass of the target costs by the rows it computes, and whether a several-row
 verify pass picks the same greedy tokens as one-token passes, on this machine's device.
 
-Usage: python passes.py MODEL_DIR OUT_JSON [--device cuda] [--draft DRAFT_DIR]
+Usage: python passes.py MODEL_DIR OUT_JSON [--device cuda] [--draft DRAFT_DIR]  (specdec importable: run.sh)
 For float32 and bfloat16: a 256-token prompt is prefilled, then each row count's pass (the rows
 after the prompt) is timed (median of 15 after 3 warm-ups, the cache cut back after each); then
 64 greedy tokens by one-token passes, and the same positions scored by 9-row passes: positions
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+
+from specdec.runtime.kvcache import cache_argument
 
 ROWS = (1, 2, 3, 5, 9, 17, 33, 65)
 
@@ -52,14 +54,14 @@ def pass_costs(
     model: Any, device: torch.device, prompt: torch.Tensor, rows_list: tuple[int, ...] = ROWS
 ) -> dict[int, float]:
     cache = DynamicCache(config=model.config)
-    model(prompt, past_key_values=cache, use_cache=True)
+    model(prompt, **cache_argument(model, cache))
     n = prompt.shape[1]
     costs = {}
     for rows in rows_list:
         ids = torch.randint(0, model.config.vocab_size, (1, rows), device=device)
 
         def step(ids: torch.Tensor = ids) -> None:
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_argument(model, cache))
             _cut(cache, n)
 
         costs[rows] = round(_timed(step, device), 3)
@@ -69,11 +71,11 @@ def pass_costs(
 @torch.inference_mode()
 def argmax_identity(model: Any, prompt: torch.Tensor, new: int = 64, block: int = 9) -> dict[str, Any]:
     cache = DynamicCache(config=model.config)
-    out = model(prompt, past_key_values=cache, use_cache=True)
+    out = model(prompt, **cache_argument(model, cache))
     logits = [out.logits[0, -1].float()]
     tokens = [int(logits[0].argmax())]
     for _ in range(new - 1):
-        out = model(torch.tensor([[tokens[-1]]], device=prompt.device), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([[tokens[-1]]], device=prompt.device), **cache_argument(model, cache))
         logits.append(out.logits[0, -1].float())
         tokens.append(int(logits[-1].argmax()))
     n = prompt.shape[1]
@@ -84,7 +86,7 @@ def argmax_identity(model: Any, prompt: torch.Tensor, new: int = 64, block: int 
         last = int(prompt[0, -1]) if start == 0 else tokens[start - 1]
         rows = [last, *tokens[start : min(start + block - 1, new - 1)]]
         _cut(cache, n - 1 + start)
-        out = model(torch.tensor([rows], device=prompt.device), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([rows], device=prompt.device), **cache_argument(model, cache))
         for j in range(len(rows)):
             one = logits[start + j]
             several = out.logits[0, j].float()
