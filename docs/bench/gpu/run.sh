@@ -4,7 +4,8 @@
 # (wheels; see README) and SRC (default .gpu-models) holding target/ and draft/ folders of
 # config.json and tokenizer files. Results go to OUT (default bench-results/gpu). The defaults are
 # the recorded run's (sized for a 15-minute lease); NEW, PROMPTS, REPEATS, CONC, METHODS ('|'
-# between names as in the table) and the LIMIT_* seconds raise them; SKIP_PASSES=1 skips passes.py.
+# between names as in the table) and the LIMIT_* seconds raise them; SKIP_PASSES=1 skips passes.py,
+# SKIP_F32=1 the float32 bench.
 set -uo pipefail
 SRC=${SRC:-.gpu-models}
 OUT=${OUT:-bench-results/gpu}
@@ -34,7 +35,7 @@ METHODS=${METHODS:-hf target-only|service target-only|service ngram K|service de
 IFS='|' read -r -a names <<< "$METHODS"
 for name in "${names[@]}"; do BENCH+=(--method "$name"); done
 # float32: greedy token identity of every row against HF target-only on this device
-step "${LIMIT_F32:-110}" "${BENCH[@]}" --dtype float32 --repeats 1 --concurrency '' --out "$OUT/bench-float32.json"
+[ -n "${SKIP_F32:-}" ] || step "${LIMIT_F32:-110}" "${BENCH[@]}" --dtype float32 --repeats 1 --concurrency '' --out "$OUT/bench-float32.json"
 # bfloat16 (the GPU default): costs, and the concurrency sweep
 step "${LIMIT_BF16:-115}" "${BENCH[@]}" --dtype bfloat16 --repeats "${REPEATS:-1}" --concurrency "${CONC:-1,8}" \
   --out "$OUT/bench-bfloat16.json"
