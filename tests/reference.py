@@ -126,11 +126,12 @@ def _greedy_model(model_dir: str) -> torch.nn.Module:
 
 def greedy_continuation(model_dir: str, history: list[int], n: int) -> list[int]:
     """The ``n`` tokens target-only greedy decoding gives after ``history``, end-of-sequence
-    ignored: each the argmax of one plain forward pass over all the tokens before it (the model
-    loaded once per directory; for many short checks, where ``reference_greedy``'s loading would
-    dominate)."""
+    ignored: each the argmax of one plain forward pass over all the tokens before it, no cache
+    (the model loaded once per directory; for many short checks, where ``reference_greedy``'s
+    loading would dominate). Only the last position's logits are computed: over a real
+    tokenizer's vocabulary every position's were most of a tiny model's pass."""
     model, ids = _greedy_model(model_dir), list(history)
     with torch.inference_mode():
         for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].argmax()))
     return ids[len(history) :]
