@@ -213,3 +213,48 @@ def test_a_batched_pass_pads_no_row_to_far_more_than_its_own_length(cached: list
         for i, n in enumerate(cached)
     ]
     assert [[_row_tokens(t) for t in batch] for batch in pad_bounded(tasks)] == passes
+
+
+class _TimedCaches:
+    """Stands in for SessionCaches in this unit test: every forward pass takes ``pass_s``; records
+    each pass's rows."""
+
+    def __init__(self, pass_s: float) -> None:
+        self.batches: list[int] = []
+        self.pass_s = pass_s
+
+    def extend_many(self, ops: Sequence[tuple[Any, Sequence[int], int]]) -> list[torch.Tensor]:
+        self.batches.append(len(ops))
+        time.sleep(self.pass_s)
+        return [torch.zeros(n, 4) for _, _, n in ops]
+
+
+async def _rounds(scheduler: StepScheduler, session: str, rounds: int, round_trip_s: float, start_s: float) -> None:
+    """A session's rounds as a coordinator sends them, from ``start_s``: a one-pass job, then the
+    next a round trip after its reply."""
+    await asyncio.sleep(start_s)
+    for _ in range(rounds):
+        await scheduler.run(session, lambda: _job(ComputeMeter(), 1))
+        await asyncio.sleep(round_trip_s)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("wait_s", [0.0, 0.05])
+async def test_sessions_a_round_trip_apart_share_passes_where_the_scheduler_waits_for_them(wait_s: float) -> None:
+    """Two sessions whose next steps come 10 ms after their jobs end, passes of 60 ms, the second
+    session starting half a pass after the first: without the wait each one's step makes the pass
+    after the other's, and they take turns, a pass each (what the target worker did: on an H200 2
+    sessions decoded no faster than one); waiting for the session whose job just ended puts both
+    in every pass after the first few."""
+    scheduler = StepScheduler(max_batch=8, batch_wait_s=wait_s)
+    caches = _TimedCaches(0.06)
+    scheduler.attach(caches)  # type: ignore[arg-type]
+    try:
+        await asyncio.gather(_rounds(scheduler, "a", 10, 0.01, 0), _rounds(scheduler, "b", 10, 0.01, 0.03))
+    finally:
+        scheduler.stop()
+    assert sum(caches.batches) == 20
+    if wait_s:
+        assert caches.batches.count(2) >= 7, caches.batches
+    else:
+        assert caches.batches.count(2) <= 2, caches.batches

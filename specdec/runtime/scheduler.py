@@ -11,6 +11,14 @@ other sessions up for one chunk's pass at most, not for its whole prefill.
 
 Model compute therefore never runs on the asyncio event loop, and there is one thread that
 touches the model and the caches. Jobs of one session run one after another.
+
+A session's next step comes a round trip after its job ended (the reply to the coordinator, its
+next request): sessions that came back while a pass ran make the next pass without those of that
+pass, and two sessions then take turns, a pass each, never sharing one. So before a pass of short
+steps the thread waits, a little, for the sessions whose jobs just ended (``_gather``): at most
+``batch_wait_s``, twice the round trip measured, or half a short pass, whichever is least.
+Workers that take turns on one host's cores (``HostLock``) do not wait: their bursts batch the
+sessions, and a session's next step may need the other worker's turn.
 """
 
 from __future__ import annotations
@@ -122,6 +130,11 @@ class HostLock:
             self._since = None
             time.sleep(0)  # let a waiting process take the lock before this thread asks again
 
+    @property
+    def shared(self) -> bool:
+        """Whether this worker takes turns with another on the host (a lock file was given)."""
+        return self._fd is not None
+
     def pass_done(self) -> None:
         """Ends the burst once it has lasted ``max_hold_s``."""
         if self._since is not None and time.monotonic() - self._since >= self._max_hold_s:
@@ -131,8 +144,12 @@ class HostLock:
 class StepScheduler:
     """Owns the model thread; see the module docstring."""
 
-    def __init__(self, max_batch: int, host_lock: HostLock | None = None) -> None:
+    def __init__(self, max_batch: int, host_lock: HostLock | None = None, batch_wait_s: float = 0.0) -> None:
         self._max_batch = max_batch
+        self._batch_wait_s = batch_wait_s
+        self._ended: dict[str, float] = {}  # sessions whose job ended and no next one came yet: when
+        self._round_trip_s = 0.0  # from a job's end to its session's next job (moving average; 0 = none yet)
+        self._pass_s = 0.0  # a pass of short steps (moving average)
         self._chunk_tokens = 0  # a long step's tokens per pass (0 = all at once); set by attach()
         self._host_lock = host_lock or HostLock(None)
         self._inbox: queue.SimpleQueue[_Task[Any] | None] = queue.SimpleQueue()
@@ -179,17 +196,45 @@ class StepScheduler:
                 self._host_lock.release()
                 return
             short = [t for t in self._active.values() if t.step and _batchable(t.step)]
+            if short and len(short) < self._max_batch and not self._gather():
+                self._host_lock.release()
+                return
+            short = [t for t in self._active.values() if t.step and _batchable(t.step)]
             long = [t for t in self._active.values() if t.step and not _batchable(t.step)]
             for batch in pad_bounded(short[: self._max_batch]):
+                began = time.perf_counter()
                 self._forward(batch)
+                took = time.perf_counter() - began
+                self._pass_s = took if not self._pass_s else 0.9 * self._pass_s + 0.1 * took
             if long:
                 self._forward_part(long[0])
 
-    def _take_new(self, block: bool) -> bool:
+    def _gather(self) -> bool:
+        """Before a pass of short steps: waits for the sessions whose jobs ended within the last
+        two round trips to send their next ones, so that they share the pass (at most
+        ``batch_wait_s``, two round trips or half a short pass); False when stop() was called. A
+        session that did not come in time is not waited for again until its next job ends."""
+        now = time.monotonic()
+        kept = 2 * self._pass_s if self._pass_s else 1.0  # later than this a return is not a round trip
+        for session, ended in list(self._ended.items()):
+            if now - ended > kept:
+                del self._ended[session]
+        due = [s for s, ended in self._ended.items() if now - ended <= 2 * self._round_trip_s]
+        if not due or not self._batch_wait_s or not self._pass_s or self._host_lock.shared:
+            return True
+        deadline = now + min(self._batch_wait_s, 2 * self._round_trip_s, self._pass_s / 2)
+        while any(s in self._ended for s in due) and (left := deadline - time.monotonic()) > 0:
+            if not self._take_new(block=True, timeout_s=left):
+                return False
+        for session in due:  # not waited for again until its next job ends
+            self._ended.pop(session, None)
+        return True
+
+    def _take_new(self, block: bool, timeout_s: float | None = None) -> bool:
         """Moves submitted tasks in; False when stop() was called."""
         while True:
             try:
-                task = self._inbox.get(block=block)
+                task = self._inbox.get(block=block, timeout=timeout_s if block else None)
             except queue.Empty:
                 return True
             block = False
@@ -198,8 +243,19 @@ class StepScheduler:
             if task.call is not None:
                 self._run_call(task)
             else:
+                self._came_back(task.session)
                 self._waiting[task.session].append(task)
                 self._activate(task.session)
+
+    def _came_back(self, session: str) -> None:
+        """Measures a session's round trip from its last job's end to this one."""
+        ended = self._ended.pop(session, None)
+        if ended is None:
+            return
+        trip = time.monotonic() - ended
+        if self._pass_s and trip > 2 * self._pass_s:  # a client's pause, not a round trip
+            return
+        self._round_trip_s = trip if not self._round_trip_s else 0.9 * self._round_trip_s + 0.1 * trip
 
     def _run_call(self, task: _Task[Any]) -> None:
         assert task.call is not None
@@ -238,6 +294,8 @@ class StepScheduler:
             return
         except StopIteration as done:
             _settle(task.future, done.value)
+            if task.session:
+                self._ended[task.session] = time.monotonic()
         except BaseException as exc:  # handed to the awaiting coroutine
             _settle(task.future, exc=exc)
         self._active.pop(task.session, None)

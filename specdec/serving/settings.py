@@ -159,6 +159,13 @@ class ModelWorkerSettings(ServiceSettings):
     )
     max_draft_tokens: int = Field(64, gt=0, description="largest draft block this worker takes")
     max_batch: int = Field(16, gt=0, description="requests whose steps share one forward pass at most")
+    batch_wait_ms: float = Field(
+        5.0,
+        ge=0,
+        description="before a forward pass, wait at most this long for sessions whose last step just ended to send "
+        "their next, so that they share the pass (also at most two of their measured round trips and half a pass; "
+        "0 = never wait)",
+    )
     warm_up_widths: int = Field(
         17,
         ge=0,

@@ -90,7 +90,9 @@ class WorkerCore:
 
     def __init__(self, settings: ModelWorkerSettings, control: ServerControl, registry: CollectorRegistry) -> None:
         self.settings = settings
-        self.scheduler = StepScheduler(settings.max_batch, HostLock(settings.cpu_lock_file))
+        self.scheduler = StepScheduler(
+            settings.max_batch, HostLock(settings.cpu_lock_file), batch_wait_s=settings.batch_wait_ms / 1000
+        )
         self.instance_id = uuid.uuid4().hex
         self.host = socket.gethostname()
         self.metrics = WorkerMetrics(registry)
