@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 import subprocess
 import sys
 import threading
@@ -217,15 +218,19 @@ def test_a_batched_pass_pads_no_row_to_far_more_than_its_own_length(cached: list
 
 class _TimedCaches:
     """Stands in for SessionCaches in this unit test: every forward pass takes ``pass_s``; records
-    each pass's rows."""
+    each pass's rows and times."""
 
     def __init__(self, pass_s: float) -> None:
         self.batches: list[int] = []
         self.pass_s = pass_s
 
+        self.times: list[tuple[float, float]] = []  # each pass's start and end
+
     def extend_many(self, ops: Sequence[tuple[Any, Sequence[int], int]]) -> list[torch.Tensor]:
         self.batches.append(len(ops))
+        began = time.monotonic()
         time.sleep(self.pass_s)
+        self.times.append((began, time.monotonic()))
         return [torch.zeros(n, 4) for _, _, n in ops]
 
 
@@ -258,3 +263,19 @@ async def test_sessions_a_round_trip_apart_share_passes_where_the_scheduler_wait
         assert caches.batches.count(2) >= 7, caches.batches
     else:
         assert caches.batches.count(2) <= 2, caches.batches
+
+
+@pytest.mark.asyncio
+async def test_sessions_whose_round_trip_is_longer_than_the_wait_are_not_waited_for() -> None:
+    """Round trips of 40 ms (a draft's block between a session's verifies), passes of 60 ms, a
+    wait of at most 20 ms: a session is not back within the wait, so no pass waits for one (each
+    starts as the one before ends: the other session's step is there)."""
+    scheduler = StepScheduler(max_batch=8, batch_wait_s=0.02)
+    caches = _TimedCaches(0.06)
+    scheduler.attach(caches)  # type: ignore[arg-type]
+    try:
+        await asyncio.gather(_rounds(scheduler, "a", 8, 0.04, 0), _rounds(scheduler, "b", 8, 0.04, 0.03))
+    finally:
+        scheduler.stop()
+    gaps = [began - ended for (_, ended), (began, _) in zip(caches.times, caches.times[1:], strict=False)]
+    assert statistics.median(gaps) < 0.008, gaps  # a wait for a session would leave 20 ms between passes

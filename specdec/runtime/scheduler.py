@@ -15,8 +15,8 @@ touches the model and the caches. Jobs of one session run one after another.
 A session's next step comes a round trip after its job ended (the reply to the coordinator, its
 next request): sessions that came back while a pass ran make the next pass without those of that
 pass, and two sessions then take turns, a pass each, never sharing one. So before a pass of short
-steps the thread waits, a little, for the sessions whose jobs just ended (``_gather``): at most
-``batch_wait_s``, twice the round trip measured, or half a short pass, whichever is least.
+steps the thread waits, a little, for the sessions whose jobs just ended and whose round trip
+(measured) ends within the wait (``_gather``): at most ``batch_wait_s`` or half a short pass.
 Workers that take turns on one host's cores (``HostLock``) do not wait: their bursts batch the
 sessions, and a session's next step may need the other worker's turn.
 """
@@ -87,6 +87,7 @@ class _Task(Generic[T]):
     job: Job[T] | None = None
     step: Extend | None = None
     cancelled: bool = False
+    submitted: float = field(default_factory=time.monotonic)  # when its caller sent it
 
 
 def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
@@ -210,19 +211,24 @@ class StepScheduler:
                 self._forward_part(long[0])
 
     def _gather(self) -> bool:
-        """Before a pass of short steps: waits for the sessions whose jobs ended within the last
-        two round trips to send their next ones, so that they share the pass (at most
-        ``batch_wait_s``, two round trips or half a short pass); False when stop() was called. A
-        session that did not come in time is not waited for again until its next job ends."""
+        """Before a pass of short steps: waits for the sessions expected back within the wait
+        (their jobs ended, a round trip ago or less, with the measured round trip) to send their
+        next steps, so that they share the pass: at most ``batch_wait_s`` or half a short pass,
+        and two round trips after their ends. False when stop() was called. A session that did
+        not come in time is not waited for again until its next job ends; one whose round trip
+        is longer than the wait (a draft's block before its next verify) is not waited for."""
         now = time.monotonic()
         kept = 2 * self._pass_s if self._pass_s else 1.0  # later than this a return is not a round trip
         for session, ended in list(self._ended.items()):
             if now - ended > kept:
                 del self._ended[session]
-        due = [s for s, ended in self._ended.items() if now - ended <= 2 * self._round_trip_s]
-        if not due or not self._batch_wait_s or not self._pass_s or self._host_lock.shared:
+        wait_s = min(self._batch_wait_s, self._pass_s / 2)
+        trip = self._round_trip_s
+        # due: expected back (a round trip after its end) within the wait, and not overdue
+        due = [s for s, ended in self._ended.items() if ended + trip <= now + wait_s and now - ended <= 2 * trip]
+        if not due or not wait_s or self._host_lock.shared:
             return True
-        deadline = now + min(self._batch_wait_s, 2 * self._round_trip_s, self._pass_s / 2)
+        deadline = min(now + wait_s, max(self._ended[s] for s in due) + 2 * trip)
         while any(s in self._ended for s in due) and (left := deadline - time.monotonic()) > 0:
             if not self._take_new(block=True, timeout_s=left):
                 return False
@@ -243,16 +249,17 @@ class StepScheduler:
             if task.call is not None:
                 self._run_call(task)
             else:
-                self._came_back(task.session)
+                self._came_back(task.session, task.submitted)
                 self._waiting[task.session].append(task)
                 self._activate(task.session)
 
-    def _came_back(self, session: str) -> None:
-        """Measures a session's round trip from its last job's end to this one."""
+    def _came_back(self, session: str, submitted: float) -> None:
+        """Measures a session's round trip from its last job's end to this one's submission (not
+        to when this thread saw it: it may have been busy with a pass)."""
         ended = self._ended.pop(session, None)
         if ended is None:
             return
-        trip = time.monotonic() - ended
+        trip = max(submitted - ended, 0.0)
         if self._pass_s and trip > 2 * self._pass_s:  # a client's pause, not a round trip
             return
         self._round_trip_s = trip if not self._round_trip_s else 0.9 * self._round_trip_s + 0.1 * trip

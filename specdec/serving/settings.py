@@ -162,9 +162,9 @@ class ModelWorkerSettings(ServiceSettings):
     batch_wait_ms: float = Field(
         5.0,
         ge=0,
-        description="before a forward pass, wait at most this long for sessions whose last step just ended to send "
-        "their next, so that they share the pass (also at most two of their measured round trips and half a pass; "
-        "0 = never wait)",
+        description="before a forward pass, wait at most this long (and half a pass) for the sessions whose last step "
+        "just ended and whose measured round trip ends within the wait to send their next, so that they share the "
+        "pass; not with --cpu-lock-file; 0 = never wait",
     )
     warm_up_widths: int = Field(
         17,
