@@ -243,6 +243,21 @@ async def _rounds(scheduler: StepScheduler, session: str, rounds: int, round_tri
         await asyncio.sleep(round_trip_s)
 
 
+async def _two_sessions(wait_s: float, rounds: int, round_trip_s: float) -> _TimedCaches:
+    """Two sessions' rounds through a scheduler waiting at most ``wait_s``, passes of 60 ms, the
+    second session starting half a pass after the first; returns the passes."""
+    scheduler = StepScheduler(max_batch=8, batch_wait_s=wait_s)
+    caches = _TimedCaches(0.06)
+    scheduler.attach(caches)  # type: ignore[arg-type]
+    try:
+        await asyncio.gather(
+            _rounds(scheduler, "a", rounds, round_trip_s, 0), _rounds(scheduler, "b", rounds, round_trip_s, 0.03)
+        )
+    finally:
+        scheduler.stop()
+    return caches
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("wait_s", [0.0, 0.05])
 async def test_sessions_a_round_trip_apart_share_passes_where_the_scheduler_waits_for_them(wait_s: float) -> None:
@@ -251,13 +266,7 @@ async def test_sessions_a_round_trip_apart_share_passes_where_the_scheduler_wait
     after the other's, and they take turns, a pass each (what the target worker did: on an H200 2
     sessions decoded no faster than one); waiting for the session whose job just ended puts both
     in every pass after the first few."""
-    scheduler = StepScheduler(max_batch=8, batch_wait_s=wait_s)
-    caches = _TimedCaches(0.06)
-    scheduler.attach(caches)  # type: ignore[arg-type]
-    try:
-        await asyncio.gather(_rounds(scheduler, "a", 10, 0.01, 0), _rounds(scheduler, "b", 10, 0.01, 0.03))
-    finally:
-        scheduler.stop()
+    caches = await _two_sessions(wait_s, 10, 0.01)
     assert sum(caches.batches) == 20
     if wait_s:
         assert caches.batches.count(2) >= 7, caches.batches
@@ -270,12 +279,6 @@ async def test_sessions_whose_round_trip_is_longer_than_the_wait_are_not_waited_
     """Round trips of 40 ms (a draft's block between a session's verifies), passes of 60 ms, a
     wait of at most 20 ms: a session is not back within the wait, so no pass waits for one (each
     starts as the one before ends: the other session's step is there)."""
-    scheduler = StepScheduler(max_batch=8, batch_wait_s=0.02)
-    caches = _TimedCaches(0.06)
-    scheduler.attach(caches)  # type: ignore[arg-type]
-    try:
-        await asyncio.gather(_rounds(scheduler, "a", 8, 0.04, 0), _rounds(scheduler, "b", 8, 0.04, 0.03))
-    finally:
-        scheduler.stop()
+    caches = await _two_sessions(0.02, 8, 0.04)
     gaps = [began - ended for (_, ended), (began, _) in zip(caches.times, caches.times[1:], strict=False)]
     assert statistics.median(gaps) < 0.008, gaps  # a wait for a session would leave 20 ms between passes
