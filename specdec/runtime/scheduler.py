@@ -147,12 +147,13 @@ class StepScheduler:
 
     def __init__(self, max_batch: int, host_lock: HostLock | None = None, batch_wait_s: float = 0.0) -> None:
         self._max_batch = max_batch
+        self._chunk_tokens = 0  # a long step's tokens per pass (0 = all at once); set by attach()
+        self._host_lock = host_lock or HostLock(None)
         self._batch_wait_s = batch_wait_s
+        self._waits = batch_wait_s > 0 and not self._host_lock.shared  # else none of the wait's state is kept
         self._ended: dict[str, float] = {}  # sessions whose job ended and no next one came yet: when
         self._round_trip_s = 0.0  # from a job's end to its session's next job (moving average; 0 = none yet)
         self._pass_s = 0.0  # a pass of short steps (moving average)
-        self._chunk_tokens = 0  # a long step's tokens per pass (0 = all at once); set by attach()
-        self._host_lock = host_lock or HostLock(None)
         self._inbox: queue.SimpleQueue[_Task[Any] | None] = queue.SimpleQueue()
         self._waiting: dict[str, collections.deque[_Task[Any]]] = collections.defaultdict(collections.deque)
         self._active: dict[str, _Task[Any]] = {}
@@ -197,16 +198,17 @@ class StepScheduler:
                 self._host_lock.release()
                 return
             short = [t for t in self._active.values() if t.step and _batchable(t.step)]
-            if short and len(short) < self._max_batch and not self._gather():
-                self._host_lock.release()
-                return
-            short = [t for t in self._active.values() if t.step and _batchable(t.step)]
+            if self._waits and short and len(short) < self._max_batch:
+                if not self._gather():
+                    self._host_lock.release()
+                    return
+                short = [t for t in self._active.values() if t.step and _batchable(t.step)]
             long = [t for t in self._active.values() if t.step and not _batchable(t.step)]
             for batch in pad_bounded(short[: self._max_batch]):
                 began = time.perf_counter()
-                self._forward(batch)
-                took = time.perf_counter() - began
-                self._pass_s = took if not self._pass_s else 0.9 * self._pass_s + 0.1 * took
+                self._forward(batch)  # timed with the jobs' code after it, which on a GPU waits for the pass
+                if self._waits:
+                    self._pass_s = _averaged(self._pass_s, time.perf_counter() - began)
             if long:
                 self._forward_part(long[0])
 
@@ -226,7 +228,7 @@ class StepScheduler:
         trip = self._round_trip_s
         # due: expected back (a round trip after its end) within the wait, and not overdue
         due = [s for s, ended in self._ended.items() if ended + trip <= now + wait_s and now - ended <= 2 * trip]
-        if not due or not wait_s or self._host_lock.shared:
+        if not due or not wait_s:
             return True
         deadline = min(now + wait_s, max(self._ended[s] for s in due) + 2 * trip)
         while any(s in self._ended for s in due) and (left := deadline - time.monotonic()) > 0:
@@ -262,7 +264,7 @@ class StepScheduler:
         trip = max(submitted - ended, 0.0)
         if self._pass_s and trip > 2 * self._pass_s:  # a client's pause, not a round trip
             return
-        self._round_trip_s = trip if not self._round_trip_s else 0.9 * self._round_trip_s + 0.1 * trip
+        self._round_trip_s = _averaged(self._round_trip_s, trip)
 
     def _run_call(self, task: _Task[Any]) -> None:
         assert task.call is not None
@@ -301,7 +303,7 @@ class StepScheduler:
             return
         except StopIteration as done:
             _settle(task.future, done.value)
-            if task.session:
+            if task.session and self._waits:
                 self._ended[task.session] = time.monotonic()
         except BaseException as exc:  # handed to the awaiting coroutine
             _settle(task.future, exc=exc)
@@ -360,6 +362,11 @@ class StepScheduler:
         for task, logits in zip(tasks, results, strict=True):
             task.step = None
             self._advance(task, logits)
+
+
+def _averaged(average: float, new: float) -> float:
+    """A moving average's next value, ``new`` weighing a tenth (``new`` itself while ``average`` is 0)."""
+    return new if not average else 0.9 * average + 0.1 * new
 
 
 def _batchable(step: Extend) -> bool:
