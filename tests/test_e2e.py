@@ -115,6 +115,16 @@ def test_target_only_mode_is_identical(same: coordinator_pb2_grpc.GenerationStub
     assert reply.stats.target_only_rounds == reply.stats.rounds == len(reply.token_ids)
 
 
+def test_a_cluster_s_repr_names_its_addresses_and_logs_in_a_line(cluster_same: LocalCluster) -> None:
+    """Hypothesis prints a failing example's fixtures: a cluster's repr must leave room for the
+    error (a dataclass's repr of its processes, their arguments included, ran to over 12,000
+    characters and hid the assertion of a CI failure)."""
+    text = repr(cluster_same)
+    assert len(text) < 400 and "\n" not in text, text
+    assert cluster_same.address in text and str(cluster_same.workdir) in text
+    assert all(f"{name}=" in text for name in cluster_same.processes)
+
+
 def test_the_first_round_which_computes_the_prompt_is_reported_apart(same: coordinator_pb2_grpc.GenerationStub) -> None:
     """``stats.first_round``: the turn's first round (it also computes the prompt on both workers),
     part of the totals; a one-round turn's totals are its first round's; target-only, no draft

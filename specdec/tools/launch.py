@@ -220,6 +220,13 @@ class LocalCluster:
             args += ["--draft-timeout-s", "30"]
         return [*args, *self.coordinator_args]
 
+    def __repr__(self) -> str:
+        """Its processes' addresses and where their logs are: a failing test that prints its
+        fixtures (Hypothesis prints every argument of a failing example) stays short enough for
+        its own error to show."""
+        running = ", ".join(f"{name}={process.address}" for name, process in self.processes.items())
+        return f"LocalCluster({running or 'not started'}; logs in {self.workdir})"
+
     def _draft_names(self) -> list[str]:
         return ["draft", *(f"draft-{i}" for i in range(1, self.drafts))] if self.draft_model else []
 
