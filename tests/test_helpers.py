@@ -1,5 +1,5 @@
 """The test helpers' own checks: work split over two processes, tests that run alone, the
-comparison of two replies' logprobs, free ports."""
+comparison of two replies' logprobs, free ports, the greedy reference's float near ties."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests import reference
 from tests.helpers import free_ports, in_two_processes
+from tests.tiny_models import TinyModels
 
 PLANTED = {"value": 0}
 
@@ -137,3 +140,26 @@ def test_ports_asked_for_together_are_distinct() -> None:
     --port are both 55133"). 2,000 at once: drawn one by one, two of them match almost surely."""
     ports = free_ports(2000)
     assert len(set(ports)) == len(ports)
+
+
+def test_the_greedy_reference_takes_a_service_s_token_only_at_a_float_near_tie(
+    tiny_models: TinyModels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``greedy_continuation`` with ``prefer``: the service's token where its logit is within
+    NEAR_TIE of the best (then goes on after it), the argmax anywhere else."""
+    target, history = str(tiny_models.target), [5, 17, 3, 99]
+    model = reference._greedy_model(target)
+    with torch.inference_mode():
+        logits = model(torch.tensor([history])).logits[0, -1]
+    (best, runner_up), worst = logits.topk(2).indices.tolist(), int(logits.argmin())
+    gap = float(logits[best] - logits[runner_up])
+    plain = reference.greedy_continuation(target, history, 3)
+    assert plain[0] == best and gap > reference.NEAR_TIE  # a gap the default does not take
+    assert reference.greedy_continuation(target, history, 3, [runner_up, *plain[1:]]) == plain
+    assert reference.greedy_continuation(target, history, 3, [worst]) == plain
+    monkeypatch.setattr(reference, "NEAR_TIE", gap * 1.01)  # as if the two were a near tie
+    taken = reference.greedy_continuation(target, history, 3, [runner_up])
+    assert taken == [runner_up, *reference.greedy_continuation(target, [*history, runner_up], 2)]
+    assert reference.greedy_continuation(target, history, 3, [worst]) == plain
+    monkeypatch.setattr(reference, "NEAR_TIE", gap * 0.99)
+    assert reference.greedy_continuation(target, history, 3, [runner_up]) == plain
