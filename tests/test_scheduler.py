@@ -223,7 +223,6 @@ class _TimedCaches:
     def __init__(self, pass_s: float) -> None:
         self.batches: list[int] = []
         self.pass_s = pass_s
-
         self.times: list[tuple[float, float]] = []  # each pass's start and end
 
     def extend_many(self, ops: Sequence[tuple[Any, Sequence[int], int]]) -> list[torch.Tensor]:
