@@ -31,7 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import median_low
 
-_EWMA = 0.2
+from specdec.averages import ewma
+
+EWMA_WEIGHT = 0.2  # a new timing's weight in the coordinator's moving averages
 # A round's costs are the lower median of their last samples: a call that stalled (a throttled
 # CPU, a paused process, a busy host) is one sample, not the cost; a lasting change moves it
 # after 4 samples of its own.
@@ -55,11 +57,6 @@ REPLY = "reply"
 # blocks on are taken less than this share of the draft's per-token acceptance.
 _UNSURE_EVIDENCE = 2.5  # about three blocks (the counts decay)
 _UNSURE_MARGIN = 0.9
-
-
-def ewma(old: float | None, new: float) -> float:
-    """Exponentially weighted moving average with weight 0.2 for ``new`` (``new`` itself at first)."""
-    return new if old is None else old + _EWMA * (new - old)
 
 
 def typical(samples: deque[float], new: float) -> float:
@@ -297,9 +294,9 @@ class StepCosts:
         if tokens < PREFILL_MIN_TOKENS:
             return
         if draft:
-            self.draft_prefill_per_token = ewma(self.draft_prefill_per_token, ms / tokens)
+            self.draft_prefill_per_token = ewma(self.draft_prefill_per_token, ms / tokens, EWMA_WEIGHT)
         else:
-            self.prefill_per_token = ewma(self.prefill_per_token, ms / tokens)
+            self.prefill_per_token = ewma(self.prefill_per_token, ms / tokens, EWMA_WEIGHT)
 
     def prefill_ms(self, tokens: int, context: int, draft: bool = False) -> float | None:
         """The expected milliseconds of a pass of the target (or the draft) that computes

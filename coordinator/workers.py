@@ -15,8 +15,9 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.adaptive import ewma
+from coordinator.adaptive import EWMA_WEIGHT
 from coordinator.settings import CoordinatorSettings
+from specdec.averages import ewma
 from specdec.runtime.grammar import CONSTRAINT_ERROR, NO_GRAMMARS
 from specdec.serving.errors import (
     InvalidRequest,
@@ -626,7 +627,7 @@ class DraftClient:
 
     def observe_latency(self, seconds: float) -> None:
         """Records how long a proposal took to arrive (wall time, load included)."""
-        self._latency_s = ewma(self._latency_s, seconds)
+        self._latency_s = ewma(self._latency_s, seconds, EWMA_WEIGHT)
 
     @property
     def patience_s(self) -> float:

@@ -38,12 +38,14 @@ from typing import Any, Generic, TypeVar
 import structlog
 import torch
 
+from specdec.averages import ewma
 from specdec.runtime.kvcache import EarlierLogits, SessionCache, SessionCaches
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 SHORT_STEP_TOKENS = 32  # steps up to this many tokens are batched together
+_WEIGHT = 0.1  # a new measure's weight in the moving averages of passes and round trips (0 = none yet)
 # A batched pass pads every row's cache to its longest row's and copies them all: rows this short
 # batch freely; a longer row only with rows at least half its length
 PAD_SLACK_TOKENS = 2048
@@ -208,7 +210,7 @@ class StepScheduler:
                 began = time.perf_counter()
                 self._forward(batch)  # timed with the jobs' code after it, which on a GPU waits for the pass
                 if self._waits:
-                    self._pass_s = _averaged(self._pass_s, time.perf_counter() - began)
+                    self._pass_s = ewma(self._pass_s or None, time.perf_counter() - began, _WEIGHT)
             if long:
                 self._forward_part(long[0])
 
@@ -264,7 +266,7 @@ class StepScheduler:
         trip = max(submitted - ended, 0.0)
         if self._pass_s and trip > 2 * self._pass_s:  # a client's pause, not a round trip
             return
-        self._round_trip_s = _averaged(self._round_trip_s, trip)
+        self._round_trip_s = ewma(self._round_trip_s or None, trip, _WEIGHT)
 
     def _run_call(self, task: _Task[Any]) -> None:
         assert task.call is not None
@@ -362,11 +364,6 @@ class StepScheduler:
         for task, logits in zip(tasks, results, strict=True):
             task.step = None
             self._advance(task, logits)
-
-
-def _averaged(average: float, new: float) -> float:
-    """A moving average's next value, ``new`` weighing a tenth (``new`` itself while ``average`` is 0)."""
-    return new if not average else 0.9 * average + 0.1 * new
 
 
 def _batchable(step: Extend) -> bool:
