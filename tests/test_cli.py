@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -125,8 +126,6 @@ def test_a_fetched_tokenizer_holds_the_ggufs_vocabulary_merges_and_template(
     gives the architecture where it names one. Qwen2.5's is built with its tokenizer type given
     (the catalog's ``tokenizer_type``: transformers does not read the whole GGUF again to learn
     it), SmolLM2's by transformers' own lookup."""
-    import json
-
     from specdec.tools.model_fetch import CATALOG, first_package_metadata
     from tests.helpers import real_tokenizer
 
@@ -168,8 +167,6 @@ def test_bench_runs_both_sides_in_the_dtype_asked_and_an_int8_draft_in_float32()
 def test_bench_loads_both_sides_in_the_dtype_asked(tiny_models: TinyModels, tmp_path: Path) -> None:
     """A run with ``--dtype bfloat16`` and an int8 draft: HF's models and the service's workers
     report bfloat16 for the target and float32 for the draft (quantized from it)."""
-    import json
-
     out = tmp_path / "bench.json"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\n")
@@ -260,8 +257,6 @@ def test_bench_rows_ask_as_a_user_would() -> None:
 
 
 def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    import json
-
     out = tmp_path / "bench.json"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\n---\n" + "abc" * 12 + "\n")  # the second repeats: lookups match
@@ -350,8 +345,6 @@ def test_cpu_split_profile_prints_every_pass_and_ratio(tiny_models: TinyModels) 
 
 
 def test_generate_info_prints_the_servers_description(tiny_models: TinyModels) -> None:
-    import json
-
     result = run("generate", "--model", str(tiny_models.target), "--info", "--device", "cpu")
     assert result.returncode == 0, result.stderr[-2000:]
     info = json.loads(result.stdout)
@@ -568,8 +561,6 @@ def test_bench_says_which_request_the_service_refused(tiny_models: TinyModels, t
 def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
     """With --skip-hf the ratios over HF rows are left out, not NaN (the table printed "nanx" and
     the JSON report held NaN, which is no JSON)."""
-    import json
-
     from specdec.tools.bench import HEADLINE, NO_STOP, BenchConfig, Run, format_table, summarize
 
     runs = [
@@ -594,8 +585,6 @@ def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
 def test_bench_report_compares_each_prompt_with_the_best_hf_row() -> None:
     """The report gives the default against HF's best speculative row prompt by prompt (its JSON and
     its table), and the worst of them among the ratios: a total can hide the prompt HF wins."""
-    import json
-
     from specdec.tools.bench import HEADLINE, BenchConfig, Run, format_table, summarize
 
     seconds = {
@@ -640,8 +629,6 @@ def _ceiling_report(tiny_models: TinyModels, path: Path) -> Path:
     """A bench report by hand: one prompt, the target's greedy reply, and service stats whose
     costs are round numbers (verify 100 ms + 5 per drafted token, draft 20 per token, overhead 8
     per drafting round and 2 per target-only round)."""
-    import json
-
     from specdec.tools.bench import BenchConfig, tokenize_prompts
     from tests.reference import reference_greedy
 
@@ -952,3 +939,31 @@ def test_bench_refuses_to_report_when_a_service_process_died(
         (draft,) = [p.pid for p in running if p.argv[:2] == ["serve", "draft"] and str(tmp_path) in " ".join(p.argv)]
         os.kill(draft, signal.SIGKILL)
         time.sleep(1)
+
+
+BATCHING_SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "batching.py"
+
+
+def test_the_batching_benchmark_runs_each_count_through_each_wait(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """docs/bench/batching.py (the GPU run's BATCHING step, docs/bench/gpu/run.sh) decodes N
+    target-only requests at once through one cluster per --batch-wait-ms, every repeat, and
+    writes each row's tokens/s and its shared-pass rows (how fast is the benchmark's to say)."""
+    out = tmp_path / "batching.json"
+    args = [str(tiny_models.target), str(tiny_models.noisy), "--sessions", "1,2", "--waits", "0,5", "--repeats", "2"]
+    done = subprocess.run(
+        [sys.executable, str(BATCHING_SCRIPT), *args, "--tokens", "6", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(BATCHING_SCRIPT.parents[2])},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu"
+    rows = {(row["sessions"], row["batch_wait_ms"]): row for row in report["runs"]}
+    assert set(rows) == {(1, 0), (1, 5), (2, 0), (2, 5)}
+    for (n, _), row in rows.items():
+        assert len(row["tokens_per_s"]) == 2 and all(rate > 0 for rate in row["tokens_per_s"])
+        assert row["rows"] == 6 * n and all(0 <= shared <= 6 * n for shared in row["shared_rows"])
+        assert n > 1 or row["shared_rows"] == [0, 0]  # a session alone shares no pass
+    assert len(done.stdout.splitlines()) == 4

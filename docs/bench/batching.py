@@ -1,61 +1,103 @@
-"""Do concurrent sessions share the target's passes? Target-only decoding of N requests at once
-through a local cluster; prints aggregate tokens/s and how many of the rows ran in passes of
-more than one row (the target worker's WorkerInfo counters).
+"""Do concurrent sessions share the target's passes, with and without the batch wait? Target-only
+decoding of N requests at once, through one local cluster per ``--batch-wait-ms`` value (the
+runs interleaved: every repeat runs each count through each cluster in turn); prints aggregate
+tokens/s, median (min-max) over the repeats, and how many rows ran in passes of more than one
+row (the target worker's WorkerInfo counters); ``--out`` writes them as JSON.
 
-Usage, from the repository root: PYTHONPATH=. python docs/bench/batching.py TARGET DRAFT [--batch-wait-ms MS]
-(the README's "How it goes fast" numbers: a 4-layer, 512-wide random model of Qwen2.5's shapes
-made by docs/bench/gpu/random_models.py from a config edited so, as both TARGET and DRAFT).
+Usage, from the repository root:
+  PYTHONPATH=. python docs/bench/batching.py TARGET DRAFT [--device cpu|cuda] [--dtype auto]
+      [--sessions 1,2,4] [--waits 0,5] [--repeats 3] [--tokens 48] [--out FILE]
+The README's "How it goes fast" numbers: on a CPU, a 4-layer, 512-wide random model of Qwen2.5's
+shapes made by docs/bench/gpu/random_models.py from a config edited so, as both TARGET and DRAFT;
+on a GPU (docs/bench/gpu/run.sh with BATCHING=1) the random models of the benchmark pair's shapes.
+On a CPU every worker runs one torch thread and no --cpu-lock-file (a lock turns the wait off).
 """
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
 
-from specdec.tools.launch import worker_info
-from specdec.v1 import coordinator_pb2_grpc
-from tests.clusters import fault_cluster
-from tests.reference import make_request
+from specdec.tools.launch import LocalCluster, worker_info
+from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+
+def _counts(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("target", type=Path)
     parser.add_argument("draft", type=Path)
-    parser.add_argument("--batch-wait-ms", default="5")
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--sessions", type=_counts, default=[1, 2, 4], help="requests at once, e.g. 1,2,4")
+    parser.add_argument("--waits", type=_counts, default=[0, 5], help="--batch-wait-ms values, a cluster each")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=48, help="new tokens a request")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    with (
-        tempfile.TemporaryDirectory() as run,
-        fault_cluster(
-            Path(run),
-            args.target,
-            args.draft,
-            coordinator_args=["--num-speculative-tokens", "0"],
-            worker_args=["--batch-wait-ms", args.batch_wait_ms],
-        ) as cluster,
-        grpc.insecure_channel(cluster.address) as channel,
-    ):
-        stub, target = coordinator_pb2_grpc.GenerationStub(channel), cluster.processes["target-0"].address
-        for n in (1, 2, 4):
-            before = worker_info(target, "target")
-            requests = [
-                make_request([100 + i + j for j in range(20)], k=0, max_new=args.tokens, ignore_eos=True)
-                for i in range(n)
-            ]
-            started = time.perf_counter()
-            with ThreadPoolExecutor(n) as pool:
-                replies = list(pool.map(lambda r: stub.Generate(r, timeout=120), requests))
-            seconds = time.perf_counter() - started
-            after = worker_info(target, "target")
-            tokens = sum(len(r.token_ids) for r in replies)
-            shared = after.batched_requests - before.batched_requests
-            rate = tokens / seconds
-            sys.stdout.write(f"{n} sessions: {rate:.1f} tok/s, {shared} of {tokens} rows in shared passes\n")
+    worker = ["--device", args.device, "--dtype", args.dtype]
+    worker += ["--torch-threads", "1"] if args.device == "cpu" else []
+    rates: dict[tuple[int, int], list[float]] = {(n, w): [] for n in args.sessions for w in args.waits}
+    shared: dict[tuple[int, int], list[int]] = {key: [] for key in rates}
+    with tempfile.TemporaryDirectory() as run, ExitStack() as stack:
+        clusters = {}
+        for wait in args.waits:
+            workdir = Path(run) / f"wait-{wait}"
+            workdir.mkdir()
+            cluster = LocalCluster(
+                str(args.target), str(args.draft), workdir,
+                worker_args=[*worker, "--batch-wait-ms", str(wait)], startup_timeout_s=600,
+                coordinator_args=["--num-speculative-tokens", "0"],  # target-only: the draft is never asked
+            )  # fmt: skip
+            clusters[wait] = stack.enter_context(cluster)
+        for _ in range(args.repeats):
+            for n in args.sessions:
+                for wait, cluster in clusters.items():
+                    rate, rows = _run(cluster, n, args.tokens)
+                    rates[n, wait].append(rate)
+                    shared[n, wait].append(rows)
+    report = []
+    for (n, wait), values in rates.items():
+        row = {"sessions": n, "batch_wait_ms": wait, "tokens_per_s": values, "shared_rows": shared[n, wait]}
+        row["rows"] = n * args.tokens
+        report.append(row)
+        sys.stdout.write(
+            f"{n} sessions, --batch-wait-ms {wait}: {statistics.median(values):.1f} tok/s "
+            f"({min(values):.1f}-{max(values):.1f}), rows in shared passes {shared[n, wait]} of {n * args.tokens}\n"
+        )
+    if args.out:
+        args.out.write_text(json.dumps({"device": args.device, "dtype": args.dtype, "runs": report}, indent=1))
+
+
+def _run(cluster: LocalCluster, n: int, tokens: int) -> tuple[float, int]:
+    """Aggregate tokens/s of ``n`` target-only requests at once, and the rows of shared passes."""
+    target = cluster.processes["target-0"].address
+    before = worker_info(target, "target")
+    requests = [
+        coordinator_pb2.GenerateRequest(
+            prompt_token_ids=common_pb2.TokenIds(ids=[100 + i + j for j in range(20)]),
+            sampling=common_pb2.SamplingParams(max_new_tokens=tokens, ignore_eos=True),
+            speculation=coordinator_pb2.SpeculationParams(disable=True),
+        )
+        for i in range(n)
+    ]
+    with grpc.insecure_channel(cluster.address) as channel, ThreadPoolExecutor(n) as pool:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        started = time.perf_counter()
+        replies = list(pool.map(lambda r: stub.Generate(r, timeout=600), requests))
+        seconds = time.perf_counter() - started
+    after = worker_info(target, "target")
+    return sum(len(r.token_ids) for r in replies) / seconds, after.batched_requests - before.batched_requests
 
 
 if __name__ == "__main__":

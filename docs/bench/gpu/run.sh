@@ -5,7 +5,8 @@
 # config.json and tokenizer files. Results go to OUT (default bench-results/gpu). The defaults are
 # the recorded run's (sized for a 15-minute lease); NEW, PROMPTS, REPEATS, CONC, METHODS ('|'
 # between names as in the table) and the LIMIT_* seconds raise them; SKIP_PASSES=1 skips passes.py,
-# SKIP_F32=1 the float32 bench.
+# SKIP_F32=1 the float32 bench, SKIP_BF16=1 the bfloat16 one; BATCHING=1 adds docs/bench/batching.py
+# in bfloat16 (target-only, BATCH_SESSIONS requests at once, --batch-wait-ms 0 against 5).
 set -uo pipefail
 SRC=${SRC:-.gpu-models}
 OUT=${OUT:-bench-results/gpu}
@@ -37,5 +38,9 @@ for name in "${names[@]}"; do BENCH+=(--method "$name"); done
 # float32: greedy token identity of every row against HF target-only on this device
 [ -n "${SKIP_F32:-}" ] || step "${LIMIT_F32:-110}" "${BENCH[@]}" --dtype float32 --repeats 1 --concurrency '' --out "$OUT/bench-float32.json"
 # bfloat16 (the GPU default): costs, and the concurrency sweep
-step "${LIMIT_BF16:-115}" "${BENCH[@]}" --dtype bfloat16 --repeats "${REPEATS:-1}" --concurrency "${CONC:-1,8}" \
+[ -n "${SKIP_BF16:-}" ] || step "${LIMIT_BF16:-115}" "${BENCH[@]}" --dtype bfloat16 --repeats "${REPEATS:-1}" --concurrency "${CONC:-1,8}" \
   --out "$OUT/bench-bfloat16.json"
+# the batch wait: concurrent target-only sessions sharing passes, with and without it
+[ -z "${BATCHING:-}" ] || step "${LIMIT_BATCHING:-150}" "$PY" docs/bench/batching.py "$MODELS/target" "$MODELS/draft" \
+  --device "$DEVICE" --dtype bfloat16 --sessions "${BATCH_SESSIONS:-1,2,4,16}" --repeats "${REPEATS:-3}" \
+  --out "$OUT/batching.json"
