@@ -947,23 +947,31 @@ BATCHING_SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "batc
 def test_the_batching_benchmark_runs_each_count_through_each_wait(tiny_models: TinyModels, tmp_path: Path) -> None:
     """docs/bench/batching.py (the GPU run's BATCHING step, docs/bench/gpu/run.sh) decodes N
     target-only requests at once through one cluster per --batch-wait-ms, every repeat, and
-    writes each row's tokens/s and its shared-pass rows (how fast is the benchmark's to say)."""
+    writes each row's tokens/s and its steps in shared passes (how fast is the benchmark's to say);
+    with --speculate the requests draft (K adaptive), in fewer target steps than tokens."""
     out = tmp_path / "batching.json"
-    args = [str(tiny_models.target), str(tiny_models.noisy), "--sessions", "1,2", "--waits", "0,5", "--repeats", "2"]
-    done = subprocess.run(
-        [sys.executable, str(BATCHING_SCRIPT), *args, "--tokens", "6", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(BATCHING_SCRIPT.parents[2])},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["device"] == "cpu"
-    rows = {(row["sessions"], row["batch_wait_ms"]): row for row in report["runs"]}
-    assert set(rows) == {(1, 0), (1, 5), (2, 0), (2, 5)}
-    for (n, _), row in rows.items():
-        assert len(row["tokens_per_s"]) == 2 and all(rate > 0 for rate in row["tokens_per_s"])
-        assert row["rows"] == 6 * n and all(0 <= shared <= 6 * n for shared in row["shared_rows"])
-        assert n > 1 or row["shared_rows"] == [0, 0]  # a session alone shares no pass
-    assert len(done.stdout.splitlines()) == 4
+    runs = {  # the speculating run smaller: one wait, one repeat
+        (): ["--sessions", "1,2", "--waits", "0,5", "--repeats", "2"],
+        ("--speculate",): ["--sessions", "1,2", "--waits", "5", "--repeats", "1"],
+    }
+    for speculate, counts in runs.items():
+        done = subprocess.run(
+            [sys.executable, str(BATCHING_SCRIPT), str(tiny_models.target), str(tiny_models.same), *counts,
+             "--tokens", "12", *speculate, "--out", str(out)],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(BATCHING_SCRIPT.parents[2])},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(out.read_text())
+        assert report["device"] == "cpu" and report["speculate"] == bool(speculate)
+        rows = {(row["sessions"], row["batch_wait_ms"]): row for row in report["runs"]}
+        repeats = 1 if speculate else 2
+        assert set(rows) == {(n, wait) for n in (1, 2) for wait in ((5,) if speculate else (0, 5))}
+        for (n, _), row in rows.items():
+            assert len(row["tokens_per_s"]) == repeats and all(rate > 0 for rate in row["tokens_per_s"])
+            # target-only: a step a token; drafts of the target's own weights: fewer
+            assert all(steps == 12 * n if not speculate else steps < 12 * n for steps in row["steps"]), row
+            pairs = zip(row["shared_steps"], row["steps"], strict=True)
+            assert all(0 <= together <= steps for together, steps in pairs)
+            assert n > 1 or row["shared_steps"] == [0] * repeats  # a session alone shares no pass
+        assert len(done.stdout.splitlines()) == len(rows)

@@ -1,12 +1,15 @@
 """Do concurrent sessions share the target's passes, with and without the batch wait? Target-only
 decoding of N requests at once, through one local cluster per ``--batch-wait-ms`` value (the
 runs interleaved: every repeat runs each count through each cluster in turn); prints aggregate
-tokens/s, median (min-max) over the repeats, and how many rows ran in passes of more than one
-row (the target worker's WorkerInfo counters); ``--out`` writes them as JSON.
+tokens/s, median (min-max) over the repeats, and how many of the target's steps (a session's
+part of a pass: a token, or a verified block) ran in passes of more than one (its WorkerInfo
+counters); ``--out`` writes them as JSON. With ``--speculate`` the requests speculate with the
+coordinator's defaults (the draft model, K adaptive) instead: a session's round trip then holds
+its draft's call.
 
 Usage, from the repository root:
   PYTHONPATH=. python docs/bench/batching.py TARGET DRAFT [--device cpu|cuda] [--dtype auto]
-      [--sessions 1,2,4] [--waits 0,5] [--repeats 3] [--tokens 48] [--out FILE]
+      [--sessions 1,2,4] [--waits 0,5] [--repeats 3] [--tokens 48] [--speculate] [--out FILE]
 The README's "How it goes fast" numbers: on a CPU, a 4-layer, 512-wide random model of Qwen2.5's
 shapes made by docs/bench/gpu/random_models.py from a config edited so, as both TARGET and DRAFT;
 on a GPU (docs/bench/gpu/run.sh with BATCHING=1) the random models of the benchmark pair's shapes.
@@ -43,12 +46,14 @@ def main() -> None:
     parser.add_argument("--waits", type=_counts, default=[0, 5], help="--batch-wait-ms values, a cluster each")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48, help="new tokens a request")
+    parser.add_argument("--speculate", action="store_true", help="the coordinator's default speculation")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     worker = ["--device", args.device, "--dtype", args.dtype]
     worker += ["--torch-threads", "1"] if args.device == "cpu" else []
     rates: dict[tuple[int, int], list[float]] = {(n, w): [] for n in args.sessions for w in args.waits}
     shared: dict[tuple[int, int], list[int]] = {key: [] for key in rates}
+    steps: dict[tuple[int, int], list[int]] = {key: [] for key in rates}
     with tempfile.TemporaryDirectory() as run, ExitStack() as stack:
         clusters = {}
         for wait in args.waits:
@@ -57,37 +62,41 @@ def main() -> None:
             cluster = LocalCluster(
                 str(args.target), str(args.draft), workdir,
                 worker_args=[*worker, "--batch-wait-ms", str(wait)], startup_timeout_s=600,
-                coordinator_args=["--num-speculative-tokens", "0"],  # target-only: the draft is never asked
+                coordinator_args=[  # every request pays its prefill (no prefix reuse), as the benchmark's
+                    "--prefix-block-tokens", "0", *([] if args.speculate else ["--num-speculative-tokens", "0"])
+                ],
             )  # fmt: skip
             clusters[wait] = stack.enter_context(cluster)
         for _ in range(args.repeats):
             for n in args.sessions:
                 for wait, cluster in clusters.items():
-                    rate, rows = _run(cluster, n, args.tokens)
+                    rate, together, passes = _run(cluster, n, args.tokens, args.speculate)
                     rates[n, wait].append(rate)
-                    shared[n, wait].append(rows)
+                    shared[n, wait].append(together)
+                    steps[n, wait].append(passes)
     report = []
     for (n, wait), values in rates.items():
-        row = {"sessions": n, "batch_wait_ms": wait, "tokens_per_s": values, "shared_rows": shared[n, wait]}
-        row["rows"] = n * args.tokens
-        report.append(row)
+        row = {"sessions": n, "batch_wait_ms": wait, "tokens_per_s": values}
+        report.append({**row, "shared_steps": shared[n, wait], "steps": steps[n, wait]})
         sys.stdout.write(
             f"{n} sessions, --batch-wait-ms {wait}: {statistics.median(values):.1f} tok/s "
-            f"({min(values):.1f}-{max(values):.1f}), rows in shared passes {shared[n, wait]} of {n * args.tokens}\n"
+            f"({min(values):.1f}-{max(values):.1f}), steps in shared passes {shared[n, wait]} of {steps[n, wait]}\n"
         )
     if args.out:
-        args.out.write_text(json.dumps({"device": args.device, "dtype": args.dtype, "runs": report}, indent=1))
+        meta = {"device": args.device, "dtype": args.dtype, "speculate": args.speculate}
+        args.out.write_text(json.dumps({**meta, "runs": report}, indent=1))
 
 
-def _run(cluster: LocalCluster, n: int, tokens: int) -> tuple[float, int]:
-    """Aggregate tokens/s of ``n`` target-only requests at once, and the rows of shared passes."""
+def _run(cluster: LocalCluster, n: int, tokens: int, speculate: bool) -> tuple[float, int, int]:
+    """Aggregate tokens/s of ``n`` requests at once (target-only unless ``speculate``), the
+    target's steps in shared passes and its steps in all."""
     target = cluster.processes["target-0"].address
     before = worker_info(target, "target")
     requests = [
         coordinator_pb2.GenerateRequest(
             prompt_token_ids=common_pb2.TokenIds(ids=[100 + i + j for j in range(20)]),
             sampling=common_pb2.SamplingParams(max_new_tokens=tokens, ignore_eos=True),
-            speculation=coordinator_pb2.SpeculationParams(disable=True),
+            speculation=coordinator_pb2.SpeculationParams(disable=not speculate),
         )
         for i in range(n)
     ]
@@ -97,7 +106,8 @@ def _run(cluster: LocalCluster, n: int, tokens: int) -> tuple[float, int]:
         replies = list(pool.map(lambda r: stub.Generate(r, timeout=600), requests))
         seconds = time.perf_counter() - started
     after = worker_info(target, "target")
-    return sum(len(r.token_ids) for r in replies) / seconds, after.batched_requests - before.batched_requests
+    steps = sum(r.stats.target_forward_passes for r in replies)
+    return sum(len(r.token_ids) for r in replies) / seconds, after.batched_requests - before.batched_requests, steps
 
 
 if __name__ == "__main__":
