@@ -8,7 +8,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,13 +17,16 @@ from typing import Any
 import pytest
 import torch
 
+from specdec.runtime import scheduler as scheduler_module
 from specdec.runtime.scheduler import (
     ComputeMeter,
     Extend,
     HostLock,
     Job,
+    ModelFault,
     StepScheduler,
     _row_tokens,
+    _settle,
     _Task,
     pad_bounded,
 )
@@ -281,3 +285,54 @@ async def test_sessions_whose_round_trip_is_longer_than_the_wait_are_not_waited_
     caches = await _two_sessions(0.02, 8, 0.04)
     gaps = [began - ended for (_, ended), (began, _) in zip(caches.times, caches.times[1:], strict=False)]
     assert statistics.median(gaps) < 0.008, gaps  # a wait for a session would leave 20 ms between passes
+
+
+class _CancelledWhileSettled(Future):  # type: ignore[type-arg]
+    """A future its awaiting side cancels (from the event loop's thread) just after the model
+    thread found it pending and before it set it: the moment ``_settle``'s check cannot see."""
+
+    def set_result(self, result: object) -> None:
+        self.cancel()
+        super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self.cancel()
+        super().set_exception(exception)
+
+
+@pytest.mark.parametrize("outcome", ["result", "exception"])
+def test_a_future_cancelled_while_it_is_settled_stays_cancelled(outcome: str) -> None:
+    """A client that cancels its request cancels the step's future from the event loop's thread
+    at any moment; one cancelled between the model thread's check and its set_result raised
+    InvalidStateError in the model thread, which ended it (found by the native fuzz test in CI:
+    the target's model thread died, every later request hung until its deadline)."""
+    future = _CancelledWhileSettled()
+    _settle(future, 1) if outcome == "result" else _settle(future, exc=ValueError("its own error"))
+    assert future.cancelled()
+
+
+def test_a_model_thread_that_fails_fails_every_step_as_a_model_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception the model thread does not expect (outside a pass and a job's own code) ends
+    it: the steps waiting then, and every one submitted after, fail as a ModelFault (the worker's
+    crash policy: it leaves service and is restarted) instead of waiting forever."""
+    broken = iter([RuntimeError("the model thread's own bug")])
+
+    def pad_once(tasks: list[Any]) -> list[list[Any]]:
+        raise next(broken)
+
+    monkeypatch.setattr(scheduler_module, "pad_bounded", pad_once)
+    scheduler = StepScheduler(max_batch=4)
+    scheduler.attach(SimpleNamespace(extend_many=lambda rows: [torch.zeros(1, 3) for _ in rows]))  # type: ignore[arg-type]
+
+    def job() -> Generator[Extend, torch.Tensor, int]:
+        yield Extend(_NO_CACHE, [1], 1)  # type: ignore[arg-type]
+        return 1
+
+    async def main() -> tuple[BaseException, BaseException]:
+        first = await asyncio.wait_for(asyncio.gather(scheduler.run("a", job), return_exceptions=True), 10)
+        later = await asyncio.wait_for(asyncio.gather(scheduler.run("b", job), return_exceptions=True), 10)
+        return first[0], later[0]
+
+    first, later = asyncio.run(main())
+    assert isinstance(first, ModelFault) and "the model thread's own bug" in str(first)
+    assert isinstance(later, ModelFault)
