@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -93,15 +93,17 @@ class _Task(Generic[T]):
 
 
 def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
-    """Resolves a future unless the awaiting side already cancelled it."""
-    if future.done():
-        return
-    if isinstance(exc, asyncio.CancelledError):
-        future.cancel()
-    elif exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+    """Resolves a future unless the awaiting side cancelled it, also while this runs: the event
+    loop's thread cancels the future of a request its client cancelled at any moment."""
+    try:
+        if isinstance(exc, asyncio.CancelledError):
+            future.cancel()
+        elif exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled (or settled) before this could
+        pass
 
 
 class HostLock:
@@ -160,6 +162,7 @@ class StepScheduler:
         self._waiting: dict[str, collections.deque[_Task[Any]]] = collections.defaultdict(collections.deque)
         self._active: dict[str, _Task[Any]] = {}
         self._caches: SessionCaches | None = None
+        self._failed: ModelFault | None = None  # what ended the model thread, if anything did
         self._thread = threading.Thread(target=self._run, name="model", daemon=True)
         self._thread.start()
         self.batched_forwards = 0
@@ -181,6 +184,8 @@ class StepScheduler:
 
     async def _submit(self, task: _Task[T]) -> T:
         self._inbox.put(task)
+        if self._failed is not None:  # the thread may have drained the inbox before this put
+            _settle(task.future, exc=self._failed)
         try:
             return await asyncio.wrap_future(task.future)
         except asyncio.CancelledError:
@@ -193,6 +198,26 @@ class StepScheduler:
     # --- model thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug of this thread's own: no step may wait for it forever
+            log.exception("model_thread_failed")
+            fault = ModelFault(f"the model thread failed: {exc!r}")
+            fault.__cause__ = exc
+            self._failed = fault
+            self._host_lock.release()
+            tasks = [*self._active.values(), *(t for waiting in self._waiting.values() for t in waiting)]
+            while True:
+                try:
+                    task = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if task is not None:
+                    tasks.append(task)
+            for task in tasks:
+                _settle(task.future, exc=fault)
+
+    def _loop(self) -> None:
         while True:
             if not self._active:
                 self._host_lock.release()  # idle: never block on the inbox holding the host lock

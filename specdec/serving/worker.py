@@ -82,10 +82,11 @@ class WorkerCore:
 
     A request's own errors (bad input, non-finite numbers, any exception in its job's code) fail
     that request only: its session cache is dropped (the next request re-syncs it) and the worker
-    keeps serving. An exception inside the model's forward pass (ModelFault) is a model/device
-    fault: the requests in that pass fail with a generic INTERNAL and the worker leaves service
-    (health NOT_SERVING, graceful exit with status 1), so that the orchestrator restarts it rather
-    than it serving from a possibly corrupt state.
+    keeps serving. An exception inside the model's forward pass, or one that ends the model
+    thread (ModelFault), is a model/device fault: the requests in that pass (or all waiting) fail
+    with a generic INTERNAL and the worker leaves service (health NOT_SERVING, graceful exit with
+    status 1), so that the orchestrator restarts it rather than it serving from a possibly corrupt
+    state.
     """
 
     def __init__(self, settings: ModelWorkerSettings, control: ServerControl, registry: CollectorRegistry) -> None:
