@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from specdec.v1 import common_pb2
@@ -222,10 +222,15 @@ class LocalCluster:
 
     def __repr__(self) -> str:
         """Its processes' addresses and where their logs are: a failing test that prints its
-        fixtures (Hypothesis prints every argument of a failing example) stays short enough for
-        its own error to show."""
+        fixtures (pytest's locals; Hypothesis' arguments of a failing example, through
+        ``_repr_pretty_``) stays short enough for its own error to show."""
         running = ", ".join(f"{name}={process.address}" for name, process in self.processes.items())
         return f"LocalCluster({running or 'not started'}; logs in {self.workdir})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """The same line for pretty printers (IPython's protocol, which Hypothesis' printer of a
+        failing example follows; without it that printer lists a dataclass's every field)."""
+        printer.text(repr(self))
 
     def _draft_names(self) -> list[str]:
         return ["draft", *(f"draft-{i}" for i in range(1, self.drafts))] if self.draft_model else []
