@@ -51,9 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     worker = ["--device", args.device, "--dtype", args.dtype]
     worker += ["--torch-threads", "1"] if args.device == "cpu" else []
-    rates: dict[tuple[int, int], list[float]] = {(n, w): [] for n in args.sessions for w in args.waits}
-    shared: dict[tuple[int, int], list[int]] = {key: [] for key in rates}
-    steps: dict[tuple[int, int], list[int]] = {key: [] for key in rates}
+    # (sessions, wait) -> each repeat's (tokens/s, steps in shared passes, steps)
+    runs: dict[tuple[int, int], list[tuple[float, int, int]]] = {(n, w): [] for n in args.sessions for w in args.waits}
     with tempfile.TemporaryDirectory() as run, ExitStack() as stack:
         clusters = {}
         for wait in args.waits:
@@ -70,17 +69,15 @@ def main() -> None:
         for _ in range(args.repeats):
             for n in args.sessions:
                 for wait, cluster in clusters.items():
-                    rate, together, passes = _run(cluster, n, args.tokens, args.speculate)
-                    rates[n, wait].append(rate)
-                    shared[n, wait].append(together)
-                    steps[n, wait].append(passes)
+                    runs[n, wait].append(_run(cluster, n, args.tokens, args.speculate))
     report = []
-    for (n, wait), values in rates.items():
-        row = {"sessions": n, "batch_wait_ms": wait, "tokens_per_s": values}
-        report.append({**row, "shared_steps": shared[n, wait], "steps": steps[n, wait]})
+    for (n, wait), repeats in runs.items():
+        rates, shared, steps = (list(column) for column in zip(*repeats, strict=True))
+        row = {"sessions": n, "batch_wait_ms": wait}
+        report.append({**row, "tokens_per_s": rates, "shared_steps": shared, "steps": steps})
         sys.stdout.write(
-            f"{n} sessions, --batch-wait-ms {wait}: {statistics.median(values):.1f} tok/s "
-            f"({min(values):.1f}-{max(values):.1f}), steps in shared passes {shared[n, wait]} of {steps[n, wait]}\n"
+            f"{n} sessions, --batch-wait-ms {wait}: {statistics.median(rates):.1f} tok/s "
+            f"({min(rates):.1f}-{max(rates):.1f}), steps in shared passes {shared} of {steps}\n"
         )
     if args.out:
         meta = {"device": args.device, "dtype": args.dtype, "speculate": args.speculate}
