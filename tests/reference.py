@@ -150,3 +150,12 @@ def greedy_continuation(model_dir: str, history: list[int], n: int, prefer: Sequ
                 best = prefer[i]
             ids.append(best)
     return ids[len(history) :]
+
+
+def logit_gap(model_dir: str, history: Sequence[int], token: int) -> float:
+    """How far ``token``'s logit lies below the best one after ``history`` (0 for the argmax), from
+    the uncached pass ``greedy_continuation`` makes: what a failure message shows to tell a float
+    near tie (a gap about ``NEAR_TIE`` or less) from a wrong token."""
+    with torch.inference_mode():
+        logits = _greedy_model(model_dir)(torch.tensor([list(history)]), logits_to_keep=1).logits[0, -1]
+    return float(logits.max() - logits[token])

@@ -146,7 +146,8 @@ def test_the_greedy_reference_takes_a_service_s_token_only_at_a_float_near_tie(
     tiny_models: TinyModels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``greedy_continuation`` with ``prefer``: the service's token where its logit is within
-    NEAR_TIE of the best (then goes on after it), the argmax anywhere else."""
+    NEAR_TIE of the best (then goes on after it), the argmax anywhere else; ``logit_gap`` gives
+    how far a token's logit lies below the best."""
     target, history = str(tiny_models.target), [5, 17, 3, 99]
     model = reference._greedy_model(target)
     with torch.inference_mode():
@@ -155,6 +156,8 @@ def test_the_greedy_reference_takes_a_service_s_token_only_at_a_float_near_tie(
     gap = float(logits[best] - logits[runner_up])
     plain = reference.greedy_continuation(target, history, 3)
     assert plain[0] == best and gap > reference.NEAR_TIE  # a gap the default does not take
+    assert reference.logit_gap(target, history, best) == 0
+    assert reference.logit_gap(target, history, runner_up) == pytest.approx(gap, rel=1e-5)
     assert reference.greedy_continuation(target, history, 3, [runner_up, *plain[1:]]) == plain
     assert reference.greedy_continuation(target, history, 3, [worst]) == plain
     monkeypatch.setattr(reference, "NEAR_TIE", gap * 1.01)  # as if the two were a near tie
