@@ -286,6 +286,7 @@ def test_two_coordinators_race_on_one_session(
         prompt = record.tokens[position]
         output = done.pop(prompt)  # every block starts with a successful turn's prompt token
         assert record.tokens[position + 1 : position + 1 + len(output)] == output
+        assert len(output) == 3, f"turn {prompt} gave {output}, not its 3 tokens"
         before = [*history, prompt]
         expected = greedy_continuation(target, before, 3)
         if output != expected:  # the service's token where the two differ by a float near tie
