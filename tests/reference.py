@@ -124,6 +124,13 @@ def _greedy_model(model_dir: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def _next_logits(model_dir: str, history: Sequence[int]) -> torch.Tensor:
+    """The logits after ``history``: one plain forward pass over all of it, no cache, only the
+    last position's logits computed."""
+    with torch.inference_mode():
+        return _greedy_model(model_dir)(torch.tensor([list(history)]), logits_to_keep=1).logits[0, -1]
+
+
 NEAR_TIE = 1e-4  # logits this close are a float near tie (see greedy_continuation)
 
 
@@ -141,14 +148,13 @@ def greedy_continuation(model_dir: str, history: list[int], n: int, prefer: Sequ
     cached pass by up to 1.7e-5 over 3,000 random histories of the tiny target, while the
     smallest gap between the two best logits in the 2,252 positions one end-to-end fuzz run
     checked was 1.6e-4). Any other token stays a difference."""
-    model, ids = _greedy_model(model_dir), list(history)
-    with torch.inference_mode():
-        for i in range(n):
-            logits = model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
-            best = int(logits.argmax())
-            if i < len(prefer) and 0 <= prefer[i] < len(logits) and logits[best] - logits[prefer[i]] <= NEAR_TIE:
-                best = prefer[i]
-            ids.append(best)
+    ids = list(history)
+    for i in range(n):
+        logits = _next_logits(model_dir, ids)
+        best = int(logits.argmax())
+        if i < len(prefer) and 0 <= prefer[i] < len(logits) and logits[best] - logits[prefer[i]] <= NEAR_TIE:
+            best = prefer[i]
+        ids.append(best)
     return ids[len(history) :]
 
 
@@ -156,6 +162,5 @@ def logit_gap(model_dir: str, history: Sequence[int], token: int) -> float:
     """How far ``token``'s logit lies below the best one after ``history`` (0 for the argmax), from
     the uncached pass ``greedy_continuation`` makes: what a failure message shows to tell a float
     near tie (a gap about ``NEAR_TIE`` or less) from a wrong token."""
-    with torch.inference_mode():
-        logits = _greedy_model(model_dir)(torch.tensor([list(history)]), logits_to_keep=1).logits[0, -1]
+    logits = _next_logits(model_dir, history)
     return float(logits.max() - logits[token])
