@@ -3,6 +3,7 @@ every test and repository file they name exists."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from pathlib import Path
@@ -132,3 +133,37 @@ def test_the_docs_name_only_files_that_exist() -> None:
         assert named or doc.name != "README.md", "the README's paths were not found"
         missing = sorted({path for path in named if not (ROOT / path).exists()})
         assert missing == [], f"{doc.name} names files that are not in the repository: {missing}"
+
+
+def _subcommands(parser: argparse.ArgumentParser, prefix: str = "specdec") -> dict[str, argparse.ArgumentParser]:
+    """Each leaf command of ``parser`` (``specdec models fetch``...) by its full name."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found.update(_subcommands(child, f"{prefix} {name}"))
+    return found or {prefix: parser}
+
+
+def test_the_commands_table_names_every_flag_each_command_takes() -> None:
+    """The README's Commands row of each ``specdec`` command names the flags it takes (in its
+    command or its description), and its command names no flag the command refuses."""
+    from specdec.tools.cli import build_parser
+
+    rows = [
+        line for line in README.split("## Commands", 1)[1].split("\n\n", 2)[1].splitlines() if line.startswith("| `")
+    ]
+    commands = _subcommands(build_parser())
+    assert len(commands) >= 6, "the CLI's commands were not found"
+    for name, parser in commands.items():
+        if name == "specdec serve":
+            continue  # its role's settings: test_readme_documents_every_setting
+        row = next((r for r in rows if re.search(rf"`{name}( |`)", r)), None)
+        assert row is not None, f"the README's Commands table has no row for `{name}`"
+        command_cell = row.split("` |")[0].split(name, 1)[1].split("/ `")[0]
+        named = set(re.findall(r"--[a-z][a-z0-9-]*", command_cell))
+        takes = {opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")}
+        takes.discard("--help")
+        assert named <= takes, f"the README's `{name}` names flags it does not take: {sorted(named - takes)}"
+        undocumented = sorted(flag for flag in takes if not re.search(rf"{flag}(?![a-z0-9-])", row))
+        assert undocumented == [], f"the README's Commands row of `{name}` does not name {undocumented}"
