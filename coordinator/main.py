@@ -41,7 +41,7 @@ async def run(settings: CoordinatorSettings) -> int:
 
     services = [SERVICE_NAME, ENGINE_SERVICE_NAME]
     cut_off = cut_off_cleanup_s(settings.state_retry_s)
-    spec = ServiceSpec(services, register, engine.start, engine.stop, registry, cancel_wait_s=cut_off)
+    spec = ServiceSpec(services, register, engine.start, engine.stop, registry, cancel_wait_s=cut_off, request_ids=True)
     return await serve(settings, spec, control)
 
 

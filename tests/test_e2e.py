@@ -369,6 +369,49 @@ def test_every_turn_leaves_one_log_line_of_what_it_cost(
     assert not {"text", "prompt", "prompt_token_ids", "token_ids"} & done.keys()
 
 
+def test_each_call_s_request_id_is_logged_with_it_and_sent_back(
+    cluster_other: LocalCluster, other: coordinator_pb2_grpc.GenerationStub
+) -> None:
+    """`x-request-id` (the caller's, or one the coordinator makes up) comes back in the call's
+    initial metadata and is on the call's log lines (`turn_ended`, `rpc_failed`); a malformed one
+    is the caller's error, naming the header."""
+    given = (("x-request-id", "client-7f3a:turn/1"),)
+    _, call = other.Generate.with_call(request(PROMPTS[0], session_id="id-given", max_new=3), metadata=given)
+    assert dict(call.initial_metadata())["x-request-id"] == "client-7f3a:turn/1"
+    _, call = other.Generate.with_call(request(PROMPTS[0], session_id="id-made", max_new=3))
+    made = dict(call.initial_metadata())["x-request-id"]
+    assert (
+        len(made) == 32
+        and made != dict(other.Generate.with_call(request(PROMPTS[0], max_new=1))[1].initial_metadata())["x-request-id"]
+    )
+    stream = other.GenerateStream(
+        request(PROMPTS[1], session_id="id-stream", max_new=3), metadata=(("x-request-id", "s-1"),)
+    )
+    assert list(stream)[-1].finish_reason and dict(stream.initial_metadata())["x-request-id"] == "s-1"
+    bad_sampling = request(PROMPTS[0], max_new=3)
+    bad_sampling.sampling.temperature = -1.0
+    with pytest.raises(grpc.RpcError) as refused:
+        other.Generate(bad_sampling, metadata=(("x-request-id", "failing-1"),))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for bad in ("two words", "x" * 129, ""):
+        with pytest.raises(grpc.RpcError) as refused:
+            other.Generate(request(PROMPTS[0], max_new=1), metadata=(("x-request-id", bad),))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert "x-request-id must be 1-128 printable ASCII characters" in refused.value.details(), bad
+
+    def events() -> list[dict]:
+        lines = cluster_other.processes["coordinator"].log_tail(3000).splitlines()
+        return [e for e in map(json.loads, lines) if e["event"] in ("turn_ended", "rpc_failed")]
+
+    def ids(session: str) -> list[str]:
+        return [e.get("request_id") for e in events() if e["event"] == "turn_ended" and e.get("session_id") == session]
+
+    wait_for(lambda: ids("id-stream") != [], 10)
+    assert ids("id-given") == ["client-7f3a:turn/1"] and ids("id-made") == [made] and ids("id-stream") == ["s-1"]
+    failed = [e for e in events() if e["event"] == "rpc_failed" and e.get("request_id") == "failing-1"]
+    assert [e["code"] for e in failed] == ["INVALID_ARGUMENT"]
+
+
 def target_info(cluster: LocalCluster) -> common_pb2.WorkerInfo:
     return worker_info(cluster.processes["target-0"].address, "target")
 

@@ -35,6 +35,7 @@ from coordinator.turn import render_chat
 from specdec.runtime.tokenizer import tokenizer_fingerprint
 from specdec.tools.launch import LocalCluster, worker_info
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from tests.clusters import wait_for
 from tests.conftest import CLUSTER_WORKER_ARGS
 from tests.fuzz import (
     CHOICES,
@@ -402,6 +403,28 @@ def _engine_request(ids: list[int], request_id: str, **params: object) -> vllm_p
         tokenized=vllm_pb2.TokenizedInput(input_ids=ids),
         sampling_params=vllm_pb2.SamplingParams(**params),  # type: ignore[arg-type]
     )
+
+
+def test_a_reply_s_id_finds_its_request_s_log_lines(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
+    """The coordinator logs an engine request's lines with the gateway's request id, which is the
+    `id` of the OpenAI reply (smg sends no x-request-id); a caller's x-request-id comes first."""
+    reply = gateway.client.chat.completions.create(
+        model=gateway.model,
+        messages=MESSAGES,
+        max_tokens=3,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    request = _engine_request(chat_ids(gateway), "in-the-body", temperature=0.0, max_tokens=3)
+    list(engine_stub.Generate(request, timeout=60, metadata=(("x-request-id", "in-the-header"),)))
+    log = gateway.cluster.processes["coordinator"]
+
+    def ended() -> list[str]:
+        events = (json.loads(line) for line in log.log_tail(3000).splitlines() if line.startswith("{"))
+        return [e.get("request_id", "") for e in events if e["event"] == "turn_ended"]
+
+    wait_for(lambda: "in-the-header" in ended(), 10)
+    assert reply.id.startswith("chatcmpl-") and ended().count(reply.id) == 1
+    assert "in-the-body" not in ended()
 
 
 def test_engine_generate_n_and_prompt_logprobs(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:

@@ -8,9 +8,11 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specdec.serving.errors import ClientStalled, NotServing, PortUnavailable, SpecdecError, StartupError
+from specdec.serving.errors import (
+    ClientStalled,
+    InvalidRequest,
+    NotServing,
+    PortUnavailable,
+    SpecdecError,
+    StartupError,
+)
 from specdec.serving.metrics import RpcMetrics, start_metrics
 from specdec.serving.security import Authenticator, ServerTls, caller_identity
 from specdec.serving.settings import ServiceSettings
@@ -31,6 +40,12 @@ from specdec.serving.settings import ServiceSettings
 log = structlog.get_logger(__name__)
 
 INTERNAL_MESSAGE = "internal error; the server logged the details"
+
+# A caller's id for its call (gRPC metadata; HTTP's X-Request-Id): a service that takes request ids
+# (``ServiceSpec.request_ids``: the coordinator) logs the lines of the call's task with it and sends
+# it back in the call's initial metadata, making one up where the caller sent none.
+REQUEST_ID_KEY = "x-request-id"
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 
 # grpc.health.v1 service names for Kubernetes probes (the health port serves only these).
 LIVENESS = "specdec.liveness"  # SERVING while the process works, model loading and draining included
@@ -158,6 +173,23 @@ def _authenticate(auth: Authenticator, context: grpc.aio.ServicerContext) -> Non
         caller_identity.set(auth.authenticate(context.invocation_metadata() or (), context.auth_context()))
 
 
+async def _identify(rpc: _Rpc, context: grpc.aio.ServicerContext) -> None:
+    """Binds the call's request id (the caller's ``x-request-id``, or a new one) into the log
+    context of the call's task and sends it back as initial metadata (services that take ids)."""
+    if not rpc.request_ids:
+        return
+    given = [value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY]
+    if given and not (isinstance(given[0], str) and _REQUEST_ID.fullmatch(given[0])):
+        raise InvalidRequest(
+            f"{REQUEST_ID_KEY} must be 1-128 printable ASCII characters without spaces (got "
+            f"{len(given[0])} characters); send another one, or none and the server makes one up"
+        )
+    request_id = given[0] if given else uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    with contextlib.suppress(*_SEND_FAILED):  # the call has ended already: its handler finds out
+        await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
+
+
 @dataclass(frozen=True)
 class _Rpc:
     """What a wrapped handler needs besides the handler: its names, the server's state, the checks."""
@@ -167,6 +199,7 @@ class _Rpc:
     control: ServerControl
     auth: Authenticator
     metrics: RpcMetrics
+    request_ids: bool = False  # the service takes request ids (_identify)
 
     def ended(self, context: grpc.aio.ServicerContext, began: float, client_left: bool) -> None:
         code = context.code() or grpc.StatusCode.OK
@@ -183,6 +216,7 @@ def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]], rpc: _Rpc) -> Callable
         with structlog.contextvars.bound_contextvars(rpc=rpc.name):
             try:
                 _authenticate(rpc.auth, context)
+                await _identify(rpc, context)
                 rpc.control.enter()
                 try:
                     return await fn(request, context)
@@ -241,6 +275,7 @@ def _wrap_stream(
         with structlog.contextvars.bound_contextvars(rpc=rpc.name):
             try:
                 _authenticate(rpc.auth, context)
+                await _identify(rpc, context)
                 rpc.control.enter()
                 try:
                     # closed at once on any way out, so the work behind the stream (a turn) ends now
@@ -283,8 +318,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         metrics: RpcMetrics,
         auth: Authenticator | None = None,
         stream_write_timeout_s: float = 0.0,
+        request_ids: bool = False,
     ) -> None:
         self._control = control
+        self._request_ids = request_ids
         self._auth = auth or Authenticator()
         self._write_timeout_s = stream_write_timeout_s
         self._metrics = metrics
@@ -298,7 +335,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method
         if handler is None or method.startswith(f"/{health.SERVICE_NAME}/"):
             return handler
-        rpc = _Rpc(method.lstrip("/"), method.rsplit("/", 1)[-1], self._control, self._auth, self._metrics)
+        rpc = _Rpc(
+            method.lstrip("/"), method.rsplit("/", 1)[-1], self._control, self._auth, self._metrics, self._request_ids
+        )
         codec = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
@@ -354,6 +393,7 @@ class ServiceSpec:
     registry: CollectorRegistry
     # how long calls cancelled at the end of the grace period get to undo their work (``drain``)
     cancel_wait_s: float = _CANCEL_WAIT_S
+    request_ids: bool = False  # calls carry request ids (REQUEST_ID_KEY): the public API's
 
 
 class Health:
@@ -425,7 +465,9 @@ def _local_server(
     token (they share the anonymous session namespace)."""
     if settings.local_port is None:
         return None
-    interceptor = ErrorInterceptor(control, metrics, stream_write_timeout_s=settings.stream_write_timeout_s)
+    interceptor = ErrorInterceptor(
+        control, metrics, stream_write_timeout_s=settings.stream_write_timeout_s, request_ids=spec.request_ids
+    )
     local = _grpc_server(settings, interceptor)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, local)
     spec.register(local)
@@ -455,7 +497,7 @@ async def serve(settings: ServiceSettings, spec: ServiceSpec, control: ServerCon
         log.error("invalid_security_settings", error=str(exc))
         return 2
     metrics = RpcMetrics(spec.registry)
-    interceptor = ErrorInterceptor(control, metrics, auth, settings.stream_write_timeout_s)
+    interceptor = ErrorInterceptor(control, metrics, auth, settings.stream_write_timeout_s, spec.request_ids)
     server = _grpc_server(settings, interceptor)
     health_state = Health(spec.service_names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
