@@ -28,7 +28,7 @@ from specdec.serving.errors import (
     WorkerUnavailable,
 )
 from specdec.serving.security import ClientSecurity, Reloaded
-from specdec.serving.server import channel_options
+from specdec.serving.server import channel_options, request_id_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -281,7 +281,8 @@ class TargetClient:
 
     async def verify(self, request: target_pb2.VerifyRequest, timeout_s: float) -> target_pb2.VerifyResponse:
         request.tokenizer_hash, request.vocab_size = self.vocabulary
-        reply = await self._call(self._link.stub().Verify(request, timeout=timeout_s, metadata=self._link.metadata()))
+        metadata = (*self._link.metadata(), *request_id_metadata())  # the worker's lines name the request
+        reply = await self._call(self._link.stub().Verify(request, timeout=timeout_s, metadata=metadata))
         if request.coordinator_id and reply.cache_status == common_pb2.CACHE_STATUS_OK:
             self._others = (time.monotonic(), max(0, reply.service_requests - request.coordinator_requests))
         return reply
@@ -641,7 +642,7 @@ class DraftClient:
         self.breaker.trip()
 
     def open_stream(self) -> DraftStream:
-        return DraftStream(self._link.stub().Propose(metadata=self._link.metadata()))
+        return DraftStream(self._link.stub().Propose(metadata=(*self._link.metadata(), *request_id_metadata())))
 
     async def release(self, session_id: str, timeout_s: float) -> bool:
         request = draft_pb2.DraftReleaseSessionRequest(session_id=session_id)

@@ -1008,6 +1008,9 @@ class _CancelledAtWrite:
     def time_remaining(self) -> None:
         return None
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
 
 async def test_a_stream_cancelled_during_its_first_write_counts_that_message() -> None:
     """`specdec_rpc_first_message_seconds` times each stream to its first message, when it is

@@ -678,11 +678,18 @@ def test_a_target_replica_that_comes_back_with_another_model_is_not_used(
         time.sleep(1.5)  # past --target-retry-s: the coordinator may try the replica again
         with grpc.insecure_channel(cluster.address) as channel:
             stub = coordinator_pb2_grpc.GenerationStub(channel)
-            replies = [list(stub.Generate(make_request(p, max_new=6), timeout=60).token_ids) for p in prompts]
+            ids = [(("x-request-id", f"vocab-{i}"),) for i in range(len(prompts))]
+            replies = [
+                list(stub.Generate(make_request(p, max_new=6), timeout=60, metadata=ids[i]).token_ids)
+                for i, p in enumerate(prompts)
+            ]
             assert replies == expected
             assert worker_info(replica.address, "target").prefill_tokens_total == 0
             refused = metric(cluster, "coordinator", "specdec_target_failovers_total")
             assert refused >= 1
+            # the replica's refusals name the requests they came in (the coordinator forwards the ids)
+            refusals = [e for e in logged_events(replica) if e["event"] == "rpc_failed" and e["rpc"] == "Verify"]
+            assert refusals and {e.get("request_id") for e in refusals} <= {v for ((_, v),) in ids}
             replica.args = right_args
             replica.restart()
             time.sleep(1.5)
@@ -713,8 +720,15 @@ def test_a_draft_that_comes_back_with_another_model_is_not_used(
             stub = coordinator_pb2_grpc.GenerationStub(channel)
             stub.Generate(make_request([9, 8, 7], max_new=2), timeout=60)  # finds the old draft gone
             time.sleep(1.5)  # past --draft-retry-s: the coordinator tries the draft again
-            replies = [stub.Generate(make_request(p, max_new=6), timeout=60) for p in prompts]
+            ids = [(("x-request-id", f"draft-{i}"),) for i in range(len(prompts))]
+            replies = [
+                stub.Generate(make_request(p, max_new=6), timeout=60, metadata=ids[i]) for i, p in enumerate(prompts)
+            ]
             computed = worker_info(draft.address, "draft").prefill_tokens_total
+            # the draft's refusals name the requests whose streams they ended (the coordinator forwards the ids)
+            refusals = [e for e in logged_events(draft) if e["event"] == "rpc_failed" and e["rpc"] == "Propose"]
+            named = [e.get("request_id") for e in refusals]
+            assert None not in named and {v for ((_, v),) in ids} & set(named), named
             draft.args = right_args
             draft.restart()
             stub.Generate(make_request([9, 8, 7], max_new=2), timeout=60)

@@ -173,12 +173,21 @@ def _authenticate(auth: Authenticator, context: grpc.aio.ServicerContext) -> Non
         caller_identity.set(auth.authenticate(context.invocation_metadata() or (), context.auth_context()))
 
 
+def request_id_metadata() -> tuple[tuple[str, str], ...]:
+    """The current call's request id as metadata for the calls it makes (none outside a call)."""
+    request_id = structlog.contextvars.get_contextvars().get("request_id")
+    return ((REQUEST_ID_KEY, request_id),) if isinstance(request_id, str) else ()
+
+
 async def _identify(rpc: _Rpc, context: grpc.aio.ServicerContext) -> None:
     """Binds the call's request id (the caller's ``x-request-id``, or a new one) into the log
-    context of the call's task and sends it back as initial metadata (services that take ids)."""
-    if not rpc.request_ids:
-        return
+    context of the call's task and sends it back as initial metadata (services that take ids).
+    Other services (the workers) log the id a caller forwards (``request_id_metadata``) as it is."""
     given = [value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY]
+    if not rpc.request_ids:
+        if given and isinstance(given[0], str) and _REQUEST_ID.fullmatch(given[0]):
+            structlog.contextvars.bind_contextvars(request_id=given[0])
+        return
     if given and not (isinstance(given[0], str) and _REQUEST_ID.fullmatch(given[0])):
         raise InvalidRequest(
             f"{REQUEST_ID_KEY} must be 1-128 printable ASCII characters without spaces (got "
