@@ -288,7 +288,7 @@ def test_any_engine_api_request_is_parsed_or_refused_as_the_client_s_error(data:
             new_turn=new_turn,
         )
         parsed.clear()
-        context = SimpleNamespace(time_remaining=lambda: None)
+        context = SimpleNamespace(time_remaining=lambda: None, invocation_metadata=lambda: ())
 
         async def call(engine: SimpleNamespace = engine, context: SimpleNamespace = context) -> None:
             async for _ in VllmEngineServicer(engine).Generate(request, context):  # type: ignore[arg-type]
