@@ -36,7 +36,7 @@ from coordinator.turn import Finish, RoundOutput, Turn, tokenize
 from coordinator.validation import check_prompt_chars, parse_request_off_loop
 from specdec.serving.errors import InvalidRequest, Unsupported
 from specdec.serving.security import caller_identity
-from specdec.serving.server import REQUEST_ID_KEY
+from specdec.serving.server import given_request_id
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -212,7 +212,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
     async def Generate(
         self, request: vllm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vllm_pb2.GenerateResponse]:
-        if request.request_id and not any(key == REQUEST_ID_KEY for key, _ in context.invocation_metadata() or ()):
+        if request.request_id and given_request_id(context) is None:
             # the gateway's id for the request (smg sends no x-request-id): the one its logs know
             structlog.contextvars.bind_contextvars(request_id=request.request_id)
         problem = _unsupported(request)

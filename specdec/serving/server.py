@@ -179,21 +179,27 @@ def request_id_metadata() -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_KEY, request_id),) if isinstance(request_id, str) else ()
 
 
+def given_request_id(context: grpc.aio.ServicerContext) -> str | bytes | None:
+    """The call's ``x-request-id`` as the caller sent it (the first one), None without one."""
+    return next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY), None)
+
+
 async def _identify(rpc: _Rpc, context: grpc.aio.ServicerContext) -> None:
     """Binds the call's request id (the caller's ``x-request-id``, or a new one) into the log
     context of the call's task and sends it back as initial metadata (services that take ids).
     Other services (the workers) log the id a caller forwards (``request_id_metadata``) as it is."""
-    given = [value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY]
+    given = given_request_id(context)
+    valid = isinstance(given, str) and _REQUEST_ID.fullmatch(given) is not None
     if not rpc.request_ids:
-        if given and isinstance(given[0], str) and _REQUEST_ID.fullmatch(given[0]):
-            structlog.contextvars.bind_contextvars(request_id=given[0])
+        if valid:
+            structlog.contextvars.bind_contextvars(request_id=given)
         return
-    if given and not (isinstance(given[0], str) and _REQUEST_ID.fullmatch(given[0])):
+    if given is not None and not valid:
         raise InvalidRequest(
             f"{REQUEST_ID_KEY} must be 1-128 printable ASCII characters without spaces (got "
-            f"{len(given[0])} characters); send another one, or none and the server makes one up"
+            f"{len(given)} characters); send another one, or none and the server makes one up"
         )
-    request_id = given[0] if given else uuid.uuid4().hex
+    request_id = given if isinstance(given, str) else uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     with contextlib.suppress(*_SEND_FAILED):  # the call has ended already: its handler finds out
         await context.send_initial_metadata(((REQUEST_ID_KEY, request_id),))
