@@ -36,7 +36,6 @@ from coordinator.turn import Finish, RoundOutput, Turn, tokenize
 from coordinator.validation import check_prompt_chars, parse_request_off_loop
 from specdec.serving.errors import InvalidRequest, Unsupported
 from specdec.serving.security import caller_identity
-from specdec.serving.server import given_request_id
 from specdec.v1 import common_pb2, coordinator_pb2
 
 log = structlog.get_logger(__name__)
@@ -75,6 +74,13 @@ async def _prompt_ids(request: vllm_pb2.GenerateRequest, engine: Engine) -> list
             raise InvalidRequest(f"truncate_prompt_tokens must be -1 or >= 1, got {keep}")
         ids = ids[-(engine.limits.max_context_len - 1 if keep == -1 else keep) :]
     return ids
+
+
+def gateway_request_id(request: object) -> str:
+    """The id a Generate request's body carries: the gateway's for the request (smg sends no
+    x-request-id; its id is the OpenAI reply's ``id``), so the coordinator's lines of the request
+    and the call's initial metadata carry the id the gateway's client was given. "" for others."""
+    return request.request_id if isinstance(request, vllm_pb2.GenerateRequest) else ""
 
 
 def _derived_seed(seed: int, index: int) -> int:
@@ -212,9 +218,6 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
     async def Generate(
         self, request: vllm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vllm_pb2.GenerateResponse]:
-        if request.request_id and given_request_id(context) is None:
-            # the gateway's id for the request (smg sends no x-request-id): the one its logs know
-            structlog.contextvars.bind_contextvars(request_id=request.request_id)
         problem = _unsupported(request)
         if problem is not None:
             raise InvalidRequest(problem)

@@ -11,13 +11,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from coordinator.engine import Engine
 from coordinator.engine_api import SERVICE_NAME as ENGINE_SERVICE_NAME
-from coordinator.engine_api import VllmEngineServicer
+from coordinator.engine_api import VllmEngineServicer, gateway_request_id
 from coordinator.servicer import GenerationServicer
 from coordinator.settings import CoordinatorSettings
 from coordinator.turn import cut_off_cleanup_s
 from specdec.serving.logging import configure_logging
 from specdec.serving.metrics import CoordinatorMetrics
-from specdec.serving.server import ServerControl, ServiceSpec, run_service, serve
+from specdec.serving.server import RequestIds, ServerControl, ServiceSpec, run_service, serve
 from specdec.serving.settings import load_settings, log_unknown_environment
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -41,7 +41,8 @@ async def run(settings: CoordinatorSettings) -> int:
 
     services = [SERVICE_NAME, ENGINE_SERVICE_NAME]
     cut_off = cut_off_cleanup_s(settings.state_retry_s)
-    spec = ServiceSpec(services, register, engine.start, engine.stop, registry, cancel_wait_s=cut_off, request_ids=True)
+    ids = RequestIds(in_body=gateway_request_id)
+    spec = ServiceSpec(services, register, engine.start, engine.stop, registry, cancel_wait_s=cut_off, request_ids=ids)
     return await serve(settings, spec, control)
 
 

@@ -407,24 +407,38 @@ def _engine_request(ids: list[int], request_id: str, **params: object) -> vllm_p
 
 def test_a_reply_s_id_finds_its_request_s_log_lines(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:
     """The coordinator logs an engine request's lines with the gateway's request id, which is the
-    `id` of the OpenAI reply (smg sends no x-request-id); a caller's x-request-id comes first."""
+    `id` of the OpenAI reply (smg sends no x-request-id), and sends that id back in the call's
+    initial metadata; a caller's x-request-id comes first, and a body id that is no valid header
+    value gets one made up, for both."""
     reply = gateway.client.chat.completions.create(
         model=gateway.model,
         messages=MESSAGES,
         max_tokens=3,
         temperature=0,  # type: ignore[arg-type]
     )
-    request = _engine_request(chat_ids(gateway), "in-the-body", temperature=0.0, max_tokens=3)
-    list(engine_stub.Generate(request, timeout=60, metadata=(("x-request-id", "in-the-header"),)))
+    ids = chat_ids(gateway)
+    header = engine_stub.Generate(
+        _engine_request(ids, "in-the-body", temperature=0.0, max_tokens=3),
+        timeout=60,
+        metadata=(("x-request-id", "in-the-header"),),
+    )
+    body = engine_stub.Generate(_engine_request(ids, "body-only", temperature=0.0, max_tokens=3), timeout=60)
+    odd = engine_stub.Generate(_engine_request(ids, "not a header value", temperature=0.0, max_tokens=3), timeout=60)
+    sent_back = []
+    for call in (header, body, odd):
+        assert list(call)[-1].HasField("complete")
+        sent_back.append(dict(call.initial_metadata())["x-request-id"])
+    assert sent_back[:2] == ["in-the-header", "body-only"] and re.fullmatch("[0-9a-f]{32}", sent_back[2])
     log = gateway.cluster.processes["coordinator"]
 
     def ended() -> list[str]:
         events = (json.loads(line) for line in log.log_tail(3000).splitlines() if line.startswith("{"))
         return [e.get("request_id", "") for e in events if e["event"] == "turn_ended"]
 
-    wait_for(lambda: "in-the-header" in ended(), 10)
+    wait_for(lambda: sent_back[2] in ended(), 10)
     assert reply.id.startswith("chatcmpl-") and ended().count(reply.id) == 1
-    assert "in-the-body" not in ended()
+    assert [ended().count(sent) for sent in sent_back] == [1, 1, 1]
+    assert "in-the-body" not in ended() and "not a header value" not in ended()
 
 
 def test_engine_generate_n_and_prompt_logprobs(engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway) -> None:

@@ -43,9 +43,24 @@ INTERNAL_MESSAGE = "internal error; the server logged the details"
 
 # A caller's id for its call (gRPC metadata; HTTP's X-Request-Id): a service that takes request ids
 # (``ServiceSpec.request_ids``: the coordinator) logs the lines of the call's task with it and sends
-# it back in the call's initial metadata, making one up where the caller sent none.
+# it back in the call's initial metadata; where the caller sent none, it takes the one the request's
+# body carries (``RequestIds.in_body``: the engine API's) or makes one up.
 REQUEST_ID_KEY = "x-request-id"
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+
+
+def _no_body_id(request: object) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class RequestIds:
+    """A service's request ids (``_identify``). ``in_body`` reads the id a request's body carries
+    ("" where it has none), used where the call has no ``x-request-id`` header and the body's id is
+    a valid one (a header value); otherwise the service makes one up."""
+
+    in_body: Callable[[Any], str] = _no_body_id
+
 
 # grpc.health.v1 service names for Kubernetes probes (the health port serves only these).
 LIVENESS = "specdec.liveness"  # SERVING while the process works, model loading and draining included
@@ -179,18 +194,18 @@ def request_id_metadata() -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_KEY, request_id),) if isinstance(request_id, str) else ()
 
 
-def given_request_id(context: grpc.aio.ServicerContext) -> str | bytes | None:
-    """The call's ``x-request-id`` as the caller sent it (the first one), None without one."""
-    return next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY), None)
+def _valid_request_id(value: object) -> bool:
+    return isinstance(value, str) and _REQUEST_ID.fullmatch(value) is not None
 
 
-async def _identify(rpc: _Rpc, context: grpc.aio.ServicerContext) -> None:
-    """Binds the call's request id (the caller's ``x-request-id``, or a new one) into the log
-    context of the call's task and sends it back as initial metadata (services that take ids).
-    Other services (the workers) log the id a caller forwards (``request_id_metadata``) as it is."""
-    given = given_request_id(context)
-    valid = isinstance(given, str) and _REQUEST_ID.fullmatch(given) is not None
-    if not rpc.request_ids:
+async def _identify(rpc: _Rpc, request: Any, context: grpc.aio.ServicerContext) -> None:
+    """Binds the call's request id (the caller's ``x-request-id``, else a valid one in the request's
+    body, else a new one) into the log context of the call's task and sends it back as initial
+    metadata (services that take ids). Other services (the workers) log the id a caller forwards
+    (``request_id_metadata``) as it is."""
+    given = next((value for key, value in context.invocation_metadata() or () if key == REQUEST_ID_KEY), None)
+    valid = _valid_request_id(given)
+    if rpc.request_ids is None:
         if valid:
             structlog.contextvars.bind_contextvars(request_id=given)
         return
@@ -199,6 +214,8 @@ async def _identify(rpc: _Rpc, context: grpc.aio.ServicerContext) -> None:
             f"{REQUEST_ID_KEY} must be 1-128 printable ASCII characters without spaces (got "
             f"{len(given)} characters); send another one, or none and the server makes one up"
         )
+    if given is None and _valid_request_id(in_body := rpc.request_ids.in_body(request)):
+        given = in_body
     request_id = given if isinstance(given, str) else uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id)
     with contextlib.suppress(*_SEND_FAILED):  # the call has ended already: its handler finds out
@@ -214,7 +231,7 @@ class _Rpc:
     control: ServerControl
     auth: Authenticator
     metrics: RpcMetrics
-    request_ids: bool = False  # the service takes request ids (_identify)
+    request_ids: RequestIds | None = None  # the service takes request ids (_identify)
 
     def ended(self, context: grpc.aio.ServicerContext, began: float, client_left: bool) -> None:
         code = context.code() or grpc.StatusCode.OK
@@ -231,7 +248,7 @@ def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]], rpc: _Rpc) -> Callable
         with structlog.contextvars.bound_contextvars(rpc=rpc.name):
             try:
                 _authenticate(rpc.auth, context)
-                await _identify(rpc, context)
+                await _identify(rpc, request, context)
                 rpc.control.enter()
                 try:
                     return await fn(request, context)
@@ -290,7 +307,7 @@ def _wrap_stream(
         with structlog.contextvars.bound_contextvars(rpc=rpc.name):
             try:
                 _authenticate(rpc.auth, context)
-                await _identify(rpc, context)
+                await _identify(rpc, request, context)
                 rpc.control.enter()
                 try:
                     # closed at once on any way out, so the work behind the stream (a turn) ends now
@@ -333,7 +350,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         metrics: RpcMetrics,
         auth: Authenticator | None = None,
         stream_write_timeout_s: float = 0.0,
-        request_ids: bool = False,
+        request_ids: RequestIds | None = None,
     ) -> None:
         self._control = control
         self._request_ids = request_ids
@@ -408,7 +425,7 @@ class ServiceSpec:
     registry: CollectorRegistry
     # how long calls cancelled at the end of the grace period get to undo their work (``drain``)
     cancel_wait_s: float = _CANCEL_WAIT_S
-    request_ids: bool = False  # calls carry request ids (REQUEST_ID_KEY): the public API's
+    request_ids: RequestIds | None = None  # calls carry request ids (REQUEST_ID_KEY): the public API's
 
 
 class Health:
