@@ -81,22 +81,23 @@ def test_generated_stubs_match_the_protos() -> None:
     assert stale_files() == []
 
 
-def _bench_commands() -> list[list[str]]:
-    """Every ``specdec bench`` command in the README's code blocks, as argv (continuations joined)."""
-    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+def _bench_commands(text: str) -> list[list[str]]:
+    """Every ``specdec bench`` command in ``text``'s code blocks, as argv (continuations joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
     return [shlex.split(line, comments=True)[2:] for line in lines if line.startswith("specdec bench ")]
 
 
 def test_readme_bench_commands_name_rows_the_bench_has() -> None:
-    """A README bench command that names a renamed row ran only the target-only rows."""
+    """A bench command in the README or docs/ (the runs' history) that names a renamed row ran
+    only the target-only rows."""
     from specdec.tools.bench import check_methods
     from specdec.tools.cli import bench_config, build_parser
 
-    commands = _bench_commands()
-    assert len(commands) >= 3, "the README's benchmark commands were not found"
-    for argv in commands:
-        check_methods(bench_config(build_parser().parse_args(["bench", *argv])))
+    assert len(_bench_commands(README)) >= 3, "the README's benchmark commands were not found"
+    for doc in DOCS:
+        for argv in _bench_commands(doc.read_text()):
+            check_methods(bench_config(build_parser().parse_args(["bench", *argv])))
 
 
 def cited_tests(text: str, tests: Path) -> list[str]:
@@ -125,13 +126,16 @@ def test_the_docs_cite_only_tests_that_exist(tmp_path: Path) -> None:
 
 def test_the_docs_name_only_files_that_exist() -> None:
     """Every repository path the README and docs/ name in code spans or links (reports, plots,
-    scripts, manifests) is there: a report moved or a script renamed leaves its sentence unbacked."""
+    scripts, manifests) is there: a report moved or a script renamed leaves its sentence unbacked.
+    A link or image that names no such top folder is relative to its document (as GitHub reads it)."""
     tops = "docs|scripts|k8s|protos|specdec|coordinator|draft_worker|target_worker|tests|\\.ci"
     for doc in DOCS:
         text = doc.read_text()
         named = re.findall(rf"`((?:{tops})/[^`\s:*]*)`", text) + re.findall(rf"\]\(((?:{tops})/[^)\s]+)\)", text)
         assert named or doc.name != "README.md", "the README's paths were not found"
         missing = sorted({path for path in named if not (ROOT / path).exists()})
+        relative = re.findall(rf"\]\((?!(?:{tops})/|[a-z]+:|#)([^)\s]+)\)", text)
+        missing += sorted({path for path in relative if not (doc.parent / path).exists()})
         assert missing == [], f"{doc.name} names files that are not in the repository: {missing}"
 
 
