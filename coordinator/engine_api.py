@@ -133,6 +133,9 @@ def native_request(
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        # as sent: the protocol's false (also a client's that leaves it out) keeps special tokens'
+        # text for stop strings, as vLLM's engine does; the gateway sends true unless asked
+        skip_special_tokens=p.skip_special_tokens,
     )
     if p.top_p:
         sampling.top_p = p.top_p

@@ -38,9 +38,10 @@ class IncrementalDetokenizer:
     so the window, and the cost of a round, stays bounded.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: Sequence[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, context: Sequence[int], skip_special: bool = True) -> None:
         self._tokenizer = tokenizer
-        self._skipped = _skipped_ids(tokenizer)
+        self._skip = skip_special  # False: special tokens' text is kept (vLLM's skip_special_tokens=false)
+        self._skipped = _skipped_ids(tokenizer) if skip_special else frozenset()
         visible = [i for i in context if i not in self._skipped]
         self._ids = visible[start_on_a_character(self._decode, visible, max(len(visible) - _CONTEXT_TOKENS, 0)) :]
         self._prefix_offset = 0
@@ -48,7 +49,7 @@ class IncrementalDetokenizer:
         self._prefix_text: str | None = None  # the decode of ids[prefix_offset:read_offset], once needed
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds tokens; returns the text they complete (possibly empty). The tokens are taken one
@@ -118,7 +119,8 @@ class ReplyText:
     taken). ``take`` returns the text not yet sent, holding back a tail that could still grow into
     a stop string, so a stream never shows text that a later stop removes; the deltas add up to
     the final text. Stop strings do not match before the reply has ``min_tokens`` tokens (a match
-    that ends in a later token still counts).
+    that ends in a later token still counts). With ``skip_special`` False, special tokens' text is
+    part of the reply and of what stop strings match (vLLM's skip_special_tokens=false).
     """
 
     def __init__(
@@ -128,8 +130,9 @@ class ReplyText:
         stops: Sequence[str],
         include_stop: bool,
         min_tokens: int = 0,
+        skip_special: bool = True,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, context)
+        self._detok = IncrementalDetokenizer(tokenizer, context, skip_special)
         self._stops = tuple(stops)
         self._include = include_stop
         self._min_tokens = min_tokens

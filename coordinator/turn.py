@@ -273,9 +273,8 @@ class Turn:
         elif not kept:  # the replicas to start on
             self.workers.place([])
         req = self.request
-        self._reply = ReplyText(
-            self.deps.tokenizer, self._committed, req.stop_strings, req.include_stop_str, req.min_tokens
-        )
+        stops = (req.stop_strings, req.include_stop_str, req.min_tokens, req.skip_special)
+        self._reply = ReplyText(self.deps.tokenizer, self._committed, *stops)
         if req.k and req.method != MODEL:
             self._index = NgramIndex(*self.deps.ngram, self._committed)
         self._scope, self._reply_start = caller_identity.get(), len(self._committed)

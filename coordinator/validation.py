@@ -31,6 +31,7 @@ FEATURES = (
     "sampling.ignore_eos",
     "sampling.stop",
     "sampling.include_stop_str_in_output",
+    "sampling.skip_special_tokens",
     "sampling.logprobs",
     "sampling.top_logprobs",
     "sampling.prompt_logprobs",
@@ -96,6 +97,7 @@ class TurnRequest:
     prompt_logprobs: int | None = None  # alternatives per prompt token; None = no prompt logprobs
     draft_stop: ConfidenceStop = NO_STOP  # where the draft model ends a block early
     max_new_tokens_set: bool = True  # False: the server's default, which the turn caps at the room left
+    skip_special: bool = True  # special tokens' text left out of the reply's text and stop matching
 
 
 def _check_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
@@ -349,6 +351,7 @@ def parse_request(request: coordinator_pb2.GenerateRequest, limits: Limits) -> T
         stop_ids=stop_ids,
         stop_strings=_stop_strings(sampling),
         include_stop_str=sampling.include_stop_str_in_output,
+        skip_special=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
         k=_k(request.speculation, limits, draft_stop),
         fixed_k=request.speculation.fixed,
         require_existing=request.require_existing_session,

@@ -846,6 +846,28 @@ def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(
                 assert [t for m in streamed for t in m.token_ids] == list(reply.token_ids)
 
 
+def test_special_tokens_kept_on_request_are_text_that_stop_strings_match(
+    same: coordinator_pb2_grpc.GenerationStub,
+) -> None:
+    """`skip_special_tokens` false: a special token's text is part of `text` and of what stop
+    strings match (vLLM's skip_special_tokens=false); unset, it is left out of both. A logit bias
+    makes every token `<pad>` (the tiny tokenizer's special id 258), drafted in blocks of 8."""
+    for k in (1, 8):
+        req = request(PROMPTS[1], k=k, max_new=6, ignore_eos=True, stop=["<pad><pad><pad>"])
+        req.sampling.logit_bias[258] = 100.0
+        skipped = same.Generate(req)
+        assert list(skipped.token_ids) == [258] * 6 and skipped.text == ""
+        assert skipped.finish_reason == coordinator_pb2.FINISH_REASON_LENGTH
+        req.sampling.skip_special_tokens = False
+        kept = same.Generate(req)
+        assert list(kept.token_ids) == [258] * 3 and kept.text == "" and kept.stop_string == "<pad><pad><pad>"
+        req.sampling.include_stop_str_in_output = True
+        streamed = list(same.GenerateStream(req))
+        assert "".join(m.text for m in streamed) == "<pad><pad><pad>"
+        req.sampling.ClearField("stop")
+        assert same.Generate(req).text == "<pad>" * 6
+
+
 @pytest.mark.parametrize(
     ("stops", "message"),
     [([""], "1 to 256 characters"), (["x" * 257], "1 to 256 characters"), (["s"] * 17, "at most 16")],

@@ -541,6 +541,29 @@ def test_engine_rejects_what_it_cannot_honour(
     assert "sampling." not in details and "max_new_tokens" not in details and "top_logprobs" not in details
 
 
+def test_engine_skip_special_tokens_false_keeps_their_text_for_stop_strings(
+    engine_stub: vllm_grpc.VllmEngineStub, gateway: Gateway
+) -> None:
+    """The engine protocol's skip_special_tokens, as vLLM's engine takes it: false (also left out,
+    proto3's default) keeps special tokens' text in what stop strings are matched against, true
+    leaves it out. smg sends true for chat completions and for completions unless the client asks
+    for false (probed). A logit bias makes every token Qwen's `<|fim_middle|>`; before, the field
+    was ignored and the false request ran on to max_tokens."""
+    special = gateway.tokenizer.convert_tokens_to_ids("<|fim_middle|>")
+    stop = ["<|fim_middle|><|fim_middle|>"]
+
+    def reply(skip: bool) -> vllm_pb2.GenerateComplete:
+        request = _engine_request(
+            chat_ids(gateway), f"skip-{skip}", temperature=0.0, max_tokens=6, stop=stop, skip_special_tokens=skip,
+            logit_bias={special: 100.0}, ignore_eos=True,
+        )  # fmt: skip
+        return list(engine_stub.Generate(request, timeout=60))[-1].complete
+
+    kept, skipped = reply(False), reply(True)
+    assert list(kept.output_ids) == [special] * 2 and kept.finish_reason == "stop"
+    assert list(skipped.output_ids) == [special] * 6 and skipped.finish_reason == "length"
+
+
 @pytest.mark.parametrize("top_k", [2**31, 2**32 - 1])
 def test_engine_top_k_past_any_vocabulary_filters_nothing(engine_stub: vllm_grpc.VllmEngineStub, top_k: int) -> None:
     """The engine protocol's top_k is unsigned and the native one a signed 32-bit field: a top_k

@@ -25,9 +25,11 @@ def test_deltas_add_up_to_the_full_text_with_multibyte_characters() -> None:
     assert all("\ufffd" not in d for d in deltas)
 
 
-def _streamed(tok: PreTrainedTokenizerBase, context: Sequence[int], ids: Sequence[int], sizes: Sequence[int]) -> str:
+def _streamed(
+    tok: PreTrainedTokenizerBase, context: Sequence[int], ids: Sequence[int], sizes: Sequence[int], skip: bool = True
+) -> str:
     """The deltas (and the final flush) of ``ids`` pushed ``sizes[0]``, ``sizes[1]``, ... at a time."""
-    detok = IncrementalDetokenizer(tok, context)
+    detok = IncrementalDetokenizer(tok, context, skip_special=skip)
     deltas, start, turn = [], 0, 0
     while start < len(ids):
         size = sizes[turn % len(sizes)]
@@ -37,10 +39,10 @@ def _streamed(tok: PreTrainedTokenizerBase, context: Sequence[int], ids: Sequenc
     return "".join(deltas)
 
 
-def _after(tok: PreTrainedTokenizerBase, context: Sequence[int], ids: Sequence[int]) -> str:
+def _after(tok: PreTrainedTokenizerBase, context: Sequence[int], ids: Sequence[int], skip: bool = True) -> str:
     """The text ``ids`` add after ``context`` when the two are decoded together."""
-    before = tok.decode(list(context), skip_special_tokens=True)
-    whole = tok.decode([*context, *ids], skip_special_tokens=True)
+    before = tok.decode(list(context), skip_special_tokens=skip)
+    whole = tok.decode([*context, *ids], skip_special_tokens=skip)
     assert whole.startswith(before)
     return whole[len(before) :]
 
@@ -69,6 +71,36 @@ def test_any_byte_level_reply_adds_up_to_its_decode(ids: list[int], sizes: list[
     tok = build_tokenizer()
     context = tok("ctx ")["input_ids"]
     assert _streamed(tok, context, ids, sizes) == _after(tok, context, ids)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 258), max_size=80), st.lists(st.integers(1, 24), min_size=1, max_size=6))
+def test_any_byte_level_reply_keeping_special_tokens_adds_up_to_its_decode(ids: list[int], sizes: list[int]) -> None:
+    """With special tokens kept (vLLM's skip_special_tokens=false), their text is the reply's too:
+    the deltas add up to the decode of the whole reply with them."""
+    tok = build_tokenizer()
+    context = [*tok("ctx ")["input_ids"], tok.eos_token_id]
+    assert _streamed(tok, context, ids, sizes, skip=False) == _after(tok, context, ids, skip=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 267), max_size=60),
+    st.integers(0, 8),
+    st.lists(st.integers(1, 12), min_size=1, max_size=6),
+)
+def test_any_byte_fallback_ids_keeping_special_tokens_give_one_text_whatever_the_rounds(
+    ids: list[int], cut: int, sizes: list[int]
+) -> None:
+    """Special tokens kept among byte-fallback ids: the same text in any rounds as one token at a
+    time, and where no byte run goes invalid, the decode of the whole reply with them."""
+    tok = build_byte_fallback_tokenizer()
+    context, reply = ids[:cut], ids[cut:]
+    streamed = _streamed(tok, context, reply, sizes, skip=False)
+    assert streamed == _streamed(tok, context, reply, [1], skip=False)
+    whole = tok.decode(ids, skip_special_tokens=False)
+    if "\ufffd" not in whole and whole.startswith(tok.decode(context, skip_special_tokens=False)):
+        assert streamed == _after(tok, context, reply, skip=False)
 
 
 @settings(max_examples=200, deadline=None)
@@ -163,6 +195,26 @@ def test_special_tokens_are_skipped() -> None:
     ids = [*tok("ab")["input_ids"], tok.eos_token_id]
     detok = IncrementalDetokenizer(tok, [])
     assert detok.push(ids) + detok.flush() == "ab"
+
+
+def test_special_tokens_kept_on_request_are_text_that_stop_strings_match() -> None:
+    """skip_special_tokens=false (vLLM's, the engine protocol's): a special token's text is part of
+    the reply and of what stop strings are matched against, as vLLM matches them; skipped (the
+    default), a stop string never spans one."""
+    from coordinator.text import ReplyText
+
+    tok = build_tokenizer()
+    ids = [*tok("ab")["input_ids"], tok.pad_token_id, *tok("c")["input_ids"]]
+    detok = IncrementalDetokenizer(tok, [tok.bos_token_id], skip_special=False)
+    assert detok.push(ids) + detok.flush() == "ab<pad>c"
+    for skip, stops, taken, text in (
+        (False, ["b<pad>"], 3, "a"),
+        (False, ["bc"], 4, "ab<pad>c"),
+        (True, ["b<pad>"], 4, "abc"),
+        (True, ["bc"], 4, "a"),
+    ):
+        reply = ReplyText(tok, [tok.bos_token_id], stops, include_stop=False, skip_special=skip)
+        assert (reply.push(ids), reply.take(final=True)) == (taken, text), (skip, stops)
 
 
 def _stream(tok, text: str, stops: list[str], include: bool = False, per_push: int = 1) -> tuple[int, list[str], str]:  # type: ignore[no-untyped-def]

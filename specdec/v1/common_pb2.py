@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x90\x05\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\r\n\x05min_p\x18\x11 \x01(\x02\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x37\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1c.specdec.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x13.specdec.v1.ChoicesH\x00\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specdec.v1.TopLogprobB\n\n\x08_logprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xa2\x02\n\x0cLogitsParams\x12\x1a\n\x12repetition_penalty\x18\x01 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x02 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x03 \x01(\x02\x12;\n\nlogit_bias\x18\x04 \x03(\x0b\x32\'.specdec.v1.LogitsParams.LogitBiasEntry\x12\x13\n\x0breply_start\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x18\n\x10\x62\x61nned_until_min\x18\x07 \x03(\r\x12\x0f\n\x07grammar\x18\x08 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"N\n\nWarpParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\"+\n\rTokenProposal\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"u\n\nDraftBlock\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.specdec.v1.ProposalKind\x12,\n\tproposals\x18\x03 \x03(\x0b\x32\x19.specdec.v1.TokenProposal\"\x8e\x01\n\nPrefixSync\x12\x10\n\x08\x62\x61se_len\x18\x01 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x02 \x01(\x06\x12\x16\n\x0etail_token_ids\x18\x03 \x03(\r\x12\x19\n\x11source_session_id\x18\x04 \x01(\t\x12\x12\n\nprompt_len\x18\x05 \x01(\r\x12\x12\n\nshared_len\x18\x06 \x01(\r\"\xce\x04\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\t \x01(\r\x12\x1c\n\x14prefill_tokens_total\x18\n \x01(\x04\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x18\n\x10\x62\x61tched_forwards\x18\x0c \x01(\x04\x12\x18\n\x10\x62\x61tched_requests\x18\r \x01(\x04\x12\x1b\n\x13reused_tokens_total\x18\x0e \x01(\x04\x12\x37\n\x11vocab_translation\x18\x0f \x01(\x0e\x32\x1c.specdec.v1.VocabTranslation\x12\x1c\n\x14model_tokenizer_hash\x18\x10 \x01(\t\x12\x1b\n\x13shared_vocab_tokens\x18\x11 \x01(\r\x12\x14\n\x0c\x63\x61\x63he_idle_s\x18\x12 \x01(\x01\x12\x18\n\x10max_draft_tokens\x18\x13 \x01(\r\x12\x1c\n\x14prefill_ms_per_token\x18\x14 \x01(\x01\x12+\n#prefill_ms_per_token_per_1k_context\x18\x15 \x01(\x01\x12\x19\n\x11structured_output\x18\x16 \x01(\x08*{\n\x0cProposalKind\x12\x1d\n\x19PROPOSAL_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15PROPOSAL_KIND_ONE_HOT\x10\x01\x12\x18\n\x14PROPOSAL_KIND_SPARSE\x10\x02\x12\x17\n\x13PROPOSAL_KIND_DENSE\x10\x03*b\n\x0b\x43\x61\x63heStatus\x12\x1c\n\x18\x43\x41\x43HE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43\x41\x43HE_STATUS_OK\x10\x01\x12 \n\x1c\x43\x41\x43HE_STATUS_RESYNC_REQUIRED\x10\x02*\x8a\x01\n\x10VocabTranslation\x12!\n\x1dVOCAB_TRANSLATION_UNSPECIFIED\x10\x00\x12\x1c\n\x18VOCAB_TRANSLATION_SHARED\x10\x01\x12\x19\n\x15VOCAB_TRANSLATION_TLI\x10\x02\x12\x1a\n\x16VOCAB_TRANSLATION_SLEM\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x05\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0f \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x10 \x01(\x02\x12\r\n\x05min_p\x18\x11 \x01(\x02\x12=\n\nlogit_bias\x18\x12 \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x37\n\x11structured_output\x18\x13 \x01(\x0b\x32\x1c.specdec.v1.StructuredOutput\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x13.specdec.v1.ChoicesH\x00\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.specdec.v1.TopLogprobB\n\n\x08_logprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xa2\x02\n\x0cLogitsParams\x12\x1a\n\x12repetition_penalty\x18\x01 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x02 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x03 \x01(\x02\x12;\n\nlogit_bias\x18\x04 \x03(\x0b\x32\'.specdec.v1.LogitsParams.LogitBiasEntry\x12\x13\n\x0breply_start\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x18\n\x10\x62\x61nned_until_min\x18\x07 \x03(\r\x12\x0f\n\x07grammar\x18\x08 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"N\n\nWarpParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\"+\n\rTokenProposal\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"u\n\nDraftBlock\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.specdec.v1.ProposalKind\x12,\n\tproposals\x18\x03 \x03(\x0b\x32\x19.specdec.v1.TokenProposal\"\x8e\x01\n\nPrefixSync\x12\x10\n\x08\x62\x61se_len\x18\x01 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x02 \x01(\x06\x12\x16\n\x0etail_token_ids\x18\x03 \x03(\r\x12\x19\n\x11source_session_id\x18\x04 \x01(\t\x12\x12\n\nprompt_len\x18\x05 \x01(\r\x12\x12\n\nshared_len\x18\x06 \x01(\r\"\xce\x04\n\nWorkerInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x13\n\x0binstance_id\x18\x08 \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\t \x01(\r\x12\x1c\n\x14prefill_tokens_total\x18\n \x01(\x04\x12\x0c\n\x04host\x18\x0b \x01(\t\x12\x18\n\x10\x62\x61tched_forwards\x18\x0c \x01(\x04\x12\x18\n\x10\x62\x61tched_requests\x18\r \x01(\x04\x12\x1b\n\x13reused_tokens_total\x18\x0e \x01(\x04\x12\x37\n\x11vocab_translation\x18\x0f \x01(\x0e\x32\x1c.specdec.v1.VocabTranslation\x12\x1c\n\x14model_tokenizer_hash\x18\x10 \x01(\t\x12\x1b\n\x13shared_vocab_tokens\x18\x11 \x01(\r\x12\x14\n\x0c\x63\x61\x63he_idle_s\x18\x12 \x01(\x01\x12\x18\n\x10max_draft_tokens\x18\x13 \x01(\r\x12\x1c\n\x14prefill_ms_per_token\x18\x14 \x01(\x01\x12+\n#prefill_ms_per_token_per_1k_context\x18\x15 \x01(\x01\x12\x19\n\x11structured_output\x18\x16 \x01(\x08*{\n\x0cProposalKind\x12\x1d\n\x19PROPOSAL_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15PROPOSAL_KIND_ONE_HOT\x10\x01\x12\x18\n\x14PROPOSAL_KIND_SPARSE\x10\x02\x12\x17\n\x13PROPOSAL_KIND_DENSE\x10\x03*b\n\x0b\x43\x61\x63heStatus\x12\x1c\n\x18\x43\x41\x43HE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x43\x41\x43HE_STATUS_OK\x10\x01\x12 \n\x1c\x43\x41\x43HE_STATUS_RESYNC_REQUIRED\x10\x02*\x8a\x01\n\x10VocabTranslation\x12!\n\x1dVOCAB_TRANSLATION_UNSPECIFIED\x10\x00\x12\x1c\n\x18VOCAB_TRANSLATION_SHARED\x10\x01\x12\x19\n\x15VOCAB_TRANSLATION_TLI\x10\x02\x12\x1a\n\x16VOCAB_TRANSLATION_SLEM\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,38 +35,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_LOGITSPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_LOGITSPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PROPOSALKIND']._serialized_start=2335
-  _globals['_PROPOSALKIND']._serialized_end=2458
-  _globals['_CACHESTATUS']._serialized_start=2460
-  _globals['_CACHESTATUS']._serialized_end=2558
-  _globals['_VOCABTRANSLATION']._serialized_start=2561
-  _globals['_VOCABTRANSLATION']._serialized_end=2699
+  _globals['_PROPOSALKIND']._serialized_start=2393
+  _globals['_PROPOSALKIND']._serialized_end=2516
+  _globals['_CACHESTATUS']._serialized_start=2518
+  _globals['_CACHESTATUS']._serialized_end=2616
+  _globals['_VOCABTRANSLATION']._serialized_start=2619
+  _globals['_VOCABTRANSLATION']._serialized_end=2757
   _globals['_TOKENIDS']._serialized_start=39
   _globals['_TOKENIDS']._serialized_end=62
   _globals['_SAMPLINGPARAMS']._serialized_start=65
-  _globals['_SAMPLINGPARAMS']._serialized_end=721
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=592
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=640
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=724
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=877
-  _globals['_CHOICES']._serialized_start=879
-  _globals['_CHOICES']._serialized_end=904
-  _globals['_TOKENLOGPROB']._serialized_start=906
-  _globals['_TOKENLOGPROB']._serialized_end=1009
-  _globals['_TOPLOGPROB']._serialized_start=1011
-  _globals['_TOPLOGPROB']._serialized_end=1058
-  _globals['_LOGITSPARAMS']._serialized_start=1061
-  _globals['_LOGITSPARAMS']._serialized_end=1351
-  _globals['_LOGITSPARAMS_LOGITBIASENTRY']._serialized_start=592
-  _globals['_LOGITSPARAMS_LOGITBIASENTRY']._serialized_end=640
-  _globals['_WARPPARAMS']._serialized_start=1353
-  _globals['_WARPPARAMS']._serialized_end=1431
-  _globals['_TOKENPROPOSAL']._serialized_start=1433
-  _globals['_TOKENPROPOSAL']._serialized_end=1476
-  _globals['_DRAFTBLOCK']._serialized_start=1478
-  _globals['_DRAFTBLOCK']._serialized_end=1595
-  _globals['_PREFIXSYNC']._serialized_start=1598
-  _globals['_PREFIXSYNC']._serialized_end=1740
-  _globals['_WORKERINFO']._serialized_start=1743
-  _globals['_WORKERINFO']._serialized_end=2333
+  _globals['_SAMPLINGPARAMS']._serialized_end=779
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=626
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=674
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=782
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=935
+  _globals['_CHOICES']._serialized_start=937
+  _globals['_CHOICES']._serialized_end=962
+  _globals['_TOKENLOGPROB']._serialized_start=964
+  _globals['_TOKENLOGPROB']._serialized_end=1067
+  _globals['_TOPLOGPROB']._serialized_start=1069
+  _globals['_TOPLOGPROB']._serialized_end=1116
+  _globals['_LOGITSPARAMS']._serialized_start=1119
+  _globals['_LOGITSPARAMS']._serialized_end=1409
+  _globals['_LOGITSPARAMS_LOGITBIASENTRY']._serialized_start=626
+  _globals['_LOGITSPARAMS_LOGITBIASENTRY']._serialized_end=674
+  _globals['_WARPPARAMS']._serialized_start=1411
+  _globals['_WARPPARAMS']._serialized_end=1489
+  _globals['_TOKENPROPOSAL']._serialized_start=1491
+  _globals['_TOKENPROPOSAL']._serialized_end=1534
+  _globals['_DRAFTBLOCK']._serialized_start=1536
+  _globals['_DRAFTBLOCK']._serialized_end=1653
+  _globals['_PREFIXSYNC']._serialized_start=1656
+  _globals['_PREFIXSYNC']._serialized_end=1798
+  _globals['_WORKERINFO']._serialized_start=1801
+  _globals['_WORKERINFO']._serialized_end=2391
 # @@protoc_insertion_point(module_scope)
