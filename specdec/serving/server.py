@@ -49,17 +49,13 @@ REQUEST_ID_KEY = "x-request-id"
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 
 
-def _no_body_id(request: object) -> str:
-    return ""
-
-
 @dataclass(frozen=True)
 class RequestIds:
     """A service's request ids (``_identify``). ``in_body`` reads the id a request's body carries
     ("" where it has none), used where the call has no ``x-request-id`` header and the body's id is
     a valid one (a header value); otherwise the service makes one up."""
 
-    in_body: Callable[[Any], str] = _no_body_id
+    in_body: Callable[[Any], str]
 
 
 # grpc.health.v1 service names for Kubernetes probes (the health port serves only these).
