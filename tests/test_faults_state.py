@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from specdec.tools.launch import LaunchError
-from specdec.v1 import coordinator_pb2_grpc
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, wait_for
-from tests.helpers import SESSION_KEY, RedisServer, free_port
+from tests.helpers import SESSION_KEY, RedisServer, free_port, stored_sessions
 from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import greedy_continuation, logit_gap, make_request, read_session, reference_greedy
 from tests.tiny_models import TinyModels
@@ -387,6 +387,72 @@ def test_a_failed_or_cancelled_turn_is_rolled_back_and_the_session_free_at_once(
     fault_report["named turn failed or cancelled at any point (incl. Redis stalls, lease in flight)"] = {
         "rolled_back": True,
         "session_free_after_s": freed_after,
+        "next_turn_identical_output": True,
+    }
+
+
+def test_a_full_redis_refuses_requests_as_full_and_leaves_every_session_as_it_was(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    """Redis reaches its maxmemory (noeviction, as the Deployment configures it) while a named
+    session's turn and a one-shot request stream. Both fail RESOURCE_EXHAUSTED saying the state store
+    is full (at once, not retried as an outage); the named session is back to its pre-turn tokens and
+    free, the one-shot's session gone; a new request is refused the same way at once; CloseSession
+    works. Once Redis has
+    room, the session's next turn is the target's greedy output over the pre-turn history. Main
+    retried the refused writes as an outage (UNAVAILABLE) and could not release the session's lease:
+    it stayed busy for the 90 s lease, the one-shot's session for the TTL."""
+    redis_server = RedisServer(tmp_path / "redis-data", extra_args=["--maxmemory-policy", "noeviction"])
+    session = "full"
+    history = list(PROMPT)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        with fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.noisy, state_url=redis_server.url, route=routes(0.01)
+        ) as cluster, grpc.insecure_channel(cluster.address) as channel:  # fmt: skip
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            first = stub.Generate(make_request(PROMPT, session_id=session, max_new=5, ignore_eos=True), timeout=30)
+            history += list(first.token_ids)
+            stub.Generate(make_request(PROMPT, session_id="done-with", max_new=2, ignore_eos=True), timeout=30)
+            turn = stub.GenerateStream(make_request([1, 2], session_id=session, max_new=200, ignore_eos=True))
+            one_shot = stub.GenerateStream(make_request([6, 7], max_new=200, ignore_eos=True))
+            next(turn), next(one_shot)
+            admin.config_set("maxmemory", 1)  # full: Redis refuses every write that may grow it
+            started = time.monotonic()
+            for call in (turn, one_shot):
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in call:
+                        pass
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+                assert "state store is full" in (err.value.details() or "")
+            wait_for(lambda: _owner_released(redis_server.url, session), 2, 0.05)
+            freed_after = time.monotonic() - started
+            assert read_session(redis_server.url, session).tokens == history
+            # the one-shot's session went
+            wait_for(lambda: stored_sessions(redis_server.url) == {session, "done-with"}, 2, 0.05)
+            closed = stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="done-with"), timeout=30)
+            assert closed.existed and stored_sessions(redis_server.url) == {session}
+
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(make_request(PROMPT, session_id="new", max_new=4, ignore_eos=True), timeout=30)
+            refused_after = time.monotonic() - started
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+            assert refused_after < 2  # not retried for --state-retry-s (5 s) as an outage
+
+            admin.config_set("maxmemory", 0)
+            follow = make_request([3, 4], session_id=session, max_new=4, ignore_eos=True)
+            follow.require_existing_session = True
+            reply = stub.Generate(follow, timeout=30)
+            expected = reference_greedy(str(tiny_models.target), (*history, 3, 4), 4, ignore_eos=True)
+            assert list(reply.token_ids) == expected
+    finally:
+        admin.close()
+        redis_server.stop()
+    fault_report["Redis full (maxmemory, noeviction) mid-turn"] = {
+        "outcome": "RESOURCE_EXHAUSTED 'the state store is full'; sessions as before the turn, one-shot's deleted",
+        "session_free_after_s": round(freed_after, 2),
+        "new_request_refused_after_s": round(refused_after, 2),
         "next_turn_identical_output": True,
     }
 

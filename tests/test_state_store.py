@@ -10,11 +10,19 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
 import redis.asyncio as aioredis
 
 from specdec.runtime.tokens import pack_tokens
-from specdec.serving.errors import SessionBusy, SessionGone, SessionNotFound, StateConflict, StateLost
+from specdec.serving.errors import (
+    SessionBusy,
+    SessionGone,
+    SessionNotFound,
+    StateConflict,
+    StateLost,
+    StateStoreFull,
+)
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store, store_location
 from specdec.state.redis_store import RedisStateStore
 from tests.helpers import RedisServer
@@ -620,3 +628,51 @@ def test_a_store_is_named_in_logs_without_its_credentials() -> None:
     assert store_location("redis://:s3cret@127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert store_location("unix:///run/redis.sock?password=s3cret") == "unix:///run/redis.sock"
     assert store_location("memory://") == "memory://"
+
+
+async def test_a_full_redis_refuses_what_would_grow_it_and_still_frees_what_turns_held(tmp_path: Path) -> None:
+    """Redis at its maxmemory (noeviction, as the Deployment runs it) refuses writes that may grow
+    it. A request that would add a session or append to one is refused as the store being full
+    (RESOURCE_EXHAUSTED, not a store outage to retry); but what frees or keeps a turn's hold works:
+    its rollback, its lease renewal and release, a one-shot session's deletion. So a turn cut short
+    by a full store leaves its session as it was and free at once, not held for the lease (90 s)
+    with one-shot sessions left behind for the TTL. A coordinator starting meanwhile still starts.
+    Main treated the refusals as an outage (StateUnavailable, retried) and could not release."""
+    server = RedisServer(tmp_path / "redis", extra_args=["--maxmemory-policy", "noeviction"])
+    client = aioredis.from_url(server.url)
+    store = open_store(server.url, ttl_s=60, lease_s=30, timeout_s=2)
+    try:
+        await store.start()
+        named, one_shot, after = sid(), sid(), sid()
+        version = await _finished_turn(store, named, "before", [1, 2], [3])
+        await store.acquire(named, "turn", create=False)
+        opened = (await store.commit(named, "turn", Commit(version, "turn:p", [4, 5], opens_turn=True))).version
+        await store.acquire(one_shot, "shot", create=True)
+        await store.commit(one_shot, "shot", Commit(0, "shot:p", [7, 8], opens_turn=True))
+        await client.config_set("maxmemory", 1)  # full: any write that may grow it is refused
+
+        with pytest.raises(StateStoreFull) as full:
+            await store.acquire(after, "new", create=True)
+        assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "state store is full" in str(full.value)
+        with pytest.raises(StateStoreFull):
+            await store.commit(named, "turn", Commit(opened, "turn:1", [6]))
+        assert await store.renew(named, "turn") is True
+        rollback = Commit(None, "turn:rollback", [], 3, closes_turn=True)
+        assert (await store.commit(named, "turn", rollback)).outcome is CommitOutcome.APPLIED
+        await store.release(named, "turn")
+        await store.release(one_shot, "shot", delete=True)
+        record = await store.get(named)
+        assert record is not None and record.tokens == [1, 2, 3] and record.owner == ""
+        assert await store.get(one_shot) is None
+        restarted = open_store(server.url, ttl_s=60, lease_s=30, timeout_s=2)
+        await restarted.start()  # the epoch is there: nothing to write
+        await restarted.close()
+
+        await client.config_set("maxmemory", 0)
+        assert (await store.acquire(named, "next", create=False)).tokens == [1, 2, 3]
+        assert (await store.acquire(after, "new", create=True)).tokens == []
+    finally:
+        await client.aclose()
+        await store.close()
+        server.stop()

@@ -67,6 +67,13 @@ class StateUnreachable(StateUnavailable):
     come up later, unlike a store that refuses the coordinator (a wrong password)."""
 
 
+class StateStoreFull(SpecdecError):
+    """The state store is at its memory limit and refuses what would grow it (Redis's maxmemory
+    with noeviction): this request cannot be saved; what frees memory still works."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class WorkerUnavailable(SpecdecError):
     """No model worker that can serve the request is reachable."""
 

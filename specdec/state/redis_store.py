@@ -12,7 +12,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.credentials import CredentialProvider
-from redis.exceptions import AuthenticationError, ReadOnlyError, RedisError
+from redis.exceptions import AuthenticationError, OutOfMemoryError, ReadOnlyError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -22,6 +22,7 @@ from specdec.serving.errors import (
     SessionNotFound,
     StateConflict,
     StateLost,
+    StateStoreFull,
     StateUnavailable,
     StateUnreachable,
 )
@@ -43,6 +44,13 @@ from specdec.state.base import (
 T = TypeVar("T")
 log = structlog.get_logger(__name__)
 
+# A Redis at its maxmemory with noeviction refuses a script at its first write that may grow the
+# store (unless it has written already: a script runs whole or not at all). Scripts that only give
+# up or keep what a turn holds, or rewrite fields at the same size (a turn's rollback, a lease's
+# renewal or release, a one-shot session's deletion, a cache location's flag), declare that they
+# may run then (Redis 7's script flags): a turn cut short by a full store leaves its session as it
+# found it, and free.
+_ALLOW_OOM = "#!lua flags=allow-oom\n"
 _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 # Every script first checks the epoch marker: a Redis that restarted without persistence has
 # lost it (and every session), which must surface as an error, never as a silent fresh start.
@@ -164,7 +172,9 @@ return {'applied', version}
 # KEYS: session; ARGV: the draft location claimed (address, length, source, ready_by), the JSON to
 # write; 1 when written (the session exists and its draft location still is the one claimed, by
 # value: a cut re-encodes the field)
-_MARK_DRAFT_READY = """
+_MARK_DRAFT_READY = (
+    _ALLOW_OOM
+    + """
 local raw = redis.call('HGET', KEYS[1], 'draft')
 if not raw or raw == '' then return 0 end
 local loc = cjson.decode(raw)
@@ -175,11 +185,13 @@ end
 redis.call('HSET', KEYS[1], 'draft', ARGV[5])
 return 1
 """
+)
 
 # KEYS: session, session tokens; ARGV: owner, lease_ms, ttl_ms, the session's creation time in ms ('' = any);
 # returns -1 when the session is gone or was made again since, 0 when another request holds it
 _RENEW = (
-    _NOW_MS
+    _ALLOW_OOM
+    + _NOW_MS
     + """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'created')
 if not cur[1] or (ARGV[4] ~= '' and cur[2] and cur[2] ~= ARGV[4]) then return -1 end
@@ -195,7 +207,9 @@ return 1
 # session (if the owner still holds it) instead of giving the lease up. The tombstone makes an
 # acquire by this owner that reaches Redis later (sent before a cancellation, delayed by a stall,
 # on another connection) a no-op: release and acquire may then arrive in either order.
-_RELEASE = """
+_RELEASE = (
+    _ALLOW_OOM
+    + """
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   if ARGV[3] == '1' then
@@ -205,6 +219,17 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   end
 end
 return 1
+"""
+)
+
+_FULL = (
+    "the state store is full (its memory limit is reached): this request cannot be saved; "
+    "retry later, or close sessions you no longer need (CloseSession)"
+)
+# KEYS: session, session tokens. One read of both (a transaction would do, but a full Redis
+# refuses every command queued in one).
+_READ = """#!lua flags=no-writes
+return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2])}
 """
 
 _LOST = (
@@ -287,9 +312,13 @@ class RedisStateStore(StateStore):
         self._epoch = ""
         self._acquire = self._client.register_script(_ACQUIRE)
         self._commit = self._client.register_script(_COMMIT)
+        # a turn's rollback puts back what its opening commit kept aside (the undo fields) and
+        # drops that copy: it never grows the store, so it runs when the store is full too
+        self._rollback = self._client.register_script(_ALLOW_OOM + _COMMIT)
         self._renew = self._client.register_script(_RENEW)
         self._release = self._client.register_script(_RELEASE)
         self._mark_draft_ready = self._client.register_script(_MARK_DRAFT_READY)
+        self._read = self._client.register_script(_READ)
 
     def key(self, session_id: str) -> str:
         return f"{self._prefix}session:{session_id}"
@@ -304,9 +333,13 @@ class RedisStateStore(StateStore):
         await self._adopt_epoch()
 
     async def _adopt_epoch(self) -> None:
-        """Creates the epoch marker if missing, and remembers its value."""
-        await self._call(lambda: self._client.set(self._epoch_key, uuid.uuid4().hex, nx=True))
-        self._epoch = (await self._call(lambda: self._client.get(self._epoch_key))).decode()
+        """Creates the epoch marker if missing, and remembers its value (read first: a full store
+        refuses the write, even one that would change nothing)."""
+        epoch = await self._call(lambda: self._client.get(self._epoch_key))
+        if epoch is None:
+            await self._call(lambda: self._client.set(self._epoch_key, uuid.uuid4().hex, nx=True))
+            epoch = await self._call(lambda: self._client.get(self._epoch_key))
+        self._epoch = epoch.decode()
 
     async def _epoch_lost(self, session_id: str) -> StateLost:
         log.error("state_store_epoch_changed", previous_epoch=self._epoch)
@@ -324,6 +357,9 @@ class RedisStateStore(StateStore):
                 log.warning("state_store_read_only", action="reconnecting")
                 await self._client.connection_pool.disconnect(inuse_connections=False)
                 return await fn()
+        except OutOfMemoryError as exc:
+            log.warning("state_store_full", hint="raise Redis's maxmemory, or lower --session-ttl-s")
+            raise StateStoreFull(_FULL) from exc
         except RedisError as exc:
             message = f"state store unavailable ({type(exc).__name__}); retry later"
             if isinstance(exc, RedisConnectionError | RedisTimeoutError) and not isinstance(exc, AuthenticationError):
@@ -365,7 +401,8 @@ class RedisStateStore(StateStore):
             _created_ms(commit.created_at),
         ]
         keys = [self.key(session_id), self._epoch_key, self.tokens_key(session_id)]
-        status_raw, *rest = await self._call(lambda: self._commit(keys=keys, args=args))
+        script = self._rollback if commit.expected_version is None and commit.closes_turn else self._commit
+        status_raw, *rest = await self._call(lambda: script(keys=keys, args=args))
         status = status_raw.decode()
         version = int(rest[0]) if rest else 0
         if status == "epoch":
@@ -399,14 +436,9 @@ class RedisStateStore(StateStore):
         return bool(await self._call(lambda: self._mark_draft_ready(keys=[self.key(session_id)], args=args)))
 
     async def get(self, session_id: str) -> SessionRecord | None:
-        async def read() -> list[Any]:
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.hgetall(self.key(session_id))
-                pipe.get(self.tokens_key(session_id))
-                return await pipe.execute()  # type: ignore[no-any-return]
-
-        fields, tokens = await self._call(read)
-        return _record(session_id, fields, tokens or b"") if fields else None
+        keys = [self.key(session_id), self.tokens_key(session_id)]
+        fields, tokens = await self._call(lambda: self._read(keys=keys))
+        return _record(session_id, _pairs(fields), tokens or b"") if fields else None
 
     async def delete(self, session_id: str) -> bool:
         keys = (self.key(session_id), self.tokens_key(session_id))
