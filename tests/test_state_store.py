@@ -676,3 +676,56 @@ async def test_a_full_redis_refuses_what_would_grow_it_and_still_frees_what_turn
         await client.aclose()
         await store.close()
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("config", "warned"),
+    [
+        (["--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru"], True),
+        (["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"], True),
+        (["--maxmemory", "64mb", "--maxmemory-policy", "noeviction"], False),
+        (["--maxmemory", "0", "--maxmemory-policy", "volatile-lru"], False),  # no limit: nothing is evicted
+    ],
+)
+async def test_a_redis_that_would_evict_sessions_is_named_at_start_up(
+    tmp_path: Path, config: list[str], warned: bool
+) -> None:
+    """A Redis with a memory limit and an evicting policy (volatile-lru is the default of some
+    managed services) drops sessions when full: a session gone between turns then starts afresh
+    without its history, unless the client asked for require_existing_session. The store says so
+    at start-up, as an error line naming the policy and the setting to use; main said nothing."""
+    from structlog.testing import capture_logs
+
+    server = RedisServer(tmp_path / "redis", extra_args=config)
+    store = open_store(server.url, ttl_s=60, lease_s=30, timeout_s=2)
+    try:
+        with capture_logs() as logs:
+            await store.start()
+    finally:
+        await store.close()
+        server.stop()
+    lines = [line for line in logs if line["event"] == "state_store_evicts_sessions"]
+    if warned:
+        assert len(lines) == 1 and lines[0]["log_level"] == "error", logs
+        assert lines[0]["policy"] == config[3] and "noeviction" in lines[0]["fix"]
+    else:
+        assert not lines, lines
+
+
+async def test_a_redis_user_that_may_not_read_info_still_starts(tmp_path: Path) -> None:
+    """Where an ACL keeps INFO from the coordinator's user, the eviction check is left out (an info
+    line says so) and the store starts and serves as before."""
+    from structlog.testing import capture_logs
+
+    acl = ["--user", "specdec", "on", ">acl-Pa55word-0123", "~specdec:*", "&*", "+@all", "-info"]
+    server = RedisServer(tmp_path / "redis", extra_args=[*acl, "--user", "default", "off"])
+    store = open_store(f"redis://specdec:acl-Pa55word-0123@127.0.0.1:{server.port}/0", 60, 30, 2)
+    try:
+        with capture_logs() as logs:
+            await store.start()
+        await store.acquire("s", "o", create=True)
+        assert (await store.commit("s", "o", Commit(0, "s0", [1, 2]))).version == 1
+    finally:
+        await store.close()
+        server.stop()
+    assert [line["error"] for line in logs if line["event"] == "state_store_policy_unread"] == ["NoPermissionError"]

@@ -331,6 +331,24 @@ class RedisStateStore(StateStore):
 
     async def start(self) -> None:
         await self._adopt_epoch()
+        await self._check_eviction()
+
+    async def _check_eviction(self) -> None:
+        """An error line where Redis would evict sessions when full (a memory limit and a policy
+        other than noeviction): a session gone between turns would start afresh without its
+        history. Where INFO is not allowed (an ACL), nothing is said."""
+        try:
+            memory = await self._client.info("memory")
+        except RedisError as exc:
+            log.info("state_store_policy_unread", error=type(exc).__name__)
+            return
+        policy = memory.get("maxmemory_policy", "noeviction")
+        if int(memory.get("maxmemory", 0)) and policy != "noeviction":
+            log.error(
+                "state_store_evicts_sessions",
+                policy=policy,
+                fix="set maxmemory-policy noeviction: a full store then refuses new work instead of dropping sessions",
+            )
 
     async def _adopt_epoch(self) -> None:
         """Creates the epoch marker if missing, and remembers its value (read first: a full store
