@@ -13,12 +13,14 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from specdec.runtime.tokens import pack_tokens
 from specdec.serving.errors import (
     SessionBusy,
     SessionGone,
     SessionNotFound,
+    StartupError,
     StateConflict,
     StateLost,
     StateStoreFull,
@@ -729,3 +731,28 @@ async def test_a_redis_user_that_may_not_read_info_still_starts(tmp_path: Path) 
         await store.close()
         server.stop()
     assert [line["error"] for line in logs if line["event"] == "state_store_policy_unread"] == ["NoPermissionError"]
+
+
+async def test_a_redis_before_7_ends_start_up_saying_what_it_needs(tmp_path: Path) -> None:
+    """The store's scripts declare their flags (Redis 7.0's script flags: the ones that free a
+    turn's hold run when the store is full), which Redis 6 cannot compile: every renewal and release
+    would fail. Start-up asks Redis to run a script with flags first and ends, where it cannot,
+    naming the version needed. The real server below is 7.x and starts; Redis 6.2's answer (its
+    exact words, from a Redis 6.2.14 server) comes from a stand-in for the script call."""
+    server = RedisServer(tmp_path / "redis")
+    store = open_store(server.url, ttl_s=60, lease_s=30, timeout_s=2)
+    assert isinstance(store, RedisStateStore)
+    try:
+        await store.start()
+
+        async def redis_6(*args: object, **kwargs: object) -> object:
+            raise redis.exceptions.ResponseError(
+                "Error compiling script (new function): user_script:1: unexpected symbol near '#'"
+            )
+
+        store._client.eval = redis_6  # type: ignore[method-assign]
+        with pytest.raises(StartupError, match=r"unexpected symbol near '#'.*Redis 7\.0 or later"):
+            await store.start()
+    finally:
+        await store.close()
+        server.stop()

@@ -12,7 +12,14 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.credentials import CredentialProvider
-from redis.exceptions import AuthenticationError, OutOfMemoryError, ReadOnlyError, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -20,6 +27,7 @@ from specdec.runtime.tokens import pack_tokens, unpack_tokens
 from specdec.serving.errors import (
     SessionBusy,
     SessionNotFound,
+    StartupError,
     StateConflict,
     StateLost,
     StateStoreFull,
@@ -226,6 +234,7 @@ _FULL = (
     "the state store is full (its memory limit is reached): this request cannot be saved; "
     "retry later, or close sessions you no longer need (CloseSession)"
 )
+_FLAGS_PROBE = "#!lua flags=no-writes\nreturn 1\n"
 # KEYS: session, session tokens. One read of both (a transaction would do, but a full Redis
 # refuses every command queued in one).
 _READ = """#!lua flags=no-writes
@@ -331,7 +340,22 @@ class RedisStateStore(StateStore):
 
     async def start(self) -> None:
         await self._adopt_epoch()
+        await self._check_script_flags()
         await self._check_eviction()
+
+    async def _check_script_flags(self) -> None:
+        """Ends start-up where Redis cannot run scripts that declare flags (before 7.0): the
+        scripts that free a turn's hold declare theirs, and every renewal and release would fail."""
+        try:
+            await self._call(lambda: self._client.eval(_FLAGS_PROBE, 0))
+        except StateUnavailable as exc:
+            cause = exc.__cause__
+            if isinstance(cause, ResponseError) and not isinstance(cause, NoPermissionError):
+                raise StartupError(
+                    f"the state store cannot run scripts that declare flags ({cause}): specdec needs "
+                    "Redis 7.0 or later (or Valkey); upgrade it, or point --state-url at one that is"
+                ) from None
+            raise
 
     async def _check_eviction(self) -> None:
         """An error line where Redis would evict sessions when full (a memory limit and a policy
