@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+import redis
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2
@@ -363,6 +364,29 @@ def test_a_client_disconnect_frees_the_caches_within_a_second(gateway: Gateway) 
     assert _cached_sessions(gateway) != kept  # this request's caches
     stream.close()
     _freed_within_a_second(gateway, kept, "the disconnect")
+
+
+def test_a_full_state_store_is_a_429_at_the_gateway(gateway: Gateway, redis_server: RedisServer) -> None:
+    """Redis at its maxmemory: the engine refuses the request RESOURCE_EXHAUSTED (the state store is
+    full, see State), which smg 1.13.0 answers as HTTP 429 (rate_limit_error, the message passed on),
+    and as an error event in a stream; once Redis has room the same request is served."""
+    client = gateway.client.with_options(max_retries=0)
+    ask = functools.partial(
+        client.chat.completions.create, model=gateway.model, messages=MESSAGES, max_tokens=4, temperature=0
+    )
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        admin.config_set("maxmemory", 1)
+        with pytest.raises(openai.RateLimitError) as refused:
+            ask()
+        assert refused.value.status_code == 429 and "state store is full" in refused.value.message
+        with pytest.raises(openai.APIError, match="state store is full"):
+            for _ in ask(stream=True):
+                pass
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.close()
+    assert ask().choices[0].message.content
 
 
 @pytest.fixture
