@@ -57,7 +57,8 @@ log = structlog.get_logger(__name__)
 # up or keep what a turn holds, or rewrite fields at the same size (a turn's rollback, a lease's
 # renewal or release, a one-shot session's deletion, a cache location's flag), declare that they
 # may run then (Redis 7's script flags): a turn cut short by a full store leaves its session as it
-# found it, and free.
+# found it, and free. (A release still writes its owner's tombstone, a small key that lives for
+# the lease and a minute: past maxmemory by that much at most, for each request refused meanwhile.)
 _ALLOW_OOM = "#!lua flags=allow-oom\n"
 _NOW_MS = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 # Every script first checks the epoch marker: a Redis that restarted without persistence has
