@@ -185,6 +185,7 @@ class Engine:
             password=s.state_password.get_secret_value() if s.state_password else None,
             password_file=s.state_password_file,
             tls_ca_file=s.state_tls_ca_file,
+            memory_max_tokens=s.state_memory_max_tokens,
         )
         self._deps: TurnDeps | None = None
         self._info: coordinator_pb2.GetInfoResponse | None = None

@@ -39,6 +39,12 @@ class CoordinatorSettings(ServiceSettings):
         None, description="model name the engine API (vllm.grpc.engine) reports to gateways (default: the target's id)"
     )
     state_url: str = Field("memory://", description="memory:// (single coordinator), redis://, rediss://")
+    state_memory_max_tokens: int = Field(
+        4_000_000,
+        ge=0,
+        description="memory:// only: the token ids its sessions may hold in all (each session counts 64 more); a "
+        "request that would add more is refused RESOURCE_EXHAUSTED (the state store is full); 0 = no limit",
+    )
     state_password: SecretStr | None = Field(
         None, description="Redis AUTH password (better than one in state_url; never logged)"
     )

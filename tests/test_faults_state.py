@@ -457,6 +457,34 @@ def test_a_full_redis_refuses_requests_as_full_and_leaves_every_session_as_it_wa
     }
 
 
+def test_a_full_memory_store_is_the_request_s_error_until_sessions_close(
+    tmp_path: Path, tiny_models: TinyModels, fault_report: dict
+) -> None:
+    """memory:// with --state-memory-max-tokens 300 (each session counts 64 tokens more than its
+    ids): a session of 9 tokens fits; a second one's 200-token prompt would not, and the request
+    fails RESOURCE_EXHAUSTED saying the state store is full, leaving nothing behind; once the first
+    session is closed the same request is served, equal to target-only greedy decoding."""
+    long_prompt = [(7 * i) % 90 + 5 for i in range(200)]
+    with fault_cluster(
+        tmp_path, tiny_models.target, tiny_models.noisy, coordinator_args=["--state-memory-max-tokens", "300"]
+    ) as cluster, grpc.insecure_channel(cluster.address) as channel:  # fmt: skip
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        stub.Generate(make_request(PROMPT, session_id="first", max_new=5, ignore_eos=True), timeout=30)
+        second = make_request(long_prompt, session_id="second", max_new=4, ignore_eos=True)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(second, timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        assert "state store is full" in (err.value.details() or "")
+        closed = stub.CloseSession(coordinator_pb2.CloseSessionRequest(session_id="first"), timeout=30)
+        assert closed.existed
+        reply = stub.Generate(second, timeout=30)
+    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(long_prompt), 4, ignore_eos=True)
+    fault_report["memory:// store full (--state-memory-max-tokens)"] = {
+        "outcome": "RESOURCE_EXHAUSTED 'the state store is full'; served once a session was closed",
+        "next_request_identical_output": True,
+    }
+
+
 def _after_the_dead_lease(call: Callable[[], object], timeout_s: float = 30) -> object:
     """``call()``, retried while the session is still leased to the turn that died (ABORTED)."""
     deadline = time.monotonic() + timeout_s

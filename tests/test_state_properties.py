@@ -23,6 +23,7 @@ from hypothesis.stateful import (
 
 from specdec.serving.errors import StateConflict
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store
+from specdec.state.memory import SESSION_TOKENS, MemoryStateStore
 from tests.helpers import RedisServer
 
 TOKENS = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=5)
@@ -190,6 +191,9 @@ class StoreMachine(RuleBasedStateMachine):
         for location in (record.target, record.draft):
             assert location is None or location.length <= len(record.tokens)
         self.last_len = len(record.tokens)
+        if isinstance(self.store, MemoryStateStore):  # what its limit bounds, kept as it goes
+            copy = len(self.before_turn[0]) if self.before_turn is not None else 0
+            assert self.store.tokens_held == SESSION_TOKENS + len(self.tokens) + copy
 
 
 PROPERTY_SETTINGS = settings(

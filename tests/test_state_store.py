@@ -26,6 +26,7 @@ from specdec.serving.errors import (
     StateStoreFull,
 )
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store, store_location
+from specdec.state.memory import SESSION_TOKENS, MemoryStateStore
 from specdec.state.redis_store import RedisStateStore
 from tests.helpers import RedisServer
 
@@ -756,3 +757,40 @@ async def test_a_redis_before_7_ends_start_up_saying_what_it_needs(tmp_path: Pat
     finally:
         await store.close()
         server.stop()
+
+
+async def test_a_full_memory_store_refuses_what_would_grow_it_and_still_frees_what_turns_held() -> None:
+    """memory:// with a limit (--state-memory-max-tokens) is full as a Redis at its maxmemory is:
+    a new session or a commit that would hold more token ids than the limit is refused
+    (StateStoreFull, RESOURCE_EXHAUSTED), an open turn's rollback, a release and a deletion are
+    not, and what they free makes room. Main had no bound: sessions grew the process's memory
+    for as long as their TTL."""
+    store = MemoryStateStore(ttl_s=60, lease_s=30, max_tokens=SESSION_TOKENS * 3 + 30)
+    named, one_shot, after = sid(), sid(), sid()
+    version = await _finished_turn(store, named, "before", [1, 2], [3])
+    await store.acquire(named, "turn", create=False)
+    opened = (await store.commit(named, "turn", Commit(version, "turn:p", [4, 5], opens_turn=True))).version
+    assert store.tokens_held == SESSION_TOKENS + 5 + 3  # the turn's copy of the 3 tokens before it
+    await store.acquire(one_shot, "shot", create=True)
+    await store.commit(one_shot, "shot", Commit(0, "shot:p", list(range(80)), opens_turn=True))
+    held = store.tokens_held
+
+    with pytest.raises(StateStoreFull) as full:
+        await store.acquire(after, "new", create=True)
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "state store is full" in str(full.value)
+    with pytest.raises(StateStoreFull):
+        await store.commit(named, "turn", Commit(opened, "turn:1", list(range(20))))
+    assert store.tokens_held == held and await store.get(after) is None  # nothing of either applied
+    assert await store.renew(named, "turn") is True
+    rollback = Commit(None, "turn:rollback", [], 3, closes_turn=True)
+    assert (await store.commit(named, "turn", rollback)).outcome is CommitOutcome.APPLIED
+    await store.release(named, "turn")
+    await store.release(one_shot, "shot", delete=True)
+    record = await store.get(named)
+    assert record is not None and record.tokens == [1, 2, 3] and record.owner == ""
+    assert store.tokens_held == SESSION_TOKENS + 3
+
+    assert (await store.acquire(after, "new", create=True)).tokens == []
+    await store.commit(after, "new", Commit(0, "new:p", list(range(50))))
+    assert store.tokens_held == 2 * SESSION_TOKENS + 53
+    assert await store.delete(after) and store.tokens_held == SESSION_TOKENS + 3

@@ -51,18 +51,20 @@ def open_store(
     password: str | None = None,
     password_file: str | None = None,
     tls_ca_file: str | None = None,
+    memory_max_tokens: int = 0,
 ) -> StateStore:
     """A store for ``url``: ``memory://``, ``redis://[user:password@]host:port/db`` or ``rediss://...``.
 
     ``username``/``password`` (Redis ACL / AUTH): in the URL or as these, not both (a
     ``password_file`` instead of ``password``: read again when it changes, for the connections
     that follow);
-    ``tls_ca_file`` is the CA that signed a ``rediss://`` server's certificate.
+    ``tls_ca_file`` is the CA that signed a ``rediss://`` server's certificate;
+    ``memory_max_tokens`` bounds a ``memory://`` store (see MemoryStateStore; 0 = no bound).
     """
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme == "memory":
-        return MemoryStateStore(ttl_s=ttl_s, lease_s=lease_s)
+        return MemoryStateStore(ttl_s=ttl_s, lease_s=lease_s, max_tokens=memory_max_tokens)
     if sum((password is not None, bool(password_file), bool(parts.password))) > 1:
         raise ValueError(
             "the Redis password is given twice (state_url, --state-password, --state-password-file); keep one"

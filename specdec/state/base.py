@@ -22,6 +22,11 @@ RECENT_STEPS = 16  # a re-sent commit is recognised while it is among the last t
 # A released owner's acquire is refused for the lease time plus this (an acquire delayed longer
 # than any socket timeout and retry cannot come back from the dead).
 TOMBSTONE_EXTRA_MS = 60_000
+# What a request that a full store (its memory limit reached) cannot save is told, by every store.
+STORE_FULL = (
+    "the state store is full (its memory limit is reached): this request cannot be saved; "
+    "retry later, or close sessions you no longer need (CloseSession)"
+)
 
 
 def session_gone(session_id: str) -> SessionGone:

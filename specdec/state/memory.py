@@ -9,9 +9,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict
+import structlog
+
+from specdec.serving.errors import SessionBusy, SessionNotFound, StateConflict, StateStoreFull
 from specdec.state.base import (
     RECENT_STEPS,
+    STORE_FULL,
     TOMBSTONE_EXTRA_MS,
     CacheLocation,
     Commit,
@@ -25,6 +28,11 @@ from specdec.state.base import (
 )
 
 MAX_PREFIXES = 100_000  # prefix entries kept (the oldest go first)
+# What a session counts for against the store's limit besides its token ids (its record's own
+# memory: about 2 KiB, where an id in a Python list takes about 36 bytes).
+SESSION_TOKENS = 64
+
+log = structlog.get_logger(__name__)
 
 
 def _clamped(location: CacheLocation | None, committed: int) -> CacheLocation | None:
@@ -44,11 +52,16 @@ class _OpenTurn:
 
 
 class MemoryStateStore(StateStore):
-    """Same semantics as the Redis store, held in a dict."""
+    """Same semantics as the Redis store, held in a dict. ``max_tokens`` (0 = none) bounds it as
+    Redis's maxmemory does: the token ids its sessions and their open turns' copies hold, each
+    session counted SESSION_TOKENS more; what would grow it past that is refused (StateStoreFull),
+    what shrinks or keeps it (a turn's rollback, releases, deletions) is not."""
 
-    def __init__(self, ttl_s: float, lease_s: float) -> None:
+    def __init__(self, ttl_s: float, lease_s: float, max_tokens: int = 0) -> None:
         self._ttl_s = ttl_s
         self._lease_s = lease_s
+        self._max_tokens = max_tokens
+        self._held = 0  # what max_tokens bounds (see tokens_held)
         self._records: dict[str, SessionRecord] = {}
         # session -> when its TTL runs out; every touch sets now + the TTL and moves it to the end,
         # so the order is the expiry order
@@ -60,6 +73,28 @@ class MemoryStateStore(StateStore):
         # prefix key -> (location, expiry), oldest first; at most MAX_PREFIXES
         self._prefixes: OrderedDict[str, tuple[PrefixLocation, float]] = OrderedDict()
         self._lock = asyncio.Lock()
+
+    @property
+    def tokens_held(self) -> int:
+        """The token ids the sessions and their open turns' copies hold, each session counted
+        SESSION_TOKENS more: what ``max_tokens`` bounds."""
+        return self._held
+
+    def _footprint(self, session_id: str) -> int:
+        record = self._records.get(session_id)
+        if record is None:
+            return 0
+        turn = self._open_turns.get(session_id)
+        return SESSION_TOKENS + len(record.tokens) + (len(turn.tokens) if turn else 0)
+
+    def _make_room(self, growth: int) -> None:
+        """Refuses ``growth`` more tokens held past ``max_tokens``."""
+        if self._max_tokens and growth > 0 and self._held + growth > self._max_tokens:
+            log.warning(
+                "state_store_full", held=self._held, limit=self._max_tokens,
+                hint="raise --state-memory-max-tokens, lower --session-ttl-s, or keep sessions in Redis",
+            )  # fmt: skip
+            raise StateStoreFull(STORE_FULL)
 
     def _live(self, session_id: str, now: float) -> SessionRecord | None:
         if self._expires.get(session_id, now + 1) <= now:
@@ -74,6 +109,7 @@ class MemoryStateStore(StateStore):
         return record
 
     def _drop(self, session_id: str) -> None:
+        self._held -= self._footprint(session_id)
         self._records.pop(session_id, None)
         self._expires.pop(session_id, None)
         self._lease_until.pop(session_id, None)
@@ -81,17 +117,20 @@ class MemoryStateStore(StateStore):
 
     def _undo_open_turn(self, record: SessionRecord, now: float) -> SessionRecord | None:
         """Undoes the turn its owner left open; None when that turn had created the session."""
-        turn = self._open_turns.pop(record.session_id, None)
+        turn = self._open_turns.get(record.session_id)
         if turn is None:
             return record
         if turn.created:
             self._drop(record.session_id)
             return None
+        before = self._footprint(record.session_id)
+        del self._open_turns[record.session_id]
         record.tokens = turn.tokens
         record.chat = turn.chat
         record.target, record.draft = _clamped(record.target, 0), _clamped(record.draft, 0)
         record.version += 1
         record.updated_at = now
+        self._held += self._footprint(record.session_id) - before
         return record
 
     def _sweep(self, now: float) -> None:
@@ -121,8 +160,10 @@ class MemoryStateStore(StateStore):
             if record is None:
                 if not create:
                     raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
+                self._make_room(SESSION_TOKENS)
                 record = SessionRecord(session_id=session_id, created_at=now, updated_at=now)
                 self._records[session_id] = record
+                self._held += SESSION_TOKENS
             record.owner = owner
             self._touch(session_id, now)
             return copy.deepcopy(record)
@@ -138,6 +179,9 @@ class MemoryStateStore(StateStore):
             if record.owner != owner:
                 raise session_conflict(session_id, taken=True)
             commit.check(len(record.tokens))
+            before = self._footprint(session_id)
+            if not (commit.expected_version is None and commit.closes_turn):  # a rollback never grows it
+                self._make_room(self._footprint_after(record, commit) - before)
             if commit.opens_turn:
                 self._open_turns[session_id] = _OpenTurn(list(record.tokens), record.chat, record.version == 0)
             if commit.closes_turn:
@@ -153,8 +197,20 @@ class MemoryStateStore(StateStore):
             record.updated_at = now
             record.target = commit.target or _clamped(record.target, kept)
             record.draft = commit.draft or _clamped(record.draft, kept)
+            self._held += self._footprint(session_id) - before
             self._touch(session_id, now)
             return CommitResult(CommitOutcome.APPLIED, record.version)
+
+    def _footprint_after(self, record: SessionRecord, commit: Commit) -> int:
+        """The session's footprint once ``commit`` is applied (as ``commit`` applies it)."""
+        turn = self._open_turns.get(record.session_id)
+        copy_len = len(turn.tokens) if turn else 0
+        if commit.opens_turn:
+            copy_len = len(record.tokens)
+        if commit.closes_turn:
+            copy_len = 0
+        kept = len(record.tokens) if commit.truncate_to is None else min(commit.truncate_to, len(record.tokens))
+        return SESSION_TOKENS + kept + len(commit.append) + copy_len
 
     async def put_prefixes(self, keys: Sequence[str], location: PrefixLocation, ttl_s: float) -> None:
         expires = time.time() + ttl_s

@@ -37,6 +37,7 @@ from specdec.serving.errors import (
 from specdec.serving.security import secret_file
 from specdec.state.base import (
     RECENT_STEPS,
+    STORE_FULL,
     TOMBSTONE_EXTRA_MS,
     CacheLocation,
     Commit,
@@ -231,10 +232,6 @@ return 1
 """
 )
 
-_FULL = (
-    "the state store is full (its memory limit is reached): this request cannot be saved; "
-    "retry later, or close sessions you no longer need (CloseSession)"
-)
 _FLAGS_PROBE = "#!lua flags=no-writes\nreturn 1\n"
 # KEYS: session, session tokens. One read of both (a transaction would do, but a full Redis
 # refuses every command queued in one).
@@ -402,7 +399,7 @@ class RedisStateStore(StateStore):
                 return await fn()
         except OutOfMemoryError as exc:
             log.warning("state_store_full", hint="raise Redis's maxmemory, or lower --session-ttl-s")
-            raise StateStoreFull(_FULL) from exc
+            raise StateStoreFull(STORE_FULL) from exc
         except RedisError as exc:
             message = f"state store unavailable ({type(exc).__name__}); retry later"
             if isinstance(exc, RedisConnectionError | RedisTimeoutError) and not isinstance(exc, AuthenticationError):
