@@ -633,6 +633,18 @@ def test_a_store_is_named_in_logs_without_its_credentials() -> None:
     assert store_location("memory://") == "memory://"
 
 
+async def _free_what_the_turns_held(store: StateStore, named: str, one_shot: str) -> None:
+    """On a full store: the named session's open turn (over [1, 2, 3]) renews its lease, rolls
+    back and releases it; the one-shot's session is deleted; the named session is as before."""
+    assert await store.renew(named, "turn") is True
+    rollback = Commit(None, "turn:rollback", [], 3, closes_turn=True)
+    assert (await store.commit(named, "turn", rollback)).outcome is CommitOutcome.APPLIED
+    await store.release(named, "turn")
+    await store.release(one_shot, "shot", delete=True)
+    record = await store.get(named)
+    assert record is not None and record.tokens == [1, 2, 3] and record.owner == ""
+
+
 async def test_a_full_redis_refuses_what_would_grow_it_and_still_frees_what_turns_held(tmp_path: Path) -> None:
     """Redis at its maxmemory (noeviction, as the Deployment runs it) refuses writes that may grow
     it. A request that would add a session or append to one is refused as the store being full
@@ -660,13 +672,7 @@ async def test_a_full_redis_refuses_what_would_grow_it_and_still_frees_what_turn
         assert "state store is full" in str(full.value)
         with pytest.raises(StateStoreFull):
             await store.commit(named, "turn", Commit(opened, "turn:1", [6]))
-        assert await store.renew(named, "turn") is True
-        rollback = Commit(None, "turn:rollback", [], 3, closes_turn=True)
-        assert (await store.commit(named, "turn", rollback)).outcome is CommitOutcome.APPLIED
-        await store.release(named, "turn")
-        await store.release(one_shot, "shot", delete=True)
-        record = await store.get(named)
-        assert record is not None and record.tokens == [1, 2, 3] and record.owner == ""
+        await _free_what_the_turns_held(store, named, one_shot)
         assert await store.get(one_shot) is None
         restarted = open_store(server.url, ttl_s=60, lease_s=30, timeout_s=2)
         await restarted.start()  # the epoch is there: nothing to write
@@ -781,13 +787,7 @@ async def test_a_full_memory_store_refuses_what_would_grow_it_and_still_frees_wh
     with pytest.raises(StateStoreFull):
         await store.commit(named, "turn", Commit(opened, "turn:1", list(range(20))))
     assert store.tokens_held == held and await store.get(after) is None  # nothing of either applied
-    assert await store.renew(named, "turn") is True
-    rollback = Commit(None, "turn:rollback", [], 3, closes_turn=True)
-    assert (await store.commit(named, "turn", rollback)).outcome is CommitOutcome.APPLIED
-    await store.release(named, "turn")
-    await store.release(one_shot, "shot", delete=True)
-    record = await store.get(named)
-    assert record is not None and record.tokens == [1, 2, 3] and record.owner == ""
+    await _free_what_the_turns_held(store, named, one_shot)
     assert store.tokens_held == SESSION_TOKENS + 3
 
     assert (await store.acquire(after, "new", create=True)).tokens == []
