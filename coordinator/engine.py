@@ -186,6 +186,7 @@ class Engine:
             password_file=s.state_password_file,
             tls_ca_file=s.state_tls_ca_file,
             memory_max_tokens=s.state_memory_max_tokens,
+            max_sessions_per_caller=s.max_sessions_per_caller,
         )
         self._deps: TurnDeps | None = None
         self._info: coordinator_pb2.GetInfoResponse | None = None

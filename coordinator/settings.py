@@ -147,6 +147,14 @@ class CoordinatorSettings(ServiceSettings):
     max_concurrent_requests: int = Field(
         64, gt=0, description="requests generating at once; more get RESOURCE_EXHAUSTED"
     )
+    max_sessions_per_caller: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="named sessions one caller (one identity of --auth-tokens-file or client certificate; all "
+        "callers are one without authentication) may hold until closed or expired; a request that would make one "
+        "more gets RESOURCE_EXHAUSTED; 0 = no limit",
+    )
     worker_timeout_s: float = Field(60.0, gt=0, description="upper bound of one worker call (client deadlines cap it)")
     worker_startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait at start for workers to serve")
     draft_startup_wait_s: float = Field(

@@ -246,7 +246,9 @@ class Turn:
     async def _begin(self) -> None:
         store = self.deps.store
         self._acquiring = True  # from here on, _end releases the lease (a no-op if we never got it)
-        record = await store.acquire(self.session_id, self.owner, create=not self.request.require_existing)
+        caller = None if self.one_shot else caller_identity.get()  # named sessions count against its limit
+        create = not self.request.require_existing
+        record = await store.acquire(self.session_id, self.owner, create=create, caller=caller)
         self._version, self._chat_before, self._born = record.version, record.chat, record.created_at
         self._created = record.version == 0  # a session this turn made: an unfinished turn deletes it
         self._renewal = asyncio.create_task(self._renew_lease())

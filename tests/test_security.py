@@ -40,6 +40,7 @@ BOB = "bob-token-0123456789abcdef"
 WORKER_TOKEN = "worker-token-0123456789abcdef"
 REDIS_PASSWORD = "redis-Pa55word-never-logged"
 PROMPT = [5, 9, 13, 2, 7]
+SESSIONS_PER_CALLER = 2  # the module's coordinator: --max-sessions-per-caller
 
 
 @dataclass
@@ -101,6 +102,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) ->
         "--state-tls-ca-file", str(pki.ca_file), "--worker-tls-ca-file", str(pki.ca_file),
         "--worker-tls-cert-file", str(client_cert), "--worker-tls-key-file", str(client_key),
         "--worker-token-file", str(worker_token), "--log-level", "debug", "--local-port", "0",
+        "--max-sessions-per-caller", str(SESSIONS_PER_CALLER),
     ]  # fmt: skip
     cluster = LocalCluster(
         str(tiny_models.target), str(tiny_models.other), workdir, worker_args, coordinator_args=coordinator_args
@@ -180,6 +182,41 @@ def test_sessions_are_bound_to_their_caller(secure: SecureCluster) -> None:
             metadata=[("authorization", f"Bearer {ALICE}")],
         )
         assert closed.existed
+
+
+def test_a_caller_at_its_session_limit_is_refused_a_new_one_and_others_are_not(
+    secure: SecureCluster, tiny_models: TinyModels
+) -> None:
+    """--max-sessions-per-caller through the running service: alice, holding as many named
+    sessions as the limit, is refused a new one (RESOURCE_EXHAUSTED, saying what to do), while her
+    sessions go on, her one-shot requests are served, and bob's sessions are his own count; once
+    she closes one, the new one is served, exact. Main had no limit: one caller's sessions could
+    fill Redis, and a full Redis refuses everyone."""
+    names = [f"limit-{i}" for i in range(SESSIONS_PER_CALLER + 1)]
+
+    def close(token: str, name: str) -> bool:
+        with secure.channel() as channel:
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            request = coordinator_pb2.CloseSessionRequest(session_id=name)
+            return stub.CloseSession(request, metadata=[("authorization", f"Bearer {token}")]).existed
+
+    try:
+        for name in names[:-1]:
+            assert len(_generate(secure, ALICE, max_new=2, session_id=name).token_ids) == 2
+        code, details = _code(lambda: _generate(secure, ALICE, max_new=2, session_id=names[-1]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert f"{SESSIONS_PER_CALLER} sessions open" in details and "CloseSession" in details
+        assert len(_generate(secure, ALICE, max_new=2, session_id=names[0], require_existing=True).token_ids) == 2
+        assert len(_generate(secure, ALICE, max_new=2).token_ids) == 2  # one-shot: counted for nobody
+        for name in names[1:]:
+            assert len(_generate(secure, BOB, max_new=2, session_id=name).token_ids) == 2
+        assert close(ALICE, names[1])
+        reply = _generate(secure, ALICE, max_new=8, session_id=names[-1], ignore_eos=True)
+        assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
+    finally:
+        for token in (ALICE, BOB):
+            for name in names:
+                close(token, name)
 
 
 def test_engine_request_ids_are_bound_to_their_caller(secure: SecureCluster, tiny_models: TinyModels) -> None:

@@ -21,7 +21,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from specdec.serving.errors import StateConflict
+from specdec.serving.errors import SessionNotFound, StateConflict, TooManySessions
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store
 from specdec.state.memory import SESSION_TOKENS, MemoryStateStore
 from tests.helpers import RedisServer
@@ -209,6 +209,102 @@ def test_memory_store_invariants() -> None:
 
 def test_redis_store_invariants(redis_server: RedisServer) -> None:
     machine = type("RedisStoreMachine", (StoreMachine,), {"url": redis_server.url})
+    run_state_machine_as_test(machine, settings=PROPERTY_SETTINGS)
+
+
+class SessionLimitMachine(RuleBasedStateMachine):
+    """Two callers at a limit of 2 sessions each (--max-sessions-per-caller) making, continuing and
+    closing named sessions, failing the first turn of a new one (its session deleted on release, or
+    left open and undone by the next acquire), and one-shot requests (counted for nobody), in any
+    order. The store refuses a new session exactly when the model's caller already holds the limit,
+    and holds exactly the model's sessions."""
+
+    url = "memory://"
+    LIMIT = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.store: StateStore = open_store(self.url, ttl_s=60, lease_s=60, timeout_s=2, max_sessions_per_caller=2)
+        self.run(self.store.start())
+        run = uuid.uuid4().hex[:8]  # a Redis keeps other examples' callers and sessions
+        self.callers = [f"{run}-alice", f"{run}-bob"]
+        self.held: dict[str, set[str]] = {caller: set() for caller in self.callers}
+        self.owners = (f"{run}-o{i}" for i in itertools.count())
+
+    def run(self, coro):  # type: ignore[no-untyped-def]
+        return self.loop.run_until_complete(coro)
+
+    def teardown(self) -> None:
+        for caller in self.callers:
+            for i in range(4):
+                self.run(self.store.delete(f"{caller}.{i}"))
+        self.run(self.store.close())
+        self.loop.close()
+
+    def _acquire(self, caller: str | None, session: str) -> bool:
+        """Acquires ``session`` for a new owner (then released); False when refused as one too many."""
+        owner = next(self.owners)
+        try:
+            self.run(self.store.acquire(session, owner, create=True, caller=caller))
+        except TooManySessions:
+            return False
+        self.run(self.store.release(session, owner))
+        return True
+
+    @rule(who=st.integers(0, 1), i=st.integers(0, 3))
+    def make_or_continue(self, who: int, i: int) -> None:
+        caller, session = self.callers[who], f"{self.callers[who]}.{i}"
+        room = session in self.held[caller] or len(self.held[caller]) < self.LIMIT
+        assert self._acquire(caller, session) == room
+        if room:
+            self.held[caller].add(session)
+
+    @rule(who=st.integers(0, 1), i=st.integers(0, 3))
+    def close(self, who: int, i: int) -> None:
+        caller, session = self.callers[who], f"{self.callers[who]}.{i}"
+        assert self.run(self.store.delete(session)) == (session in self.held[caller])
+        self.held[caller].discard(session)
+
+    @rule(who=st.integers(0, 1), i=st.integers(0, 3), left_open=st.booleans())
+    def first_turn_fails(self, who: int, i: int, left_open: bool) -> None:
+        caller, session = self.callers[who], f"{self.callers[who]}.{i}"
+        if session in self.held[caller]:
+            return
+        owner = next(self.owners)
+        try:
+            self.run(self.store.acquire(session, owner, create=True, caller=caller))
+        except TooManySessions:
+            assert len(self.held[caller]) >= self.LIMIT
+            return
+        if left_open:  # its coordinator gone: the next acquire undoes the turn and the session
+            self.run(self.store.commit(session, owner, Commit(0, f"{owner}:p", [1, 2], opens_turn=True)))
+            self.run(self.store.release(session, owner))
+            with pytest.raises(SessionNotFound):
+                self.run(self.store.acquire(session, next(self.owners), create=False, caller=caller))
+        else:
+            self.run(self.store.release(session, owner, delete=True))
+
+    @rule()
+    def one_shot(self) -> None:
+        session, owner = f"oneshot-{uuid.uuid4().hex[:8]}", next(self.owners)
+        self.run(self.store.acquire(session, owner, create=True))
+        self.run(self.store.release(session, owner, delete=True))
+
+    @invariant()
+    def holds_the_model_s_sessions(self) -> None:
+        for caller in self.callers:
+            for i in range(4):
+                session = f"{caller}.{i}"
+                assert (self.run(self.store.get(session)) is not None) == (session in self.held[caller])
+
+
+def test_memory_store_limits_sessions_per_caller() -> None:
+    run_state_machine_as_test(SessionLimitMachine, settings=PROPERTY_SETTINGS)
+
+
+def test_redis_store_limits_sessions_per_caller(redis_server: RedisServer) -> None:
+    machine = type("RedisSessionLimitMachine", (SessionLimitMachine,), {"url": redis_server.url})
     run_state_machine_as_test(machine, settings=PROPERTY_SETTINGS)
 
 

@@ -24,6 +24,7 @@ from specdec.serving.errors import (
     StateConflict,
     StateLost,
     StateStoreFull,
+    TooManySessions,
 )
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store, store_location
 from specdec.state.memory import SESSION_TOKENS, MemoryStateStore
@@ -794,3 +795,85 @@ async def test_a_full_memory_store_refuses_what_would_grow_it_and_still_frees_wh
     await store.commit(after, "new", Commit(0, "new:p", list(range(50))))
     assert store.tokens_held == 2 * SESSION_TOKENS + 53
     assert await store.delete(after) and store.tokens_held == SESSION_TOKENS + 3
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def limited(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
+    """A store that keeps at most 2 sessions for each caller (--max-sessions-per-caller 2), its
+    sessions expiring 0.6 s after their last use."""
+    url = "memory://" if request.param == "memory" else redis_server.url
+    s = open_store(url, ttl_s=0.6, lease_s=0.6, timeout_s=2, max_sessions_per_caller=2)
+    await s.start()
+    yield s
+    await s.close()
+
+
+async def test_a_caller_holds_at_most_its_limit_of_sessions_until_one_is_closed_or_expires(
+    limited: StateStore,
+) -> None:
+    """--max-sessions-per-caller: a request of a caller that holds as many sessions as the limit,
+    which would make one more, is refused (TooManySessions, RESOURCE_EXHAUSTED) and makes nothing;
+    its sessions go on; other callers and sessions counted for no caller (one-shot requests) are
+    not limited by it. Every way a session ends gives its place back: CloseSession, a turn that
+    made its session and did not finish (deleted on release, or undone by the next request), the
+    TTL. Main had no limit: one caller could fill the store for everyone."""
+    store = limited
+    alice = [sid(), sid()]
+    for i, session in enumerate(alice):
+        await store.acquire(session, f"a{i}", create=True, caller="alice")
+        await store.release(session, f"a{i}")
+    third = sid()
+    with pytest.raises(TooManySessions) as refused:
+        await store.acquire(third, "a2", create=True, caller="alice")
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "2 sessions open" in str(refused.value) and "CloseSession" in str(refused.value)
+    assert await store.get(third) is None
+    assert (await store.acquire(alice[0], "a3", create=True, caller="alice")).session_id == alice[0]  # goes on
+    await store.release(alice[0], "a3")
+    await store.acquire(sid(), "b0", create=True, caller="bob")
+    await store.acquire(sid(), "shot", create=True)  # counted for nobody
+
+    assert await store.delete(alice[1])  # CloseSession
+    await store.acquire(third, "a4", create=True, caller="alice")
+    await store.release(third, "a4", delete=True)  # a turn that made its session and failed
+    made = sid()
+    await store.acquire(made, "a5", create=True, caller="alice")
+    await store.commit(made, "a5", Commit(0, "a5:p", [1, 2], opens_turn=True))
+    await store.release(made, "a5")  # left open: the next acquire undoes it, and with it the session
+    with pytest.raises(SessionNotFound):
+        await store.acquire(made, "a6", create=False, caller="alice")
+    await store.acquire(sid(), "a7", create=True, caller="alice")
+    with pytest.raises(TooManySessions):
+        await store.acquire(sid(), "a8", create=True, caller="alice")
+
+    await asyncio.sleep(1.1)  # past the TTL (and Redis's once-a-second recount)
+    for i in range(2):
+        await store.acquire(sid(), f"a{9 + i}", create=True, caller="alice")
+    with pytest.raises(TooManySessions):
+        await store.acquire(sid(), "a11", create=True, caller="alice")
+
+
+async def test_the_redis_count_of_a_caller_s_sessions_stays_within_its_limit(tmp_path: Path) -> None:
+    """What the limit costs Redis: a set per caller of at most the limit's session keys (expired
+    ones leave it when the caller is at the limit); without the limit, no set at all."""
+    server = RedisServer(tmp_path / "redis")
+    client = aioredis.from_url(server.url)
+    stores = [open_store(server.url, ttl_s=0.3, lease_s=0.3, timeout_s=2, max_sessions_per_caller=n) for n in (3, 0)]
+    try:
+        for store in stores:
+            await store.start()
+        limited, unlimited = stores
+        assert isinstance(limited, RedisStateStore)
+        for _ in range(4):
+            await unlimited.acquire(sid(), uuid.uuid4().hex, create=True, caller="alice")
+        assert await client.keys("*caller*") == []
+        for _ in range(4):
+            for _ in range(3):
+                await limited.acquire(sid(), uuid.uuid4().hex, create=True, caller="alice")
+            assert await client.scard(limited.caller_key("alice")) == 3
+            await asyncio.sleep(1.05)
+    finally:
+        await client.aclose()
+        for store in stores:
+            await store.close()
+        server.stop()

@@ -74,6 +74,13 @@ class StateStoreFull(SpecdecError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class TooManySessions(SpecdecError):
+    """The caller holds as many sessions as the coordinator allows one caller
+    (--max-sessions-per-caller): a new one waits until one is closed or expires."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class WorkerUnavailable(SpecdecError):
     """No model worker that can serve the request is reachable."""
 

@@ -52,6 +52,7 @@ def open_store(
     password_file: str | None = None,
     tls_ca_file: str | None = None,
     memory_max_tokens: int = 0,
+    max_sessions_per_caller: int = 0,
 ) -> StateStore:
     """A store for ``url``: ``memory://``, ``redis://[user:password@]host:port/db`` or ``rediss://...``.
 
@@ -59,12 +60,15 @@ def open_store(
     ``password_file`` instead of ``password``: read again when it changes, for the connections
     that follow);
     ``tls_ca_file`` is the CA that signed a ``rediss://`` server's certificate;
-    ``memory_max_tokens`` bounds a ``memory://`` store (see MemoryStateStore; 0 = no bound).
+    ``memory_max_tokens`` bounds a ``memory://`` store (see MemoryStateStore; 0 = no bound);
+    ``max_sessions_per_caller``: the sessions one caller may hold (StateStore.acquire; 0 = no limit).
     """
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme == "memory":
-        return MemoryStateStore(ttl_s=ttl_s, lease_s=lease_s, max_tokens=memory_max_tokens)
+        return MemoryStateStore(
+            ttl_s=ttl_s, lease_s=lease_s, max_tokens=memory_max_tokens, max_sessions_per_caller=max_sessions_per_caller
+        )
     if sum((password is not None, bool(password_file), bool(parts.password))) > 1:
         raise ValueError(
             "the Redis password is given twice (state_url, --state-password, --state-password-file); keep one"
@@ -80,5 +84,12 @@ def open_store(
             url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
             auth |= {"credential_provider": FileCredentials(user, password_file), "username": None}
         extra = {key: value for key, value in auth.items() if value is not None}
-        return RedisStateStore(url, ttl_s=ttl_s, lease_s=lease_s, timeout_s=timeout_s, **extra)
+        return RedisStateStore(
+            url,
+            ttl_s=ttl_s,
+            lease_s=lease_s,
+            timeout_s=timeout_s,
+            max_sessions_per_caller=max_sessions_per_caller,
+            **extra,
+        )
     raise ValueError(f"unsupported state_url scheme {scheme!r}: use memory://, redis://, rediss:// or unix://")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdec.serving.errors import SessionGone, StateConflict
+from specdec.serving.errors import SessionGone, StateConflict, TooManySessions
 
 RECENT_STEPS = 16  # a re-sent commit is recognised while it is among the last this many applied
 # A released owner's acquire is refused for the lease time plus this (an acquire delayed longer
@@ -27,6 +27,14 @@ STORE_FULL = (
     "the state store is full (its memory limit is reached): this request cannot be saved; "
     "retry later, or close sessions you no longer need (CloseSession)"
 )
+
+
+def too_many_sessions(limit: int) -> TooManySessions:
+    """What a caller at its session limit is told when a request would make one more."""
+    return TooManySessions(
+        f"you have {limit} sessions open, the most this server keeps for one caller: close sessions you no "
+        "longer need (CloseSession), continue one of them, or wait for idle ones to expire"
+    )
 
 
 def session_gone(session_id: str) -> SessionGone:
@@ -193,12 +201,15 @@ class StateStore(ABC):
         await self.ping()
 
     @abstractmethod
-    async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
+    async def acquire(self, session_id: str, owner: str, *, create: bool, caller: str | None = None) -> SessionRecord:
         """Takes the session's lease for ``owner`` and returns the record.
 
         Creates an empty session when ``create`` and it does not exist. Raises SessionNotFound
         (missing, not ``create``) or SessionBusy (another owner holds an unexpired lease). A turn
         left open by an owner whose lease has lapsed or been released is undone first (Commit).
+        ``caller``: whose session it is, when the store's limit of sessions per caller counts it
+        (None: not counted, as a one-shot request's); a session it would make past that limit
+        raises TooManySessions. A session counts from its making until it is deleted or expires.
         """
 
     @abstractmethod

@@ -25,6 +25,7 @@ from specdec.state.base import (
     StateStore,
     session_conflict,
     session_gone,
+    too_many_sessions,
 )
 
 MAX_PREFIXES = 100_000  # prefix entries kept (the oldest go first)
@@ -55,12 +56,16 @@ class MemoryStateStore(StateStore):
     """Same semantics as the Redis store, held in a dict. ``max_tokens`` (0 = none) bounds it as
     Redis's maxmemory does: the token ids its sessions and their open turns' copies hold, each
     session counted SESSION_TOKENS more; what would grow it past that is refused (StateStoreFull),
-    what shrinks or keeps it (a turn's rollback, releases, deletions) is not."""
+    what shrinks or keeps it (a turn's rollback, releases, deletions) is not.
+    ``max_sessions_per_caller`` (0 = none): the sessions one caller may hold (StateStore.acquire)."""
 
-    def __init__(self, ttl_s: float, lease_s: float, max_tokens: int = 0) -> None:
+    def __init__(self, ttl_s: float, lease_s: float, max_tokens: int = 0, max_sessions_per_caller: int = 0) -> None:
         self._ttl_s = ttl_s
         self._lease_s = lease_s
         self._max_tokens = max_tokens
+        self._max_sessions = max_sessions_per_caller
+        self._callers: dict[str, set[str]] = {}  # caller -> the sessions counted against its limit
+        self._caller_of: dict[str, str] = {}  # session -> the caller it is counted for
         self._held = 0  # what max_tokens bounds (see tokens_held)
         self._records: dict[str, SessionRecord] = {}
         # session -> when its TTL runs out; every touch sets now + the TTL and moves it to the end,
@@ -114,6 +119,12 @@ class MemoryStateStore(StateStore):
         self._expires.pop(session_id, None)
         self._lease_until.pop(session_id, None)
         self._open_turns.pop(session_id, None)
+        caller = self._caller_of.pop(session_id, None)
+        if caller is not None:
+            sessions = self._callers[caller]
+            sessions.discard(session_id)
+            if not sessions:
+                del self._callers[caller]
 
     def _undo_open_turn(self, record: SessionRecord, now: float) -> SessionRecord | None:
         """Undoes the turn its owner left open; None when that turn had created the session."""
@@ -146,7 +157,7 @@ class MemoryStateStore(StateStore):
         self._expires.move_to_end(session_id)
         self._lease_until[session_id] = now + self._lease_s
 
-    async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
+    async def acquire(self, session_id: str, owner: str, *, create: bool, caller: str | None = None) -> SessionRecord:
         async with self._lock:
             now = time.time()
             self._sweep(now)
@@ -160,10 +171,16 @@ class MemoryStateStore(StateStore):
             if record is None:
                 if not create:
                     raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
+                counted = caller if self._max_sessions > 0 else None
+                if counted is not None and len(self._callers.get(counted, ())) >= self._max_sessions:
+                    raise too_many_sessions(self._max_sessions)
                 self._make_room(SESSION_TOKENS)
                 record = SessionRecord(session_id=session_id, created_at=now, updated_at=now)
                 self._records[session_id] = record
                 self._held += SESSION_TOKENS
+                if counted is not None:
+                    self._callers.setdefault(counted, set()).add(session_id)
+                    self._caller_of[session_id] = counted
             record.owner = owner
             self._touch(session_id, now)
             return copy.deepcopy(record)

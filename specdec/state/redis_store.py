@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -48,6 +49,7 @@ from specdec.state.base import (
     StateStore,
     session_conflict,
     session_gone,
+    too_many_sessions,
 )
 
 T = TypeVar("T")
@@ -80,12 +82,24 @@ local function cut_locations(key, n)
   end
 end
 """
+# A session counted against its caller's limit names the set that counts it (its hash's field
+# 'caller'); deleting the session takes it out of that set. (A key the script is not given in KEYS:
+# this store keeps all its keys on one Redis, never a Redis Cluster.)
+_FORGET = """
+local function forget(key)
+  local caller = redis.call('HGET', key, 'caller')
+  if caller then redis.call('SREM', caller, key) end
+end
+"""
 
-# KEYS: session, epoch, the owner's tombstone, session tokens; ARGV: epoch, owner, create (0/1), lease_ms, ttl_ms
+# KEYS: session, epoch, the owner's tombstone, session tokens, the caller's sessions (a set of
+# session keys), the caller's last recount (a marker); ARGV: epoch, owner, create (0/1), lease_ms,
+# ttl_ms, the caller's session limit (0 = the session is not counted)
 _ACQUIRE = (
     _EPOCH
     + _NOW_MS
     + _CUT_LOCATIONS
+    + _FORGET
     + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'released'} end
 local held = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'undo_created', 'undo_version', 'version', 'tokens')
@@ -100,6 +114,7 @@ if held[1] and held[1] ~= ARGV[2] then
   if held[3] and held[4] ~= held[5] then
     redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
   elseif held[3] == '1' then
+    forget(KEYS[1])
     redis.call('DEL', KEYS[1], KEYS[4])
   elseif held[3] then
     local was = redis.call('HMGET', KEYS[1], 'undo_tokens', 'undo_chat', 'version')
@@ -111,10 +126,23 @@ if held[1] and held[1] ~= ARGV[2] then
 end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[3] == '0' then return {'missing'} end
+  local limit = tonumber(ARGV[6])
+  if limit > 0 then
+    -- at the limit, sessions that expired leave the count (their keys are gone); at most one
+    -- recount a second for a caller, whose sessions it reads one by one
+    if redis.call('SCARD', KEYS[5]) >= limit and redis.call('SET', KEYS[6], '1', 'PX', 1000, 'NX') then
+      for _, key in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+        if redis.call('EXISTS', key) == 0 then redis.call('SREM', KEYS[5], key) end
+      end
+    end
+    if redis.call('SCARD', KEYS[5]) >= limit then return {'too_many'} end
+    redis.call('SADD', KEYS[5], KEYS[1])
+  end
   redis.call('SET', KEYS[4], '')
   redis.call('HSET', KEYS[1], 'version', 0, 'steps', '|', 'owner', ARGV[2],
              'lease', now + tonumber(ARGV[4]), 'created', now, 'updated', now,
              'target', '', 'draft', '')
+  if limit > 0 then redis.call('HSET', KEYS[1], 'caller', KEYS[5]) end
 else
   redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'lease', now + tonumber(ARGV[4]))
 end
@@ -219,16 +247,28 @@ return 1
 # on another connection) a no-op: release and acquire may then arrive in either order.
 _RELEASE = (
     _ALLOW_OOM
+    + _FORGET
     + """
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   if ARGV[3] == '1' then
+    forget(KEYS[1])
     redis.call('DEL', KEYS[1], KEYS[3])
   else
     redis.call('HSET', KEYS[1], 'owner', '', 'lease', 0)
   end
 end
 return 1
+"""
+)
+
+# KEYS: session, session tokens; the number of keys deleted
+_DELETE = (
+    _ALLOW_OOM
+    + _FORGET
+    + """
+forget(KEYS[1])
+return redis.call('DEL', KEYS[1], KEYS[2])
 """
 )
 
@@ -298,9 +338,11 @@ class RedisStateStore(StateStore):
         lease_s: float,
         timeout_s: float,
         key_prefix: str = "specdec:",
+        max_sessions_per_caller: int = 0,
         **connection: Any,
     ) -> None:
-        """``connection``: extra redis-py connection settings (username, password or
+        """``max_sessions_per_caller`` (0 = none): the sessions one caller may hold (StateStore.acquire);
+        ``connection``: extra redis-py connection settings (username, password or
         credential_provider, ssl_ca_certs)."""
         self._client = aioredis.from_url(
             url,
@@ -315,6 +357,7 @@ class RedisStateStore(StateStore):
         self._ttl_ms = int(ttl_s * 1000)
         self._lease_ms = int(lease_s * 1000)
         self._prefix = key_prefix
+        self._max_sessions = max_sessions_per_caller
         self._epoch_key = f"{key_prefix}epoch"
         self._epoch = ""
         self._acquire = self._client.register_script(_ACQUIRE)
@@ -326,12 +369,18 @@ class RedisStateStore(StateStore):
         self._release = self._client.register_script(_RELEASE)
         self._mark_draft_ready = self._client.register_script(_MARK_DRAFT_READY)
         self._read = self._client.register_script(_READ)
+        self._delete = self._client.register_script(_DELETE)
 
     def key(self, session_id: str) -> str:
         return f"{self._prefix}session:{session_id}"
 
     def tokens_key(self, session_id: str) -> str:
         return f"{self._prefix}tokens:{session_id}"
+
+    def caller_key(self, caller: str) -> str:
+        """The set of ``caller``'s sessions counted against its limit (the identity hashed: any
+        string makes a key)."""
+        return f"{self._prefix}caller:{hashlib.sha256(caller.encode()).hexdigest()[:32]}"
 
     def _tombstone(self, owner: str) -> str:
         return f"{self._prefix}released:{owner}"
@@ -406,9 +455,13 @@ class RedisStateStore(StateStore):
                 raise StateUnreachable(message) from exc
             raise StateUnavailable(message) from exc
 
-    async def acquire(self, session_id: str, owner: str, *, create: bool) -> SessionRecord:
-        args = [self._epoch, owner, int(create), self._lease_ms, self._ttl_ms]
+    async def acquire(self, session_id: str, owner: str, *, create: bool, caller: str | None = None) -> SessionRecord:
+        limit = self._max_sessions if caller is not None else 0
+        args = [self._epoch, owner, int(create), self._lease_ms, self._ttl_ms, limit]
         keys = [self.key(session_id), self._epoch_key, self._tombstone(owner), self.tokens_key(session_id)]
+        if limit and caller is not None:
+            counted = self.caller_key(caller)
+            keys += [counted, f"{counted}:recounted"]
         reply: list[Any] = await self._call(lambda: self._acquire(keys=keys, args=args))
         status = reply[0].decode()
         if status == "epoch":
@@ -419,6 +472,8 @@ class RedisStateStore(StateStore):
             raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
         if status == "busy":
             raise SessionBusy(f"session {session_id!r} is generating for another request; retry when it ends")
+        if status == "too_many":
+            raise too_many_sessions(self._max_sessions)
         return _record(session_id, _pairs(reply[1]), reply[2])
 
     async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
@@ -481,8 +536,8 @@ class RedisStateStore(StateStore):
         return _record(session_id, _pairs(fields), tokens or b"") if fields else None
 
     async def delete(self, session_id: str) -> bool:
-        keys = (self.key(session_id), self.tokens_key(session_id))
-        return bool(await self._call(lambda: self._client.delete(*keys)))
+        keys = [self.key(session_id), self.tokens_key(session_id)]
+        return bool(await self._call(lambda: self._delete(keys=keys)))
 
     def _prefix_key(self, key: str) -> str:
         return f"{self._prefix}prefix:{key}"
