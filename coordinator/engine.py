@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import importlib.metadata
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from specdec.runtime.sampling import GREEDY_TEMPERATURE
 from specdec.runtime.tokenizer import load_tokenizer, tokenizer_fingerprint
 from specdec.serving.errors import NotServing, Overloaded, StartupError, StateUnavailable, StateUnreachable
 from specdec.serving.metrics import CoordinatorMetrics
+from specdec.serving.security import caller_identity
 from specdec.state import StateStore, open_store, store_location
 from specdec.v1 import common_pb2, coordinator_pb2
 
@@ -137,6 +139,8 @@ def server_info(
         default_max_new_tokens=limits.default_max_new_tokens,
         max_message_bytes=settings.max_message_bytes,
         max_concurrent_requests=settings.max_concurrent_requests,
+        max_requests_per_caller=settings.max_requests_per_caller,
+        max_sessions_per_caller=settings.max_sessions_per_caller,
         speculation_max_requests=settings.speculation_max_requests,
         max_prompt_chars=limits.max_prompt_chars,
         speculation_mode="pipelined" if pipelined else "sequential",
@@ -196,6 +200,7 @@ class Engine:
         self._started = asyncio.Event()
         self._replies = ReplyIndex(s.ngram_min, s.ngram_max, s.reply_index_tokens) if s.reply_index_tokens else None
         self._active = 0
+        self._by_caller: collections.Counter[str] = collections.Counter()  # requests admitted, by caller
         self._watch: asyncio.Task[None] | None = None
         self._info_from: tuple[common_pb2.WorkerInfo, common_pb2.WorkerInfo | None, bool, bool] | None = None
 
@@ -414,17 +419,30 @@ class Engine:
 
     @asynccontextmanager
     async def admitted(self) -> AsyncIterator[None]:
-        """Admission control: RESOURCE_EXHAUSTED at once when at the limit (no queue)."""
-        limit = self.settings.max_concurrent_requests
+        """Admission control: RESOURCE_EXHAUSTED at once when at the limit, or when the caller (an
+        authenticated identity) is at its own (no queue)."""
+        limit, caller, per_caller = self.settings.max_concurrent_requests, caller_identity.get(), 0
+        if caller:  # without one, every client (and a gateway's users) would share one count
+            per_caller = self.settings.max_requests_per_caller
+        if per_caller and self._by_caller[caller] >= per_caller:
+            self.metrics.rejected_requests.inc()
+            raise Overloaded(
+                f"you have {per_caller} requests generating, the most this server runs at once for one caller; "
+                "retry when one of them ends"
+            )
         if self._active >= limit:
             self.metrics.rejected_requests.inc()
             raise Overloaded(f"the server is at its limit of {limit} concurrent requests; retry with backoff")
         self._active += 1
+        self._by_caller[caller] += 1
         self.metrics.active_requests.inc()
         try:
             yield
         finally:
             self._active -= 1
+            self._by_caller[caller] -= 1
+            if not self._by_caller[caller]:
+                del self._by_caller[caller]
             self.metrics.active_requests.dec()
 
     def new_turn(self, request: TurnRequest, deadline: float | None) -> Turn:

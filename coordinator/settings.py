@@ -147,6 +147,13 @@ class CoordinatorSettings(ServiceSettings):
     max_concurrent_requests: int = Field(
         64, gt=0, description="requests generating at once; more get RESOURCE_EXHAUSTED"
     )
+    max_requests_per_caller: int = Field(
+        0,
+        ge=0,
+        description="requests one authenticated caller (an identity of --auth-tokens-file or a client certificate) "
+        "may have generating at once on this coordinator; more get RESOURCE_EXHAUSTED, so one caller cannot take "
+        "every --max-concurrent-requests slot; callers without an identity are not counted; 0 = no limit",
+    )
     max_sessions_per_caller: int = Field(
         0,
         ge=0,

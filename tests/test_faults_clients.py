@@ -377,6 +377,43 @@ def test_overload_is_rejected_fast_and_capacity_returns(
     }
 
 
+def test_a_caller_at_its_request_limit_is_refused_and_others_are_served(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes]
+) -> None:
+    """--max-requests-per-caller: alice, with 2 long requests generating, is refused a third at
+    once (RESOURCE_EXHAUSTED, saying so) while bob is served, and served again once hers end. Main
+    had only the server's limit: one caller could take every slot of it."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice:alice-token-0123456789\nbob:bob-token-0123456789\n")
+    args = ["--auth-tokens-file", str(tokens), "--max-requests-per-caller", "2", "--max-concurrent-requests", "8"]
+    alice, bob = ([("authorization", f"Bearer {who}-token-0123456789")] for who in ("alice", "bob"))
+    cluster = fault_cluster(tmp_path, tiny_models.target, None, coordinator_args=args, route=routes(0.01))
+    with cluster as running, grpc.insecure_channel(running.address) as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        long_request = make_request(PROMPT, max_new=150, ignore_eos=True)
+        results: list[object] = []
+        workers = [
+            threading.Thread(target=lambda: results.append(stub.Generate(long_request, metadata=alice, timeout=60)))
+            for _ in range(2)
+        ]
+        for w in workers:
+            w.start()
+        wait_for(lambda: metric(running, "coordinator", "specdec_active_requests") == 2, 10)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Generate(make_request(PROMPT, max_new=4), metadata=alice, timeout=10)
+        served = stub.Generate(make_request(PROMPT, max_new=4), metadata=bob, timeout=10)
+        still_running = metric(running, "coordinator", "specdec_active_requests")
+        for w in workers:
+            w.join()
+        again = stub.Generate(make_request(PROMPT, max_new=4), metadata=alice, timeout=10)
+        info = stub.GetInfo(coordinator_pb2.GetInfoRequest(), metadata=bob, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "you have 2 requests generating" in (refused.value.details() or "")
+    assert still_running == 2 and len(results) == 2
+    assert len(served.token_ids) == 4 and len(again.token_ids) == 4
+    assert info.max_requests_per_caller == 2 and info.max_concurrent_requests == 8
+
+
 BAD_INPUTS = [
     ("empty prompt", coordinator_pb2.GenerateRequest(), "INVALID_ARGUMENT", "the prompt is empty"),
     (

@@ -193,6 +193,10 @@ def test_a_caller_at_its_session_limit_is_refused_a_new_one_and_others_are_not(
     she closes one, the new one is served, exact. Main had no limit: one caller's sessions could
     fill Redis, and a full Redis refuses everyone."""
     names = [f"limit-{i}" for i in range(SESSIONS_PER_CALLER + 1)]
+    with secure.channel() as channel:  # clients can read the limit
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        info = stub.GetInfo(coordinator_pb2.GetInfoRequest(), metadata=[("authorization", f"Bearer {ALICE}")])
+        assert info.max_sessions_per_caller == SESSIONS_PER_CALLER and info.max_requests_per_caller == 0
 
     def close(token: str, name: str) -> bool:
         with secure.channel() as channel:

@@ -209,7 +209,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs", "default_draft_method", "lookup_max_tokens", "draft_vocab_method", "draft_confidence", "draft_block_confidence", "reply_index_tokens", "speculation_max_requests")
+    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs", "default_draft_method", "lookup_max_tokens", "draft_vocab_method", "draft_confidence", "draft_block_confidence", "reply_index_tokens", "speculation_max_requests", "max_requests_per_caller", "max_sessions_per_caller")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,8 @@ class GetInfoResponse(_message.Message):
     DRAFT_BLOCK_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     REPLY_INDEX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_PER_CALLER_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_PER_CALLER_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     target_model_id: str
     draft_model_id: str
@@ -266,4 +268,6 @@ class GetInfoResponse(_message.Message):
     draft_block_confidence: float
     reply_index_tokens: int
     speculation_max_requests: int
-    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ..., default_draft_method: _Optional[str] = ..., lookup_max_tokens: _Optional[int] = ..., draft_vocab_method: _Optional[str] = ..., draft_confidence: _Optional[float] = ..., draft_block_confidence: _Optional[float] = ..., reply_index_tokens: _Optional[int] = ..., speculation_max_requests: _Optional[int] = ...) -> None: ...
+    max_requests_per_caller: int
+    max_sessions_per_caller: int
+    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ..., default_draft_method: _Optional[str] = ..., lookup_max_tokens: _Optional[int] = ..., draft_vocab_method: _Optional[str] = ..., draft_confidence: _Optional[float] = ..., draft_block_confidence: _Optional[float] = ..., reply_index_tokens: _Optional[int] = ..., speculation_max_requests: _Optional[int] = ..., max_requests_per_caller: _Optional[int] = ..., max_sessions_per_caller: _Optional[int] = ...) -> None: ...
