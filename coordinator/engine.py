@@ -191,6 +191,8 @@ class Engine:
             tls_ca_file=s.state_tls_ca_file,
             memory_max_tokens=s.state_memory_max_tokens,
             max_sessions_per_caller=s.max_sessions_per_caller,
+            replica_acks=s.state_replica_acks,
+            replica_wait_s=s.state_replica_wait_s,
         )
         self._deps: TurnDeps | None = None
         self._info: coordinator_pb2.GetInfoResponse | None = None

@@ -70,6 +70,18 @@ class CoordinatorSettings(ServiceSettings):
         "worker_timeout_s + state_retry_s",
     )
     state_timeout_s: float = Field(2.0, gt=0, description="socket timeout of state store calls")
+    state_replica_acks: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="redis:// only: a round's tokens are sent once this many of Redis's replicas have its commit "
+        "(WAIT), so a failover to one of them loses none of them; a commit not on them within state_replica_wait_s "
+        "is retried as an unreachable store for state_retry_s, then the turn fails UNAVAILABLE, rolled back; 0 = "
+        "no wait (replication is asynchronous)",
+    )
+    state_replica_wait_s: float = Field(
+        1.0, gt=0, description="how long one commit waits for state_replica_acks replicas (below state_timeout_s)"
+    )
     num_speculative_tokens: int = Field(
         4,
         ge=0,
@@ -234,6 +246,17 @@ class CoordinatorSettings(ServiceSettings):
             raise ValueError(
                 f"session_lease_s ({self.session_lease_s:g}) must exceed worker_timeout_s + state_retry_s "
                 f"({self.worker_timeout_s:g} + {self.state_retry_s:g}); raise the lease or lower the timeouts"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _replica_acks_of_a_redis(self) -> CoordinatorSettings:
+        if self.state_replica_acks and self.state_url.startswith("memory://"):
+            raise ValueError("state_replica_acks needs a redis:// or rediss:// state_url: memory:// has no replicas")
+        if self.state_replica_acks and self.state_replica_wait_s >= self.state_timeout_s:
+            raise ValueError(
+                f"state_replica_wait_s ({self.state_replica_wait_s:g}) must be below state_timeout_s "
+                f"({self.state_timeout_s:g}): the wait runs within one state store call"
             )
         return self
 

@@ -115,6 +115,20 @@ class RedisServer:
             self.proc.wait(timeout=10)
 
 
+def replica_of(primary: RedisServer, workdir: Path) -> RedisServer:
+    """A redis-server replicating ``primary`` (no password), returned once the two are linked and
+    the replica holds what the primary held."""
+    replica = RedisServer(workdir, extra_args=["--replicaof", "127.0.0.1", str(primary.port)])
+    with redis.Redis.from_url(replica.url) as client, redis.Redis.from_url(primary.url) as source:
+        deadline = time.monotonic() + 10
+        while client.info("replication").get("master_link_status") != "up" or source.wait(1, 100) < 1:
+            if time.monotonic() > deadline:
+                replica.stop()
+                raise RuntimeError("the replica did not link to its primary within 10 s")
+            time.sleep(0.05)
+    return replica
+
+
 SESSION_KEY = "specdec:session:"  # a session's key in a Redis state store, less its id (the default prefix)
 
 

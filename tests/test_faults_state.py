@@ -17,7 +17,7 @@ import redis
 from specdec.tools.launch import LaunchError
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, wait_for
-from tests.helpers import SESSION_KEY, RedisServer, free_port, stored_sessions
+from tests.helpers import SESSION_KEY, RedisServer, free_port, replica_of, stored_sessions
 from tests.netproxy import ProxyRoutes, TcpProxy
 from tests.reference import greedy_continuation, logit_gap, make_request, read_session, reference_greedy
 from tests.tiny_models import TinyModels
@@ -453,6 +453,63 @@ def test_a_full_redis_refuses_requests_as_full_and_leaves_every_session_as_it_wa
         "outcome": "RESOURCE_EXHAUSTED 'the state store is full'; sessions as before the turn, one-shot's deleted",
         "session_free_after_s": round(freed_after, 2),
         "new_request_refused_after_s": round(refused_after, 2),
+        "next_turn_identical_output": True,
+    }
+
+
+def test_with_replica_acks_a_client_gets_only_tokens_a_replica_has(
+    tmp_path: Path, tiny_models: TinyModels, routes: Callable[..., ProxyRoutes], fault_report: dict
+) -> None:
+    """--state-replica-acks 1 with a primary and one replica: each streamed chunk's tokens are on the
+    replica when the client receives them (a failover to it would lose none). With the replica
+    stopped (SIGSTOP: lagging, cut off), a turn fails UNAVAILABLE saying the replicas did not confirm
+    its commit (retried for --state-retry-s first), no token of it reaches the client, and the session is
+    back to its pre-turn tokens and free; once the replica is back the next turn is the target's
+    greedy output over that history. Main sent every round's tokens whatever the replicas had."""
+    primary = RedisServer(tmp_path / "primary")
+    replica = replica_of(primary, tmp_path / "replica")
+    session, history = "replicated", list(PROMPT)
+    args = ["--state-replica-acks", "1", "--state-replica-wait-s", "0.3", "--state-retry-s", "1"]
+    try:
+        with fault_cluster(
+            tmp_path, tiny_models.target, tiny_models.noisy, state_url=primary.url, route=routes(0.01),
+            coordinator_args=args,
+        ) as cluster, grpc.insecure_channel(cluster.address) as channel:  # fmt: skip
+            stub = coordinator_pb2_grpc.GenerationStub(channel)
+            chunks = 0
+            for chunk in stub.GenerateStream(make_request(PROMPT, session_id=session, max_new=12, ignore_eos=True)):
+                history += list(chunk.token_ids)
+                assert read_session(replica.url, session).tokens[: len(history)] == history
+                chunks += 1
+            assert len(history) == len(PROMPT) + 12 and read_session(replica.url, session).tokens == history
+
+            os.kill(replica.proc.pid, signal.SIGSTOP)
+            try:
+                started, received = time.monotonic(), []
+                with pytest.raises(grpc.RpcError) as err:
+                    for chunk in stub.GenerateStream(make_request([3, 4], session_id=session, max_new=8), timeout=30):
+                        received += list(chunk.token_ids)
+                failed_after = time.monotonic() - started
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+                assert "state store replicas a commit needs (--state-replica-acks)" in (err.value.details() or "")
+                assert received == []
+                wait_for(lambda: _owner_released(primary.url, session), 5, 0.05)
+                assert read_session(primary.url, session).tokens == history
+            finally:
+                os.kill(replica.proc.pid, signal.SIGCONT)
+            follow = make_request([3, 4], session_id=session, max_new=4, ignore_eos=True)
+            follow.require_existing_session = True
+            reply = stub.Generate(follow, timeout=30)
+            assert list(reply.token_ids) == reference_greedy(
+                str(tiny_models.target), (*history, 3, 4), 4, ignore_eos=True
+            )
+    finally:
+        replica.stop()
+        primary.stop()
+    fault_report["a replica of Redis stops confirming commits (--state-replica-acks 1)"] = {
+        "outcome": "UNAVAILABLE naming the replicas; no token of the turn sent; session as before the turn",
+        "chunks_checked_on_the_replica": chunks,
+        "failed_after_s": round(failed_after, 2),
         "next_turn_identical_output": True,
     }
 

@@ -34,11 +34,23 @@ def test_list_setting_from_comma_separated_flag() -> None:
         ["--target-addresses", "a:1", "--port", "70000"],
         ["--target-addresses", "a:1", "--session-lease-s", "60"],  # not above worker timeout 60 + state retry 5
         ["--target-addresses", "a:1", "--worker-timeout-s", "100"],
+        ["--target-addresses", "a:1", "--state-replica-acks", "1"],  # memory:// has no replicas
+        ["--target-addresses", "a:1", "--state-url", "redis://r:6379/0", "--state-replica-acks", "17"],
+        [  # not below the state store's socket timeout (2 s)
+            *("--target-addresses", "a:1", "--state-url", "redis://r:6379/0"),
+            *("--state-replica-acks", "1", "--state-replica-wait-s", "2"),
+        ],
     ],
 )
 def test_invalid_settings_stop_start_up(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         load_settings(CoordinatorSettings, argv, "c")
+
+
+def test_replica_acks_are_a_redis_setting_waited_for_within_one_call() -> None:
+    argv = ["--target-addresses", "a:1", "--state-url", "redis://r:6379/0", "--state-replica-acks", "2"]
+    settings = load_settings(CoordinatorSettings, argv, "c")
+    assert (settings.state_replica_acks, settings.state_replica_wait_s) == (2, 1.0)
 
 
 @pytest.mark.parametrize("addresses", ["a:1,", "", "a:1,,b:2", " ", "a:1,a:1"])

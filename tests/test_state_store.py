@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
+import time
 import tracemalloc
 import uuid
 from collections.abc import AsyncIterator
@@ -24,12 +27,13 @@ from specdec.serving.errors import (
     StateConflict,
     StateLost,
     StateStoreFull,
+    StateUnavailable,
     TooManySessions,
 )
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store, store_location
 from specdec.state.memory import SESSION_TOKENS, MemoryStateStore
 from specdec.state.redis_store import RedisStateStore
-from tests.helpers import RedisServer
+from tests.helpers import RedisServer, replica_of
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -877,3 +881,60 @@ async def test_the_redis_count_of_a_caller_s_sessions_stays_within_its_limit(tmp
         for store in stores:
             await store.close()
         server.stop()
+
+
+async def test_a_commit_waits_for_the_replicas_it_needs_and_is_refused_while_they_lag(tmp_path: Path) -> None:
+    """``replica_acks`` (--state-replica-acks): a commit returns once that many replicas have it
+    (WAIT on the commit's own connection), so the tokens its caller then sends survive a failover
+    to a replica. A replica that stopped answering (SIGSTOP: a lagging or cut-off replica) makes
+    the commit StateUnavailable within the wait, though the primary applied it; a retry of it,
+    from this store or another (another coordinator's connection, which wrote nothing before), is
+    refused the same way until the replica has it, then reports it applied once. A turn's
+    rollback and the lease's release do not wait (no tokens are sent from them)."""
+    primary = RedisServer(tmp_path / "primary")
+    replica = replica_of(primary, tmp_path / "replica")
+    stores = [open_store(primary.url, ttl_s=60, lease_s=30, timeout_s=2, replica_acks=1, replica_wait_s=0.3)]
+    stores.append(open_store(primary.url, ttl_s=60, lease_s=30, timeout_s=2, replica_acks=1, replica_wait_s=0.3))
+    store, other = stores
+    on_replica = aioredis.from_url(replica.url)
+    try:
+        for each in stores:
+            await each.start()
+        session = sid()
+
+        async def replicated() -> bytes:
+            return await on_replica.get(store.tokens_key(session)) or b""  # type: ignore[attr-defined]
+
+        await store.acquire(session, "turn", create=True)
+        version = (await store.commit(session, "turn", Commit(0, "turn:0", [1, 2], opens_turn=True))).version
+        assert await replicated() == pack_tokens([1, 2])  # there when the commit returned
+        version = (await store.commit(session, "turn", Commit(version, "turn:1", [3]))).version
+        assert await replicated() == pack_tokens([1, 2, 3])
+
+        os.kill(replica.proc.pid, signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            with pytest.raises(StateUnavailable) as lagging:
+                await store.commit(session, "turn", Commit(version, "turn:2", [4]))
+            assert time.monotonic() - began < 1.5
+            assert lagging.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "0 of the 1 state store replicas a commit needs (--state-replica-acks)" in str(lagging.value)
+            assert (await store.get(session)).tokens == [1, 2, 3, 4]  # applied on the primary
+            for each in stores:  # a retry, on a connection that wrote it or not, waits again
+                with pytest.raises(StateUnavailable):
+                    await each.commit(session, "turn", Commit(version, "turn:2", [4]))
+            began = time.monotonic()  # undoing the turn and letting the session go do not wait
+            await store.commit(session, "turn", Commit(None, "turn:undo", [], truncate_to=0, closes_turn=True))
+            await store.release(session, "turn")
+            assert time.monotonic() - began < 0.3
+        finally:
+            os.kill(replica.proc.pid, signal.SIGCONT)
+        retried = await other.commit(session, "turn", Commit(version, "turn:2", [4]))
+        assert retried.outcome == CommitOutcome.ALREADY_APPLIED
+        assert await replicated() == b""  # the rollback, which the replica now has too
+    finally:
+        await on_replica.aclose()
+        for each in stores:
+            await each.close()
+        replica.stop()
+        primary.stop()

@@ -53,6 +53,8 @@ def open_store(
     tls_ca_file: str | None = None,
     memory_max_tokens: int = 0,
     max_sessions_per_caller: int = 0,
+    replica_acks: int = 0,
+    replica_wait_s: float = 1.0,
 ) -> StateStore:
     """A store for ``url``: ``memory://``, ``redis://[user:password@]host:port/db`` or ``rediss://...``.
 
@@ -61,11 +63,14 @@ def open_store(
     that follow);
     ``tls_ca_file`` is the CA that signed a ``rediss://`` server's certificate;
     ``memory_max_tokens`` bounds a ``memory://`` store (see MemoryStateStore; 0 = no bound);
-    ``max_sessions_per_caller``: the sessions one caller may hold (StateStore.acquire; 0 = no limit).
+    ``max_sessions_per_caller``: the sessions one caller may hold (StateStore.acquire; 0 = no limit);
+    ``replica_acks``, ``replica_wait_s``: a Redis's replicas that must have a commit (RedisStateStore).
     """
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme == "memory":
+        if replica_acks:
+            raise ValueError("state_replica_acks needs a redis:// or rediss:// state_url: memory:// has no replicas")
         return MemoryStateStore(
             ttl_s=ttl_s, lease_s=lease_s, max_tokens=memory_max_tokens, max_sessions_per_caller=max_sessions_per_caller
         )
@@ -90,6 +95,8 @@ def open_store(
             lease_s=lease_s,
             timeout_s=timeout_s,
             max_sessions_per_caller=max_sessions_per_caller,
+            replica_acks=replica_acks,
+            replica_wait_s=replica_wait_s,
             **extra,
         )
     raise ValueError(f"unsupported state_url scheme {scheme!r}: use memory://, redis://, rediss:// or unix://")

@@ -164,7 +164,12 @@ _COMMIT = (
     + """
 local cur = redis.call('HMGET', KEYS[1], 'version', 'steps', 'owner', 'created')
 if not cur[1] or (ARGV[16] ~= '' and cur[4] and cur[4] ~= ARGV[16]) then return {'missing', 0} end
-if string.find(cur[2], '|' .. ARGV[4] .. '|', 1, true) then return {'already', tonumber(cur[1])} end
+if string.find(cur[2], '|' .. ARGV[4] .. '|', 1, true) then
+  -- a write of this call's own, after the first one's in the replication stream: a WAIT that
+  -- follows on this connection covers the commit that applied (--state-replica-acks)
+  redis.call('PEXPIRE', KEYS[1], ARGV[12])
+  return {'already', tonumber(cur[1])}
+end
 if tonumber(ARGV[3]) >= 0 and tonumber(cur[1]) ~= tonumber(ARGV[3]) then return {'conflict', tonumber(cur[1])} end
 if cur[3] ~= ARGV[2] then return {'not_owner', tonumber(cur[1])} end
 local length = redis.call('STRLEN', KEYS[3]) / 4
@@ -339,9 +344,13 @@ class RedisStateStore(StateStore):
         timeout_s: float,
         key_prefix: str = "specdec:",
         max_sessions_per_caller: int = 0,
+        replica_acks: int = 0,
+        replica_wait_s: float = 1.0,
         **connection: Any,
     ) -> None:
         """``max_sessions_per_caller`` (0 = none): the sessions one caller may hold (StateStore.acquire);
+        ``replica_acks`` (0 = none): the replicas that must have a commit (Redis WAIT, at most
+        ``replica_wait_s``) before ``commit`` returns it (see ``commit``);
         ``connection``: extra redis-py connection settings (username, password or
         credential_provider, ssl_ca_certs)."""
         self._client = aioredis.from_url(
@@ -358,6 +367,8 @@ class RedisStateStore(StateStore):
         self._lease_ms = int(lease_s * 1000)
         self._prefix = key_prefix
         self._max_sessions = max_sessions_per_caller
+        self._replica_acks = replica_acks
+        self._replica_wait_ms = max(int(replica_wait_s * 1000), 1)  # WAIT's 0 would wait for ever
         self._epoch_key = f"{key_prefix}epoch"
         self._epoch = ""
         self._acquire = self._client.register_script(_ACQUIRE)
@@ -496,14 +507,27 @@ class RedisStateStore(StateStore):
             _created_ms(commit.created_at),
         ]
         keys = [self.key(session_id), self._epoch_key, self.tokens_key(session_id)]
-        script = self._rollback if commit.expected_version is None and commit.closes_turn else self._commit
-        status_raw, *rest = await self._call(lambda: script(keys=keys, args=args))
+        rollback = commit.expected_version is None and commit.closes_turn  # no tokens are sent from one
+        if self._replica_acks and not rollback:
+            reply, acks = await self._call(lambda: self._commit_on_replicas(keys, args))
+        else:
+            script = self._rollback if rollback else self._commit
+            reply, acks = await self._call(lambda: script(keys=keys, args=args)), self._replica_acks
+        status_raw, *rest = reply
         status = status_raw.decode()
         version = int(rest[0]) if rest else 0
         if status == "epoch":
             raise await self._epoch_lost(session_id)
         if status == "invalid":
             raise ValueError(f"a cache length exceeds the committed length {version}")
+        if status in ("applied", "already") and acks < self._replica_acks:
+            # the commit is on the primary, not yet on enough replicas: the caller retries it (a
+            # retry applies nothing and waits again) and sends no tokens from it until one succeeds
+            log.warning("state_replicas_behind", acks=acks, wanted=self._replica_acks, step=commit.step_id)
+            raise StateUnavailable(
+                f"{acks} of the {self._replica_acks} state store replicas a commit needs (--state-replica-acks) "
+                f"had it within {self._replica_wait_ms} ms; retry later"
+            )
         if status == "applied":
             return CommitResult(CommitOutcome.APPLIED, int(version))
         if status == "already":
@@ -511,6 +535,15 @@ class RedisStateStore(StateStore):
         if status == "missing":
             raise session_gone(session_id)
         raise session_conflict(session_id, taken=status == "not_owner")
+
+    async def _commit_on_replicas(self, keys: list[str], args: list[Any]) -> tuple[list[Any], int]:
+        """The commit script, then WAIT, on one connection (WAIT counts the replicas that have
+        every write of its own connection): the script's reply and the replicas that have it."""
+        async with self._client.pipeline(transaction=False) as pipe:
+            await self._commit(keys=keys, args=args, client=pipe)
+            pipe.wait(self._replica_acks, self._replica_wait_ms)
+            reply, acks = await pipe.execute()
+        return reply, int(acks)
 
     async def renew(self, session_id: str, owner: str, created_at: float | None = None) -> bool:
         args = [owner, self._lease_ms, self._ttl_ms, _created_ms(created_at)]
