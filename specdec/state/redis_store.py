@@ -168,6 +168,7 @@ if string.find(cur[2], '|' .. ARGV[4] .. '|', 1, true) then
   -- a write of this call's own, after the first one's in the replication stream: a WAIT that
   -- follows on this connection covers the commit that applied (--state-replica-acks)
   redis.call('PEXPIRE', KEYS[1], ARGV[12])
+  redis.call('PEXPIRE', KEYS[3], ARGV[12])  -- the two keys keep one TTL
   return {'already', tonumber(cur[1])}
 end
 if tonumber(ARGV[3]) >= 0 and tonumber(cur[1]) ~= tonumber(ARGV[3]) then return {'conflict', tonumber(cur[1])} end
