@@ -250,9 +250,7 @@ class CoordinatorSettings(ServiceSettings):
         return self
 
     @model_validator(mode="after")
-    def _replica_acks_of_a_redis(self) -> CoordinatorSettings:
-        if self.state_replica_acks and self.state_url.startswith("memory://"):
-            raise ValueError("state_replica_acks needs a redis:// or rediss:// state_url: memory:// has no replicas")
+    def _replica_wait_within_one_call(self) -> CoordinatorSettings:
         if self.state_replica_acks and self.state_replica_wait_s >= self.state_timeout_s:
             raise ValueError(
                 f"state_replica_wait_s ({self.state_replica_wait_s:g}) must be below state_timeout_s "

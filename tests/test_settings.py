@@ -34,7 +34,6 @@ def test_list_setting_from_comma_separated_flag() -> None:
         ["--target-addresses", "a:1", "--port", "70000"],
         ["--target-addresses", "a:1", "--session-lease-s", "60"],  # not above worker timeout 60 + state retry 5
         ["--target-addresses", "a:1", "--worker-timeout-s", "100"],
-        ["--target-addresses", "a:1", "--state-replica-acks", "1"],  # memory:// has no replicas
         ["--target-addresses", "a:1", "--state-url", "redis://r:6379/0", "--state-replica-acks", "17"],
         [  # not below the state store's socket timeout (2 s)
             *("--target-addresses", "a:1", "--state-url", "redis://r:6379/0"),

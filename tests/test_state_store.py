@@ -890,7 +890,10 @@ async def test_a_commit_waits_for_the_replicas_it_needs_and_is_refused_while_the
     the commit StateUnavailable within the wait, though the primary applied it; a retry of it,
     from this store or another (another coordinator's connection, which wrote nothing before), is
     refused the same way until the replica has it, then reports it applied once. A turn's
-    rollback and the lease's release do not wait (no tokens are sent from them)."""
+    rollback and the lease's release do not wait (no tokens are sent from them). memory:// has no
+    replicas: asking it for acknowledgements is refused (a start-up error of the coordinator's)."""
+    with pytest.raises(ValueError, match="state_replica_acks needs a redis:// or rediss:// state_url"):
+        open_store("memory://", ttl_s=60, lease_s=30, timeout_s=2, replica_acks=1)
     primary = RedisServer(tmp_path / "primary")
     replica = replica_of(primary, tmp_path / "replica")
     stores = [open_store(primary.url, ttl_s=60, lease_s=30, timeout_s=2, replica_acks=1, replica_wait_s=0.3)]
