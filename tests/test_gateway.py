@@ -830,15 +830,20 @@ def test_any_engine_requests_through_the_running_service_are_served_or_refused_a
 ) -> None:
     """What any gateway could send to the engine API (``_any_engine_request``), one to three
     requests at once, through the running coordinator, draft and target (a real tokenizer with a
-    chat template), one in five cancelled after its first reply (as a gateway whose client went
-    away): each is served or refused with a client error that says what was wrong; no process
-    exits, the draft's failures never grow, and no request leaves a session in Redis."""
+    chat template), one in five streamed and cancelled after its first reply (as a gateway whose
+    client went away): each is served or refused with a client error that says what was wrong; no
+    process exits, the draft's failures never grow, and no request leaves a session in Redis.
+    (A cancelled request streams: a request with ``stream`` false has one reply, at its end, so its
+    cancel would come only then: up to 40 rounds of a draft and target whose distributions are
+    nearly flat over 151,936 ids, 55 s for one such request on the quiet host, past the deadline
+    on a busy one.)"""
     vocab = len(gateway.tokenizer)
     requests = [_any_engine_request(data.draw, vocab) for _ in range(data.draw(st.integers(1, 3)))]
     cancels = [data.draw(st.integers(0, 4)) == 0 for _ in requests]  # one in five cancelled mid-stream
     for request, cancel in zip(requests, cancels, strict=True):
         if cancel:  # long enough to be cancelled before its end, mostly
             request.sampling_params.max_tokens = data.draw(st.integers(8, 40))
+            request.stream = True
     with grpc.insecure_channel(gateway.cluster.address) as channel:
         stub = vllm_grpc.VllmEngineStub(channel)
         calls = streamed(stub.Generate, requests, cancels)
