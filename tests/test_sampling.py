@@ -177,7 +177,7 @@ def test_top_p_over_a_whole_vocabulary_keeps_the_sorted_prefix(
     """Qwen2.5's 151,936 ids: top-p looks among the most likely first and, where the mass lies
     further out (flat rows), finds the cut in the whole row without selecting from it again (a
     flat row, the sampler's slowest, went through four selections of up to all its ids: 34 ms on
-    the 2-core host, against ~3 ms). It keeps the ids a sort of the whole row keeps (summing the
+    the 2-core host, against ~6 ms). It keeps the ids a sort of the whole row keeps (summing the
     same float32 probabilities in float64), up to ids within rounding of the cut."""
     logits = torch.randn(2, 151_936, generator=torch.Generator().manual_seed(5)) * spread
     widths: list[int] = []

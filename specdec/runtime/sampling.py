@@ -140,8 +140,8 @@ def _wide_top_p_drop(probs: Tensor, top_p: float) -> Tensor:
     to ``v``, those whose mass before them (the ids above, then the equal ones in id order) is
     below ``top_p``. A flat row of 151,936 ids: ~6 ms on the 2-core host (one thread), where
     selecting the row's top 8,192, 65,536 and then all of its ids in turn took ~34 ms (all of
-    them alone ~20 ms). The masses are summed in another
-    order than a sort's: a cut can differ only for ids within float64 rounding of ``top_p``."""
+    them alone ~20 ms). The masses are summed in another order than a sort's: a cut can differ
+    only for ids within float64 rounding of ``top_p``."""
     values = probs.float().contiguous()
     bits = values.view(torch.int32).long()
     weights = values.double()
