@@ -130,12 +130,14 @@ def test_warp_rejects_bad_values(kwargs: dict[str, float], message: str) -> None
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "min_p"),
     [(0.7, 0, 1.0, 0.0), (1.3, 3, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (0.5, 20, 0.9, 0.0), (0.8, 40, 0.95, 0.05),
-     (1.0, 1000, 0.9, 0.0), (1.0, 0, 1.0, 0.1)],
+     (1.0, 1000, 0.9, 0.0), (1.0, 0, 1.0, 0.1), (1.0, 0, 0.6, 0.05), (1.0, 0, 0.95, 0.01), (0.6, 0, 1.0, 1.0)],
 )  # fmt: skip
 @pytest.mark.parametrize("vocab", [50, 151_936])
 def test_warped_probs_match_hf_warpers(temperature: float, top_k: int, top_p: float, min_p: float, vocab: int) -> None:
     """A top-k of at most TOP_P_CANDIDATES applies top-p and min-p to the k ids it keeps only (a
-    path of its own); every path gives HF's warpers' distribution, over Qwen2.5's vocabulary too."""
+    path of its own), as does a top-p whose cut lies among the most likely ids (top-p 0.6 here; at
+    0.9 and 0.95 these rows' cut lies beyond them); min-p compares scores with log(min_p), not
+    probabilities; every path gives HF's warpers' distribution, over Qwen2.5's vocabulary too."""
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)) * 3
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
@@ -177,8 +179,10 @@ def test_top_p_over_a_whole_vocabulary_keeps_the_sorted_prefix(
     """Qwen2.5's 151,936 ids: top-p looks among the most likely first and, where the mass lies
     further out (flat rows), finds the cut in the whole row without selecting from it again (a
     flat row, the sampler's slowest, went through four selections of up to all its ids: 34 ms on
-    the 2-core host, against ~6 ms). It keeps the ids a sort of the whole row keeps (summing the
-    same float32 probabilities in float64), up to ids within rounding of the cut."""
+    the 2-core host, against ~6 ms); where the cut lies among the first, the probabilities are
+    computed over those ids alone (no softmax of the whole row). It keeps the ids a sort of the
+    whole row keeps (summing the same float32 probabilities in float64), up to ids within
+    rounding of the cut; min-p (1e-6) keeps them all here."""
     logits = torch.randn(2, 151_936, generator=torch.Generator().manual_seed(5)) * spread
     widths: list[int] = []
     topk = torch.topk
@@ -187,10 +191,21 @@ def test_top_p_over_a_whole_vocabulary_keeps_the_sorted_prefix(
         widths.append(k)
         return topk(values, k, *args, **kwargs)  # type: ignore[arg-type]
 
+    whole: list[int] = []  # softmaxes over every id
+    softmax = torch.Tensor.softmax
+
+    def watched(values: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if values.shape[-1] == logits.shape[-1]:
+            whole.append(values.shape[-1])
+        return softmax(values, *args, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(torch, "topk", counted)
-    got = warped_probs(logits, Warp(1.0, top_p=top_p))
+    monkeypatch.setattr(torch.Tensor, "softmax", watched)
+    got = warped_probs(logits, Warp(1.0, top_p=top_p, min_p=1e-6))
     monkeypatch.undo()
     assert widths == [TOP_P_CANDIDATES]
+    if most == TOP_P_CANDIDATES:  # the cut among the candidates: no pass over the row's ids but one
+        assert whole == []
     probs = (logits - logits.max(-1, keepdim=True).values).softmax(-1).double()
     ordered, order = torch.sort(probs, dim=-1, descending=True)
     before = torch.empty_like(probs).scatter(-1, order, ordered.cumsum(-1) - ordered)
