@@ -290,6 +290,49 @@ def test_sparse_draft_samples_from_reported_distribution() -> None:
     assert chi_square(observed, expected) > 1e-4
 
 
+@pytest.mark.parametrize(
+    ("warp", "spread", "boost", "widths"),
+    [
+        (Warp(0.8), 2.0, 8.0, [64]),  # the top 64 of the whole row
+        (Warp(0.8, top_p=0.9, min_p=0.05), 3.0, 40.0, [64]),  # the cut within the first 64
+        (Warp(1.0, top_p=0.9), 4.2, 0.0, [64, TOP_P_CANDIDATES]),  # beyond them, within the 1,024
+        (Warp(1.0, top_p=0.9), 0.3, 1.0, [64, TOP_P_CANDIDATES, 64]),  # in the whole row (flat)
+        (Warp(1.0, top_k=40, top_p=0.95), 1.0, 4.0, [40, 40]),  # fewer than 64 can have mass
+        (Warp(1.0, top_k=200, min_p=0.2), 3.0, 12.0, [200]),
+    ],
+    ids=["temperature", "within-64", "within-1024", "flat", "top-k-40", "top-k-200"],
+)
+def test_a_top_n_draft_proposal_is_the_top_n_of_the_warped_distribution(
+    warp: Warp, spread: float, boost: float, widths: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampled draft token over Qwen2.5's 151,936 ids proposes the 64 most likely ids of the
+    warped distribution, renormalised, and is drawn from them, without making the distribution's
+    dense row: the top-n are the n best scores, found among the first 64 where top-p's cut lies
+    there, else among the top 1,024 or in the whole row. Same ids and probabilities as the dense
+    row's top 64 (ids without mass aside), the same token for the same generator."""
+    logits = torch.randn(151_936, generator=torch.Generator().manual_seed(11)) * spread
+    logits[:3] += boost  # a few likely ids, as a real model's row has
+    seen: list[int] = []
+    topk = torch.topk
+
+    def counted(values: torch.Tensor, k: int, *args: object, **kwargs: object) -> object:
+        seen.append(k)
+        return topk(values, k, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "topk", counted)
+    got = sample_draft_token(logits, warp, 64, torch.Generator().manual_seed(4))
+    monkeypatch.undo()
+    assert seen == widths
+    assert got.ids is not None and got.probs is not None
+    dense = warped_probs(logits, warp)
+    expected, ids = torch.topk(dense, 64)
+    expected = expected / expected.sum()
+    mass = got.probs > 0
+    assert got.ids[mass].tolist() == ids[expected > 0].tolist()
+    torch.testing.assert_close(got.probs[mass], expected[expected > 0])
+    assert got.token_id == int(ids[draw(expected, torch.Generator().manual_seed(4))])
+
+
 def test_proposal_probability_is_the_drawn_token_s_probability_in_every_kind() -> None:
     """The draft's confidence stop reads it: the probability the token had in the distribution
     it was drawn from (the softmax of the logits for a greedy, one-hot sample)."""

@@ -62,31 +62,48 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
     Logits that are NaN or +inf raise NumericalError: an error of this request, not of the process
     (the row's maximum is NaN where any logit is: it propagates NaN).
     """
+    scores, ids = _warped_scores(logits, warp)
+    if ids is None:
+        return scores.softmax(-1)
+    probs = torch.zeros(scores.shape[:-1] + logits.shape[-1:], device=scores.device)
+    return probs.scatter(-1, ids, scores.softmax(-1))
+
+
+def _warped_scores(logits: Tensor, warp: Warp, widths: Sequence[int] = ()) -> tuple[Tensor, Tensor | None]:
+    """``warped_probs`` before its softmax: ``(scores, None)``, the whole row's [..., V] (-inf
+    where the warp drops an id), or ``(scores, ids)`` [..., n] in descending order where only
+    ``ids`` can have mass. Top-p looks for its cut among the ``widths`` most likely ids in turn,
+    then among the TOP_P_CANDIDATES most likely, then in the whole row. Greedy: the argmax alone."""
     logits = logits.float()
     top = logits.max(-1, keepdim=True).values
     if not bool(torch.isfinite(top).all()):
         raise NumericalError("the model produced non-finite logits for this request; nothing was sampled")
     if warp.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.zeros_like(top), logits.argmax(-1, keepdim=True)
     scores = torch.sub(logits, top).div_(warp.temperature)  # the most likely id's score is 0
     vocab = scores.shape[-1]
     if 0 < warp.top_k <= TOP_P_CANDIDATES and warp.top_k < vocab:
-        within = _warped_top_k(scores, warp)
-        if within is not None:
-            return within
+        # top-p and min-p see only the k ids top-k keeps: applied to those k scores alone (5 rows
+        # of 151,936 ids, top-k 40, top-p 0.95, min-p 0.05, on the 2-core host: 9.8 ms against 21
+        # ms masking whole rows), unless ids tie the k-th score (top-k then keeps more than k)
+        values, ids = torch.topk(scores, warp.top_k, dim=-1)
+        if not bool(((scores >= values[..., -1:]).sum(-1) > warp.top_k).any()):
+            if warp.top_p < 1.0:
+                values = values.masked_fill(_top_p_drop(values.softmax(-1), warp.top_p), -math.inf)
+            return _min_p_masked(values, warp.min_p), ids
     if warp.top_k and warp.top_k < vocab:
         kth = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
     if warp.top_p < 1.0:
-        values, ids = torch.topk(scores, min(TOP_P_CANDIDATES, vocab), dim=-1)  # descending
-        keep, within = _top_p_keep((values - scores.logsumexp(-1, keepdim=True)).exp(), warp.top_p)
-        if ids.shape[-1] == vocab or bool(within.all()):  # every row's cut among the candidates
-            return _candidates_probs(scores, values.masked_fill(~keep, -math.inf), ids, warp)
+        total = scores.logsumexp(-1, keepdim=True)
+        for width in sorted({min(w, vocab) for w in (*widths, TOP_P_CANDIDATES) if w <= TOP_P_CANDIDATES}):
+            values, ids = torch.topk(scores, width, dim=-1)  # descending
+            keep, within = _top_p_keep((values - total).exp(), warp.top_p)
+            if width == vocab or bool(within.all()):  # every row's cut among them
+                return _min_p_masked(values.masked_fill(~keep, -math.inf), warp.min_p), ids
         drop = _top_p_drop_of(scores.softmax(-1), ids, keep, within, warp.top_p)
         scores = scores.masked_fill(drop, -math.inf)
-    if warp.min_p > 0:
-        scores = _min_p_masked(scores, warp.min_p)
-    return scores.softmax(-1)
+    return _min_p_masked(scores, warp.min_p), None
 
 
 # top-p looks for its cut among the most likely tokens first, and only in a row where they hold
@@ -94,7 +111,7 @@ def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
 # a 151,936-id row took 12-17 ms and a top-1024 ~1 ms. Over 1,200 positions of code and prose,
 # Qwen2.5-Coder-0.5B's top_p 0.9-0.95 mass lay within its top 1024 at 99.5-99.9% of them at
 # temperature 0.7-0.8, 87-97% at 1.0. Where every row's cut lies there, the probabilities are
-# computed over those ids alone (``_candidates_probs``): the row's softmaxes and masks are left
+# computed over those ids alone (``_warped_scores``): the row's softmaxes and masks are left
 # out, but for one logsumexp (a K = 4 block of real Qwen2.5-Coder-0.5B rows, temperature 0.7,
 # top-p 0.9, min-p 0.05, 2 threads on the 2-core host: 35.5 ms -> 18.0 ms for the draft's four
 # warps and draws and the target's rejection sampling of five rows).
@@ -104,32 +121,8 @@ TOP_P_CANDIDATES = 1024
 def _min_p_masked(scores: Tensor, min_p: float) -> Tensor:
     """``scores`` (whose maximum is 0) without the ids min-p removes: those whose probability is
     below ``min_p`` times the most likely's, that is whose score is below log(min_p). The most
-    likely id always stays."""
-    return scores.masked_fill(scores < math.log(min_p), -math.inf)
-
-
-def _candidates_probs(scores: Tensor, values: Tensor, ids: Tensor, warp: Warp) -> Tensor:
-    """The warped distribution of rows whose ids other than ``ids`` [..., n] all have no mass:
-    ``values`` are those ids' scores after top-k and top-p (the first, the most likely, is 0); min-p
-    is applied to them and their softmax put back into a row of ``scores``' shape."""
-    if warp.min_p > 0:
-        values = _min_p_masked(values, warp.min_p)
-    return torch.zeros_like(scores).scatter(-1, ids, values.softmax(-1))
-
-
-def _warped_top_k(scores: Tensor, warp: Warp) -> Tensor | None:
-    """``warped_probs`` after the temperature, for a top-k of at most TOP_P_CANDIDATES: top-p and
-    min-p see only the k ids top-k keeps, so they are applied to those k scores and the result put
-    back into the row: the same probabilities as masking the whole row (to float rounding), without
-    its softmaxes, masks and top-p search over every id (5 rows of 151,936 ids, top-k 40, top-p
-    0.95, min-p 0.05, on the 2-core host: 9.8 ms against 21 ms; no gain with top-k alone). None
-    where ids tie the k-th score (top-k then keeps them all: more than k)."""
-    values, ids = torch.topk(scores, warp.top_k, dim=-1)
-    if bool(((scores >= values[..., -1:]).sum(-1) > warp.top_k).any()):
-        return None
-    if warp.top_p < 1.0:
-        values = values.masked_fill(_top_p_drop(values.softmax(-1), warp.top_p), -math.inf)
-    return _candidates_probs(scores, values, ids, warp)
+    likely id always stays; min_p 0 removes none."""
+    return scores.masked_fill(scores < math.log(min_p), -math.inf) if min_p > 0 else scores
 
 
 def _top_p_keep(top: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
@@ -259,12 +252,18 @@ def sample_draft_token(logits: Tensor, warp: Warp, top_n: int, generator: torch.
         raise ValueError(f"logits must be [V], got shape {tuple(logits.shape)}")
     if warp.greedy:
         return DraftSample(token_id=int(logits.argmax()))
-    q = warped_probs(logits, warp)
-    if 0 < top_n < q.shape[-1]:
-        probs, ids = torch.topk(q, top_n)
-        probs = probs / probs.sum()
-        return DraftSample(token_id=int(ids[draw(probs, generator)]), ids=ids, probs=probs)
-    return DraftSample(token_id=draw(q, generator), probs=q)
+    vocab = logits.shape[-1]
+    if not 0 < top_n < vocab:
+        q = warped_probs(logits, warp)
+        return DraftSample(token_id=draw(q, generator), probs=q)
+    # the top-n of the warped distribution are its n best scores, and their renormalised
+    # probabilities those scores' softmax: no row of probabilities is made
+    scores, ids = _warped_scores(logits, warp, (top_n,))
+    if ids is None:
+        scores, ids = torch.topk(scores, top_n)
+    probs = scores[:top_n].softmax(-1)
+    ids = ids[:top_n]
+    return DraftSample(token_id=int(ids[draw(probs, generator)]), ids=ids, probs=probs)
 
 
 def proposal_probability(sample: DraftSample, logits: Tensor) -> float:
