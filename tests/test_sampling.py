@@ -222,7 +222,7 @@ def test_top_p_over_a_whole_vocabulary_keeps_the_sorted_prefix(
 def test_top_p_of_flat_rows_with_ties_keeps_the_ids_a_stable_sort_keeps(seed: int) -> None:
     """Rows of 4,096 ids made of a few distinct probabilities, so that many ids tie at the cut,
     some of no mass, with leading dimensions: where the top 1,024 hold less than top-p (the cut
-    found in the whole row), top-p keeps the ids a stable sort keeps (of ids of equal probability
+    found in the whole row, ``_wide_top_p_drop``), top-p keeps the ids a stable sort keeps (of ids of equal probability
     at the cut, the lowest), up to ids within float64 rounding of the cut; the most likely stays."""
     generator = torch.Generator().manual_seed(seed)
     levels = torch.rand(1 + seed, generator=generator) + 0.01
@@ -233,11 +233,11 @@ def test_top_p_of_flat_rows_with_ties_keeps_the_ids_a_stable_sort_keeps(seed: in
     before = torch.empty_like(ordered).scatter(-1, order, ordered.cumsum(-1) - ordered)
     wide = 0
     for top_p in (0.3, 0.5, 0.77, 0.999):
-        drop = sampling._top_p_drop(probs, top_p).view(-1, 4096)
-        for row, (dropped, masses) in enumerate(zip(drop, before.view(-1, 4096), strict=True)):
+        for row, (row_probs, masses) in enumerate(zip(probs.view(-1, 4096), before.view(-1, 4096), strict=True)):
             if ordered.view(-1, 4096)[row, :TOP_P_CANDIDATES].sum() >= top_p:
                 continue  # cut among the first candidates (ties there in the selection's order)
             wide += 1
+            dropped = sampling._wide_top_p_drop(row_probs, top_p)
             reference = masses >= top_p
             reference[masses.argmin()] = False  # the most likely id (the first of a stable sort)
             differ = dropped != reference
@@ -297,7 +297,7 @@ def test_sparse_draft_samples_from_reported_distribution() -> None:
         (Warp(0.8, top_p=0.9, min_p=0.05), 3.0, 40.0, [64]),  # the cut within the first 64
         (Warp(1.0, top_p=0.9), 4.2, 0.0, [64, TOP_P_CANDIDATES]),  # beyond them, within the 1,024
         (Warp(1.0, top_p=0.9), 0.3, 1.0, [64, TOP_P_CANDIDATES, 64]),  # in the whole row (flat)
-        (Warp(1.0, top_k=40, top_p=0.95), 1.0, 4.0, [40, 40]),  # fewer than 64 can have mass
+        (Warp(1.0, top_k=40, top_p=0.95), 1.0, 4.0, [40]),  # fewer than 64 can have mass
         (Warp(1.0, top_k=200, min_p=0.2), 3.0, 12.0, [200]),
     ],
     ids=["temperature", "within-64", "within-1024", "flat", "top-k-40", "top-k-200"],

@@ -88,8 +88,8 @@ def _warped_scores(logits: Tensor, warp: Warp, widths: Sequence[int] = ()) -> tu
         # ms masking whole rows), unless ids tie the k-th score (top-k then keeps more than k)
         values, ids = torch.topk(scores, warp.top_k, dim=-1)
         if not bool(((scores >= values[..., -1:]).sum(-1) > warp.top_k).any()):
-            if warp.top_p < 1.0:
-                values = values.masked_fill(_top_p_drop(values.softmax(-1), warp.top_p), -math.inf)
+            if warp.top_p < 1.0:  # the k scores are in descending order: top-p keeps a prefix of them
+                values = values.masked_fill(~_top_p_keep(values.softmax(-1), warp.top_p)[0], -math.inf)
             return _min_p_masked(values, warp.min_p), ids
     if warp.top_k and warp.top_k < vocab:
         kth = torch.topk(scores, warp.top_k, dim=-1).values[..., -1:]
@@ -101,7 +101,7 @@ def _warped_scores(logits: Tensor, warp: Warp, widths: Sequence[int] = ()) -> tu
             keep, within = _top_p_keep((values - total).exp(), warp.top_p)
             if width == vocab or bool(within.all()):  # every row's cut among them
                 return _min_p_masked(values.masked_fill(~keep, -math.inf), warp.min_p), ids
-        drop = _top_p_drop_of(scores.softmax(-1), ids, keep, within, warp.top_p)
+        drop = _top_p_drop(scores.softmax(-1), ids, keep, within, warp.top_p)
         scores = scores.masked_fill(drop, -math.inf)
     return _min_p_masked(scores, warp.min_p), None
 
@@ -136,20 +136,12 @@ def _top_p_keep(top: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
     return keep, mass[..., -1] >= top_p
 
 
-def _top_p_drop(probs: Tensor, top_p: float) -> Tensor:
-    """The ids top-p removes from ``probs`` [..., V]: those whose more likely ids (in descending
-    order) already hold ``top_p`` of the mass; the most likely id always stays. Equal to sorting
-    the whole row: an id outside a candidate set that holds ``top_p`` has at least that mass
-    before it. A row whose TOP_P_CANDIDATES most likely ids hold less than ``top_p`` (a flat one)
-    is cut by ``_wide_top_p_drop``."""
-    top, order = torch.topk(probs, min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)  # descending
-    keep, within = _top_p_keep(top, top_p)
-    return _top_p_drop_of(probs, order, keep, within, top_p)
-
-
-def _top_p_drop_of(probs: Tensor, order: Tensor, keep: Tensor, within: Tensor, top_p: float) -> Tensor:
-    """``_top_p_drop`` of ``probs`` [..., V] given its candidates ``order`` [..., n] and what
-    ``_top_p_keep`` said of them: the rows whose candidates hold less than ``top_p`` cut in whole."""
+def _top_p_drop(probs: Tensor, order: Tensor, keep: Tensor, within: Tensor, top_p: float) -> Tensor:
+    """The ids top-p removes from ``probs`` [..., V], given its most likely ids ``order`` [..., n]
+    (descending) and what ``_top_p_keep`` said of them: those whose more likely ids already hold
+    ``top_p`` of the mass; the most likely id always stays. Equal to sorting the whole row: an id
+    outside a candidate set that holds ``top_p`` has at least that mass before it. A row whose
+    candidates hold less than ``top_p`` (a flat one) is cut by ``_wide_top_p_drop``."""
     vocab = probs.shape[-1]
     drop = torch.ones_like(probs, dtype=torch.bool).scatter(-1, order, ~keep)
     if order.shape[-1] < vocab:
