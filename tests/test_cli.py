@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -182,6 +183,30 @@ def test_bench_loads_both_sides_in_the_dtype_asked(tiny_models: TinyModels, tmp_
         "hf target": "bfloat16", "hf draft": "float32", "service target": "bfloat16", "service draft": "float32",
     }  # fmt: skip
     assert set(report["workloads"]["file"]["methods"]) == {"hf target-only", "service target-only"}
+
+
+def test_a_sampled_bench_samples_every_row_each_run_with_its_own_seed(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """``--temperature`` samples HF's rows and the service's, the concurrency sweep too: a row's two
+    repeats of a prompt (two seeds) give two replies, where a greedy row gives one; the report
+    claims no token identity and the table says it is sampled."""
+    out = tmp_path / "bench.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\n")
+    rows = ("hf target-only", "hf assisted K=4", "hf prompt lookup", "service target-only", "service model K")
+    result = run(
+        "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy), "--prompts", str(prompts),
+        "--max-new-tokens", "10", "--repeats", "2", "--concurrency", "2", "--temperature", "1.0", "--top-p", "0.95",
+        *(flag for row in rows for flag in ("--method", row)), "--no-plots", "--out", str(out), timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sampled (temperature 1.0, top_p 0.95, top_k 0, min_p 0.0; each run seeded)" in result.stdout, result.stdout
+    report = json.loads(out.read_text())
+    data = report["workloads"]["file"]
+    assert set(data["methods"]) == set(rows) and "greedy_tokens_identical" not in data
+    for row in rows:
+        replies = [r["token_ids"] for r in report["runs"] if r["method"] == row]
+        assert len(replies) == 2 and all(replies) and replies[0] != replies[1], (row, replies)
+    assert {"service default (hybrid, adaptive)", "service target-only"} <= set(report["concurrency"]["2"]["methods"])
 
 
 def test_bench_method_choice_keeps_the_target_only_references() -> None:
@@ -514,6 +539,12 @@ def test_bench_says_what_is_wrong_with_a_path_before_it_runs(
         (["--concurrency", "x"], "--concurrency takes request counts of at least 1 such as 1,2,4, got 'x'"),
         (["--device", "nope"], "--device nope is not a device torch knows"),
         (["--dtype", "bf16"], "--dtype must be auto or one of float32, float16, bfloat16, got 'bf16'"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        (["--temperature", "1", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--temperature", "1", "--top-k", "-1"], "--top-k must be >= 0 (0 = off), got -1"),
+        (["--temperature", "1", "--min-p", "2"], "--min-p must be in [0, 1], got 2.0"),
     ],
 )
 def test_bench_says_what_is_wrong_with_a_number_before_it_runs(
@@ -556,6 +587,72 @@ def test_bench_says_which_request_the_service_refused(tiny_models: TinyModels, t
     assert result.returncode == 1, result.stderr[-3000:]
     assert "specdec bench: a request failed (INVALID_ARGUMENT: " in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and not (tmp_path / "b.json").exists()
+
+
+def test_a_sampled_bench_asks_both_sides_for_the_warp_with_a_seed_per_run() -> None:
+    """With --temperature every row samples with the run's warp: the service's requests carry it and
+    a seed of their own for each workload, prompt and repeat (the same for every row of a run, so
+    rows draw from the same seed), HF's generate gets every option (its own defaults, such as
+    top-k 50, would otherwise warp what the service does not). A greedy run asks as before."""
+    from specdec.tools.bench import (
+        HEADLINE,
+        SERVICE_METHODS,
+        SERVICE_TARGET,
+        BenchConfig,
+        Prompt,
+        _request,
+        hf_sampling,
+    )
+
+    greedy = BenchConfig(model="m", draft_model="d")
+    sampled = dataclasses.replace(greedy, temperature=0.8, top_p=0.9, top_k=0, min_p=0.05)
+    prompts = [Prompt("complete", 0, (1, 2, 3)), Prompt("complete", 1, (4, 5)), Prompt("edit", 0, (1, 2, 3))]
+    plain = _request(greedy, prompts[0], SERVICE_METHODS[HEADLINE], 0).sampling
+    assert plain.temperature == 0.0 and not plain.HasField("seed") and not plain.HasField("top_p")
+    assert hf_sampling(greedy) == {"do_sample": False}
+    assert hf_sampling(sampled) == {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 0, "min_p": 0.05}
+    assert hf_sampling(dataclasses.replace(sampled, min_p=0.0))["min_p"] is None  # HF: None is off, 0 is a warper
+    seeds = set()
+    for prompt in prompts:
+        for repeat in (-1, 0, 1):  # -1: the warm-up
+            asked = [
+                _request(sampled, prompt, SERVICE_METHODS[row], repeat).sampling for row in (HEADLINE, SERVICE_TARGET)
+            ]
+            assert asked[0] == asked[1]  # every row of a run: the same warp and seed
+            one = asked[0]
+            assert (one.temperature, one.top_p, one.top_k, one.min_p) == pytest.approx((0.8, 0.9, 0, 0.05))
+            assert one.HasField("seed") and one.max_new_tokens == sampled.max_new_tokens
+            seeds.add(one.seed)
+    assert len(seeds) == 9 and min(seeds) > 0  # a seed of its own for each workload, prompt and repeat
+
+
+def test_a_sampled_bench_report_claims_no_token_identity() -> None:
+    """A sampled run's rows draw differently (each is a sample of the target's distribution), so
+    its report has no token identity and its table says why instead of a column of NO."""
+    from specdec.tools.bench import HEADLINE, BenchConfig, Run, format_table, summarize
+
+    runs = [
+        Run(method, "complete", 0, repeat, tokens, 1.0)
+        for method, tokens in (("hf target-only", [1, 2]), ("service target-only", [3, 4]), (HEADLINE, [5, 6]))
+        for repeat in (0, 1)
+    ]
+    for cfg, identity in (
+        (BenchConfig(model="m", draft_model="d"), True),
+        (BenchConfig("m", "d", temperature=0.7), False),
+    ):
+        report = summarize(cfg, runs, {})
+        report["config"] = {"temperature": cfg.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+        data = report["workloads"]["complete"]
+        assert ("greedy_tokens_identical" in data) is identity
+        table = format_table(report)
+        rows = [line for line in table.splitlines() if line.startswith(("hf ", "service "))]
+        assert len(rows) == 3
+        if identity:
+            assert data["greedy_tokens_identical"]["service target-only"] is False
+            assert all(row.split()[-1] in ("yes", "NO") for row in rows), table
+        else:
+            assert table.startswith("sampled (temperature 0.7, top_p 1.0, top_k 0, min_p 0.0; each run seeded)"), table
+            assert all(row.split()[-1] == "-" for row in rows), table
 
 
 def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:

@@ -166,9 +166,21 @@ class BenchConfig:
     speculation_max_requests: int = 0
     methods: tuple[str, ...] = ()  # run only these rows (names as in the table); () = all
     prompt_lookup_tokens: int = 10  # HF prompt lookup's prompt_lookup_num_tokens
+    # sampling of every row, HF's and the service's (a temperature below the service's greedy limit,
+    # 0 included, decodes greedily and checks token identity; sampled rows are seeded per run)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     out: Path = Path("bench-results/bench.json")
     skip_hf: bool = False
     plots: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        from specdec.runtime.sampling import GREEDY_TEMPERATURE
+
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -189,6 +201,24 @@ class Run:
     token_ids: list[int]
     seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
+
+
+def run_seed(prompt: Prompt, repeat: int) -> int:
+    """A sampled run's seed: its own for each workload, prompt and repeat, the same for every row
+    (HF's ``torch.manual_seed`` and the service's ``sampling.seed``; the two draw differently, so
+    their tokens differ, each being a sample of the target's distribution). Repeat -1 is the warm-up."""
+    return 1 + (repeat + 1) * 1_000_003 + prompt.index * 1_009 + sum(map(ord, prompt.workload))
+
+
+def hf_sampling(cfg: BenchConfig) -> dict[str, Any]:
+    """HF ``generate``'s sampling options for the run's warp, each given (HF's own defaults, such
+    as top-k 50, would otherwise apply to what the service runs without)."""
+    if cfg.greedy:
+        return {"do_sample": False}
+    return {
+        "do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+        "min_p": cfg.min_p or None,
+    }  # fmt: skip
 
 
 def tokenize_prompts(cfg: BenchConfig) -> list[Prompt]:
@@ -269,8 +299,9 @@ def hf_runs(
     dtypes["hf target"], dtypes["hf draft"] = (str(model.dtype).removeprefix("torch.") for model in (target, draft))
     defaults = draft.generation_config
     methods = hf_methods(cfg)
+    sampling = hf_sampling(cfg)
     with torch.inference_mode():
-        target.generate(torch.tensor([prompts[0].token_ids], device=device), max_new_tokens=4, do_sample=False)
+        target.generate(torch.tensor([prompts[0].token_ids], device=device), max_new_tokens=4, **sampling)
     for repeat in range(cfg.repeats):
         runs: list[Run] = []
         with torch.inference_mode():
@@ -284,10 +315,12 @@ def hf_runs(
                         config.update(**options["assistant"])
                         draft.generation_config = config
                         extra["assistant_model"] = draft
+                    if not cfg.greedy:
+                        torch.manual_seed(run_seed(prompt, repeat))
                     started = time.perf_counter()
                     out = target.generate(
                         ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
-                        do_sample=False, **extra,
+                        **sampling, **extra,
                     )  # fmt: skip
                     seconds = time.perf_counter() - started
                     tokens = out[0, ids.shape[1] :].tolist()
@@ -435,6 +468,7 @@ def worker_dtypes(cfg: BenchConfig) -> tuple[str, str]:
 def check_numbers(cfg: BenchConfig) -> None:
     """Every count, the device and the dtype can be run with; raises ValueError naming the flag."""
     from specdec.runtime.devices import DTYPES, resolve_device
+    from specdec.runtime.sampling import Warp
 
     bounds = {
         "--repeats": (cfg.repeats, 1, ""),
@@ -454,6 +488,10 @@ def check_numbers(cfg: BenchConfig) -> None:
         raise ValueError(f"--device {e}") from None
     if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
         raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+    try:  # the service's own check of a warp: its messages start with the field's name
+        Warp(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+    except ValueError as e:
+        raise ValueError("--" + str(e).replace("_", "-", 1)) from None
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -564,7 +602,8 @@ def service(cfg: BenchConfig, workdir: Path, dtypes: dict[str, str] | None = Non
 _METHOD_ENUM = {"default": 0, "model": 1, "ngram": 2, "hybrid": 3}
 
 
-def _request(cfg: BenchConfig, prompt: Prompt, row: ServiceRow) -> Any:
+def _request(cfg: BenchConfig, prompt: Prompt, row: ServiceRow, repeat: int = -1) -> Any:
+    """The request of ``row`` for ``prompt`` in ``repeat`` (-1: a warm-up), sampled as the run asks."""
     from specdec.v1 import common_pb2, coordinator_pb2
 
     speculation = coordinator_pb2.SpeculationParams(
@@ -577,10 +616,12 @@ def _request(cfg: BenchConfig, prompt: Prompt, row: ServiceRow) -> Any:
         speculation.draft_confidence = row.confidence
     if row.block_confidence is not None:
         speculation.draft_block_confidence = row.block_confidence
+    sampling = common_pb2.SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    if not cfg.greedy:
+        sampling.temperature, sampling.top_k, sampling.min_p = cfg.temperature, cfg.top_k, cfg.min_p
+        sampling.top_p, sampling.seed = cfg.top_p, run_seed(prompt, repeat)
     return coordinator_pb2.GenerateRequest(
-        prompt_token_ids=common_pb2.TokenIds(ids=prompt.token_ids),
-        sampling=common_pb2.SamplingParams(max_new_tokens=cfg.max_new_tokens),
-        speculation=speculation,
+        prompt_token_ids=common_pb2.TokenIds(ids=prompt.token_ids), sampling=sampling, speculation=speculation
     )
 
 
@@ -633,7 +674,7 @@ def service_runs(
                 for method, row in methods.items():
                     tick(method)
                     started = time.perf_counter()
-                    request, caller = _request(cfg, prompt, row), _metadata(row.coordinator, repeat)
+                    request, caller = _request(cfg, prompt, row, repeat), _metadata(row.coordinator, repeat)
                     reply = stubs[row.coordinator].Generate(request, timeout=1800, metadata=caller)
                     seconds = time.perf_counter() - started
                     tokens = list(reply.token_ids)
@@ -677,14 +718,15 @@ def concurrency_runs(
             name: coordinator_pb2_grpc.GenerationStub(stack.enter_context(grpc.insecure_channel(addresses[name])))
             for name in ("main", *([LOAD_LIMIT] if limited in methods else []))
         }
-        for _ in range(cfg.repeats):
+        for repeat in range(cfg.repeats):
             for n in cfg.concurrency:
                 batch = [prompts[i % len(prompts)] for i in range(n)]
                 for method in methods:
                     tick(f"{n} sessions, {method}")
                     stub = stubs[LOAD_LIMIT if method == limited else "main"]
                     row = SERVICE_METHODS[HEADLINE if method == limited else method]
-                    requests = [_request(cfg, p, row) for p in batch]
+                    # a prompt sent twice at once is sampled with two seeds
+                    requests = [_request(cfg, p, row, repeat * n + i) for i, p in enumerate(batch)]
                     started = time.perf_counter()
                     with ThreadPoolExecutor(max_workers=n) as pool:
                         replies = list(pool.map(lambda r, stub=stub: stub.Generate(r, timeout=3600), requests))
@@ -752,7 +794,7 @@ def summarize(cfg: BenchConfig, runs: list[Run], sweep: dict[int, dict[str, Any]
     for workload in dict.fromkeys(r.workload for r in runs):
         here = [r for r in runs if r.workload == workload]
         methods = {m: _method_row([r for r in here if r.method == m]) for m in dict.fromkeys(r.method for r in here)}
-        workloads[workload] = {"methods": methods, **_derived(here, methods)}
+        workloads[workload] = {"methods": methods, **_derived(here, methods, cfg.greedy)}
     return {"workloads": workloads, "concurrency": sweep}
 
 
@@ -777,15 +819,23 @@ def _per_prompt(runs: list[Run], method: str, baseline: str) -> dict[int, float]
     return ratios
 
 
-def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
-    """Ratios of the headline (the default) to the baselines, per prompt, and token identity."""
+def _identical(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
+    """Whether each row's tokens, every prompt and repeat, are HF target-only's (the service's
+    target-only where the run has no HF rows): greedy runs only."""
+    reference_method = HF_TARGET if HF_TARGET in methods else SERVICE_TARGET
+    reference = {r.prompt: r.token_ids for r in runs if r.method == reference_method and r.repeat == 0}
+    identical = {m: all(r.token_ids == reference[r.prompt] for r in runs if r.method == m) for m in methods}
+    return {"reference": reference_method, **identical}
+
+
+def _derived(runs: list[Run], methods: dict[str, Any], greedy: bool = True) -> dict[str, Any]:
+    """Ratios of the headline (the default) to the baselines, per prompt, and, for a greedy run,
+    token identity (sampled rows draw differently: each is a sample of the target's distribution,
+    which the production-path tests check)."""
     hf_spec = [m for m in methods if m.startswith("hf ") and m != HF_TARGET]
     best_hf = max(hf_spec, key=lambda m: _median(methods, m)) if hf_spec else None
     baseline = SERVICE_TARGET
     per_prompt = _per_prompt(runs, HEADLINE, baseline) if HEADLINE in methods and baseline in methods else {}
-    reference_method = HF_TARGET if HF_TARGET in methods else SERVICE_TARGET
-    reference = {r.prompt: r.token_ids for r in runs if r.method == reference_method and r.repeat == 0}
-    identical = {m: all(r.token_ids == reference[r.prompt] for r in runs if r.method == m) for m in methods}
     ratios: dict[str, float] = {}
 
     def ratio(name: str, method: str, over: str) -> None:  # only between rows this run has
@@ -821,19 +871,23 @@ def _derived(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
         "best_hf_speculative": best_hf,
         "per_prompt_default_vs_target_only": per_prompt,
         "per_prompt_default_vs_best_hf": against_hf,
-        "greedy_tokens_identical": {"reference": reference_method, **identical},
+        **({"greedy_tokens_identical": _identical(runs, methods)} if greedy else {}),
     }
 
 
 def format_table(report: dict[str, Any]) -> str:
     lines: list[str] = []
+    config = report.get("config", {})
+    if "temperature" in config and not any("greedy_tokens_identical" in w for w in report["workloads"].values()):
+        warp = ", ".join(f"{name} {config[name]}" for name in ("temperature", "top_p", "top_k", "min_p"))
+        lines.append(f"sampled ({warp}; each run seeded): no token identity column, which greedy runs have")
     for workload, data in report["workloads"].items():
         lines.append(f"== {workload} ==")
         lines.append(
             f"{'method':36} {'tok/s':>7} {'min':>6} {'max':>6} {'accept':>7} {'len':>5} {'K':>4} "
             f"{'lookup':>7} {'ms/round d+v+o':>16} {'same':>5}"
         )
-        same = data["greedy_tokens_identical"]
+        same = data.get("greedy_tokens_identical", {})  # none for a sampled run
         for method, row in data["methods"].items():
             rate = row["tokens_per_s"]
             extra = "      -     -    -       -                -"
@@ -846,7 +900,7 @@ def format_table(report: dict[str, Any]) -> str:
                 )
             lines.append(
                 f"{method:36} {rate['median']:7.2f} {rate['min']:6.2f} {rate['max']:6.2f} {extra} "
-                f"{'yes' if same[method] else 'NO':>5}"
+                f"{'-' if method not in same else 'yes' if same[method] else 'NO':>5}"
             )
         for name, value in data["ratios"].items():
             lines.append(f"  {name:60} {value:.2f}x")

@@ -329,6 +329,14 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="sample every row, HF's and the service's, at this temperature, each run seeded (0 = greedy, "
+        "which also checks that every row's tokens are HF target-only's)",
+    )  # fmt: skip
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of a sampled run (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k of a sampled run (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p of a sampled run (0 = off)")
+    p.add_argument(
         "--prompts", type=Path, help="file of prompts separated by '---' lines: one workload 'file' instead of the "
         "built-in 'complete' and 'edit'",
     )  # fmt: skip
@@ -386,6 +394,10 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         draft_quantize=args.draft_quantize,
         k=args.num_speculative_tokens,
         max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
         workloads=bench.workloads_from(args.prompts, args.max_prompts),
         repeats=args.repeats,
         concurrency=bench.parse_concurrency(args.concurrency),
