@@ -34,7 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+if TYPE_CHECKING:
+    from specdec.runtime.sampling import Warp
 
 COMPLETE_PROMPTS = (
     "# Python function that returns the n-th Fibonacci number\ndef fibonacci(n):",
@@ -176,11 +179,15 @@ class BenchConfig:
     skip_hf: bool = False
     plots: bool = True
 
+    def warp(self) -> Warp:
+        """The run's warp as the service reads it (``Warp`` checks it: ValueError naming the field)."""
+        from specdec.runtime.sampling import Warp
+
+        return Warp(self.temperature, self.top_k, self.top_p, self.min_p)
+
     @property
     def greedy(self) -> bool:
-        from specdec.runtime.sampling import GREEDY_TEMPERATURE
-
-        return self.temperature < GREEDY_TEMPERATURE
+        return self.warp().greedy
 
 
 @dataclass(frozen=True)
@@ -468,7 +475,6 @@ def worker_dtypes(cfg: BenchConfig) -> tuple[str, str]:
 def check_numbers(cfg: BenchConfig) -> None:
     """Every count, the device and the dtype can be run with; raises ValueError naming the flag."""
     from specdec.runtime.devices import DTYPES, resolve_device
-    from specdec.runtime.sampling import Warp
 
     bounds = {
         "--repeats": (cfg.repeats, 1, ""),
@@ -489,7 +495,7 @@ def check_numbers(cfg: BenchConfig) -> None:
     if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
         raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
     try:  # the service's own check of a warp: its messages start with the field's name
-        Warp(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p)
+        cfg.warp()
     except ValueError as e:
         raise ValueError("--" + str(e).replace("_", "-", 1)) from None
 
@@ -828,7 +834,7 @@ def _identical(runs: list[Run], methods: dict[str, Any]) -> dict[str, Any]:
     return {"reference": reference_method, **identical}
 
 
-def _derived(runs: list[Run], methods: dict[str, Any], greedy: bool = True) -> dict[str, Any]:
+def _derived(runs: list[Run], methods: dict[str, Any], greedy: bool) -> dict[str, Any]:
     """Ratios of the headline (the default) to the baselines, per prompt, and, for a greedy run,
     token identity (sampled rows draw differently: each is a sample of the target's distribution,
     which the production-path tests check)."""
