@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 
 from specdec.runtime.attention import use_grouped_attention
 from specdec.runtime.devices import resolve_device, resolve_dtype
+from specdec.runtime.fusion import fuse_projections
 from specdec.runtime.grammar import GrammarMasks
 from specdec.runtime.output_vocab import read_output_vocab, restrict_output
 from specdec.runtime.tokenizer import check_source, load_tokenizer, tokenizer_fingerprint
@@ -199,6 +200,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         kept = restrict_output(model, [*ids, *(i for i in eos_token_ids if i < vocab_size)])
         log.info("draft_vocab", path=options.output_vocab, kept=kept, vocab_size=vocab_size)
     if options.quantize == "int8":
+        log.info("fused_projections", modules=fuse_projections(model))
         model = quantize_int8(model)
     elif _wants_packed(options.cpu_kernel, device, dtype):
         use_packed_linear(model)

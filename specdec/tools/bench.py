@@ -280,8 +280,9 @@ def hf_runs(
     """HF generate on this device, one repeat of every method over the prompts per item: the
     target's Linear layers packed as our target worker packs them on a CPU (same kernel on both
     sides) and its attention run as our workers run it there (``use_grouped_attention``), the
-    draft quantized as our draft worker's. Records the models' dtypes in ``dtypes`` ("hf target",
-    "hf draft")."""
+    draft quantized as our draft worker's (its projections not fused: transformers' own modules
+    run it, the worker's fusion is counted on the service's side). Records the models' dtypes in
+    ``dtypes`` ("hf target", "hf draft")."""
     import torch
     from transformers import AutoModelForCausalLM
 
