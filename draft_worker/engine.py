@@ -154,7 +154,7 @@ def _draft_block(
         sample = sample_draft_token(shaped, params.warp, params.top_n, generator)
         samples.append(sample)
         if params.min_confidence > 0 or params.min_block_confidence > 0:
-            probability = proposal_probability(sample, shaped)
+            probability = proposal_probability(sample, shaped, params.warp)
             block_probability *= probability
             unsure = probability < params.min_confidence or block_probability < params.min_block_confidence
         if i + 1 == params.k or unsure:

@@ -101,6 +101,21 @@ def test_guessing_ahead_saves_passes_and_drafts_the_same_blocks(
         assert sum(b.guessed for b in guessing) > taken  # some guesses were wrong and cut away
 
 
+@pytest.mark.parametrize("warp", [Warp(0.7, top_k=1), Warp(1.0, min_p=1.0)], ids=["top-k-1", "min-p-1"])
+def test_a_sampled_warp_that_leaves_one_token_drafts_the_greedy_blocks_stops_included(
+    drafts: dict[str, LoadedModel], warp: Warp
+) -> None:
+    """Such a warp draws the draft's argmax, as greedy decoding does, and its block stop reads the
+    draft's softmax as greedy's does: the same blocks, cut where greedy's are (before, every
+    token counted as certain and each block ran to its K)."""
+    params = DraftParams(8, Warp(), seed=11, top_n=64, min_block_confidence=0.05)
+    greedy, _ = draft_session(drafts["noisy"], params, rounds=10)
+    sampled, _ = draft_session(drafts["noisy"], dataclasses.replace(params, warp=warp), rounds=10)
+    assert [b.token_ids for b in sampled] == [b.token_ids for b in greedy]
+    assert [b.ends_unsure for b in sampled] == [b.ends_unsure for b in greedy]
+    assert any(b.ends_unsure for b in greedy) and any(len(b.token_ids) < 8 for b in greedy)
+
+
 def test_a_job_cancelled_before_its_first_pass_leaves_no_index_ahead_of_the_cache(
     drafts: dict[str, LoadedModel],
 ) -> None:

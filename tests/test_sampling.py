@@ -339,14 +339,32 @@ def test_proposal_probability_is_the_drawn_token_s_probability_in_every_kind() -
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     softmax = torch.softmax(logits, -1)
     greedy = sample_draft_token(logits, Warp(), 0, None)
-    assert greedy.probs is None and proposal_probability(greedy, logits) == pytest.approx(float(softmax[0]))
+    assert greedy.probs is None and proposal_probability(greedy, logits, Warp()) == pytest.approx(float(softmax[0]))
     gen = torch.Generator().manual_seed(0)
     dense = sample_draft_token(logits, Warp(0.5), 0, gen)
     q = warped_probs(logits, Warp(0.5))
-    assert proposal_probability(dense, logits) == pytest.approx(float(q[dense.token_id]))
+    assert proposal_probability(dense, logits, Warp(0.5)) == pytest.approx(float(q[dense.token_id]))
     sparse = sample_draft_token(logits, Warp(1.0), 2, gen)
     top2 = softmax[:2] / softmax[:2].sum()
-    assert proposal_probability(sparse, logits) == pytest.approx(float(top2[sparse.token_id]))
+    assert proposal_probability(sparse, logits, Warp(1.0)) == pytest.approx(float(top2[sparse.token_id]))
+
+
+@pytest.mark.parametrize("warp", [Warp(0.7, top_k=1), Warp(1.0, min_p=1.0)], ids=["top-k-1", "min-p-1"])
+@pytest.mark.parametrize("top_n", [0, 2])
+def test_a_token_of_a_warp_that_keeps_one_is_rated_by_the_draft_s_softmax(warp: Warp, top_n: int) -> None:
+    """top_k 1 or min_p 1 keeps one token wherever it samples: greedy decoding in effect, each token
+    drawn with probability 1 whatever the draft believes; the confidence stops read the draft's
+    softmax, as for a greedy token (before, 1: no block of such a request ever stopped, and each
+    ran to its K). A warp that leaves one token at some positions only (a top_p below the most
+    likely token's share there) is rated by the distribution drawn from, as any sampled token."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    sample = sample_draft_token(logits, warp, top_n, torch.Generator().manual_seed(0))
+    assert sample.token_id == 0 and sample.probs is not None and warp.keeps_one
+    assert proposal_probability(sample, logits, warp) == pytest.approx(float(torch.softmax(logits, -1)[0]))
+    narrow = Warp(1.0, top_p=0.3)
+    assert not narrow.keeps_one
+    alone = sample_draft_token(logits, narrow, top_n, torch.Generator().manual_seed(0))
+    assert (alone.token_id, proposal_probability(alone, logits, narrow)) == (0, 1.0)
 
 
 def test_position_generator_is_deterministic_and_role_separated() -> None:

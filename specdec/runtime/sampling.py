@@ -50,6 +50,11 @@ class Warp:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def keeps_one(self) -> bool:
+        """Whether a sampled draw keeps only the most likely token (ties aside): top_k 1 or min_p 1."""
+        return self.top_k == 1 or self.min_p == 1.0
+
 
 def warped_probs(logits: Tensor, warp: Warp) -> Tensor:
     """Probabilities after temperature, top-k, top-p, then min-p (the order HF uses).
@@ -258,10 +263,15 @@ def sample_draft_token(logits: Tensor, warp: Warp, top_n: int, generator: torch.
     return DraftSample(token_id=int(ids[draw(probs, generator)]), ids=ids, probs=probs)
 
 
-def proposal_probability(sample: DraftSample, logits: Tensor) -> float:
+def proposal_probability(sample: DraftSample, logits: Tensor, warp: Warp) -> float:
     """The probability of ``sample``'s token in the distribution it was drawn from; for a greedy
-    (one-hot) sample, in the draft's own softmax of ``logits`` [V] (its belief in the token)."""
-    if sample.probs is None:
+    (one-hot) sample, in the draft's own softmax of ``logits`` [V] (its belief in the token).
+
+    So too for a sample of a warp that keeps one token wherever it samples (``Warp.keeps_one``):
+    that is greedy decoding in effect, each token drawn with probability 1 whatever the draft
+    believes, and kept where the target's argmax is the same token, of which the draft's softmax
+    is its estimate, as in greedy decoding."""
+    if sample.probs is None or warp.keeps_one:
         return float(torch.softmax(logits.float(), dim=-1)[sample.token_id])
     if sample.ids is None:
         return float(sample.probs[sample.token_id])
