@@ -67,11 +67,8 @@ def test_fused_qkv_parts_give_their_columns_whatever_the_call_order() -> None:
     torch.manual_seed(0)
     q, k, v = (torch.nn.Linear(8, n).requires_grad_(False) for n in (6, 4, 4))
     owner = QKVProjection(q, k, v)
-    parts = {
-        "q": (ProjectionPart(owner, 0, 0, 6), q),
-        "k": (ProjectionPart(owner, 1, 6, 10), k),
-        "v": (ProjectionPart(owner, 2, 10, 14), v),
-    }
+    parts = {"q": (ProjectionPart(owner, 0), q), "k": (ProjectionPart(owner, 1), k), "v": (ProjectionPart(owner, 2), v)}
+    assert owner.columns == ((0, 6), (6, 10), (10, 14))
     a, b = torch.randn(3, 8), torch.randn(3, 8)
     for name, x in [("k", a), ("q", a), ("q", b), ("v", a), ("v", a), ("k", b), ("q", b), ("v", b)]:
         part, layer = parts[name]

@@ -50,6 +50,8 @@ class QKVProjection(torch.nn.Module):
     def __init__(self, q: torch.nn.Linear, k: torch.nn.Linear, v: torch.nn.Linear) -> None:
         super().__init__()
         self.fused = _concatenated([q, k, v])
+        ends = (q.out_features, q.out_features + k.out_features, self.fused.out_features)
+        self.columns = ((0, ends[0]), (ends[0], ends[1]), (ends[1], ends[2]))  # q's, k's, v's
         self._last: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None  # input, output, parts that read it
 
     def output_for(self, x: torch.Tensor, part: int) -> torch.Tensor:
@@ -64,12 +66,13 @@ class QKVProjection(torch.nn.Module):
 
 
 class ProjectionPart(torch.nn.Module):
-    """Columns ``start:end`` of a ``QKVProjection``'s output: q (part 0), k (1) or v (2)."""
+    """A ``QKVProjection``'s output columns of q (part 0), k (1) or v (2)."""
 
-    def __init__(self, owner: QKVProjection, part: int, start: int, end: int) -> None:
+    def __init__(self, owner: QKVProjection, part: int) -> None:
         super().__init__()
         object.__setattr__(self, "owner", owner)  # not a child: the attention module holds it once
-        self.part, self.start, self.end = part, start, end
+        self.part = part
+        self.start, self.end = owner.columns[part]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.owner.output_for(x, self.part)[..., self.start : self.end]
@@ -87,12 +90,9 @@ def fuse_projections(model: torch.nn.Module) -> int:
                 fused += 1
     for module in list(model.modules()):
         if _known(module, QKV_ATTENTIONS) and _plain(module.q_proj, module.k_proj, module.v_proj):
-            q, k, v = module.q_proj, module.k_proj, module.v_proj
-            module.qkv_proj = QKVProjection(q, k, v)
-            ends = (q.out_features, q.out_features + k.out_features, q.out_features + k.out_features + v.out_features)
-            module.q_proj = ProjectionPart(module.qkv_proj, 0, 0, ends[0])
-            module.k_proj = ProjectionPart(module.qkv_proj, 1, ends[0], ends[1])
-            module.v_proj = ProjectionPart(module.qkv_proj, 2, ends[1], ends[2])
+            module.qkv_proj = QKVProjection(module.q_proj, module.k_proj, module.v_proj)
+            for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                setattr(module, name, ProjectionPart(module.qkv_proj, part))
             fused += 1
     return fused
 
