@@ -179,6 +179,7 @@ class ForkedProcess:
         self.pid = pid
         self.argv = argv  # its `specdec` arguments (its /proc cmdline is the server's)
         self.returncode: int | None = None
+        self.stdin = None  # the server gives its children /dev/null (a child whose requester has gone is killed)
         self._exited = threading.Event()
 
     def _exit(self, code: int) -> None:

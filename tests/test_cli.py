@@ -154,6 +154,66 @@ def test_generate_reports_bad_input_without_a_traceback(tiny_models: TinyModels)
     assert "Traceback" not in result.stderr
 
 
+def _processes_naming(text: str) -> dict[int, str]:
+    """Live processes whose command line holds ``text``, by pid (a zombie's is empty)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # gone meanwhile
+                continue
+            if text in cmdline:
+                found[int(entry.name)] = cmdline
+    return found
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["stopped", "interrupted", "killed"]
+)
+def test_generate_stopped_or_killed_leaves_no_service_running(
+    tiny_models: TinyModels, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """`specdec generate` run as a user runs it (a process of its own, its services started by
+    the production launcher), stopped once it has started all three services: a SIGTERM
+    (`timeout`, a CI job's cancel) ended the command at once and left the target, the draft and the
+    coordinator running, each holding its model and ports, and its temporary directory behind;
+    a SIGKILL (or the out-of-memory killer) left them too, and a Ctrl-C's SIGINT (to the command
+    alone) stopped them but ended in a KeyboardInterrupt traceback. Now SIGTERM and SIGINT unwind
+    the command (its services stopped, its directory removed, exit status 128 + the signal's
+    number, no traceback), and a service whose launcher has gone, however, stops by itself (its
+    stdin pipe reaches its end)."""
+    command = [
+        sys.executable, "-m", "specdec", "generate", "--model", str(tiny_models.target),
+        "--draft-model", str(tiny_models.same), "--prompt", "Once upon a time", "--device", "cpu",
+    ]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the command's directory (ready files, logs) is in tmp_path
+    cli = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not any("coordinator.ready.json" in line for line in _processes_naming(str(tmp_path)).values()):
+            assert cli.poll() is None, cli.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < deadline, "the coordinator was not started"
+            time.sleep(0.02)
+        services = _processes_naming(str(tmp_path))
+        assert len(services) == 3, services  # target, draft, coordinator (starting)
+        cli.send_signal(sig)
+        _, stderr = cli.communicate(timeout=120)
+        assert cli.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), stderr[-2000:]
+        if sig != signal.SIGKILL:  # the command stopped them before it exited, and removed its directory
+            assert not _processes_naming(str(tmp_path))
+            assert not list(tmp_path.iterdir())
+            assert b"Traceback" not in stderr, stderr.decode()[-2000:]
+        deadline = time.monotonic() + 60
+        while left := _processes_naming(str(tmp_path)):
+            assert time.monotonic() < deadline, f"still running after their launcher was killed: {left}"
+            time.sleep(0.1)
+    finally:
+        cli.kill()
+        for pid in _processes_naming(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_bench_runs_both_sides_in_the_dtype_asked_and_an_int8_draft_in_float32() -> None:
     """``--dtype`` is the target's for HF's rows and the service's alike (so a kernel's speed is not
     counted as speculation's); an int8 draft is quantized from float32 on both sides."""

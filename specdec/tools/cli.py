@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from specdec.tools.launch import stop_with_launcher
 
 if TYPE_CHECKING:
     from specdec.tools.bench import BenchConfig
@@ -25,6 +29,7 @@ def serve_role(role: str, argv: Sequence[str]) -> int:
     # (a peer's GOAWAY when a worker stops, ...) as plain text into the service's JSON log; its
     # errors still come through, and GRPC_VERBOSITY set by the operator wins
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    stop_with_launcher()
     if role == "coordinator":
         from coordinator.main import main as run
     elif role == "draft":
@@ -453,10 +458,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "serve":
         return serve_role(argv[1], argv[2:])
+    if threading.current_thread() is threading.main_thread():
+        # a command interrupted (Ctrl-C), stopped (SIGTERM: `timeout`, a CI job's cancel) or hung up
+        # on (a closed terminal) unwinds: the services it started are stopped, its files removed,
+        # and it exits with 128 + the signal's number, without a traceback
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _exit_on_signal)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":

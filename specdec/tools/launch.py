@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from specdec.v1 import common_pb2
@@ -25,6 +27,9 @@ class ServiceProc(Protocol):
 
     @property
     def returncode(self) -> int | None: ...
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
 
     def poll(self) -> int | None: ...
 
@@ -44,10 +49,39 @@ class ProcessStarter(Protocol):
     def __call__(self, argv: Sequence[str], log_file: Path, env: dict[str, str]) -> ServiceProc: ...
 
 
+# Set by start_process: the service stops when its stdin, a pipe from the process that started it,
+# reaches its end (see stop_with_launcher)
+STOP_WITH_LAUNCHER = "SPECDEC_STOP_WITH_LAUNCHER"
+
+
 def start_process(argv: Sequence[str], log_file: Path, env: dict[str, str]) -> ServiceProc:
-    """The default starter: a fresh `python -m specdec <argv>`."""
+    """The default starter: a fresh `python -m specdec <argv>`, its stdin a pipe that only this
+    process holds open, so that a service outlives neither a stop nor a kill of its launcher."""
     with log_file.open("ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "specdec", *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "specdec", *argv],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**env, STOP_WITH_LAUNCHER: "1"},
+        )
+
+
+def stop_with_launcher() -> None:
+    """In a service started by start_process: stops it (SIGTERM, its usual graceful stop) once its
+    stdin reaches its end, which is when the process that started it has gone, however it went
+    (``specdec generate`` or ``specdec bench`` killed, or out of memory). A watcher thread, as the
+    service's own loop may be busy loading a model."""
+    if os.environ.pop(STOP_WITH_LAUNCHER, None) != "1":
+        return
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(0, 4096):
+                pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 _starter: ProcessStarter = start_process
@@ -113,12 +147,19 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        """Lets go of the stopped process's stdin pipe (start_process's), if it has one."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
 
     def restart(self, timeout_s: float = 120.0) -> None:
         """Kills the process (if still running) and starts it again on the same port."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._close_stdin()
         name = self.ready_file.name.removesuffix(".ready.json")
         fresh = spawn(self.role, self.args, self.ready_file.parent, self.env, port=self.port, name=name)
         fresh.wait_ready(timeout_s)
