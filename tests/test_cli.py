@@ -1069,19 +1069,6 @@ def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, 
     assert "best HF speculative" not in out  # other prompts than the report's measured rows
 
 
-def _children() -> dict[int, str]:
-    """This process's child processes: pid -> command line."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == os.getpid():
-                children[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-    return children
-
-
 def test_bench_refuses_to_report_when_a_service_process_died(
     tiny_models: TinyModels, tmp_path: Path, fork_server: ForkServer
 ) -> None:
