@@ -68,10 +68,11 @@ def start_process(argv: Sequence[str], log_file: Path, env: dict[str, str]) -> S
 
 
 def stop_with_launcher() -> None:
-    """In a service started by start_process: stops it (SIGTERM, its usual graceful stop) once its
-    stdin reaches its end, which is when the process that started it has gone, however it went
-    (``specdec generate`` or ``specdec bench`` killed, or out of memory). A watcher thread, as the
-    service's own loop may be busy loading a model."""
+    """In a service started by start_process: stops it once its stdin reaches its end, which is
+    when the process that started it has gone, however it went (``specdec generate`` or ``specdec
+    bench`` killed, or out of memory), with SIGTERM: the service's graceful stop once it has bound
+    its ports, the signal's default (it ends) before. A watcher thread, as the service's own loop
+    may be busy loading a model."""
     if os.environ.pop(STOP_WITH_LAUNCHER, None) != "1":
         return
 
