@@ -38,6 +38,18 @@ def test_packed_linear_computes_what_nn_linear_computes(bias: bool, shape: tuple
     assert "in_features=48, out_features=80" in repr(packed)
 
 
+def _kernel_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The row counts PackedLinear's kernel calls are given from now on (they still compute)."""
+    kernel, seen = modeling._inner_product, []
+
+    def spy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return kernel(rows, weight, bias)
+
+    monkeypatch.setattr(modeling, "_inner_product", spy)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("shape", "kernel_rows"),
     [((259, 96), 264), ((1, 259, 96), 264), ((2, 130, 96), 264), ((1, 264, 96), 264), ((1, 255, 96), 255)],
@@ -54,17 +66,50 @@ def test_long_passes_run_on_a_multiple_of_8_rows(
     x = torch.randn(shape)
     kernel = modeling._inner_product
     unpadded = kernel(x.reshape(-1, 96), packed.packed_weight, packed.bias)
-    seen: list[int] = []
-
-    def spy(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        seen.append(rows.shape[0])
-        return kernel(rows, weight, bias)
-
-    monkeypatch.setattr(modeling, "_inner_product", spy)
+    seen = _kernel_rows(monkeypatch)
     got = packed(x)
     assert seen == [kernel_rows]
     assert got.shape == (*shape[:-1], 160)
     assert torch.equal(got.reshape(-1, 160), unpadded)
+
+
+@pytest.mark.parametrize(("rows", "kernel_rows"), [(1, 4), (2, 4), (3, 4), (4, 4), (5, 5)])
+def test_short_float32_passes_run_on_4_rows(rows: int, kernel_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN computes one row with another kernel than several, slower on the memory-bound CPU
+    host (the 1.5B target's one-token pass 1.14x the time of the same pass on 4 rows): a float32
+    pass of fewer than 4 rows runs on 4, zeros added, and its rows come out as the kernel computes
+    them among others."""
+    torch.manual_seed(0)
+    packed = PackedLinear(torch.nn.Linear(96, 160).requires_grad_(False))
+    x = torch.randn(1, rows, 96)
+    kernel = modeling._inner_product
+    seen = _kernel_rows(monkeypatch)
+    got = packed(x)
+    assert seen == [kernel_rows]
+    assert got.shape == (1, rows, 160)
+    assert torch.equal(got[0], kernel(torch.cat([x[0], torch.randn(8, 96)]), packed.packed_weight, packed.bias)[:rows])
+    assert packed(x[:, :0]).shape == (1, 0, 160)
+
+
+def test_a_row_comes_out_the_same_alone_and_in_a_verify_pass() -> None:
+    """At the 1.5B target's shapes oneDNN's one-row kernel rounds differently from its kernel for
+    several rows; with short passes run on 4 rows, a position is scored bit for bit alike in a
+    one-token step and in a pass of any length (before: the last bits differed)."""
+    torch.manual_seed(0)
+    packed = PackedLinear(torch.nn.Linear(1536, 1792).requires_grad_(False))
+    x = torch.randn(17, 1536)
+    alone = packed(x[:1])
+    for rows in (2, 5, 9, 17):
+        assert torch.equal(alone, packed(x[:rows])[:1])
+
+
+@pytest.mark.skipif(not modeling.packed_bfloat16_available(), reason="oneDNN computes no bf16 on this CPU")
+def test_short_bfloat16_passes_are_not_padded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The padding was measured for float32 only: a bf16 row runs alone, as before."""
+    packed = PackedLinear(torch.nn.Linear(96, 160).to(torch.bfloat16).requires_grad_(False))
+    seen = _kernel_rows(monkeypatch)
+    packed(torch.randn(1, 96, dtype=torch.bfloat16))
+    assert seen == [1]
 
 
 def _llama(tied: bool) -> LlamaForCausalLM:

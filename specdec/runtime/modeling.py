@@ -24,6 +24,7 @@ log = structlog.get_logger(__name__)
 
 PAD_FROM_ROWS = 256  # a PackedLinear pass of at least this many rows runs on a multiple of ROW_MULTIPLE rows
 ROW_MULTIPLE = 8
+MIN_ROWS = 4  # a float32 PackedLinear pass of fewer rows runs on this many
 PACKED_DTYPES = (torch.float32, torch.bfloat16)  # the weights PackedLinear packs
 
 
@@ -52,6 +53,17 @@ class PackedLinear(torch.nn.Module):
     lengths of 200-520 tokens padding was 0.985x the time in all; the four Linear shapes of a
     layer alone 0.998x over the counts of 256-519 rows that are not multiples of 8, 1.03-1.05x
     below 256, hence the threshold). The real rows come out bit for bit as without the padding.
+
+    A float32 pass of fewer than ``MIN_ROWS`` rows (a one-token decoding step, a short verify
+    block) runs on ``MIN_ROWS`` rows, zeros added. oneDNN computes a single row with another kernel
+    than two or more, slower on the memory-bound 2-core AMD EPYC guest: the 1.5B target's whole
+    pass through the workers' cache path (100 cached tokens, median of 20 interleaved) took 288 ms
+    for one row and 247-260 ms for 4-6; its layer shapes alone were fastest at 4-6 rows (the
+    output layer 38.2 ms for 1 row, 41.8 for 2, 35.4 for 4). With the padding every row of every
+    pass comes out of these layers bit for bit as in any other pass of it (oneDNN gives a row the
+    same result in passes of 2 to 64 rows; alone it differed in the last bits), so they score a
+    position alike in a one-token step and in a verify pass. bf16 layers are left as they were
+    (not measured).
     """
 
     def __init__(self, linear: torch.nn.Linear) -> None:
@@ -61,11 +73,15 @@ class PackedLinear(torch.nn.Module):
         weight = linear.weight.detach()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
         self.bias = linear.bias
+        self.min_rows = MIN_ROWS if weight.dtype == torch.float32 else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         count = rows.shape[0]
-        short = -count % ROW_MULTIPLE if count >= PAD_FROM_ROWS else 0
+        if count >= PAD_FROM_ROWS:
+            short = -count % ROW_MULTIPLE
+        else:
+            short = self.min_rows - count if 0 < count < self.min_rows else 0
         if short:
             rows = torch.cat([rows, rows.new_zeros(short, self.in_features)])
         out = _inner_product(rows, self.packed_weight, self.bias)
