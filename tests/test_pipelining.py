@@ -20,7 +20,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, stream_with_fault, wait_for
 from tests.helpers import RedisServer
 from tests.reference import make_request, reference_greedy
-from tests.tiny_models import TinyModels, build_stalling
+from tests.tiny_models import TARGET_EXTRA_PASS_S, TinyModels, build_dearer_target, build_stalling
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0], [9, 9, 9], [77, 66, 55, 44, 33]]
 
@@ -102,7 +102,7 @@ def test_adaptive_k_keeps_speculating_with_a_good_draft(
     test did not allow for (a CI failure: 3 target-only rounds); with two tokens left a round may
     also decode target-only on its costs.
     """
-    target = build_stalling(tiny_models.target, tmp_path / "target", stall_call=0, stall_s=0.0, pass_s=0.012)
+    target = build_dearer_target(tiny_models.target, tmp_path / "target")
     with fault_cluster(tmp_path / "run", target, tiny_models.target, worker_args=["--trust-remote-code"]) as cluster:
         request = make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True)
         request.speculation.method = coordinator_pb2.DRAFT_METHOD_MODEL
@@ -138,7 +138,9 @@ def test_one_slow_verify_does_not_hold_k_down_for_good(tmp_path: Path, tiny_mode
     medians of 3, quiet host), so a busy host's noise made some rounds target-only on their merits
     (2 of 4 runs on two pytest-xdist workers, 1 of them with this test run alone); now 0.45 s
     against 1.17 s (2.6x)."""
-    slow = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.05, width=5, pass_s=0.012)
+    slow = build_stalling(
+        tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.05, width=5, pass_s=TARGET_EXTRA_PASS_S
+    )
     # no start-up passes: the stall is the first pass of its width, a request's
     args = ["--trust-remote-code", "--warm-up-widths", "0"]
     with fault_cluster(tmp_path / "run", slow, tiny_models.target, worker_args=args) as cluster:
@@ -168,7 +170,7 @@ def test_one_stalled_draft_call_does_not_turn_speculation_off(
     3 runs with two busy loops beside the test, a 0.3 s stall; the project's CI failed on it); now
     2 in each of 8 such runs. The stall is longer to match: 0.3 s no longer moved the mean past target-only."""
     stalling = build_stalling(tiny_models.target, tmp_path / "stalling", stall_call=12, stall_s=0.6)
-    target = build_stalling(tiny_models.target, tmp_path / "target", stall_call=1, stall_s=0.0, pass_s=0.012)
+    target = build_dearer_target(tiny_models.target, tmp_path / "target")
     args = ["--trust-remote-code", "--warm-up-widths", "0"]  # the stall is a request's 12th one-token step
     with fault_cluster(tmp_path / "run", target, stalling, worker_args=args) as cluster:
         request = make_request(PROMPTS[1], k=4, max_new=60, fixed=False, ignore_eos=True)

@@ -38,12 +38,12 @@ from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
 from tests.test_combinations import FIRST, SAMPLES, SampledMix, sample_mix, sampled_request
 from tests.tiny_models import (
     TinyModels,
+    build_dearer_target,
     build_gemma3_with_vision,
     build_model,
     build_plain_forward,
     build_resized,
     build_sliding,
-    build_stalling,
     build_tokenizer,
 )
 
@@ -551,7 +551,7 @@ def test_workers_with_smaller_blocks_than_the_coordinator_s_k_still_speculate(
     28 of 33 rounds (tokens identical)."""
     prompt = [5, 6, 7, 8]
     expected = reference_greedy(str(tiny_models.target), tuple(prompt), 40, ignore_eos=True)
-    target = build_stalling(tiny_models.target, tmp_path / "target", stall_call=0, stall_s=0.0, pass_s=0.012)
+    target = build_dearer_target(tiny_models.target, tmp_path / "target")
     small_blocks = ["--max-draft-tokens", "4", "--trust-remote-code"]
     with (
         fault_cluster(tmp_path / "run", target, tiny_models.same, worker_args=small_blocks) as cluster,

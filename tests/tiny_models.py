@@ -299,6 +299,18 @@ def build_stalling(
     return _with_code(source, path, _STALLING_CODE, "stalling", **config)
 
 
+# What every pass of a deployed-like target costs on top of its own (build_dearer_target).
+TARGET_EXTRA_PASS_S = 0.012
+
+
+def build_dearer_target(source: Path, path: Path) -> Path:
+    """A copy of ``source`` whose every pass takes TARGET_EXTRA_PASS_S more, as a deployed target
+    costs several times its draft. With a draft as costly as its target (the tiny target's own
+    weights), speculation leads target-only decoding by little, so a busy host makes some rounds
+    target-only on their merits: tests that count an adaptive turn's rounds use this target."""
+    return build_stalling(source, path, stall_call=0, stall_s=0.0, pass_s=TARGET_EXTRA_PASS_S)
+
+
 def build_resized(source: Path, path: Path, vocab: int, extra_scale: float | None = None) -> Path:
     """``source`` with its embedding and output layer padded (or cut) to ``vocab`` rows, as padded
     checkpoints of one model family differ (the same tokenizer). With ``extra_scale``, the extra
