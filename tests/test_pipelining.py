@@ -182,7 +182,7 @@ def test_one_stalled_draft_call_does_not_turn_speculation_off(
     assert stats.draft_ms >= 600  # the stall happened inside the turn's draft calls
     assert stats.acceptance_rate == 1.0
     # The first two rounds measure the target; a third target-only round is one slow first
-    # verify at K 4 on a busy host (test_one_slow_verify_does_not_hold_k_down_for_good below).
+    # verify at K 4 on a busy host (test_one_slow_verify_does_not_hold_k_down_for_good above).
     assert stats.target_only_rounds <= 3 and stats.rounds - stats.target_only_rounds >= 10, (stats, log)
     assert len(stats.proposed_by_position) == 4 and stats.proposed_by_position[3] >= 8, (stats, log)  # K 4 blocks
     fault_report["draft stalls once"] = {
