@@ -98,6 +98,9 @@ class ConfidenceStop:
 
     token: float = 0.0
     block: float = 0.0
+    # the server's block stop, which an adaptive sequential turn sets from the measured costs
+    # (``block_stop_for``), ``block`` until they are measured; a request's own is used as set
+    block_from_costs: bool = False
 
     @property
     def on(self) -> bool:
@@ -105,6 +108,23 @@ class ConfidenceStop:
 
 
 NO_STOP = ConfidenceStop()
+
+# The block stop for a round's costs: drafting one more token costs a draft step and a verify row,
+# and pays where the draft's odds that the whole block is kept are above about twice that cost over
+# a round's fixed cost (the one-row verify and the overhead). Replaying the target's greedy replies
+# to 16 code prompts through the int8 draft (scripts/draft_ceiling.py's pricing) at the fair
+# benchmark's costs with the draft step scaled 0.25x-2x and the verify row 0.25x-4x (ratios
+# 0.03-0.37, 24 cases), the best of 14 thresholds lay at 1.4x-3.9x the ratio (the optimum is flat),
+# twice the ratio came within 2.4% of that best in every case, a fixed 0.5 within 15.1%.
+_BLOCK_STOP_PER_COST = 2.0
+_BLOCK_STOP_RANGE = (0.05, 0.9)
+
+
+def block_stop_for(token_ms: float, round_ms: float) -> float:
+    """The block stop's threshold for a drafted token costing ``token_ms`` (draft step + verify row)
+    in rounds whose fixed cost is ``round_ms``."""
+    low, high = _BLOCK_STOP_RANGE
+    return min(max(_BLOCK_STOP_PER_COST * token_ms / max(round_ms, 1e-9), low), high)
 
 
 @dataclass
@@ -269,6 +289,10 @@ class StepCosts:
     def verify_measured(self, tokens: int) -> bool:
         return tokens in self._known()[0]
 
+    def verify_widths(self) -> list[int]:
+        """The pass sizes (tokens) whose verify cost is measured."""
+        return list(self._known()[0])
+
     @property
     def alpha(self) -> float | None:
         """The model draft's acceptance over all sessions."""
@@ -401,6 +425,7 @@ class KController:
     decay: float = 0.9
     confidence_stop: bool = False  # the turn's requests ask the draft model to stop where it is unsure
     block_stop: float = 0.0  # the block stop's threshold (0 = none): it bounds a block's length itself
+    block_from_costs: bool = False  # the threshold follows the measured costs (``block_threshold``)
     _seen: dict[str, Acceptance] = field(init=False)
     _going_on: Acceptance = field(init=False)
     _unsure: Acceptance = field(init=False)  # the tokens the draft ended a block on, unsure: taken?
@@ -560,7 +585,21 @@ class KController:
         if not (self.stopping and self.block_stop > 0):
             return False
         runs = self._sure_runs
-        return runs.trials < _UNSURE_EVIDENCE or runs.accepted / runs.trials >= self.block_stop / 2
+        return runs.trials < _UNSURE_EVIDENCE or runs.accepted / runs.trials >= self.block_threshold / 2
+
+    @property
+    def block_threshold(self) -> float:
+        """The block stop for the next model block: ``block_stop``, or with ``block_from_costs``
+        ``block_stop_for`` the measured costs (``block_stop`` until the draft's step and the one-row
+        verify are measured). Sequential turns only (``Limits``): a pipelined round costs the longer
+        of the draft and the verify, which the rule was not fitted to."""
+        costs = self.costs
+        one, step = costs.verify_ms(1), costs.draft_per_token
+        if not (self.block_from_costs and self.block_stop > 0) or one is None or step is None:
+            return self.block_stop
+        widest = max(costs.verify_widths())
+        row = max((costs.verify_ms(widest) or one) - one, 0.0) / (widest - 1) if widest > 1 else 0.0
+        return block_stop_for(step + row, one + costs.overhead_ms(drafted=True))
 
     def _without_stop(self, model: int, target_only: float) -> Plan | None:
         """Where blocks the stop cuts short do not pay, speculation would go off before the unsure

@@ -152,6 +152,7 @@ def server_info(
         draft_vocab_method=vocab_method(draft),
         draft_confidence=limits.draft_confidence,
         draft_block_confidence=limits.draft_block_confidence,
+        draft_block_confidence_from_costs=limits.draft_block_confidence_from_costs,
         reply_index_tokens=settings.reply_index_tokens,
     )
 
@@ -337,6 +338,7 @@ class Engine:
         s, tokenizer = self.settings, self._tokenizer
         assert tokenizer is not None
         max_k = largest_block(s.max_speculative_tokens, self.targets.max_draft_tokens, draft_info)
+        pipelined = choose_pipelined(s.speculation_mode, target_info, draft_info)
         limits = Limits(
             vocab_size=target_info.vocab_size,
             max_context_len=target_info.max_context_len,
@@ -347,6 +349,7 @@ class Engine:
             default_method=s.default_method(draft_info is not None),
             draft_confidence=s.draft_confidence,
             draft_block_confidence=s.draft_block_confidence,
+            draft_block_confidence_from_costs=s.draft_block_confidence_from_costs and not pipelined,
             structured_output=self.targets.grammars,
             **k_limits(s, max_k),
         )
@@ -357,7 +360,6 @@ class Engine:
                 target_context_len=target_info.max_context_len,
                 effect="sessions longer than the draft's context decode target-only",
             )
-        pipelined = choose_pipelined(s.speculation_mode, target_info, draft_info)
         # the prefill rates the workers timed at start-up (the slowest replica's), until calls are measured
         targets = [r.info for r in self.targets.replicas]
         costs = StepCosts(

@@ -48,6 +48,7 @@ def _stats(turn: Turn) -> coordinator_pb2.SpeculationStats:
         verify_ms=s.verify_ms,
         overhead_ms=s.overhead_ms,
         mean_k=s.mean_k,
+        mean_block_stop=s.mean_block_stop,
         lookup_rounds=s.lookup_rounds,
         lookup_tokens_proposed=s.lookup_proposed,
         lookup_tokens_accepted=s.lookup_accepted,

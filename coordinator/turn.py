@@ -86,6 +86,8 @@ class TurnStats:
     proposed_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     k_total: int = 0
+    block_stop_total: float = 0.0  # the block stops the draft model was asked for, over block_stop_rounds
+    block_stop_rounds: int = 0  # rounds whose block the draft model drafted with a block stop
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     overhead_ms: float = 0.0
@@ -102,6 +104,10 @@ class TurnStats:
     @property
     def mean_k(self) -> float:
         return self.k_total / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_block_stop(self) -> float:
+        return self.block_stop_total / self.block_stop_rounds if self.block_stop_rounds else 0.0
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,7 @@ class Turn:
             d.probe_every,
             confidence_stop=self.request.draft_stop.on,
             block_stop=self.request.draft_stop.block,
+            block_from_costs=self.request.draft_stop.block_from_costs,
         )
 
     @property
@@ -436,7 +443,13 @@ class Turn:
         elif plan.k > 0:
             if decoding.stop.on and self.adaptive and not self.controller.stopping:
                 decoding = dataclasses.replace(decoding, stop=NO_STOP)
+            elif decoding.stop.block_from_costs and self.adaptive:
+                stop = dataclasses.replace(decoding.stop, block=self.controller.block_threshold)
+                decoding = dataclasses.replace(decoding, stop=stop)
             proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round, self.adaptive)
+            if proposal is not None and proposal.method == MODEL and decoding.stop.block > 0:
+                self.stats.block_stop_total += decoding.stop.block
+                self.stats.block_stop_rounds += 1
             if proposal is None and self.workers.catching_up:  # it asked for a long prefix again: sent unawaited
                 self._count_catch_up()
         drafted = loop.time()

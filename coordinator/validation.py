@@ -69,6 +69,7 @@ class Limits:
     lookup_max_tokens: int = 8  # the most tokens one lookup draft proposes
     draft_confidence: float = 0.0  # the draft's confidence stops when a request sets none
     draft_block_confidence: float = 0.0
+    draft_block_confidence_from_costs: bool = False  # the server's block stop follows the measured costs
     structured_output: bool = False  # the target workers apply grammars (WorkerInfo.structured_output)
 
 
@@ -292,7 +293,8 @@ def _method(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> s
 
 def _draft_stop(speculation: coordinator_pb2.SpeculationParams, limits: Limits) -> ConfidenceStop:
     """The request's confidence stops: each as the request sets it, else the server's (none with
-    ``fixed``, which asks for exactly K)."""
+    ``fixed``, which asks for exactly K); the server's block stop follows the measured costs where
+    the server says so (``draft_block_confidence_from_costs``)."""
 
     def threshold(name: str, default: float) -> float:
         if not speculation.HasField(name):
@@ -302,9 +304,13 @@ def _draft_stop(speculation: coordinator_pb2.SpeculationParams, limits: Limits) 
             raise InvalidRequest(f"speculation.{name} must be in [0, 1), got {value}")
         return float(value)
 
+    block = threshold("draft_block_confidence", limits.draft_block_confidence)
     return ConfidenceStop(
         token=threshold("draft_confidence", limits.draft_confidence),
-        block=threshold("draft_block_confidence", limits.draft_block_confidence),
+        block=block,
+        block_from_costs=limits.draft_block_confidence_from_costs
+        and block > 0
+        and not speculation.HasField("draft_block_confidence"),
     )
 
 

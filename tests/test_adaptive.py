@@ -11,6 +11,7 @@ from coordinator.adaptive import (
     LoadLimit,
     Plan,
     StepCosts,
+    block_stop_for,
     expected_length,
     expected_tokens,
     lookup_key,
@@ -586,3 +587,42 @@ def test_on_the_h200_s_measured_costs_the_model_draft_is_off_and_a_matching_look
         controller.observe(8, 8, "ngram")
     plan = controller.plan(model=8, lookup=8)
     assert plan.method == "ngram" and plan.k >= 6
+
+
+def test_the_block_stop_follows_the_measured_costs() -> None:
+    """Twice a drafted token's cost (a draft step and a verify row) over a round's fixed cost (the
+    one-token verify and the overhead), in [0.05, 0.9]: the configured stop until both are measured,
+    and always for a request's own stop."""
+    measured = costs(30, {1: 250, 17: 250 + 16 * 8}, overhead=10)
+    follows = KController(k_max=16, costs=measured, confidence_stop=True, block_stop=0.5, block_from_costs=True)
+    assert follows.block_threshold == pytest.approx(2 * (30 + 8) / (250 + 10))
+    assert block_stop_for(30 + 8, 260) == pytest.approx(follows.block_threshold)
+    assert block_stop_for(0.1, 260) == 0.05 and block_stop_for(200, 260) == 0.9  # clamped
+    assert block_stop_for(30, 0.0) == 0.9  # a round that cost nothing: the tightest stop, not a division by 0
+    own = KController(k_max=16, costs=measured, confidence_stop=True, block_stop=0.5)  # the request set 0.5
+    assert own.block_threshold == 0.5
+    off = KController(k_max=16, costs=measured, confidence_stop=True, block_stop=0.0, block_from_costs=True)
+    assert off.block_threshold == 0.0  # 0 turns the stop off whatever the costs
+    unmeasured = KController(k_max=16, costs=costs(30, {}), confidence_stop=True, block_stop=0.5, block_from_costs=True)
+    unmeasured.costs.draft_per_token = None
+    assert unmeasured.block_threshold == 0.5
+    one_width = KController(
+        k_max=16, costs=costs(30, {1: 250}), confidence_stop=True, block_stop=0.5, block_from_costs=True
+    )
+    assert one_width.block_threshold == pytest.approx(2 * 30 / 250)  # no verify row measured yet: the step alone
+
+
+def test_the_sure_runs_check_uses_the_block_stop_the_costs_set() -> None:
+    """Sure runs taken whole 20% of the time (decayed: 0.198): enough for a stop at 0.312 (half of it
+    0.156), too few for 0.5 (0.25)."""
+    evidence = [(5, 0), (5, 0), (5, 4), (5, 0), (5, 0)] * 2  # 2 of 10 sure runs of 4 taken whole
+    base = {1: 250.0, 17: 250.0 + 16 * 8}
+    cheap = KController(k_max=16, costs=costs(31, base, 0), confidence_stop=True, block_stop=0.5, block_from_costs=True)
+    for k, accepted in evidence:
+        cheap.observe(k, accepted, asked=16, ends_unsure=True)
+    assert cheap.block_threshold == pytest.approx(0.312)
+    assert cheap.block_stop_bounds_blocks
+    fixed = KController(k_max=16, costs=cheap.costs, confidence_stop=True, block_stop=0.5)
+    for k, accepted in evidence:
+        fixed.observe(k, accepted, asked=16, ends_unsure=True)
+    assert not fixed.block_stop_bounds_blocks

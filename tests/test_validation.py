@@ -91,6 +91,24 @@ def test_confidence_stops_default_to_the_server_s_unless_k_is_fixed() -> None:
     assert parse_request(req(speculation=both_off), limits).draft_stop == NO_STOP
 
 
+def test_only_the_server_s_block_stop_follows_the_costs() -> None:
+    """With ``draft_block_confidence_from_costs`` a request that leaves its block stop unset gets
+    the server's, set from the costs; one that sets its own (0.5 included) gets exactly that, and a
+    fixed-K request and a server whose stop is 0 get none."""
+    limits = dataclasses.replace(LIMITS, draft_block_confidence=0.5, draft_block_confidence_from_costs=True)
+    spec = coordinator_pb2.SpeculationParams
+    assert parse_request(req(), limits).draft_stop == ConfidenceStop(0.0, 0.5, block_from_costs=True)
+    assert parse_request(req(speculation=spec(draft_confidence=0.3)), limits).draft_stop.block_from_costs
+    own = parse_request(req(speculation=spec(draft_block_confidence=0.5)), limits).draft_stop
+    assert own == ConfidenceStop(0.0, 0.5)
+    assert parse_request(req(speculation=spec(fixed=True)), limits).draft_stop == NO_STOP
+    off = dataclasses.replace(limits, draft_block_confidence=0.0)
+    assert parse_request(req(), off).draft_stop == NO_STOP
+    assert parse_request(req(), dataclasses.replace(limits, draft_block_confidence_from_costs=False)).draft_stop == (
+        ConfidenceStop(0.0, 0.5)
+    )
+
+
 def test_with_a_confidence_stop_an_adaptive_request_without_k_drafts_up_to_the_largest_k() -> None:
     """A stop ends the blocks; K only caps them (HF's assisted generation: up to 20 tokens
     until its 0.4 threshold). A K the request sets, fixed K and a request without a stop keep

@@ -81,7 +81,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs", "pipelined_rounds", "draft_ms", "verify_ms", "overhead_ms", "mean_k", "lookup_rounds", "lookup_tokens_proposed", "lookup_tokens_accepted", "proposed_by_position", "accepted_by_position", "reply_lookup_rounds", "reply_lookup_tokens_accepted", "draft_catch_up_rounds", "first_round")
+    __slots__ = ("rounds", "draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes", "acceptance_rate", "mean_accepted_length", "target_only_rounds", "cache_resyncs", "pipelined_rounds", "draft_ms", "verify_ms", "overhead_ms", "mean_k", "lookup_rounds", "lookup_tokens_proposed", "lookup_tokens_accepted", "proposed_by_position", "accepted_by_position", "reply_lookup_rounds", "reply_lookup_tokens_accepted", "draft_catch_up_rounds", "first_round", "mean_block_stop")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class SpeculationStats(_message.Message):
     REPLY_LOOKUP_TOKENS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CATCH_UP_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BLOCK_STOP_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     draft_tokens_proposed: int
     draft_tokens_accepted: int
@@ -126,7 +127,8 @@ class SpeculationStats(_message.Message):
     reply_lookup_tokens_accepted: int
     draft_catch_up_rounds: int
     first_round: FirstRound
-    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., mean_k: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., lookup_tokens_proposed: _Optional[int] = ..., lookup_tokens_accepted: _Optional[int] = ..., proposed_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., reply_lookup_rounds: _Optional[int] = ..., reply_lookup_tokens_accepted: _Optional[int] = ..., draft_catch_up_rounds: _Optional[int] = ..., first_round: _Optional[_Union[FirstRound, _Mapping]] = ...) -> None: ...
+    mean_block_stop: float
+    def __init__(self, rounds: _Optional[int] = ..., draft_tokens_proposed: _Optional[int] = ..., draft_tokens_accepted: _Optional[int] = ..., target_forward_passes: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., target_only_rounds: _Optional[int] = ..., cache_resyncs: _Optional[int] = ..., pipelined_rounds: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., overhead_ms: _Optional[float] = ..., mean_k: _Optional[float] = ..., lookup_rounds: _Optional[int] = ..., lookup_tokens_proposed: _Optional[int] = ..., lookup_tokens_accepted: _Optional[int] = ..., proposed_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., reply_lookup_rounds: _Optional[int] = ..., reply_lookup_tokens_accepted: _Optional[int] = ..., draft_catch_up_rounds: _Optional[int] = ..., first_round: _Optional[_Union[FirstRound, _Mapping]] = ..., mean_block_stop: _Optional[float] = ...) -> None: ...
 
 class FirstRound(_message.Message):
     __slots__ = ("draft_ms", "verify_ms", "draft_tokens_proposed", "lookup_tokens_proposed")
@@ -209,7 +211,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs", "default_draft_method", "lookup_max_tokens", "draft_vocab_method", "draft_confidence", "draft_block_confidence", "reply_index_tokens", "speculation_max_requests", "max_requests_per_caller", "max_sessions_per_caller")
+    __slots__ = ("server_version", "target_model_id", "draft_model_id", "draft_methods", "max_context_len", "draft_max_context_len", "vocab_size", "eos_token_ids", "max_speculative_tokens", "default_speculative_tokens", "max_new_tokens", "default_max_new_tokens", "max_message_bytes", "max_concurrent_requests", "max_prompt_chars", "speculation_mode", "adaptive_k", "features", "greedy_temperature", "chat_template", "max_top_logprobs", "default_draft_method", "lookup_max_tokens", "draft_vocab_method", "draft_confidence", "draft_block_confidence", "reply_index_tokens", "speculation_max_requests", "max_requests_per_caller", "max_sessions_per_caller", "draft_block_confidence_from_costs")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +242,7 @@ class GetInfoResponse(_message.Message):
     SPECULATION_MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_PER_CALLER_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_PER_CALLER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BLOCK_CONFIDENCE_FROM_COSTS_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     target_model_id: str
     draft_model_id: str
@@ -270,4 +273,5 @@ class GetInfoResponse(_message.Message):
     speculation_max_requests: int
     max_requests_per_caller: int
     max_sessions_per_caller: int
-    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ..., default_draft_method: _Optional[str] = ..., lookup_max_tokens: _Optional[int] = ..., draft_vocab_method: _Optional[str] = ..., draft_confidence: _Optional[float] = ..., draft_block_confidence: _Optional[float] = ..., reply_index_tokens: _Optional[int] = ..., speculation_max_requests: _Optional[int] = ..., max_requests_per_caller: _Optional[int] = ..., max_sessions_per_caller: _Optional[int] = ...) -> None: ...
+    draft_block_confidence_from_costs: bool
+    def __init__(self, server_version: _Optional[str] = ..., target_model_id: _Optional[str] = ..., draft_model_id: _Optional[str] = ..., draft_methods: _Optional[_Iterable[str]] = ..., max_context_len: _Optional[int] = ..., draft_max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_speculative_tokens: _Optional[int] = ..., default_speculative_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., default_max_new_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ..., speculation_mode: _Optional[str] = ..., adaptive_k: _Optional[bool] = ..., features: _Optional[_Iterable[str]] = ..., greedy_temperature: _Optional[float] = ..., chat_template: _Optional[bool] = ..., max_top_logprobs: _Optional[int] = ..., default_draft_method: _Optional[str] = ..., lookup_max_tokens: _Optional[int] = ..., draft_vocab_method: _Optional[str] = ..., draft_confidence: _Optional[float] = ..., draft_block_confidence: _Optional[float] = ..., reply_index_tokens: _Optional[int] = ..., speculation_max_requests: _Optional[int] = ..., max_requests_per_caller: _Optional[int] = ..., max_sessions_per_caller: _Optional[int] = ..., draft_block_confidence_from_costs: _Optional[bool] = ...) -> None: ...
