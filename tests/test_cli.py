@@ -386,6 +386,9 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
     # every service run prefilled its prompt, as HF's generate does: none started from the cache
     # an earlier row or repeat left (the second prompt is long enough to be reused)
     assert all(r["stats"]["cached_tokens"] == 0 for r in report["runs"] if r["stats"])
+    # the block stop each run's model rounds used: fixed K none, the default's as the costs set it
+    stops = {r["method"]: r["stats"]["mean_block_stop"] for r in report["runs"] if r["stats"]}
+    assert stops["service model K"] == 0.0 and 0.05 <= stops["service default (hybrid, adaptive)"] <= 0.9, stops
     spread = data["methods"]["service model K"]["tokens_per_s"]
     assert spread["min"] <= spread["median"] <= spread["max"]
     assert data["greedy_tokens_identical"].pop("reference") == "hf target-only"

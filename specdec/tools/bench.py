@@ -649,6 +649,7 @@ def _stats(reply: Any) -> dict[str, Any]:
         "verify_ms": s.verify_ms,
         "overhead_ms": s.overhead_ms,
         "mean_k": s.mean_k,
+        "mean_block_stop": s.mean_block_stop,  # the draft's block stop, as the costs set it by default
         # the turn's first round, which also computes the prompt (scripts/draft_ceiling.py takes it apart)
         "first_round_draft_ms": s.first_round.draft_ms,
         "first_round_verify_ms": s.first_round.verify_ms,
