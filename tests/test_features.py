@@ -276,10 +276,14 @@ def test_a_draft_s_first_constrained_request_does_not_time_it_out(
     with cluster, grpc.insecure_channel(cluster.address) as channel:
         request = make_request(prompt, k=4, max_new=MAX_NEW)
         request.sampling.structured_output.CopyFrom(constraint)
-        reply = coordinator_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)
+        client = coordinator_pb2_grpc.GenerationStub(channel)
+        reply = client.Generate(request, timeout=120)
+        # without adaptive K no controller sets the block stop from the costs: GetInfo says so
+        from_costs = client.GetInfo(coordinator_pb2.GetInfoRequest()).draft_block_confidence_from_costs
         failures = metric(cluster, "coordinator", "specdec_draft_failures_total")
         log = cluster.processes["coordinator"].log_tail(1_000_000)
     assert failures == 0 and "draft_unavailable" not in log, log
+    assert not from_costs
     stats = reply.stats
     assert stats.target_only_rounds == 0, stats
     assert stats.draft_tokens_accepted > 0, stats  # masked proposals once the draft's grammar was ready
