@@ -289,9 +289,9 @@ class StepCosts:
     def verify_measured(self, tokens: int) -> bool:
         return tokens in self._known()[0]
 
-    def verify_widths(self) -> list[int]:
-        """The pass sizes (tokens) whose verify cost is measured."""
-        return list(self._known()[0])
+    def verify_measured_ms(self) -> dict[int, float]:
+        """Tokens in the pass -> ms, for the pass sizes measured (each at the nearest load measured)."""
+        return dict(self._known()[0])
 
     @property
     def alpha(self) -> float | None:
@@ -597,8 +597,9 @@ class KController:
         one, step = costs.verify_ms(1), costs.draft_per_token
         if not (self.block_from_costs and self.block_stop > 0) or one is None or step is None:
             return self.block_stop
-        widest = max(costs.verify_widths())
-        row = max((costs.verify_ms(widest) or one) - one, 0.0) / (widest - 1) if widest > 1 else 0.0
+        measured = costs.verify_measured_ms()
+        widest = max(measured)
+        row = max(measured[widest] - one, 0.0) / (widest - 1) if widest > 1 else 0.0
         return block_stop_for(step + row, one + costs.overhead_ms(drafted=True))
 
     def _without_stop(self, model: int, target_only: float) -> Plan | None:
