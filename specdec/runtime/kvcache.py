@@ -24,6 +24,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.runtime.grammar import GrammarState
+from specdec.runtime.lean import LeanStep
 from specdec.runtime.lookup import GuessIndex
 from specdec.runtime.modeling import LoadedModel, decoder_of
 from specdec.runtime.processing import TokenCounts
@@ -645,6 +646,7 @@ class SessionCaches:
         self.prefill_tokens_total = 0
         self.reused_tokens_total = 0  # tokens taken from another session's cache (prefix reuse)
         self._head_apart: bool | None = None  # whether the output layer runs apart from the decoder
+        self.lean = LeanStep.of(loaded.model)  # one-token steps without the model's own forward (a fused draft)
         self.evicted_for_tokens = 0  # caches freed to stay within max_tokens
 
     def __len__(self) -> int:
@@ -759,6 +761,11 @@ class SessionCaches:
         if head:
             self.extend(entry, token_ids[:head], 0)  # stops where the shared prefix ends, for its copy
             return self.extend(entry, token_ids[head:], num_logits)
+        if self.lean is not None and len(token_ids) == 1 and num_logits == 1 and not rows:
+            with torch.inference_mode():
+                logits = self.lean(entry.cache, token_ids[0])
+            self._extended(entry, token_ids)
+            return logits
         apart = bool(rows) and self._output_layer_runs_apart()
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self._loaded.device)
         hidden: list[torch.Tensor] = []
@@ -769,9 +776,7 @@ class SessionCaches:
                 **cache_argument(self._loaded.model, entry.cache),
                 **logit_rows_argument(self._loaded.model, max(kept, 1)),  # 0 would keep every row's
             )
-        entry.grow(token_ids)
-        self.prefill_tokens_total += len(token_ids)
-        self._evict_over_tokens((entry,))
+        self._extended(entry, token_ids)
         width = out.logits.shape[1]  # rows kept: the earlier ones, then the last num_logits
         logits = out.logits[0, width - num_logits :].float()
         if earlier is not None and rows:
@@ -787,6 +792,12 @@ class SessionCaches:
             for chunk in chunks:
                 earlier.consume(chunk)
         return logits
+
+    def _extended(self, entry: SessionCache, token_ids: Sequence[int]) -> None:
+        """Bookkeeping after a pass of ``token_ids`` on ``entry``'s cache."""
+        entry.grow(token_ids)
+        self.prefill_tokens_total += len(token_ids)
+        self._evict_over_tokens((entry,))
 
     def _output_layer_runs_apart(self) -> bool:
         """Whether the model's output layer (with whatever it does after it: logit soft-capping,

@@ -1,0 +1,86 @@
+"""The lean one-token step of a fused int8 draft (specdec.runtime.lean): the model's own logits, bit
+for bit, through the cache path the workers use, and only for the models it is built for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.runtime import attention
+from specdec.runtime.kvcache import SessionCaches
+from specdec.runtime.lean import LeanStep
+from specdec.runtime.modeling import LoadOptions, load_model
+from tests.tiny_models import build_crashy, build_family
+
+INT8 = LoadOptions(device="cpu", quantize="int8", structured_output=False)
+
+
+def _decode(caches: SessionCaches, vocab: int) -> list[torch.Tensor]:
+    """Logits of a prefill, one-token steps, a cut back (a rejected block), more steps, a block and
+    steps after it: what a draft worker's session does."""
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    entry = caches.sync("s", 0, 0)
+    outs = [caches.extend(entry, tokens(40), 1)]
+    outs += [caches.extend(entry, tokens(1), 1) for _ in range(5)]
+    entry.truncate(len(entry.tokens) - 3)
+    outs += [caches.extend(entry, tokens(1), 1) for _ in range(3)]
+    outs.append(caches.extend(entry, tokens(4), 2))
+    outs += [caches.extend(entry, tokens(1), 1) for _ in range(3)]
+    return outs
+
+
+@pytest.mark.parametrize("family", ["LlamaConfig", "Qwen2Config"])
+@pytest.mark.parametrize("long_keys", [attention.LONG_KEYS, 8])
+def test_a_lean_step_gives_the_model_s_own_logits_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, long_keys: int
+) -> None:
+    """Every one-token step of a fused int8 Llama or Qwen2 draft (Qwen2's projections have
+    biases, Llama's none) runs the lean step, and every logit of the session (prefill, steps, a
+    cut back, a block, steps after it) equals the model's own forward exactly; also where the
+    attention reads grouped heads stacked (``long_keys`` 8: a cache past it takes that path)."""
+    monkeypatch.setattr(attention, "LONG_KEYS", long_keys)
+    loaded = load_model(str(build_family(tmp_path / family, family)), INT8)
+    lean = SessionCaches(loaded, 2, 600)
+    assert lean.lean is not None
+    steps = 0
+    step = lean.lean
+
+    def counted(cache: object, token: int) -> torch.Tensor:
+        nonlocal steps
+        steps += 1
+        return step(cache, token)
+
+    lean.lean = counted  # type: ignore[assignment]
+    got = _decode(lean, loaded.vocab_size)
+    assert steps == 11  # every one-token step, and nothing else
+    plain = SessionCaches(loaded, 2, 600)
+    plain.lean = None
+    want = _decode(plain, loaded.vocab_size)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
+
+
+def test_only_fused_llama_and_qwen2_decoders_of_transformers_own_classes_get_a_lean_step(tmp_path: Path) -> None:
+    """An unfused model (float32), another family (Gemma: its norm adds one to its weight) and a
+    subclass of LlamaForCausalLM (its forward raises on a token: it must run) keep the model's
+    own forward."""
+    llama = build_family(tmp_path / "llama", "LlamaConfig")
+    assert LeanStep.of(load_model(str(llama), INT8).model) is not None
+    assert LeanStep.of(load_model(str(llama), LoadOptions(device="cpu", structured_output=False)).model) is None
+    gemma = build_family(tmp_path / "gemma", "GemmaConfig")
+    assert LeanStep.of(load_model(str(gemma), INT8).model) is None
+    crashy = build_crashy(llama, tmp_path / "crashy", crash_token_id=13)
+    loaded = load_model(str(crashy), LoadOptions(device="cpu", quantize="int8", trust_remote_code=True))
+    caches = SessionCaches(loaded, 1, 600)
+    assert caches.lean is None
+    entry = caches.sync("s", 0, 0)
+    caches.extend(entry, [5, 6], 1)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        caches.extend(entry, [13], 1)
