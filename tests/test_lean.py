@@ -3,6 +3,7 @@ for bit, through the cache path the workers use, and only for the models it is b
 
 from __future__ import annotations
 
+import runpy
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.lean import LeanStep
 from specdec.runtime.modeling import LoadOptions, load_model
 from tests.tiny_models import build_crashy, build_family
+
+STEP_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "draft_step.py"
 
 INT8 = LoadOptions(device="cpu", quantize="int8", structured_output=False)
 
@@ -84,3 +87,20 @@ def test_only_fused_llama_and_qwen2_decoders_of_transformers_own_classes_get_a_l
     caches.extend(entry, [5, 6], 1)
     with pytest.raises(RuntimeError, match="injected failure"):
         caches.extend(entry, [13], 1)
+
+
+def test_the_step_timing_script_compares_both_ways_and_checks_the_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """scripts/draft_step.py on a tiny int8 Qwen2: a line per run and the median ratio, the logits
+    found equal; a model without a lean step is refused saying so."""
+    qwen2 = build_family(tmp_path / "qwen2", "Qwen2Config")
+    args = ["draft_step.py", str(qwen2), "--context", "20", "--steps", "3", "--runs", "2", "--threads", "1"]
+    monkeypatch.setattr("sys.argv", args)
+    runpy.run_path(str(STEP_SCRIPT), run_name="__main__")
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed[:2]] == ["run 0", "run 1"]
+    assert printed[2].startswith("lean / model's forward: median ") and printed[2].endswith("logits equal")
+    monkeypatch.setattr("sys.argv", [*args[:2], "--quantize", "none"])
+    with pytest.raises(SystemExit, match="gets no lean step"):
+        runpy.run_path(str(STEP_SCRIPT), run_name="__main__")
