@@ -13,6 +13,7 @@ from specdec.runtime import attention
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.lean import LeanStep
 from specdec.runtime.modeling import LoadOptions, load_model
+from specdec.serving import logging as logging_setup
 from tests.tiny_models import build_crashy, build_family
 
 STEP_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "draft_step.py"
@@ -95,12 +96,16 @@ def test_the_step_timing_script_compares_both_ways_and_checks_the_logits(
     """scripts/draft_step.py on a tiny int8 Qwen2: a line per run and the median ratio, the logits
     found equal; a model without a lean step is refused saying so."""
     qwen2 = build_family(tmp_path / "qwen2", "Qwen2Config")
+    # the script configures logging for its process: here it would print to this test's captured
+    # stderr, closed once the test ends, in every later test of the worker that logs
+    monkeypatch.setattr(logging_setup, "configure_logging", lambda *_: None)
     args = ["draft_step.py", str(qwen2), "--context", "20", "--steps", "3", "--runs", "2", "--threads", "1"]
     monkeypatch.setattr("sys.argv", args)
     runpy.run_path(str(STEP_SCRIPT), run_name="__main__")
-    printed = capsys.readouterr().out.splitlines()
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("run ", "lean / "))]
     assert [line.split(":")[0] for line in printed[:2]] == ["run 0", "run 1"]
     assert printed[2].startswith("lean / model's forward: median ") and printed[2].endswith("logits equal")
+    assert len(printed) == 3
     monkeypatch.setattr("sys.argv", [*args[:2], "--quantize", "none"])
     with pytest.raises(SystemExit, match="gets no lean step"):
         runpy.run_path(str(STEP_SCRIPT), run_name="__main__")
