@@ -120,6 +120,7 @@ class WorkerCore:
         caches = await self.scheduler.call(
             SessionCaches, self._loaded, s.max_sessions, s.session_idle_s, budget, s.rollback_margin()
         )  # in the model thread: a windowed model's share of memory is measured on a pass
+        log.info("lean_step", on=caches.lean is not None)  # one-token steps without the model's forward
         self.metrics.cached_sessions.set_function(lambda: len(caches))
         self.metrics.cached_tokens.set_function(lambda: caches.cached_tokens)
         self.metrics.cache_budget_tokens.set(budget)
