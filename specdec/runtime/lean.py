@@ -6,7 +6,8 @@ module calls and their hooks, the decorators of transformers' model forward, a c
 and found unneeded, the rotary helpers, RMSNorm as separate operators. ``LeanStep`` runs a
 one-token step of a Llama or Qwen2 decoder whose projections ``fuse_projections`` fused: the same
 operators on the same tensors in the same order as the model's own forward (transformers'
-attention function, the model's rotary embedding, its cache's ``update``, its output layer), so
+attention function, the model's rotary embedding and the function applying it, its cache's
+``update``, its output layer), so
 the logits are the model's own, bit for bit (``tests/test_lean.py``), minus the overhead.
 
 Only transformers' own ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` (not subclasses: their forward
@@ -17,6 +18,7 @@ model's forward as before.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +39,10 @@ class _Layer:
         qkv: QKVProjection = attention.qkv_proj
         self.index = index
         self.attention = attention
+        # the function the model's attention applies its rotary embedding with (transformers' own)
+        self.rotate: Callable[..., tuple[torch.Tensor, torch.Tensor]] = inspect.getmodule(
+            type(attention)
+        ).apply_rotary_pos_emb
         self.qkv: Callable[[torch.Tensor], torch.Tensor] = qkv.fused
         self.q_end, self.k_end = qkv.columns[0][1], qkv.columns[1][1]
         self.head_dim: int = attention.head_dim
@@ -64,11 +70,6 @@ def _qkv(layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     shape = (1, 1, -1, layer.head_dim)
     q, k, v = fused[..., : layer.q_end], fused[..., layer.q_end : layer.k_end], fused[..., layer.k_end :]
     return q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
-
-
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class LeanStep:
@@ -105,12 +106,11 @@ class LeanStep:
         position = cache.get_seq_length()
         hidden = self._embed(torch.tensor([[token]]))
         cos, sin = self._rotary(hidden, torch.tensor([[position]]))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self._config._attn_implementation, None)
         for layer in self._layers:
             query, key, value = _qkv(layer, _rms_norm(hidden, layer.norms[0]))
-            key, value = cache.update(_rotated(key, cos, sin), value, layer.index)
-            query = _rotated(query, cos, sin)
+            query, key = layer.rotate(query, key, cos, sin)
+            key, value = cache.update(key, value, layer.index)
             out, _ = attend(layer.attention, query, key, value, None, dropout=0.0, scaling=layer.scaling)
             hidden = hidden + layer.o_proj(out.reshape(1, 1, -1).contiguous())
             both = layer.gate_up(_rms_norm(hidden, layer.norms[1]))
