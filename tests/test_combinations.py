@@ -13,7 +13,7 @@ Sampled mixes are checked for their distribution too (MIXES): three requests of 
 features at once, each sent 1,500 times with other seeds through the whole service, whose first
 three tokens must follow the exact distribution of the target alone with the same processing
 (enumerated with plain forward passes and the independent references of tests/spec_oracle.py;
-chi-square p > 1e-3), and must reject the distribution a planted bug would give (the power
+chi-square p > PASS_P), and must reject the distribution a planted bug would give (the power
 check). Planted in the services by hand, each failed its mix: the residual after a rejection
 drawn from p (the session mix at p = 6e-5, the lookup mix at p = 3e-66; the draft that is always
 right is rarely rejected), penalties and min_tokens counted from the session's start, and a stop
@@ -34,7 +34,7 @@ from google.protobuf import json_format
 
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from tests.reference import SAMPLED_AT_ONCE, coordinator_stub, reference_greedy
-from tests.spec_oracle import Enumerator, chi_square_pvalue, rejects
+from tests.spec_oracle import PASS_P, Enumerator, chi_square_pvalue, rejects
 from tests.tiny_models import TinyModels, build_tokenizer
 
 CASES = 30  # per cluster and seed: 12-21 s a case on the 2-core host
@@ -456,7 +456,7 @@ def test_sampled_feature_mixes_follow_the_exact_distribution(
     name: str, enumerator: Enumerator, request: pytest.FixtureRequest
 ) -> None:
     """SAMPLES seeded requests of a mix through the whole service: their first tokens follow the
-    exact distribution of the target with the mix's processing (chi-square, p > 1e-3), and the
+    exact distribution of the target with the mix's processing (chi-square, p > PASS_P), and the
     same samples reject the distribution of the mix's planted bug (the power check)."""
     mix, context = prepared(MIXES[name], enumerator)
     cluster = request.getfixturevalue(f"cluster_{mix.cluster}")
@@ -465,5 +465,5 @@ def test_sampled_feature_mixes_follow_the_exact_distribution(
     assert sent == context  # the first turns gave the target's greedy tokens
     sampling = sampled_request(mix, 0).sampling
     assert sampled.accepted > 0 and all(getattr(sampled, field) > 0 for field in mix.shown), sampled
-    assert chi_square_pvalue(sampled.counts, enumerator.distribution(context, sampling), SAMPLES) > 1e-3
+    assert chi_square_pvalue(sampled.counts, enumerator.distribution(context, sampling), SAMPLES) > PASS_P
     assert rejects(sampled.counts, enumerator.distribution(context, sampling, mix.bug))

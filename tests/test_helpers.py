@@ -1,9 +1,11 @@
 """The test helpers' own checks: work split over two processes, tests that run alone, the
-comparison of two replies' logprobs, free ports, the greedy reference's float near ties."""
+comparison of two replies' logprobs, free ports, the greedy reference's float near ties, the
+chi-square checks' thresholds."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +168,17 @@ def test_the_greedy_reference_takes_a_service_s_token_only_at_a_float_near_tie(
     assert reference.greedy_continuation(target, history, 3, [worst]) == plain
     monkeypatch.setattr(reference, "NEAR_TIE", gap * 0.99)
     assert reference.greedy_continuation(target, history, 3, [runner_up]) == plain
+
+
+def test_every_chi_square_check_compares_with_the_suite_s_thresholds() -> None:
+    """The suite's false-alarm chance per run is about the number of chi-square checks times
+    spec_oracle.PASS_P; a check comparing its p-value with a number of its own would escape that
+    budget (at 1e-3 each, a run failed about once in 30 with a correct service)."""
+    literal = re.compile(r"pvalue\b.*[<>]=?\s*[0-9]")
+    found = [
+        f"{path.name}:{number}"
+        for path in sorted(Path(__file__).parent.glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if literal.search(line)
+    ]
+    assert not found, f"compare the p-value with spec_oracle.PASS_P or PLANTED_P: {found}"
