@@ -4,16 +4,20 @@ chi-square checks' thresholds."""
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from tests import reference
+from tests import reference, spec_oracle
 from tests.helpers import free_ports, in_two_processes
 from tests.tiny_models import TinyModels
 
@@ -182,3 +186,37 @@ def test_every_chi_square_check_compares_with_the_suite_s_thresholds() -> None:
         if literal.search(line)
     ]
     assert not found, f"compare the p-value with spec_oracle.PASS_P or PLANTED_P: {found}"
+
+
+def _tail_script() -> Any:
+    """scripts/chi_square_tail.py as a module (a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location(
+        "chi_square_tail", Path(__file__).parents[1] / "scripts" / "chi_square_tail.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tail_script_computes_the_suite_s_p_values_and_reports_each_mix(capsys: pytest.CaptureFixture[str]) -> None:
+    """scripts/chi_square_tail.py (how often the chi-square check fails a correct service): its
+    vectorized p-values equal spec_oracle.chi_square_pvalue's, pooled outcomes included, and it
+    prints a line per sampled mix of tests/test_combinations.py with a share per threshold."""
+    script = _tail_script()
+    probs = np.array([0.5, 0.3, 0.15, 0.03, 0.015, 0.005])  # at n = 200 the last three are pooled
+    draws = np.random.default_rng(0).multinomial(200, probs, size=20)
+    exact = {(i,): float(p) for i, p in enumerate(probs)}
+    want = [
+        spec_oracle.chi_square_pvalue(collections.Counter({(i,): int(c) for i, c in enumerate(row) if c}), exact, 200)
+        for row in draws
+    ]
+    assert script.pooled_pvalues(draws, probs) == pytest.approx(want, rel=1e-9)
+    assert script.main(["--reps", "1000"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "samples of 1500" in line]
+    assert [line.split()[0] for line in lines] == [
+        "session-penalties-hybrid",
+        "regex-ngram-top-p",
+        "stop-string-model-draft",
+    ]
+    assert all(line.count("x)") == 4 for line in lines)
