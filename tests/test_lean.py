@@ -7,9 +7,11 @@ import runpy
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from specdec.runtime import attention
+from specdec.runtime import lean as lean_module
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.lean import LeanStep
 from specdec.runtime.modeling import LoadOptions, load_model
@@ -109,3 +111,20 @@ def test_the_step_timing_script_compares_both_ways_and_checks_the_logits(
     monkeypatch.setattr("sys.argv", [*args[:2], "--quantize", "none"])
     with pytest.raises(SystemExit, match="gets no lean step"):
         runpy.run_path(str(STEP_SCRIPT), run_name="__main__")
+
+
+def test_a_lean_step_that_differs_from_the_model_s_forward_is_checked_out_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caches check a step of the lean step against the model's forward on a short cache when
+    they are made: a step whose logits differ at all (here its norms 0.1% off, as a transformers
+    release whose decoder does more might make it) is not used, and the check says so in the log."""
+    loaded = load_model(str(build_family(tmp_path / "llama", "LlamaConfig")), INT8)
+    assert SessionCaches(loaded, 1, 600).lean is not None
+    normed = lean_module._rms_norm
+    monkeypatch.setattr(lean_module, "_rms_norm", lambda x, norm: normed(x, norm) * 1.001)  # 0.1% off
+    with structlog.testing.capture_logs() as logs:
+        caches = SessionCaches(loaded, 1, 600)
+    assert caches.lean is None
+    (line,) = [line for line in logs if line["event"] == "lean_step_differs"]
+    assert line["largest_logit_difference"] > 0

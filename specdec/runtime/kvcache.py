@@ -215,6 +215,38 @@ def new_cache(config: Any, margin: int | None = None) -> DynamicCache:
     return cache
 
 
+LEAN_CHECK_TOKENS = 8  # the cache a lean step is checked on at start-up holds all but the last
+
+
+def checked_lean_step(loaded: LoadedModel) -> LeanStep | None:
+    """The model's lean step (``LeanStep.of``) if a step of it on a short cache gives the logits the
+    model's own forward gives there bit for bit, else None. The step re-states transformers' decoder
+    in fewer operators: a transformers release whose decoder does more would make it propose worse
+    drafts (never wrong tokens: the target decides), so such a model runs its forward instead,
+    logged (``lean_step_differs``) rather than slower for no visible reason."""
+    lean = LeanStep.of(loaded.model)
+    if lean is None:
+        return None
+    model = loaded.model
+    ids = [(7 * i + 3) % loaded.vocab_size for i in range(LEAN_CHECK_TOKENS)]
+    caches = [new_cache(model.config), new_cache(model.config)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(input_ids=torch.tensor([ids[:-1]]), **cache_argument(model, cache), **logit_rows_argument(model, 1))
+        last = torch.tensor([ids[-1:]])
+        want = model(input_ids=last, **cache_argument(model, caches[0]), **logit_rows_argument(model, 1)).logits
+        got = lean(caches[1], ids[-1])
+    want = want[0, -1:].float()
+    if torch.equal(got, want):
+        return lean
+    log.warning(
+        "lean_step_differs",
+        largest_logit_difference=float((got - want).abs().max()),
+        detail="one-token steps run the model's forward; report the transformers version",
+    )
+    return None
+
+
 def _two_token_cache(loaded: LoadedModel, cache: DynamicCache) -> DynamicCache:
     """``cache`` after a 2-token pass of the model: what each of its layers keeps per token."""
     with torch.inference_mode():
@@ -646,7 +678,7 @@ class SessionCaches:
         self.prefill_tokens_total = 0
         self.reused_tokens_total = 0  # tokens taken from another session's cache (prefix reuse)
         self._head_apart: bool | None = None  # whether the output layer runs apart from the decoder
-        self.lean = LeanStep.of(loaded.model)  # one-token steps without the model's own forward (a fused draft)
+        self.lean = checked_lean_step(loaded)  # one-token steps without the model's own forward (a fused draft)
         self.evicted_for_tokens = 0  # caches freed to stay within max_tokens
 
     def __len__(self) -> int:
