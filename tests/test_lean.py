@@ -128,3 +128,24 @@ def test_a_lean_step_that_differs_from_the_model_s_forward_is_checked_out_at_sta
     assert caches.lean is None
     (line,) = [line for line in logs if line["event"] == "lean_step_differs"]
     assert line["largest_logit_difference"] > 0
+
+
+def test_a_lean_step_that_fails_on_the_model_is_checked_out_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lean step that trips on the model (as one might on a decoder whose parts a transformers
+    release renamed) leaves the caches to the model's forward, logged with the error, instead of
+    failing the worker's start-up."""
+    loaded = load_model(str(build_family(tmp_path / "llama", "LlamaConfig")), INT8)
+
+    def renamed(self: LeanStep, cache: object, token: int) -> torch.Tensor:
+        raise AttributeError("'LlamaAttention' object has no attribute 'scaling'")
+
+    monkeypatch.setattr(LeanStep, "__call__", renamed)
+    with structlog.testing.capture_logs() as logs:
+        caches = SessionCaches(loaded, 1, 600)
+    assert caches.lean is None
+    (line,) = [line for line in logs if line["event"] == "lean_step_differs"]
+    assert line["error"] == "AttributeError: 'LlamaAttention' object has no attribute 'scaling'"
+    entry = caches.sync("s", 0, 0)
+    assert caches.extend(entry, [5], 1).shape == (1, loaded.vocab_size)  # the model's forward
