@@ -232,15 +232,12 @@ def checked_lean_step(loaded: LoadedModel) -> LeanStep | None:
         lean = LeanStep.of(model)
         if lean is None:
             return None
-        caches = [new_cache(model.config), new_cache(model.config)]
+        cache = new_cache(model.config)
         with torch.inference_mode():
-            for cache in caches:
-                model(
-                    input_ids=torch.tensor([ids[:-1]]), **cache_argument(model, cache), **logit_rows_argument(model, 1)
-                )
+            model(input_ids=torch.tensor([ids[:-1]]), **cache_argument(model, cache), **logit_rows_argument(model, 1))
+            got = lean(_copied(loaded, cache, 1, None), ids[-1])
             last = torch.tensor([ids[-1:]])
-            want = model(input_ids=last, **cache_argument(model, caches[0]), **logit_rows_argument(model, 1)).logits
-            got = lean(caches[1], ids[-1])
+            want = model(input_ids=last, **cache_argument(model, cache), **logit_rows_argument(model, 1)).logits
     except Exception as exc:  # an optional path: whatever it trips on, the model's own forward runs
         log.warning("lean_step_differs", error=f"{type(exc).__name__}: {exc}", detail=LEAN_OFF)
         return None
