@@ -24,12 +24,11 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.spec_oracle import PASS_P, PLANTED_P, Enumerator
+from tests.spec_oracle import PASS_P, PLANTED_P, POOL_BELOW, Enumerator
 from tests.test_combinations import FIRST, MIXES, SAMPLES, prepared, sampled_request
 from tests.tiny_models import build_tiny_models
 
 THRESHOLDS = (1e-3, 1e-4, PASS_P, PLANTED_P)
-POOL_BELOW = 5.0  # expected count under which chi_square_pvalue pools an outcome
 
 
 def pooled_pvalues(draws: np.ndarray, probs: np.ndarray) -> np.ndarray:

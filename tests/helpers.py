@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
 import os
 import pickle
 import shutil
@@ -16,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import redis
@@ -235,3 +236,16 @@ def run_steps(job: Job[T], caches: SessionCaches) -> tuple[T, int]:
             step = job.send(caches.extend(step.entry, step.token_ids, step.num_logits))
     except StopIteration as done:
         return done.value, passes
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_module(name: str) -> Any:
+    """``scripts/<name>.py`` as a module (a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a script's dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module

@@ -39,6 +39,7 @@ from specdec.v1 import common_pb2
 PASS_P = 1e-5
 # A power check's planted bug must give p < PLANTED_P: below PASS_P, so that bug fails the check.
 PLANTED_P = 1e-6
+POOL_BELOW = 5  # outcomes expected fewer times than this are pooled into one bin (chi_square_pvalue)
 
 LogitFn = Callable[[tuple[int, ...]], torch.Tensor]
 Sampler = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Warp, torch.Generator | None], Verdict]
@@ -112,7 +113,7 @@ def chi_square_pvalue(
     """Chi-square goodness of fit; outcomes with small expected counts are pooled into one bin."""
     observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
     for outcome, prob in exact.items():
-        if prob * n >= 5:
+        if prob * n >= POOL_BELOW:
             observed.append(samples[outcome])
             expected.append(prob * n)
         else:

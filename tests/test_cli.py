@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -14,11 +13,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.forkserver import ForkServer, run_command
+from tests.helpers import script_module
 from tests.tiny_models import TinyModels
 
 
@@ -876,21 +875,11 @@ def _predicted(lines: list[str]) -> dict[str, float]:
     return {line[:56].strip(): float(line[56:66]) for line in lines if re.fullmatch(r" *\d+\.\d\d", line[56:66])}
 
 
-def _ceiling_module() -> Any:
-    """scripts/draft_ceiling.py as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("draft_ceiling", CEILING_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_draft_ceiling_takes_the_first_round_s_prefill_apart() -> None:
     """With each request's first round in the stats, the costs per round and per drafted token
     are the later rounds' and the prefill a cost per request; without it (older reports) a 900-ms
     prefill made a target-only round 190 ms and a drafted token 50 ms where they cost 100 and 5."""
-    ceiling = _ceiling_module()
+    ceiling = script_module("draft_ceiling")
     counts = {"proposed": 0, "lookup_proposed": 0, "draft_ms": 0.0}
     # target-only: 10 rounds of 100 ms, the first also computes the prompt (+900 ms)
     plain = counts | {"rounds": 10, "verify_ms": 1900.0, "overhead_ms": 20.0}
@@ -927,7 +916,7 @@ def test_draft_ceiling_prices_second_choice_leaves() -> None:
     """A leaf (the draft's second choice) beside each draft below --leaf-below costs a verify row;
     where the block first misses on a leafed token whose second choice is right, the round commits
     the leaf and the target's token after it."""
-    ceiling = _ceiling_module()
+    ceiling = script_module("draft_ceiling")
     costs = ceiling.Costs(verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0)
     g = ceiling.Guess
     # 6 reply tokens; fixed K = 3 drafts positions 0-2, misses position 1 (its second choice is right)
@@ -984,7 +973,7 @@ def test_draft_ceiling_best_block_stop_is_chosen_prompt_by_prompt() -> None:
     reply at its better threshold, so it beats either threshold applied to both."""
     import argparse
 
-    ceiling = _ceiling_module()
+    ceiling = script_module("draft_ceiling")
     costs = ceiling.Costs(verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0)
     g = ceiling.Guess
     sure_and_right = [g(True, 0.6)] * 8  # a low threshold lets its blocks run
@@ -1009,7 +998,7 @@ def test_draft_ceiling_prices_each_prompt_beside_its_measured_rates(tiny_models:
     --prompts, whose prompts have no measured rows."""
     import argparse
 
-    ceiling = _ceiling_module()
+    ceiling = script_module("draft_ceiling")
     costs = ceiling.Costs(100.0, 5.0, 20.0, 8.0, 2.0, prefill=900.0, draft_prefill=300.0)
     g = ceiling.Guess
     right, wrong = [g(True, 0.9)] * 4, [g(False, 0.9)] * 4
