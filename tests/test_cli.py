@@ -13,7 +13,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.forkserver import ForkServer, run_command
@@ -1059,6 +1061,96 @@ def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, 
     assert oracle > rate["model, block stop 0.5, up to 16"] * 0.999
     assert oracle == pytest.approx(5.0 * plain / (2 * 108 + 25 * (int(tokens) - 2)), abs=0.006)
     assert "best HF speculative" not in out  # other prompts than the report's measured rows
+
+
+SAMPLED_STOP_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sampled_stop.py"
+
+
+def _sampled_stop_module() -> Any:
+    script_module("draft_ceiling")  # sampled_stop imports it as a sibling script
+    return script_module("sampled_stop")
+
+
+def _sampled_report(tiny_models: TinyModels, path: Path, temperature: float) -> Path:
+    """``_ceiling_report`` made a sampled run's: its reply is the headline row's too."""
+    report = json.loads(_ceiling_report(tiny_models, path).read_text())
+    report["config"] |= {"temperature": temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    (drafted,) = [run for run in report["runs"] if run["method"] == "service model K"]
+    stats = drafted["stats"] | {"accepted": 9}
+    report["runs"].append(drafted | {"method": "service default (hybrid, adaptive)", "stats": stats})
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_sampled_stop_replays_a_sampled_report_s_replies(tiny_models: TinyModels, tmp_path: Path) -> None:
+    """A draft equal to the target, proposing its whole distribution: every position's acceptance
+    is 1 (p = q up to a pass's rounding), so every draft is kept; fixed K = 4 is priced as the
+    blocks of 4, 4 and 1 the 12-token reply leaves; the true-acceptance signal never stops a block
+    (blocks of --max-k); the check line sets the replay beside the row's measured counts. A greedy
+    report is refused."""
+    report = _sampled_report(tiny_models, tmp_path / "report.json", 1.0)
+    args = [str(report), "--top-n", "0", "--trials", "20", "--max-k", "4", "--thresholds", "0.5"]
+    done = subprocess.run(
+        [sys.executable, str(SAMPLED_STOP_SCRIPT), *args], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    head = re.search(r"12 tokens; mean acceptance per position (\S+); the costs' block stop (\S+) ==", out)
+    assert head is not None, out
+    assert float(head[1]) > 0.9999
+    assert float(head[2]) == pytest.approx(2 * 25 / 108, abs=0.005)  # coordinator.adaptive.block_stop_for
+    check = re.search(r"predicted (\d+) / (\d+) / (\d+); measured 4 / 12 / 9", out)
+    assert check is not None, out
+    assert int(check[2]) == int(check[3])  # every draft kept
+    assert re.search(r"would switch it off in \d+ of 20 turns", out), out
+    plain = 12 * 102
+    fixed = 2 * (100 + 25 * 4 + 8) + (100 + 25 + 8)
+    assert f"K = 4 {5.0 * plain / fixed:.2f}" in out
+    (known,) = [line for line in out.splitlines() if line.startswith("true acceptance")]
+    assert [float(v) for v in known[44:].split()] == pytest.approx([5.0 * plain / fixed] * 2, abs=0.006)
+    greedy = _sampled_report(tiny_models, tmp_path / "greedy.json", 0.0)
+    done = subprocess.run([sys.executable, str(SAMPLED_STOP_SCRIPT), str(greedy)], capture_output=True, text=True)
+    assert done.returncode == 1 and "the report is greedy" in done.stderr
+
+
+def test_sampled_stop_blocks_end_where_the_signal_s_product_falls_below_the_threshold() -> None:
+    """Each drawn token at probability 0.5 and a block stop of 0.3: blocks of two (0.25 < 0.3),
+    fewer at the reply's end; kept drafts commit their run and one more token, dropped ones the
+    target's token alone; without a signal, blocks of K."""
+    stop = _sampled_stop_module()
+    costs = script_module("draft_ceiling").Costs(
+        verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0
+    )
+    drawn = np.full((12, 3), 0.5)
+    kept = stop.Positions(drawn, np.ones((12, 3)), np.full(12, 0.9), np.full(12, 0.8))
+    service = stop.SIGNALS[stop.SERVICE]
+    tally = stop.replay(kept, costs, 16, service, 0.3)
+    assert (tally.rounds, tally.drafted, tally.accepted, tally.trials) == (12, 24, 24, 3)  # 4 rounds a trial
+    assert tally.ms == pytest.approx(3 * 4 * costs.round_ms(2))
+    dropped = stop.replay(stop.Positions(drawn, np.zeros((12, 3)), kept.top, kept.acceptance), costs, 16, service, 0.3)
+    assert (dropped.rounds, dropped.drafted, dropped.accepted) == (36, 3 * (10 * 2 + 1), 0)
+    fixed = stop.replay(kept, costs, 4, None, 0.0)
+    assert (fixed.rounds, fixed.drafted) == (3 * 3, 3 * 9)  # blocks of 4, 4 and 1
+    top = stop.replay(kept, costs, 16, stop.SIGNALS["top probability"], 0.3)
+    assert top.rounds == 3 * 1  # 0.9^11 > 0.3: one block of 11 and the target's token
+
+
+def test_sampled_stop_counts_the_turns_whose_stop_check_would_switch_the_stop_off() -> None:
+    """The controller's own check, fed each replayed round: blocks ended by the stop whose unsure
+    token is kept every time switch it off after three rounds (its evidence threshold) in every
+    turn; where the first draft is kept and the unsure second rejected, never."""
+    stop = _sampled_stop_module()
+    costs = script_module("draft_ceiling").Costs(
+        verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0
+    )
+    drawn, top, acceptance = np.full((12, 3), 0.5), np.full(12, 0.9), np.full(12, 0.8)
+    service = stop.SIGNALS[stop.SERVICE]
+    first_only = np.tile([[1.0], [0.0]], (6, 3))  # blocks of two start at even positions
+    for keep, switched in ((np.ones((12, 3)), {(0, t): 3 for t in range(3)}), (first_only, {})):
+        check = stop.StopCheck(16, 0.3)
+        positions = stop.Positions(drawn, keep, top, acceptance)
+        stop.replay(positions, costs, 16, service, 0.3, each_round=check.for_reply(0))
+        assert check.switched == switched and len(check.turns) == 3
 
 
 def test_bench_refuses_to_report_when_a_service_process_died(
