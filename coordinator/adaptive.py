@@ -436,6 +436,8 @@ class KController:
     _probes: _Backoff = field(default_factory=_Backoff, init=False)  # rounds since the model was used or probed
     _widest: _Backoff = field(default_factory=_Backoff, init=False)  # model rounds below the longest block allowed
     _untimed: _Backoff = field(default_factory=_Backoff, init=False)  # thin-lead rounds since target-only was timed
+    _stop_tries: _Backoff = field(default_factory=_Backoff, init=False)  # rounds since the switched-off stop was tried
+    _trying_stop: bool = field(default=False, init=False)  # this round tries the switched-off stop again
 
     def __post_init__(self) -> None:
         self._seen = defaultdict(lambda: Acceptance(self.decay))
@@ -508,7 +510,7 @@ class KController:
     @property
     def stopping(self) -> bool:
         """Whether this round's model block is asked to end where the draft is unsure."""
-        return self.confidence_stop and not self._stop_dropped and self.confidence_stop_pays
+        return self.confidence_stop and not self._stop_dropped and (self._trying_stop or self.confidence_stop_pays)
 
     @property
     def confidence_stop_pays(self) -> bool:
@@ -543,6 +545,7 @@ class KController:
         asked for (0 = not usable); ``lookup``: tokens a lookup draft has ready (0 = no match),
         whose acceptance counts are ``lookup_source``'s (the session's tokens by match length, or
         the reply index: see ``lookup_key``)."""
+        self._trying_stop = model > 0 and self._stop_try_due()  # only rounds that may draft count
         limits = {MODEL: model, NGRAM: lookup}
         if max(limits.values()) <= 0:
             return TARGET_ONLY
@@ -649,6 +652,17 @@ class KController:
             self._untimed.reset()
             return None
         return TARGET_ONLY if self._untimed.due(self.probe_every) else None
+
+    def _stop_try_due(self) -> bool:
+        """Whether this round tries again the confidence stop that ``confidence_stop_pays``
+        switched off (after 4 rounds, then the gap doubling up to ``probe_every``). Without the
+        stop no block ends unsure, so the record that switched it off (under sampling often a few
+        unsure tokens taken by chance) would stand for the rest of the turn; each try adds the fate
+        of the token its block ends on."""
+        if not self.confidence_stop or self._stop_dropped or self.confidence_stop_pays:
+            self._stop_tries.reset()
+            return False
+        return self._stop_tries.due(self.probe_every)
 
     def _probe(self, upper: int) -> Plan | None:
         return Plan(MODEL, min(2, upper)) if self._probes.due(self.probe_every) else None

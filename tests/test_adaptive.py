@@ -424,6 +424,46 @@ def test_the_confidence_stop_is_dropped_when_the_draft_is_right_where_it_is_unsu
     assert calibrated.confidence_stop_pays and calibrated.stopping
 
 
+def test_a_confidence_stop_switched_off_is_tried_again_and_comes_back() -> None:
+    """Three unsure tokens taken in a row switch the stop off (by chance, under sampling: replaying
+    the T 1.0 run's `complete` replies, scripts/sampled_stop.py's draws, the rule switched it off in
+    21% of the turns, at the 4th round in the median, though the stop's blocks made 1.08x the best
+    fixed K there). Without the stop no block ends unsure, so that record stood for the whole turn
+    (main: off for all 40 rounds). Now the stop is tried again after 4 rounds, then after a gap that
+    doubles; where a try's unsure token is rejected it is back on, and stays; where it is taken
+    again, the stop stays off between ever rarer tries."""
+    controller = KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True, block_stop=0.3)
+    for _ in range(3):
+        controller.observe(3, 3, asked=8, ends_unsure=True)
+    assert not controller.confidence_stop_pays and not controller.stopping
+    on = []
+    for _ in range(40):
+        controller.plan(8)
+        on.append(controller.stopping)
+        if controller.stopping:
+            controller.observe(3, 2, asked=8, ends_unsure=True)  # the unsure 3rd token rejected
+        else:
+            controller.observe(8, 5, asked=8)  # blocks of K without the stop
+    assert on == [False] * 3 + [True] * 37  # tried in the 4th round, its unsure token rejected: back on
+    right = KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True, block_stop=0.3)
+    for _ in range(3):
+        right.observe(3, 3, asked=8, ends_unsure=True)
+    tries = []
+    for i in range(40):
+        right.plan(8)
+        if right.stopping:
+            tries.append(i)
+            right.observe(3, 3, asked=8, ends_unsure=True)  # right where it is unsure, again
+        else:
+            right.observe(8, 8, asked=8)
+    assert tries == [3, 11, 27]  # tried after 4 rounds, then 8, then 16: it stays off between
+    calibrated = KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True, block_stop=0.3)
+    for _ in range(40):
+        calibrated.plan(8)
+        assert calibrated.stopping
+        calibrated.observe(3, 2, asked=8, ends_unsure=True)
+
+
 def test_the_confidence_stop_is_dropped_when_only_whole_blocks_pay() -> None:
     """Where a round's fixed cost is high (here the draft call's overhead), blocks the stop ends
     after one token do not pay and the controller would turn speculation off before the unsure
