@@ -157,19 +157,6 @@ class StopCheck:
         return observe
 
 
-def report_warp(config: dict[str, Any]) -> Warp:
-    """The warp the report's rows sampled with."""
-    warp = Warp(
-        temperature=float(config.get("temperature", 0.0)),
-        top_k=int(config.get("top_k", 0)),
-        top_p=float(config.get("top_p", 1.0)),
-        min_p=float(config.get("min_p", 0.0)),
-    )
-    if warp.greedy:
-        raise SystemExit("the report is greedy: sampled_stop.py replays sampled runs (bench --temperature)")
-    return warp
-
-
 def draft_side(
     draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int], warp: Warp, top_n: int, trials: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -272,13 +259,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging("warning", "console")
     report = json.loads(args.report.read_text())
     config = report["config"]
-    warp = report_warp(config)
     thresholds = [float(t) for t in args.thresholds.split(",")]
     cfg = BenchConfig(
         model=config["model"],
         draft_model=config["draft_model"],
         workloads={name: tuple(texts) for name, texts in config["workloads"].items()},
+        **{key: config[key] for key in ("temperature", "top_p", "top_k", "min_p") if key in config},
     )
+    if cfg.greedy:
+        raise SystemExit("the report is greedy: sampled_stop.py replays sampled runs (bench --temperature)")
+    warp = cfg.warp()
     prompts = {(p.workload, p.index): p.token_ids for p in tokenize_prompts(cfg)}
     runs = [r for r in report["runs"] if r["method"] == args.method and r["token_ids"]]
     if not runs:
