@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +137,8 @@ class StopCheck:
     def __init__(self, max_k: int, threshold: float) -> None:
         self.max_k, self.threshold = max_k, threshold
         self.shared = StepCosts()
-        self.turns: dict[tuple[int, int], tuple[KController, list[int]]] = {}
+        self.turns: dict[tuple[int, int], KController] = {}  # (reply, trial) -> its controller
+        self.rounds: Counter[tuple[int, int]] = Counter()
         self.switched: dict[tuple[int, int], int] = {}  # (reply, trial) -> rounds before the switch
 
     def for_reply(self, reply: int) -> Round:
@@ -145,14 +147,12 @@ class StopCheck:
         def observe(trial: int, drafted: int, kept: int, ended: bool) -> None:
             key = (reply, trial)
             if key not in self.turns:
-                controller = KController(self.max_k, self.shared, confidence_stop=True, block_stop=self.threshold)
-                self.turns[key] = (controller, [0])
-            controller, rounds = self.turns[key]
-            rounds[0] += 1
+                self.turns[key] = KController(self.max_k, self.shared, confidence_stop=True, block_stop=self.threshold)
+            self.rounds[key] += 1
             if drafted and key not in self.switched:
-                controller.observe(drafted, kept, asked=self.max_k, ends_unsure=ended)
-                if not controller.confidence_stop_pays:
-                    self.switched[key] = rounds[0]
+                self.turns[key].observe(drafted, kept, asked=self.max_k, ends_unsure=ended)
+                if not self.turns[key].confidence_stop_pays:
+                    self.switched[key] = self.rounds[key]
 
         return observe
 
