@@ -51,7 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -200,21 +200,28 @@ class Guess(NamedTuple):
     runner_up: bool = False
 
 
-def draft_guesses(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int]) -> list[Guess]:
-    """The draft's greedy guess of each reply token given the true prefix. Through the draft
+def forced_logits(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int]) -> Iterator[torch.Tensor]:
+    """The draft's logits [V] before each reply token given the true prefix. Through the draft
     workers' own cache path: the prompt in one pass, then one token per pass (a dynamically
     quantized draft scales activations per pass, so the pass shape matters)."""
     caches = SessionCaches(draft, max_sessions=1, idle_s=float("inf"))
-    entry = caches.sync("ceiling", 0, 0)
-    guesses: list[Guess] = []
+    entry = caches.sync("forced", 0, 0)
     with torch.inference_mode():
         logits = caches.extend(entry, list(prompt), 1)[-1]
-        for token in reply:
-            probs = torch.softmax(logits.float(), dim=-1)
-            top, ids = probs.topk(2)
-            guesses.append(Guess(int(ids[0]) == token, float(top[0]), int(ids[1]) == token))
-            if len(guesses) < len(reply):
+        for j, token in enumerate(reply):
+            yield logits
+            if j + 1 < len(reply):
                 logits = caches.extend(entry, [token], 1)[-1]
+    caches.release("forced")
+
+
+def draft_guesses(draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int]) -> list[Guess]:
+    """The draft's greedy guess of each reply token given the true prefix (``forced_logits``)."""
+    guesses: list[Guess] = []
+    for logits, token in zip(forced_logits(draft, prompt, reply), reply, strict=True):
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, ids = probs.topk(2)
+        guesses.append(Guess(int(ids[0]) == token, float(top[0]), int(ids[1]) == token))
     return guesses
 
 

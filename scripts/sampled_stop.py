@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from draft_ceiling import TARGET_ONLY, Costs, measured_costs
+from draft_ceiling import TARGET_ONLY, Costs, forced_logits, measured_costs
 
 from coordinator.adaptive import KController, StepCosts, block_stop_for
 from specdec.runtime.kvcache import SessionCaches
@@ -160,26 +160,20 @@ class StopCheck:
 def draft_side(
     draft: LoadedModel, prompt: Sequence[int], reply: Sequence[int], warp: Warp, top_n: int, trials: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per position: the trials' drawn tokens [L, trials] and their probabilities in q, q's top
-    probability, and q itself (ids, probabilities) for the target's side."""
-    caches = SessionCaches(draft, max_sessions=1, idle_s=float("inf"))
-    entry = caches.sync("replay", 0, 0)
+    """Per position (``draft_ceiling.forced_logits``): the trials' drawn tokens [L, trials] and
+    their probabilities in q, q's top probability, and q itself (ids, probabilities) for the
+    target's side."""
     generator = torch.Generator().manual_seed(seed)
     tokens, drawn, top, proposals = [], [], [], []
-    with torch.inference_mode():
-        logits = caches.extend(entry, list(prompt), 1)[-1]
-        for j, token in enumerate(reply):
-            sample = sample_draft_token(logits.float(), warp, top_n, generator)
-            ids = sample.ids if sample.ids is not None else torch.arange(sample.probs.shape[0])
-            probs = sample.probs.float()
-            picks = torch.multinomial(probs, trials, replacement=True, generator=generator)
-            tokens.append(ids[picks].numpy())
-            drawn.append(probs[picks].numpy())
-            top.append(float(probs.max()))
-            proposals.append((ids, probs))
-            if j + 1 < len(reply):
-                logits = caches.extend(entry, [token], 1)[-1]
-    caches.release("replay")
+    for logits in forced_logits(draft, prompt, reply):
+        sample = sample_draft_token(logits.float(), warp, top_n, generator)
+        ids = sample.ids if sample.ids is not None else torch.arange(sample.probs.shape[0])
+        probs = sample.probs.float()
+        picks = torch.multinomial(probs, trials, replacement=True, generator=generator)
+        tokens.append(ids[picks].numpy())
+        drawn.append(probs[picks].numpy())
+        top.append(float(probs.max()))
+        proposals.append((ids, probs))
     return np.stack(tokens), np.stack(drawn), np.array(top), proposals
 
 
