@@ -101,6 +101,9 @@ class ConfidenceStop:
     # the server's block stop, which an adaptive sequential turn sets from the measured costs
     # (``block_stop_for``), ``block`` until they are measured; a request's own is used as set
     block_from_costs: bool = False
+    # the stops only report where they would end a block (``ProposeRequest.report_stops_only``):
+    # an adaptive turn that switched them off still learns whether they would pay
+    report_only: bool = False
 
     @property
     def on(self) -> bool:
@@ -436,8 +439,6 @@ class KController:
     _probes: _Backoff = field(default_factory=_Backoff, init=False)  # rounds since the model was used or probed
     _widest: _Backoff = field(default_factory=_Backoff, init=False)  # model rounds below the longest block allowed
     _untimed: _Backoff = field(default_factory=_Backoff, init=False)  # thin-lead rounds since target-only was timed
-    _stop_tries: _Backoff = field(default_factory=_Backoff, init=False)  # rounds since the switched-off stop was tried
-    _trying_stop: bool = field(default=False, init=False)  # this round tries the switched-off stop again
 
     def __post_init__(self) -> None:
         self._seen = defaultdict(lambda: Acceptance(self.decay))
@@ -466,25 +467,37 @@ class KController:
         return self._estimate(self.costs.continuation, self._going_on, 1.0)
 
     def observe(
-        self, k: int, accepted: int, method: str = MODEL, asked: int | None = None, ends_unsure: bool = False
+        self,
+        k: int,
+        accepted: int,
+        method: str = MODEL,
+        asked: int | None = None,
+        ends_unsure: bool = False,
+        unsure_at: int = 0,
     ) -> None:
         """Records a speculative round: ``accepted`` of ``k`` drafts taken (the first rejection ends
         it); ``method``: ``model``, or the source of a lookup draft (a ``lookup_key``);
         ``asked``: the block length asked of the draft model (more than ``k`` if it stopped
-        early); ``ends_unsure``: the draft proposed the last token below its confidence stop."""
+        early); ``ends_unsure``: the draft proposed the last token below its confidence stop;
+        ``unsure_at``: where in a block whose stops were only reported (1 = its first token) they
+        would have ended it, 0 = nowhere. The stops' own records then take the block they would
+        have left: its first ``unsure_at`` tokens, ending unsure."""
         if k == 0:
             return
         self.costs.observe_acceptance(k, accepted, method)
         self._seen[method].observe(k, accepted)
-        if method == MODEL and asked is not None and asked > 1:
+        if method != MODEL:
+            return
+        if 0 < unsure_at <= k and not ends_unsure:
+            k, accepted, ends_unsure = unsure_at, min(accepted, unsure_at), True
+        if asked is not None and asked > 1:
             self.costs.continuation.observe(asked - 1, k - 1)
             self._going_on.observe(asked - 1, k - 1)
-        if method == MODEL and ends_unsure:  # one trial: the block's last token, taken or not
+        if ends_unsure:  # one trial: the block's last token, taken or not
             self._unsure.observe(1, int(accepted == k))
-        if method == MODEL:
-            self._observe_split(k, accepted, ends_unsure)
-            if self.block_stop > 0 and (run := k - 1 if ends_unsure else k):
-                self._sure_runs.observe(1, int(accepted >= run))
+        self._observe_split(k, accepted, ends_unsure)
+        if self.block_stop > 0 and (run := k - 1 if ends_unsure else k):
+            self._sure_runs.observe(1, int(accepted >= run))
 
     def _observe_split(self, k: int, accepted: int, ends_unsure: bool) -> None:
         """The round's sure tokens (all but the last where a stop ended the block) and its unsure
@@ -510,14 +523,16 @@ class KController:
     @property
     def stopping(self) -> bool:
         """Whether this round's model block is asked to end where the draft is unsure."""
-        return self.confidence_stop and not self._stop_dropped and (self._trying_stop or self.confidence_stop_pays)
+        return self.confidence_stop and not self._stop_dropped and self.confidence_stop_pays
 
     @property
     def confidence_stop_pays(self) -> bool:
         """Whether the draft's confidence stop is kept for this turn: while the tokens it ends
         blocks on are taken clearly less often than the draft's tokens overall. A draft that is
         right where it is unsure (a badly calibrated one) would otherwise lose every token after
-        them; without the stop its blocks run to K (and c returns to 1)."""
+        them; without the stop its blocks run to K (and c returns to 1), while the draft still reports
+        where the stop would have ended them (``observe``'s ``unsure_at``), so the record goes on
+        and the stop comes back once the tokens it would end blocks on are rejected again."""
         unsure = self._unsure
         if unsure.trials < _UNSURE_EVIDENCE:
             return True
@@ -545,7 +560,6 @@ class KController:
         asked for (0 = not usable); ``lookup``: tokens a lookup draft has ready (0 = no match),
         whose acceptance counts are ``lookup_source``'s (the session's tokens by match length, or
         the reply index: see ``lookup_key``)."""
-        self._trying_stop = model > 0 and self._stop_try_due()  # only rounds that may draft count
         limits = {MODEL: model, NGRAM: lookup}
         if max(limits.values()) <= 0:
             return TARGET_ONLY
@@ -652,17 +666,6 @@ class KController:
             self._untimed.reset()
             return None
         return TARGET_ONLY if self._untimed.due(self.probe_every) else None
-
-    def _stop_try_due(self) -> bool:
-        """Whether this round tries again the confidence stop that ``confidence_stop_pays``
-        switched off (after 4 rounds, then the gap doubling up to ``probe_every``). Without the
-        stop no block ends unsure, so the record that switched it off (under sampling often a few
-        unsure tokens taken by chance) would stand for the rest of the turn; each try adds the fate
-        of the token its block ends on."""
-        if not self.confidence_stop or self._stop_dropped or self.confidence_stop_pays:
-            self._stop_tries.reset()
-            return False
-        return self._stop_tries.due(self.probe_every)
 
     def _probe(self, upper: int) -> Plan | None:
         return Plan(MODEL, min(2, upper)) if self._probes.due(self.probe_every) else None

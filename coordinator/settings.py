@@ -143,8 +143,7 @@ class CoordinatorSettings(ServiceSettings):
         gt=0,
         description="with speculation off for a session, probe it every N rounds (with K below the longest block "
         "allowed, draft that block every N rounds to measure it again; with a plan expecting under 1.5 tokens a "
-        "round, decode a round target-only every N rounds to time that again; with the draft's confidence stops "
-        "switched off for a turn, try them again every N rounds)",
+        "round, decode a round target-only every N rounds to time that again)",
     )
     speculation_max_requests: int = Field(
         0,

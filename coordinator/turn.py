@@ -23,7 +23,6 @@ from transformers import PreTrainedTokenizerBase
 from coordinator.adaptive import (
     MODEL,
     NGRAM,
-    NO_STOP,
     REPLY,
     TARGET_ONLY,
     KController,
@@ -441,13 +440,16 @@ class Turn:
             proposal = lookup_proposal(lookup[: plan.k], len(self._committed))
             self.workers.skip_draft()
         elif plan.k > 0:
-            if decoding.stop.on and self.adaptive and not self.controller.stopping:
-                decoding = dataclasses.replace(decoding, stop=NO_STOP)
-            elif decoding.stop.block_from_costs and self.adaptive:
-                stop = dataclasses.replace(decoding.stop, block=self.controller.block_threshold)
+            if decoding.stop.on and self.adaptive:  # the stops, as set from the costs, or only reported
+                stop = decoding.stop
+                if stop.block_from_costs:
+                    stop = dataclasses.replace(stop, block=self.controller.block_threshold)
+                if not self.controller.stopping:
+                    stop = dataclasses.replace(stop, report_only=True)
                 decoding = dataclasses.replace(decoding, stop=stop)
             proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round, self.adaptive)
-            if proposal is not None and proposal.method == MODEL and decoding.stop.block > 0:
+            applied = not decoding.stop.report_only
+            if proposal is not None and proposal.method == MODEL and decoding.stop.block > 0 and applied:
                 self.stats.block_stop_total += decoding.stop.block
                 self.stats.block_stop_rounds += 1
             if proposal is None and self.workers.catching_up:  # it asked for a long prefix again: sent unawaited
@@ -584,7 +586,7 @@ class Turn:
             s.proposed_by_position[position] += 1
             s.accepted_by_position[position] += position < verdict.num_accepted
         source = draft_source if method == NGRAM else method
-        self.controller.observe(k, verdict.num_accepted, source, asked, proposal.ends_unsure)
+        self.controller.observe(k, verdict.num_accepted, source, asked, proposal.ends_unsure, proposal.unsure_at)
         if method == NGRAM:
             s.lookup_rounds += 1
             s.lookup_proposed += k

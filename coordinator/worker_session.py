@@ -74,6 +74,7 @@ class Proposal:
     pipelined: bool = False
     method: str = MODEL
     ends_unsure: bool = False  # the draft reached a confidence stop at the block's last token
+    unsure_at: int = 0  # where in the block (1 = its first token) a stop, applied or reported, was first reached
 
 
 def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
@@ -508,8 +509,12 @@ class WorkerSession:
         self._lookahead_round = round_id
         computed = len(reply.draft.token_ids) + 1  # the previous block's last draft, the guess, the rest
         block = _first(reply.draft, k)
-        unsure = reply.ends_unsure and len(block.token_ids) == len(reply.draft.token_ids)
-        return Proposal(block, reply.cache_len, len(committed), reply.compute_ms, computed, True, ends_unsure=unsure)
+        whole = len(block.token_ids) == len(reply.draft.token_ids)
+        at = reply.unsure_at if reply.unsure_at <= len(block.token_ids) else 0
+        return Proposal(
+            block, reply.cache_len, len(committed), reply.compute_ms, computed, True,
+            ends_unsure=reply.ends_unsure and whole, unsure_at=at,
+        )  # fmt: skip
 
     async def _request_block(
         self,
@@ -542,6 +547,7 @@ class WorkerSession:
                 vocab_limit=self._draft.vocab_limit, tokenizer_hash=self._draft.tokenizer_hash,
                 processing=processing_to_proto(decoding.processing),
                 min_confidence=decoding.stop.token, min_block_confidence=decoding.stop.block,
+                report_stops_only=decoding.stop.report_only,
             )  # fmt: skip
             sent, tail, prefills = time.monotonic(), len(sync.tail_token_ids), self._draft.prefills
             ahead_ms = prefills.ahead_ms
@@ -571,7 +577,7 @@ class WorkerSession:
                 computed = len(sync.tail_token_ids) + max(got, 1) - 1
                 return Proposal(
                     reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed,
-                    ends_unsure=reply.ends_unsure,
+                    ends_unsure=reply.ends_unsure, unsure_at=min(reply.unsure_at, got),
                 )  # fmt: skip
             start = self._resynced("draft", sync.base_len, reply.resync_from)
             cached = start if not attempt else 0  # the last try always from 0, which cannot fail

@@ -55,6 +55,7 @@ class DraftParams:
     min_confidence: float = 0.0  # end the block after a token proposed with a lower probability
     min_block_confidence: float = 0.0  # end it once the product of its tokens' probabilities is lower
     guess_tokens: int = 0  # guess up to this many tokens ahead per pass from the session's n-grams; 0 = off
+    report_stops_only: bool = False  # the stops only say where they would end the block (``Block.unsure_at``)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Block:
     cache_hash: int
     compute_ms: float
     ends_unsure: bool = False  # a confidence stop was reached at the last token
+    unsure_at: int = 0  # the first sample (1 = the first) at which a confidence stop was reached; 0 = none
     computed_tokens: int = 0  # tokens run through the model for it (guesses included)
     guessed: int = 0  # guessed tokens run (see _draft_block)
     guesses_taken: int = 0  # draft tokens whose pass a right guess saved
@@ -94,12 +96,14 @@ class Resync:
 class Drafted:
     """What ``_draft_block`` drew: the samples, whether a confidence stop was reached at the last
     one, how many guessed tokens its passes ran and the samples (their indexes) whose pass a right
-    guess saved (each drawn from the row computed for the guess)."""
+    guess saved (each drawn from the row computed for the guess); ``unsure_at``: the first sample
+    (1 = the first) at which a stop was reached, 0 = none."""
 
     samples: list[DraftSample]
     unsure: bool
     guessed: int = 0
     taken: tuple[int, ...] = ()
+    unsure_at: int = 0
 
 
 Shape = Callable[[SessionCache, torch.Tensor, DraftParams, int], torch.Tensor]
@@ -128,7 +132,8 @@ def _draft_block(
     the block's proposal probabilities (the draft's estimate of the chance that the target keeps
     the whole block) below it. The block's length then depends on the draft alone (never on the
     target), so every proposed token is verified as usual and the output distribution is
-    unchanged.
+    unchanged. With ``params.report_stops_only`` the block runs to ``params.k`` and the stops only
+    record where they would have ended it (``Drafted.unsure_at``).
 
     With ``params.guess_tokens`` and an n-gram index on ``entry`` (``entry.guesses``), each pass
     also runs a guess of the tokens the draft will sample next: what followed the latest earlier
@@ -142,7 +147,7 @@ def _draft_block(
     then holds everything up to the block's last token, without it."""
     shape = shape or _processed
     samples: list[DraftSample] = []
-    unsure, block_probability = False, 1.0
+    unsure, unsure_at, block_probability = False, 0, 1.0
     base = len(entry.tokens) + len(feed)  # the cache's length at the block's first token
     offers = [(0, _guess(entry, feed, params.guess_tokens, params.k - 1))]  # (first sample, guess)
     guesses = _worth_running(entry, offers[-1][1])
@@ -157,6 +162,8 @@ def _draft_block(
             probability = proposal_probability(sample, shaped, params.warp)
             block_probability *= probability
             unsure = probability < params.min_confidence or block_probability < params.min_block_confidence
+            unsure_at = unsure_at or (i + 1 if unsure else 0)
+            unsure = unsure and not params.report_stops_only
         if i + 1 == params.k or unsure:
             break
         if guesses and guesses[0] == sample.token_id:
@@ -173,7 +180,7 @@ def _draft_block(
         drawn = [s.token_id for s in samples]
         for (first, guess), (after, _) in zip(offers, [*offers[1:], (len(drawn), [])], strict=True):
             entry.guesses.score(guess, drawn[first:after])
-    return Drafted(samples, unsure, guessed, tuple(taken))
+    return Drafted(samples, unsure, guessed, tuple(taken), unsure_at)
 
 
 def _guess(entry: SessionCache, feed: list[int], limit: int, room: int) -> list[int]:
@@ -229,6 +236,7 @@ def _finish(entry: SessionCache, drafted: Drafted, start: int, assumed: Sequence
         cache_hash=entry.hashes.of(entry.tokens, len(entry.tokens)),
         compute_ms=meter.ms,
         ends_unsure=drafted.unsure,
+        unsure_at=drafted.unsure_at,
         computed_tokens=meter.tokens,
         guessed=drafted.guessed,
         guesses_taken=len(drafted.taken),
@@ -325,6 +333,7 @@ def translated_propose_job(
         drafted = yield from _draft_block(entry, feed, greedy, start, loaded.device, meter, _unshaped)
         proposed = mirror.slem_targets([s.token_id for s in drafted.samples], params.k)
         samples = tuple(DraftSample(token_id=t) for t in proposed)
+        drafted = dataclasses.replace(drafted, unsure_at=0)  # its positions are the draft's tokens, not these
     else:
         barred = ~bridge.proposable(params.vocab_limit, loaded.device)
 
@@ -335,7 +344,7 @@ def translated_propose_job(
         samples = tuple(_in_target_ids(s, bridge.id_map(loaded.device)) for s in drafted.samples)
     return Block(
         samples, start, (), cache_len=start, cache_hash=0, compute_ms=meter.ms, ends_unsure=drafted.unsure,
-        computed_tokens=meter.tokens,
+        unsure_at=drafted.unsure_at, computed_tokens=meter.tokens,
     )  # fmt: skip
 
 

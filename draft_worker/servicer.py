@@ -80,6 +80,7 @@ def _response(block: Block, round_id: int, lookahead: bool) -> draft_pb2.Propose
         base_len=block.start - len(block.assumed),
         assumed_token_ids=list(block.assumed),
         ends_unsure=block.ends_unsure,
+        unsure_at=block.unsure_at,
     )
 
 
@@ -163,6 +164,7 @@ class _ProposeStream:
             request.min_confidence,
             request.min_block_confidence,
             self._settings.guess_tokens,
+            request.report_stops_only,
         )
         # a translating draft does not mask (its tokens are not the grammar's); a grammar still
         # compiling is left out of this proposal (see prepare_grammar)

@@ -19,10 +19,14 @@ any signal computed from the draft alone could do).
 Prints, per workload: first a check of the replay against the run on the same replies (rounds,
 drafted and accepted tokens predicted with the service's rule at the threshold the report's costs
 set, ``coordinator.adaptive.block_stop_for``, beside what the row measured: the row's rounds also
-hold its first round, lookup rounds and the controller's probes); then tokens/s for fixed K and for
-each signal at each threshold, priced at the report's costs (``draft_ceiling.measured_costs``) and
-scaled to its measured ``service target-only`` rate as ``draft_ceiling.py`` scales. A position
-keeps the committed reply's prefix, also after a draw the draft would have followed elsewhere.
+hold its first round, lookup rounds and the controller's probes); how many replayed turns the
+controller's own check would switch the stop off in; tokens/s with the controller itself planning
+each round (``controlled``: its K, and the stop kept or switched off by its check, brought back by
+the draft's reports of where it would have ended whole blocks or, as before those reports, off for
+the rest of the turn); then tokens/s for fixed K and for each signal at each threshold. All are
+priced at the report's costs (``draft_ceiling.measured_costs``) and scaled to its measured
+``service target-only`` rate as ``draft_ceiling.py`` scales. A position keeps the committed
+reply's prefix, also after a draw the draft would have followed elsewhere.
 
     .venv/bin/python scripts/sampled_stop.py docs/bench/sampled/amd-t10-0b50a42.json
 """
@@ -82,6 +86,7 @@ class Tally:
     accepted: float = 0.0
     ms: float = 0.0
     trials: int = 0
+    unstopped: float = 0.0  # ``controlled``: model rounds drafted with the stop switched off
 
 
 Round = Callable[[int, int, int, bool], None]  # (trial, drafted, kept, the signal ended the block)
@@ -123,6 +128,59 @@ def replay(
             tally.rounds += 1
             tally.drafted += n
             tally.accepted += run
+            tally.ms += costs.round_ms(n)
+            i += run + 1
+    return tally
+
+
+def step_costs(costs: Costs, max_k: int) -> StepCosts:
+    """A coordinator's measured costs (``StepCosts``) set to a report's: every verify width up to
+    ``max_k`` + 1, the draft's step and both overheads."""
+    shared = StepCosts()
+    for width in range(1, max_k + 2):
+        shared.observe_verify(width, costs.verify + costs.verify_per_draft * (width - 1))
+    shared.observe_draft(1, costs.draft_per_token)
+    shared.observe_overhead(costs.overhead, drafted=True)
+    shared.observe_overhead(costs.local_overhead, drafted=False)
+    return shared
+
+
+def controlled(
+    positions: Positions, costs: Costs, shared: StepCosts, max_k: int, reports: bool, seed: int = 0
+) -> Tally:
+    """Decodes the reply once per trial as an adaptive turn of the service does, with a
+    ``KController`` of the turn on the workload's ``shared`` costs (``step_costs``): each round its
+    plan (target-only or a model block of its K; no lookup drafts here), the block stop at the
+    threshold the costs set applied while the controller keeps it (``stopping``), else whole
+    blocks of its K, the controller told where the stop would have ended them (``reports``: the
+    draft's ``unsure_at``) or not (as before the draft reported it). The draws and the target's
+    choices are ``replay``'s (the same uniforms)."""
+    length, trials = positions.drawn.shape
+    uniforms = np.random.default_rng(seed).random((trials, length))
+    tally = Tally(trials=trials)
+    for trial in range(trials):
+        controller = KController(max_k, shared, confidence_stop=True, block_stop=0.5, block_from_costs=True)
+        i = 0
+        while i < length:
+            plan = controller.plan(min(max_k, length - i - 1))
+            stopping, threshold = controller.stopping, controller.block_threshold
+            n, product, at = 0, 1.0, 0
+            while n < plan.k:
+                n += 1
+                product *= float(positions.drawn[i + n - 1, trial])
+                at = at or (n if product < threshold else 0)
+                if stopping and at:
+                    break
+            run = 0
+            while run < n and uniforms[trial, i + run] < positions.keep[i + run, trial]:
+                run += 1
+            ended = stopping and at == n > 0
+            reported = at if reports and not stopping else 0
+            controller.observe(n, run, asked=plan.k, ends_unsure=ended, unsure_at=reported)
+            tally.rounds += 1
+            tally.drafted += n
+            tally.accepted += run
+            tally.unstopped += n > 0 and not stopping
             tally.ms += costs.round_ms(n)
             i += run + 1
     return tally
@@ -228,6 +286,12 @@ def price(
     after = sorted(check.switched.values())
     out(f"the controller's check of the stop would switch it off in {len(after)} of {len(check.turns)} turns")
     out(f" (after {after[len(after) // 2]} rounds in the median)\n" if after else "\n")
+    for reports, how in ((False, "off for the turn once switched off"), (True, "back with the draft's reports")):
+        shared = step_costs(costs, args.max_k)
+        turns = [controlled(pos, costs, shared, args.max_k, reports, args.seed) for _, pos in here]
+        ms, rounds = sum(t.ms / t.trials for t in turns), sum(t.rounds for t in turns)
+        out(f"the controller's own plans, the stop {how}: {reference * plain / (start + ms):.2f} tok/s, ")
+        out(f"{sum(t.unstopped for t in turns) / rounds:.1%} of rounds drafted without the stop\n")
 
     def rate(signal: Signal | None, threshold: float, max_k: int) -> float:
         ms = sum(replay(pos, costs, max_k, signal, threshold, args.seed).ms / args.trials for _, pos in here)

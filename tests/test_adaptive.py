@@ -424,44 +424,70 @@ def test_the_confidence_stop_is_dropped_when_the_draft_is_right_where_it_is_unsu
     assert calibrated.confidence_stop_pays and calibrated.stopping
 
 
-def test_a_confidence_stop_switched_off_is_tried_again_and_comes_back() -> None:
+def test_a_confidence_stop_switched_off_goes_on_hearing_where_it_would_end_blocks_and_comes_back() -> None:
     """Three unsure tokens taken in a row switch the stop off (by chance, under sampling: replaying
     the T 1.0 run's `complete` replies, scripts/sampled_stop.py's draws, the rule switched it off in
     21% of the turns, at the 4th round in the median, though the stop's blocks made 1.08x the best
-    fixed K there). Without the stop no block ends unsure, so that record stood for the whole turn
-    (main: off for all 40 rounds). Now the stop is tried again after 4 rounds, then after a gap that
-    doubles; where a try's unsure token is rejected it is back on, and stays; where it is taken
-    again, the stop stays off between ever rarer tries."""
-    controller = KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True, block_stop=0.3)
+    fixed K there). Without the stop no block ends unsure, so that record stood for the whole turn;
+    then the stop was tried again now and then (blocks ended early to learn). Now the draft reports
+    where the stop would have ended each block it drafts without it (``unsure_at``): where that
+    token is rejected, the stop is back on after one round, where it is taken, it stays off, and
+    no block is ended early to find out."""
+
+    def controller() -> KController:
+        return KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True, block_stop=0.3)
+
+    wrong = controller()
     for _ in range(3):
-        controller.observe(3, 3, asked=8, ends_unsure=True)
-    assert not controller.confidence_stop_pays and not controller.stopping
+        wrong.observe(3, 3, asked=8, ends_unsure=True)
+    assert not wrong.confidence_stop_pays and not wrong.stopping
     on = []
     for _ in range(40):
-        controller.plan(8)
-        on.append(controller.stopping)
-        if controller.stopping:
-            controller.observe(3, 2, asked=8, ends_unsure=True)  # the unsure 3rd token rejected
+        wrong.plan(8)
+        on.append(wrong.stopping)
+        if wrong.stopping:
+            wrong.observe(3, 2, asked=8, ends_unsure=True)  # the unsure 3rd token rejected
         else:
-            controller.observe(8, 5, asked=8)  # blocks of K without the stop
-    assert on == [False] * 3 + [True] * 37  # tried in the 4th round, its unsure token rejected: back on
-    right = KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True, block_stop=0.3)
+            wrong.observe(8, 2, asked=8, unsure_at=3)  # a block of K; where the stop would have ended it, rejected
+    assert on == [False] + [True] * 39
+    right = controller()
     for _ in range(3):
         right.observe(3, 3, asked=8, ends_unsure=True)
-    tries = []
-    for i in range(40):
+    for _ in range(40):
         right.plan(8)
-        if right.stopping:
-            tries.append(i)
-            right.observe(3, 3, asked=8, ends_unsure=True)  # right where it is unsure, again
-        else:
-            right.observe(8, 8, asked=8)
-    assert tries == [3, 11, 27]  # tried after 4 rounds, then 8, then 16: it stays off between
-    calibrated = KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True, block_stop=0.3)
+        assert not right.stopping  # never tried: the reports say it would still lose tokens
+        right.observe(8, 8, asked=8, unsure_at=3)
+    assert not right.confidence_stop_pays
+    calibrated = controller()
     for _ in range(40):
         calibrated.plan(8)
         assert calibrated.stopping
         calibrated.observe(3, 2, asked=8, ends_unsure=True)
+
+
+def test_a_reported_stop_counts_as_the_block_it_would_have_left() -> None:
+    """A block drafted with the stops only reported feeds the stops' records (the tokens a stop
+    ends blocks on, the tokens before it, the rate of going on) as the block the stop would have
+    drafted: its first ``unsure_at`` tokens; the acceptance of the draft's tokens counts all of
+    them. A report past the block (``unsure_at`` > k) or none leaves a whole block."""
+    reported, stopped = (
+        KController(k_max=8, costs=costs(10, {1: 100, 9: 200}), confidence_stop=True, block_stop=0.3) for _ in range(2)
+    )
+    rounds = [(8, 5, 3), (8, 1, 4), (8, 8, 0), (8, 8, 6), (6, 2, 9)]
+    for k, accepted, at in rounds:
+        reported.observe(k, accepted, asked=8, unsure_at=at)
+        if 0 < at <= k:
+            stopped.observe(at, min(accepted, at), asked=8, ends_unsure=True)
+        else:
+            stopped.observe(k, accepted, asked=8)
+    for name in ("_unsure", "_sure_seen", "_unsure_seen", "_sure_runs", "_going_on"):
+        mine, theirs = getattr(reported, name), getattr(stopped, name)
+        assert (mine.accepted, mine.trials) == pytest.approx((theirs.accepted, theirs.trials)), name
+    plain = KController(k_max=8, costs=costs(10, {1: 100, 9: 200}))
+    for k, accepted, _ in rounds:
+        plain.observe(k, accepted)
+    mine, theirs = reported._seen["model"], plain._seen["model"]
+    assert (mine.accepted, mine.trials) == pytest.approx((theirs.accepted, theirs.trials))
 
 
 def test_the_confidence_stop_is_dropped_when_only_whole_blocks_pay() -> None:

@@ -1153,6 +1153,32 @@ def test_sampled_stop_counts_the_turns_whose_stop_check_would_switch_the_stop_of
         assert check.switched == switched and len(check.turns) == 3
 
 
+def test_sampled_stop_replays_the_controller_s_own_plans_with_and_without_the_draft_s_reports() -> None:
+    """``controlled``: a turn's real ``KController`` plans each round. Drafts alternate sure (0.9)
+    and unsure (0.3: the product falls below the costs' threshold, 0.46, there); the first three
+    unsure tokens (positions 1, 3 and 5, the blocks the stop ends) are kept, so the controller
+    switches the stop off, after which every unsure token is rejected. Told where the stop would
+    have ended each whole block (the draft's reports), it turns the stop back on after two such
+    blocks; not told, it drafts whole blocks for the rest of the turn, and those lose the round's
+    extra drafts at the unsure token."""
+    stop = _sampled_stop_module()
+    costs = script_module("draft_ceiling").Costs(
+        verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0
+    )
+    length, trials = 40, 3
+    unsure = np.arange(length) % 2 == 1
+    drawn = np.tile(np.where(unsure, 0.3, 0.9)[:, None], (1, trials))
+    keep = np.tile(np.where(unsure & (np.arange(length) >= 7), 0.0, 1.0)[:, None], (1, trials))
+    positions = stop.Positions(drawn, keep, np.full(length, 0.9), np.full(length, 0.6))
+    told, untold = (
+        stop.controlled(positions, costs, stop.step_costs(costs, 16), 16, reports) for reports in (True, False)
+    )
+    assert told.trials == untold.trials == trials
+    assert told.unstopped == 2 * trials  # two reports a turn, then the stop is back
+    assert untold.unstopped >= 8 * trials  # whole blocks to the turn's end
+    assert told.ms < untold.ms and told.drafted < untold.drafted
+
+
 def test_bench_refuses_to_report_when_a_service_process_died(
     tiny_models: TinyModels, tmp_path: Path, fork_server: ForkServer
 ) -> None:

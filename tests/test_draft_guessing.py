@@ -116,6 +116,38 @@ def test_a_sampled_warp_that_leaves_one_token_drafts_the_greedy_blocks_stops_inc
     assert any(b.ends_unsure for b in greedy) and any(len(b.token_ids) < 8 for b in greedy)
 
 
+@pytest.mark.parametrize("warp", [Warp(), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("stop", [{"min_block_confidence": 0.05}, {"min_confidence": 0.3}], ids=["block", "token"])
+def test_stops_only_reported_draft_the_whole_block_and_say_where_they_would_end_it(
+    drafts: dict[str, LoadedModel], warp: Warp, stop: dict[str, float]
+) -> None:
+    """``report_stops_only`` (what a coordinator asks once it switched the stops off for a turn):
+    the block is the one drafted without the stops (K tokens, the same draws and distributions,
+    guessing ahead or not), and ``unsure_at`` is where the stops would have ended it: the length
+    of the block they draft, where it ended unsure; 0 where they let it run to K."""
+    draft, prompt = drafts["noisy"], chain_prompt(drafts["noisy"])
+    reported_somewhere = 0
+    for seed, guess in ((seed, guess) for seed in range(12) for guess in (0, 8)):
+        plain = DraftParams(8, warp, seed=seed, top_n=3, guess_tokens=guess)
+        stopped, reported = (dataclasses.replace(plain, **stop, report_stops_only=only) for only in (False, True))
+        blocks = {}
+        for name, params in (("plain", plain), ("stopped", stopped), ("reported", reported)):
+            caches = SessionCaches(draft, 2, 600)
+            blocks[name], _ = run_counting(propose_job(caches, draft, "s", prefix_sync(prompt, 0), params), caches)
+        short, whole, block = blocks["stopped"], blocks["plain"], blocks["reported"]
+        assert block.token_ids == whole.token_ids and not block.ends_unsure
+        for got, want in zip(block.samples, whole.samples, strict=True):
+            for mine, theirs in ((got.ids, want.ids), (got.probs, want.probs)):  # None: greedy's one-hot
+                assert (mine is None and theirs is None) or (
+                    mine is not None and theirs is not None and torch.equal(mine, theirs)
+                )
+        assert short.token_ids == whole.token_ids[: len(short.token_ids)]
+        assert block.unsure_at == (len(short.token_ids) if short.ends_unsure else 0), (seed, guess)
+        assert short.unsure_at == block.unsure_at  # an applied stop reports where it ended the block too
+        reported_somewhere += 0 < block.unsure_at < 8
+    assert reported_somewhere >= 6  # most blocks would have ended early
+
+
 def test_a_job_cancelled_before_its_first_pass_leaves_no_index_ahead_of_the_cache(
     drafts: dict[str, LoadedModel],
 ) -> None:

@@ -178,3 +178,28 @@ def test_any_propose_request_is_served_or_refused_as_the_caller_s_error(draft: _
     plain.sync.tail_token_ids.extend([5, 6, 7])
     (reply,) = _propose(draft, plain)
     assert reply.cache_status == common_pb2.CACHE_STATUS_OK and len(reply.draft.token_ids) == 3
+
+
+def test_a_propose_with_its_stops_only_reported_answers_k_tokens_and_where_they_would_end(draft: _Worker) -> None:
+    """Through the draft's servicer (the messages a coordinator sends and reads): with
+    ``report_stops_only`` the block holds ``num_tokens`` tokens, the tokens drafted without the
+    stops, ``ends_unsure`` is false and ``unsure_at`` is the length of the block the stops would
+    have drafted; the stops applied report the same position at their block's end."""
+
+    def propose(session: str, **stops: Any) -> draft_pb2.ProposeResponse:
+        request = draft_pb2.ProposeRequest(
+            session_id=session, num_tokens=8, warp=common_pb2.WarpParams(temperature=0.0), **stops
+        )
+        request.sync.tail_token_ids.extend([5, 6, 7])
+        (reply,) = _propose(draft, request)
+        assert reply.cache_status == common_pb2.CACHE_STATUS_OK
+        return reply
+
+    plain = propose("stops-plain")
+    applied = propose("stops-applied", min_block_confidence=0.5)
+    reported = propose("stops-reported", min_block_confidence=0.5, report_stops_only=True)
+    assert 0 < len(applied.draft.token_ids) < 8 and applied.ends_unsure  # the tiny draft is unsure early
+    assert applied.unsure_at == len(applied.draft.token_ids)
+    assert list(reported.draft.token_ids) == list(plain.draft.token_ids) and len(plain.draft.token_ids) == 8
+    assert not reported.ends_unsure and reported.unsure_at == applied.unsure_at
+    assert plain.unsure_at == 0

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"9\n\x11\x44raftInfoResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.specdec.v1.WorkerInfo\"\x9a\x03\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12$\n\x04warp\x18\x07 \x01(\x0b\x32\x16.specdec.v1.WarpParams\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x11\n\tlookahead\x18\t \x01(\x08\x12\x17\n\x0f\x61\x64opt_lookahead\x18\n \x01(\x08\x12\x13\n\x0bvocab_limit\x18\x0b \x01(\r\x12$\n\x04sync\x18\x0c \x01(\x0b\x32\x16.specdec.v1.PrefixSync\x12,\n\nprocessing\x18\r \x01(\x0b\x32\x18.specdec.v1.LogitsParams\x12\x16\n\x0emin_confidence\x18\x0e \x01(\x02\x12\x1c\n\x14min_block_confidence\x18\x0f \x01(\x02\x12\x16\n\x0etokenizer_hash\x18\x10 \x01(\tJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x08\x62\x61se_lenR\x0bprefix_hashR\x0etail_token_ids\"\x8a\x02\n\x0fProposeResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12-\n\x0c\x63\x61\x63he_status\x18\x02 \x01(\x0e\x32\x17.specdec.v1.CacheStatus\x12%\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x16.specdec.v1.DraftBlock\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x11\n\tlookahead\x18\x06 \x01(\x08\x12\x10\n\x08\x62\x61se_len\x18\x07 \x01(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x08 \x03(\r\x12\x13\n\x0b\x65nds_unsure\x18\t \x01(\x08\x12\x13\n\x0bresync_from\x18\n \x01(\r\"0\n\x1a\x44raftReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x1b\x44raftReleaseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xfd\x01\n\x0b\x44raftWorker\x12\x43\n\x04Info\x12\x1c.specdec.v1.DraftInfoRequest\x1a\x1d.specdec.v1.DraftInfoResponse\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12\x61\n\x0eReleaseSession\x12&.specdec.v1.DraftReleaseSessionRequest\x1a\'.specdec.v1.DraftReleaseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"9\n\x11\x44raftInfoResponse\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.specdec.v1.WorkerInfo\"\xb5\x03\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12$\n\x04warp\x18\x07 \x01(\x0b\x32\x16.specdec.v1.WarpParams\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x11\n\tlookahead\x18\t \x01(\x08\x12\x17\n\x0f\x61\x64opt_lookahead\x18\n \x01(\x08\x12\x13\n\x0bvocab_limit\x18\x0b \x01(\r\x12$\n\x04sync\x18\x0c \x01(\x0b\x32\x16.specdec.v1.PrefixSync\x12,\n\nprocessing\x18\r \x01(\x0b\x32\x18.specdec.v1.LogitsParams\x12\x16\n\x0emin_confidence\x18\x0e \x01(\x02\x12\x1c\n\x14min_block_confidence\x18\x0f \x01(\x02\x12\x16\n\x0etokenizer_hash\x18\x10 \x01(\t\x12\x19\n\x11report_stops_only\x18\x11 \x01(\x08J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x08\x62\x61se_lenR\x0bprefix_hashR\x0etail_token_ids\"\x9d\x02\n\x0fProposeResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12-\n\x0c\x63\x61\x63he_status\x18\x02 \x01(\x0e\x32\x17.specdec.v1.CacheStatus\x12%\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x16.specdec.v1.DraftBlock\x12\x11\n\tcache_len\x18\x04 \x01(\r\x12\x12\n\ncompute_ms\x18\x05 \x01(\x02\x12\x11\n\tlookahead\x18\x06 \x01(\x08\x12\x10\n\x08\x62\x61se_len\x18\x07 \x01(\r\x12\x19\n\x11\x61ssumed_token_ids\x18\x08 \x03(\r\x12\x13\n\x0b\x65nds_unsure\x18\t \x01(\x08\x12\x13\n\x0bresync_from\x18\n \x01(\r\x12\x11\n\tunsure_at\x18\x0b \x01(\r\"0\n\x1a\x44raftReleaseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\".\n\x1b\x44raftReleaseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xfd\x01\n\x0b\x44raftWorker\x12\x43\n\x04Info\x12\x1c.specdec.v1.DraftInfoRequest\x1a\x1d.specdec.v1.DraftInfoResponse\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12\x61\n\x0eReleaseSession\x12&.specdec.v1.DraftReleaseSessionRequest\x1a\'.specdec.v1.DraftReleaseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTINFORESPONSE']._serialized_start=83
   _globals['_DRAFTINFORESPONSE']._serialized_end=140
   _globals['_PROPOSEREQUEST']._serialized_start=143
-  _globals['_PROPOSEREQUEST']._serialized_end=553
-  _globals['_PROPOSERESPONSE']._serialized_start=556
-  _globals['_PROPOSERESPONSE']._serialized_end=822
-  _globals['_DRAFTRELEASESESSIONREQUEST']._serialized_start=824
-  _globals['_DRAFTRELEASESESSIONREQUEST']._serialized_end=872
-  _globals['_DRAFTRELEASESESSIONRESPONSE']._serialized_start=874
-  _globals['_DRAFTRELEASESESSIONRESPONSE']._serialized_end=920
-  _globals['_DRAFTWORKER']._serialized_start=923
-  _globals['_DRAFTWORKER']._serialized_end=1176
+  _globals['_PROPOSEREQUEST']._serialized_end=580
+  _globals['_PROPOSERESPONSE']._serialized_start=583
+  _globals['_PROPOSERESPONSE']._serialized_end=868
+  _globals['_DRAFTRELEASESESSIONREQUEST']._serialized_start=870
+  _globals['_DRAFTRELEASESESSIONREQUEST']._serialized_end=918
+  _globals['_DRAFTRELEASESESSIONRESPONSE']._serialized_start=920
+  _globals['_DRAFTRELEASESESSIONRESPONSE']._serialized_end=966
+  _globals['_DRAFTWORKER']._serialized_start=969
+  _globals['_DRAFTWORKER']._serialized_end=1222
 # @@protoc_insertion_point(module_scope)

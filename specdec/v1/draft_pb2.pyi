@@ -18,7 +18,7 @@ class DraftInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "round_id", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead", "vocab_limit", "sync", "processing", "min_confidence", "min_block_confidence", "tokenizer_hash")
+    __slots__ = ("session_id", "round_id", "num_tokens", "warp", "seed", "lookahead", "adopt_lookahead", "vocab_limit", "sync", "processing", "min_confidence", "min_block_confidence", "tokenizer_hash", "report_stops_only")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class ProposeRequest(_message.Message):
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     MIN_BLOCK_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    REPORT_STOPS_ONLY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     round_id: int
     num_tokens: int
@@ -45,10 +46,11 @@ class ProposeRequest(_message.Message):
     min_confidence: float
     min_block_confidence: float
     tokenizer_hash: str
-    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ..., vocab_limit: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., min_block_confidence: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ...) -> None: ...
+    report_stops_only: bool
+    def __init__(self, session_id: _Optional[str] = ..., round_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., warp: _Optional[_Union[_common_pb2.WarpParams, _Mapping]] = ..., seed: _Optional[int] = ..., lookahead: _Optional[bool] = ..., adopt_lookahead: _Optional[bool] = ..., vocab_limit: _Optional[int] = ..., sync: _Optional[_Union[_common_pb2.PrefixSync, _Mapping]] = ..., processing: _Optional[_Union[_common_pb2.LogitsParams, _Mapping]] = ..., min_confidence: _Optional[float] = ..., min_block_confidence: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ..., report_stops_only: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms", "lookahead", "base_len", "assumed_token_ids", "ends_unsure", "resync_from")
+    __slots__ = ("round_id", "cache_status", "draft", "cache_len", "compute_ms", "lookahead", "base_len", "assumed_token_ids", "ends_unsure", "resync_from", "unsure_at")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_STATUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +61,7 @@ class ProposeResponse(_message.Message):
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDS_UNSURE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FROM_FIELD_NUMBER: _ClassVar[int]
+    UNSURE_AT_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     cache_status: _common_pb2.CacheStatus
     draft: _common_pb2.DraftBlock
@@ -69,7 +72,8 @@ class ProposeResponse(_message.Message):
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ends_unsure: bool
     resync_from: int
-    def __init__(self, round_id: _Optional[int] = ..., cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., lookahead: _Optional[bool] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., ends_unsure: _Optional[bool] = ..., resync_from: _Optional[int] = ...) -> None: ...
+    unsure_at: int
+    def __init__(self, round_id: _Optional[int] = ..., cache_status: _Optional[_Union[_common_pb2.CacheStatus, str]] = ..., draft: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., lookahead: _Optional[bool] = ..., base_len: _Optional[int] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., ends_unsure: _Optional[bool] = ..., resync_from: _Optional[int] = ..., unsure_at: _Optional[int] = ...) -> None: ...
 
 class DraftReleaseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
