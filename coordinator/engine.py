@@ -141,6 +141,7 @@ def server_info(
         max_concurrent_requests=settings.max_concurrent_requests,
         max_requests_per_caller=settings.max_requests_per_caller,
         max_sessions_per_caller=settings.max_sessions_per_caller,
+        max_session_tokens_per_caller=settings.max_session_tokens_per_caller,
         speculation_max_requests=settings.speculation_max_requests,
         max_prompt_chars=limits.max_prompt_chars,
         speculation_mode="pipelined" if pipelined else "sequential",
@@ -192,6 +193,7 @@ class Engine:
             tls_ca_file=s.state_tls_ca_file,
             memory_max_tokens=s.state_memory_max_tokens,
             max_sessions_per_caller=s.max_sessions_per_caller,
+            max_session_tokens_per_caller=s.max_session_tokens_per_caller,
             replica_acks=s.state_replica_acks,
             replica_wait_s=s.state_replica_wait_s,
         )

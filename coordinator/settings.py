@@ -181,6 +181,14 @@ class CoordinatorSettings(ServiceSettings):
         "callers are one without authentication) may hold until closed or expired; a request that would make one "
         "more gets RESOURCE_EXHAUSTED; 0 = no limit",
     )
+    max_session_tokens_per_caller: int = Field(
+        0,
+        ge=0,
+        description="token ids one caller's named sessions may hold (committed prompts and replies, counted as "
+        "--max-sessions-per-caller counts sessions, which it needs); while they hold this many or more, its "
+        "requests that would continue or make a session get RESOURCE_EXHAUSTED until sessions are closed or "
+        "expire; a turn begun under it may still add up to the context length; 0 = no limit",
+    )
     worker_timeout_s: float = Field(60.0, gt=0, description="upper bound of one worker call (client deadlines cap it)")
     worker_startup_timeout_s: float = Field(600.0, gt=0, description="how long to wait at start for workers to serve")
     draft_startup_wait_s: float = Field(
@@ -253,6 +261,17 @@ class CoordinatorSettings(ServiceSettings):
             raise ValueError(
                 f"session_lease_s ({self.session_lease_s:g}) must exceed worker_timeout_s + state_retry_s "
                 f"({self.worker_timeout_s:g} + {self.state_retry_s:g}); raise the lease or lower the timeouts"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _token_budget_over_counted_sessions(self) -> CoordinatorSettings:
+        """Each turn of a caller sums the tokens of its counted sessions: the limit of sessions
+        bounds that work (and with it how long one such sum holds a Redis)."""
+        if self.max_session_tokens_per_caller and not self.max_sessions_per_caller:
+            raise ValueError(
+                "max_session_tokens_per_caller needs max_sessions_per_caller: each of a caller's turns sums "
+                "the tokens of its sessions, which that limit bounds (k8s/ sets 1000)"
             )
         return self
 

@@ -41,6 +41,7 @@ WORKER_TOKEN = "worker-token-0123456789abcdef"
 REDIS_PASSWORD = "redis-Pa55word-never-logged"
 PROMPT = [5, 9, 13, 2, 7]
 SESSIONS_PER_CALLER = 2  # the module's coordinator: --max-sessions-per-caller
+TOKENS_PER_CALLER = 40  # and --max-session-tokens-per-caller
 
 
 @dataclass
@@ -103,6 +104,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) ->
         "--worker-tls-cert-file", str(client_cert), "--worker-tls-key-file", str(client_key),
         "--worker-token-file", str(worker_token), "--log-level", "debug", "--local-port", "0",
         "--max-sessions-per-caller", str(SESSIONS_PER_CALLER),
+        "--max-session-tokens-per-caller", str(TOKENS_PER_CALLER),
     ]  # fmt: skip
     cluster = LocalCluster(
         str(tiny_models.target), str(tiny_models.other), workdir, worker_args, coordinator_args=coordinator_args
@@ -124,6 +126,14 @@ def _generate(
     with secure.channel() as channel:
         stub = coordinator_pb2_grpc.GenerationStub(channel)
         return stub.Generate(request, metadata=metadata, timeout=60)
+
+
+def _close(secure: SecureCluster, token: str, name: str) -> bool:
+    """CloseSession for the caller of ``token``: whether it closed a session."""
+    with secure.channel() as channel:
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        request = coordinator_pb2.CloseSessionRequest(session_id=name)
+        return stub.CloseSession(request, metadata=[("authorization", f"Bearer {token}")]).existed
 
 
 def _code(fn: object) -> tuple[grpc.StatusCode, str]:
@@ -198,12 +208,6 @@ def test_a_caller_at_its_session_limit_is_refused_a_new_one_and_others_are_not(
         info = stub.GetInfo(coordinator_pb2.GetInfoRequest(), metadata=[("authorization", f"Bearer {ALICE}")])
         assert info.max_sessions_per_caller == SESSIONS_PER_CALLER and info.max_requests_per_caller == 0
 
-    def close(token: str, name: str) -> bool:
-        with secure.channel() as channel:
-            stub = coordinator_pb2_grpc.GenerationStub(channel)
-            request = coordinator_pb2.CloseSessionRequest(session_id=name)
-            return stub.CloseSession(request, metadata=[("authorization", f"Bearer {token}")]).existed
-
     try:
         for name in names[:-1]:
             assert len(_generate(secure, ALICE, max_new=2, session_id=name).token_ids) == 2
@@ -214,13 +218,50 @@ def test_a_caller_at_its_session_limit_is_refused_a_new_one_and_others_are_not(
         assert len(_generate(secure, ALICE, max_new=2).token_ids) == 2  # one-shot: counted for nobody
         for name in names[1:]:
             assert len(_generate(secure, BOB, max_new=2, session_id=name).token_ids) == 2
-        assert close(ALICE, names[1])
+        assert _close(secure, ALICE, names[1])
         reply = _generate(secure, ALICE, max_new=8, session_id=names[-1], ignore_eos=True)
         assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
     finally:
         for token in (ALICE, BOB):
             for name in names:
-                close(token, name)
+                _close(secure, token, name)
+
+
+def test_a_caller_whose_sessions_hold_its_budget_of_tokens_is_refused_and_others_are_not(
+    secure: SecureCluster, tiny_models: TinyModels
+) -> None:
+    """--max-session-tokens-per-caller through the running service: once alice's named sessions
+    hold 40 tokens or more (a 35-token session, then a 7-token one: a turn under the budget may
+    pass it), a request that would continue one or make another is refused (RESOURCE_EXHAUSTED,
+    saying how many they hold and what to do), while her one-shot requests and bob's sessions are
+    served; once she closes one, a new session is served, exact. Main bounded only how many
+    sessions a caller holds, each of which could grow to the context length."""
+    names = ["budget-0", "budget-1", "budget-2"]
+    with secure.channel() as channel:  # clients can read the budget
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        info = stub.GetInfo(coordinator_pb2.GetInfoRequest(), metadata=[("authorization", f"Bearer {ALICE}")])
+        assert info.max_session_tokens_per_caller == TOKENS_PER_CALLER
+
+    try:
+        assert len(_generate(secure, ALICE, max_new=30, session_id=names[0], ignore_eos=True).token_ids) == 30
+        assert len(_generate(secure, ALICE, max_new=2, session_id=names[1], ignore_eos=True).token_ids) == 2
+        for name, existing in ((names[0], True), (names[2], False)):
+            code, details = _code(
+                lambda name=name, existing=existing: _generate(
+                    secure, ALICE, max_new=2, session_id=name, require_existing=existing
+                )
+            )
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+            assert "your sessions hold 42 tokens" in details and "CloseSession" in details
+        assert len(_generate(secure, ALICE, max_new=2).token_ids) == 2  # one-shot: counted for nobody
+        assert len(_generate(secure, BOB, max_new=30, session_id=names[0], ignore_eos=True).token_ids) == 30
+        assert _close(secure, ALICE, names[0])
+        reply = _generate(secure, ALICE, max_new=8, session_id=names[2], ignore_eos=True)
+        assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPT), 8, ignore_eos=True)
+    finally:
+        for token in (ALICE, BOB):
+            for name in names:
+                _close(secure, token, name)
 
 
 def test_engine_request_ids_are_bound_to_their_caller(secure: SecureCluster, tiny_models: TinyModels) -> None:

@@ -39,6 +39,7 @@ def test_list_setting_from_comma_separated_flag() -> None:
             *("--target-addresses", "a:1", "--state-url", "redis://r:6379/0"),
             *("--state-replica-acks", "1", "--state-replica-wait-s", "2"),
         ],
+        ["--target-addresses", "a:1", "--max-session-tokens-per-caller", "1000"],  # no limit of sessions
     ],
 )
 def test_invalid_settings_stop_start_up(argv: list[str]) -> None:

@@ -29,6 +29,7 @@ from specdec.serving.errors import (
     StateStoreFull,
     StateUnavailable,
     TooManySessions,
+    TooManySessionTokens,
 )
 from specdec.state import RECENT_STEPS, CacheLocation, Commit, CommitOutcome, StateStore, open_store, store_location
 from specdec.state.memory import SESSION_TOKENS, MemoryStateStore
@@ -855,6 +856,65 @@ async def test_a_caller_holds_at_most_its_limit_of_sessions_until_one_is_closed_
         await store.acquire(sid(), f"a{9 + i}", create=True, caller="alice")
     with pytest.raises(TooManySessions):
         await store.acquire(sid(), "a11", create=True, caller="alice")
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def budgeted(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
+    """A store that keeps at most 100 tokens in each caller's sessions
+    (--max-session-tokens-per-caller 100, no limit of sessions), its sessions expiring 0.6 s
+    after their last use."""
+    url = "memory://" if request.param == "memory" else redis_server.url
+    s = open_store(url, ttl_s=0.6, lease_s=0.6, timeout_s=2, max_session_tokens_per_caller=100)
+    await s.start()
+    yield s
+    await s.close()
+
+
+async def test_a_caller_whose_sessions_hold_its_budget_of_tokens_is_refused_turns_until_they_shrink(
+    budgeted: StateStore,
+) -> None:
+    """--max-session-tokens-per-caller: once a caller's sessions hold its budget of token ids or
+    more, a request that would continue one of them or make another is refused
+    (TooManySessionTokens, RESOURCE_EXHAUSTED, saying how many they hold) and changes nothing;
+    other callers and one-shot requests (counted for nobody) are served. Closing a session, a
+    turn that made its session and did not finish, and the TTL give the tokens back. Main had only
+    a limit of sessions: each could grow to the context length."""
+    store = budgeted
+    alice = [sid(), sid()]
+    for i, (session, tokens) in enumerate(zip(alice, (60, 40), strict=True)):
+        await store.acquire(session, f"budget-a{i}", create=True, caller="budget-alice")
+        await store.commit(session, f"budget-a{i}", Commit(0, f"budget-a{i}:p", list(range(tokens))))
+        await store.release(session, f"budget-a{i}")
+    for session in (alice[0], sid()):
+        with pytest.raises(TooManySessionTokens) as refused:
+            await store.acquire(session, "budget-a2", create=True, caller="budget-alice")
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "hold 100 tokens" in str(refused.value) and "is 100" in str(refused.value)
+        assert "CloseSession" in str(refused.value)
+    assert len((await store.get(alice[0])).tokens) == 60  # type: ignore[union-attr]
+    bob = sid()
+    await store.acquire(bob, "budget-b0", create=True, caller="budget-bob")
+    await store.commit(bob, "budget-b0", Commit(0, "budget-b0:p", list(range(90))))
+    await store.acquire(sid(), "budget-shot", create=True)  # counted for nobody
+
+    assert await store.delete(alice[1])  # CloseSession: 60 tokens held
+    record = await store.acquire(alice[0], "budget-a3", create=True, caller="budget-alice")
+    await store.commit(alice[0], "budget-a3", Commit(record.version, "budget-a3:1", list(range(50))))  # may pass it
+    await store.release(alice[0], "budget-a3")
+    with pytest.raises(TooManySessionTokens, match="hold 110 tokens"):
+        await store.acquire(sid(), "budget-a4", create=True, caller="budget-alice")
+    await store.release(bob, "budget-b0")
+    await store.acquire(bob, "budget-b1", create=True, caller="budget-bob")  # bob's 90 are his own, under his budget
+    await store.release(bob, "budget-b1")
+
+    await asyncio.sleep(1.1)  # past the TTL (and the second Redis keeps a caller's last sum)
+    made = sid()
+    await store.acquire(made, "budget-a5", create=True, caller="budget-alice")
+    await store.commit(made, "budget-a5", Commit(0, "budget-a5:p", list(range(120)), opens_turn=True))
+    await store.release(made, "budget-a5")  # left open: the next acquire undoes it, and with it the session
+    with pytest.raises(SessionNotFound):
+        await store.acquire(made, "budget-a6", create=False, caller="budget-alice")
+    assert (await store.acquire(sid(), "budget-a7", create=True, caller="budget-alice")).tokens == []
 
 
 async def test_the_redis_count_of_a_caller_s_sessions_stays_within_its_limit(tmp_path: Path) -> None:

@@ -81,6 +81,13 @@ class TooManySessions(SpecdecError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class TooManySessionTokens(SpecdecError):
+    """The caller's sessions hold as many tokens as the coordinator keeps for one caller
+    (--max-session-tokens-per-caller): its turns wait until sessions are closed or expire."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class WorkerUnavailable(SpecdecError):
     """No model worker that can serve the request is reachable."""
 

@@ -55,6 +55,7 @@ def open_store(
     max_sessions_per_caller: int = 0,
     replica_acks: int = 0,
     replica_wait_s: float = 1.0,
+    max_session_tokens_per_caller: int = 0,
 ) -> StateStore:
     """A store for ``url``: ``memory://``, ``redis://[user:password@]host:port/db`` or ``rediss://...``.
 
@@ -64,6 +65,7 @@ def open_store(
     ``tls_ca_file`` is the CA that signed a ``rediss://`` server's certificate;
     ``memory_max_tokens`` bounds a ``memory://`` store (see MemoryStateStore; 0 = no bound);
     ``max_sessions_per_caller``: the sessions one caller may hold (StateStore.acquire; 0 = no limit);
+    ``max_session_tokens_per_caller``: the tokens they may hold before its turns are refused (0 = no limit);
     ``replica_acks``, ``replica_wait_s``: a Redis's replicas that must have a commit (RedisStateStore).
     """
     parts = urlsplit(url)
@@ -72,8 +74,9 @@ def open_store(
         if replica_acks:
             raise ValueError("state_replica_acks needs a redis:// or rediss:// state_url: memory:// has no replicas")
         return MemoryStateStore(
-            ttl_s=ttl_s, lease_s=lease_s, max_tokens=memory_max_tokens, max_sessions_per_caller=max_sessions_per_caller
-        )
+            ttl_s=ttl_s, lease_s=lease_s, max_tokens=memory_max_tokens, max_sessions_per_caller=max_sessions_per_caller,
+            max_session_tokens_per_caller=max_session_tokens_per_caller,
+        )  # fmt: skip
     if sum((password is not None, bool(password_file), bool(parts.password))) > 1:
         raise ValueError(
             "the Redis password is given twice (state_url, --state-password, --state-password-file); keep one"
@@ -95,6 +98,7 @@ def open_store(
             lease_s=lease_s,
             timeout_s=timeout_s,
             max_sessions_per_caller=max_sessions_per_caller,
+            max_session_tokens_per_caller=max_session_tokens_per_caller,
             replica_acks=replica_acks,
             replica_wait_s=replica_wait_s,
             **extra,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdec.serving.errors import SessionGone, StateConflict, TooManySessions
+from specdec.serving.errors import SessionGone, StateConflict, TooManySessions, TooManySessionTokens
 
 RECENT_STEPS = 16  # a re-sent commit is recognised while it is among the last this many applied
 # A released owner's acquire is refused for the lease time plus this (an acquire delayed longer
@@ -34,6 +34,15 @@ def too_many_sessions(limit: int) -> TooManySessions:
     return TooManySessions(
         f"you have {limit} sessions open, the most this server keeps for one caller: close sessions you no "
         "longer need (CloseSession), continue one of them, or wait for idle ones to expire"
+    )
+
+
+def too_many_session_tokens(limit: int, held: int) -> TooManySessionTokens:
+    """What a caller whose sessions hold its budget of tokens is told when a request would
+    continue or make one."""
+    return TooManySessionTokens(
+        f"your sessions hold {held} tokens, the most this server keeps for one caller is {limit}: close "
+        "sessions you no longer need (CloseSession) or wait for idle ones to expire"
     )
 
 
@@ -207,9 +216,12 @@ class StateStore(ABC):
         Creates an empty session when ``create`` and it does not exist. Raises SessionNotFound
         (missing, not ``create``) or SessionBusy (another owner holds an unexpired lease). A turn
         left open by an owner whose lease has lapsed or been released is undone first (Commit).
-        ``caller``: whose session it is, when the store's limit of sessions per caller counts it
-        (None: not counted, as a one-shot request's); a session it would make past that limit
-        raises TooManySessions. A session counts from its making until it is deleted or expires.
+        ``caller``: whose session it is, when the store's limits per caller count it (None: not
+        counted, as a one-shot request's); a session it would make past the limit of sessions
+        raises TooManySessions, and any session of a caller whose counted sessions hold its budget
+        of tokens or more raises TooManySessionTokens (the turn would grow them). A session counts
+        from its making until it is deleted or expires; one made while both limits were off is
+        not counted.
         """
 
     @abstractmethod

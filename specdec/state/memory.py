@@ -25,6 +25,7 @@ from specdec.state.base import (
     StateStore,
     session_conflict,
     session_gone,
+    too_many_session_tokens,
     too_many_sessions,
 )
 
@@ -57,13 +58,23 @@ class MemoryStateStore(StateStore):
     Redis's maxmemory does: the token ids its sessions and their open turns' copies hold, each
     session counted SESSION_TOKENS more; what would grow it past that is refused (StateStoreFull),
     what shrinks or keeps it (a turn's rollback, releases, deletions) is not.
-    ``max_sessions_per_caller`` (0 = none): the sessions one caller may hold (StateStore.acquire)."""
+    ``max_sessions_per_caller`` (0 = none): the sessions one caller may hold;
+    ``max_session_tokens_per_caller`` (0 = none): the tokens one caller's sessions may hold before
+    its turns are refused (StateStore.acquire)."""
 
-    def __init__(self, ttl_s: float, lease_s: float, max_tokens: int = 0, max_sessions_per_caller: int = 0) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        lease_s: float,
+        max_tokens: int = 0,
+        max_sessions_per_caller: int = 0,
+        max_session_tokens_per_caller: int = 0,
+    ) -> None:
         self._ttl_s = ttl_s
         self._lease_s = lease_s
         self._max_tokens = max_tokens
         self._max_sessions = max_sessions_per_caller
+        self._max_caller_tokens = max_session_tokens_per_caller
         self._callers: dict[str, set[str]] = {}  # caller -> the sessions counted against its limit
         self._caller_of: dict[str, str] = {}  # session -> the caller it is counted for
         self._held = 0  # what max_tokens bounds (see tokens_held)
@@ -168,11 +179,15 @@ class MemoryStateStore(StateStore):
                 if record.owner and self._lease_until.get(session_id, 0) > now:
                     raise SessionBusy(f"session {session_id!r} is generating for another request; retry when it ends")
                 record = self._undo_open_turn(record, now)
+            counted = caller if self._max_sessions > 0 or self._max_caller_tokens > 0 else None
+            if counted is not None and self._max_caller_tokens > 0:
+                held = sum(len(self._records[s].tokens) for s in self._callers.get(counted, ()))
+                if held >= self._max_caller_tokens:
+                    raise too_many_session_tokens(self._max_caller_tokens, held)
             if record is None:
                 if not create:
                     raise SessionNotFound(f"session {session_id!r} does not exist or has expired")
-                counted = caller if self._max_sessions > 0 else None
-                if counted is not None and len(self._callers.get(counted, ())) >= self._max_sessions:
+                if counted is not None and 0 < self._max_sessions <= len(self._callers.get(counted, ())):
                     raise too_many_sessions(self._max_sessions)
                 self._make_room(SESSION_TOKENS)
                 record = SessionRecord(session_id=session_id, created_at=now, updated_at=now)

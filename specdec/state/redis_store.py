@@ -49,6 +49,7 @@ from specdec.state.base import (
     StateStore,
     session_conflict,
     session_gone,
+    too_many_session_tokens,
     too_many_sessions,
 )
 
@@ -82,19 +83,28 @@ local function cut_locations(key, n)
   end
 end
 """
-# A session counted against its caller's limit names the set that counts it (its hash's field
-# 'caller'); deleting the session takes it out of that set. (A key the script is not given in KEYS:
-# this store keeps all its keys on one Redis, never a Redis Cluster.)
+# A session counted against its caller's limits names the set that counts it (its hash's field
+# 'caller'); deleting the session takes it out of that set, and drops the caller's last sum of its
+# sessions' tokens (the set's key .. ':held', kept for a second: see _ACQUIRE), as a commit does.
+# (Keys the script is not given in KEYS: this store keeps all its keys on one Redis, never a Redis
+# Cluster.)
 _FORGET = """
 local function forget(key)
   local caller = redis.call('HGET', key, 'caller')
-  if caller then redis.call('SREM', caller, key) end
+  if caller then
+    redis.call('SREM', caller, key)
+    redis.call('DEL', caller .. ':held')
+  end
 end
 """
 
-# KEYS: session, epoch, the owner's tombstone, session tokens, the caller's sessions (a set of
-# session keys), the caller's last recount (a marker); ARGV: epoch, owner, create (0/1), lease_ms,
-# ttl_ms, the caller's session limit (0 = the session is not counted)
+# KEYS: session, epoch, the owner's tombstone, session tokens, and where the session is counted
+# for its caller: the caller's sessions (a set of session keys), the caller's last recount (a
+# marker), the caller's last sum of its sessions' tokens; ARGV: epoch, owner, create (0/1),
+# lease_ms, ttl_ms, the caller's session limit and its budget of tokens (each 0 = none), the
+# prefix of session keys and that of session tokens keys. The sum reads every counted session; it
+# is kept for a second, or until one of them commits or is deleted, so that requests refused at
+# the budget (or many at once) do not each read them all.
 _ACQUIRE = (
     _EPOCH
     + _NOW_MS
@@ -124,10 +134,27 @@ if held[1] and held[1] ~= ARGV[2] then
     redis.call('HDEL', KEYS[1], 'undo_tokens', 'undo_chat', 'undo_created', 'undo_version')
   end
 end
+local counted, budget = KEYS[5] ~= nil, tonumber(ARGV[7])
+if counted and budget > 0 then
+  -- the tokens the caller's sessions hold (sessions that expired leave the count)
+  local held = tonumber(redis.call('GET', KEYS[7]))
+  if not held then
+    held = 0
+    for _, key in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+      if redis.call('EXISTS', key) == 0 then
+        redis.call('SREM', KEYS[5], key)
+      else
+        held = held + redis.call('STRLEN', ARGV[9] .. string.sub(key, #ARGV[8] + 1)) / 4
+      end
+    end
+    redis.call('SET', KEYS[7], held, 'PX', 1000)
+  end
+  if held >= budget then return {'over_budget', held} end
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[3] == '0' then return {'missing'} end
   local limit = tonumber(ARGV[6])
-  if limit > 0 then
+  if counted and limit > 0 then
     -- at the limit, sessions that expired leave the count (their keys are gone); at most one
     -- recount a second for a caller, whose sessions it reads one by one
     if redis.call('SCARD', KEYS[5]) >= limit and redis.call('SET', KEYS[6], '1', 'PX', 1000, 'NX') then
@@ -136,13 +163,13 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
       end
     end
     if redis.call('SCARD', KEYS[5]) >= limit then return {'too_many'} end
-    redis.call('SADD', KEYS[5], KEYS[1])
   end
+  if counted then redis.call('SADD', KEYS[5], KEYS[1]) end
   redis.call('SET', KEYS[4], '')
   redis.call('HSET', KEYS[1], 'version', 0, 'steps', '|', 'owner', ARGV[2],
              'lease', now + tonumber(ARGV[4]), 'created', now, 'updated', now,
              'target', '', 'draft', '')
-  if limit > 0 then redis.call('HSET', KEYS[1], 'caller', KEYS[5]) end
+  if counted then redis.call('HSET', KEYS[1], 'caller', KEYS[5]) end
 else
   redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'lease', now + tonumber(ARGV[4]))
 end
@@ -173,6 +200,8 @@ if string.find(cur[2], '|' .. ARGV[4] .. '|', 1, true) then
 end
 if tonumber(ARGV[3]) >= 0 and tonumber(cur[1]) ~= tonumber(ARGV[3]) then return {'conflict', tonumber(cur[1])} end
 if cur[3] ~= ARGV[2] then return {'not_owner', tonumber(cur[1])} end
+local caller = redis.call('HGET', KEYS[1], 'caller')
+if caller then redis.call('DEL', caller .. ':held') end  -- its last sum of tokens (_ACQUIRE)
 local length = redis.call('STRLEN', KEYS[3]) / 4
 local kept = length
 local cut = tonumber(ARGV[6])
@@ -347,9 +376,12 @@ class RedisStateStore(StateStore):
         max_sessions_per_caller: int = 0,
         replica_acks: int = 0,
         replica_wait_s: float = 1.0,
+        max_session_tokens_per_caller: int = 0,
         **connection: Any,
     ) -> None:
         """``max_sessions_per_caller`` (0 = none): the sessions one caller may hold (StateStore.acquire);
+        ``max_session_tokens_per_caller`` (0 = none): the tokens one caller's sessions may hold
+        before its turns are refused (StateStore.acquire; each turn sums them: one STRLEN a session);
         ``replica_acks`` (0 = none): the replicas that must have a commit (Redis WAIT, at most
         ``replica_wait_s``) before ``commit`` returns it (see ``commit``);
         ``connection``: extra redis-py connection settings (username, password or
@@ -368,6 +400,7 @@ class RedisStateStore(StateStore):
         self._lease_ms = int(lease_s * 1000)
         self._prefix = key_prefix
         self._max_sessions = max_sessions_per_caller
+        self._max_caller_tokens = max_session_tokens_per_caller
         self._replica_acks = replica_acks
         self._replica_wait_ms = max(int(replica_wait_s * 1000), 1)  # WAIT's 0 would wait for ever
         self._epoch_key = f"{key_prefix}epoch"
@@ -468,12 +501,14 @@ class RedisStateStore(StateStore):
             raise StateUnavailable(message) from exc
 
     async def acquire(self, session_id: str, owner: str, *, create: bool, caller: str | None = None) -> SessionRecord:
-        limit = self._max_sessions if caller is not None else 0
-        args = [self._epoch, owner, int(create), self._lease_ms, self._ttl_ms, limit]
+        counted = caller is not None and (self._max_sessions > 0 or self._max_caller_tokens > 0)
+        limits = [self._max_sessions, self._max_caller_tokens] if counted else [0, 0]
+        prefixes = [self.key(""), self.tokens_key("")]
+        args = [self._epoch, owner, int(create), self._lease_ms, self._ttl_ms, *limits, *prefixes]
         keys = [self.key(session_id), self._epoch_key, self._tombstone(owner), self.tokens_key(session_id)]
-        if limit and caller is not None:
-            counted = self.caller_key(caller)
-            keys += [counted, f"{counted}:recounted"]
+        if counted and caller is not None:
+            counting = self.caller_key(caller)
+            keys += [counting, f"{counting}:recounted", f"{counting}:held"]
         reply: list[Any] = await self._call(lambda: self._acquire(keys=keys, args=args))
         status = reply[0].decode()
         if status == "epoch":
@@ -486,6 +521,8 @@ class RedisStateStore(StateStore):
             raise SessionBusy(f"session {session_id!r} is generating for another request; retry when it ends")
         if status == "too_many":
             raise too_many_sessions(self._max_sessions)
+        if status == "over_budget":
+            raise too_many_session_tokens(self._max_caller_tokens, int(reply[1]))
         return _record(session_id, _pairs(reply[1]), reply[2])
 
     async def commit(self, session_id: str, owner: str, commit: Commit) -> CommitResult:
