@@ -381,7 +381,8 @@ class RedisStateStore(StateStore):
     ) -> None:
         """``max_sessions_per_caller`` (0 = none): the sessions one caller may hold (StateStore.acquire);
         ``max_session_tokens_per_caller`` (0 = none): the tokens one caller's sessions may hold
-        before its turns are refused (StateStore.acquire; each turn sums them: one STRLEN a session);
+        before its turns are refused (StateStore.acquire; a turn sums them, one STRLEN a session, and
+        the sum is kept for a second or until one of the caller's sessions commits or is deleted);
         ``replica_acks`` (0 = none): the replicas that must have a commit (Redis WAIT, at most
         ``replica_wait_s``) before ``commit`` returns it (see ``commit``);
         ``connection``: extra redis-py connection settings (username, password or
