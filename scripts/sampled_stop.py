@@ -88,8 +88,31 @@ class Tally:
     trials: int = 0
     unstopped: float = 0.0  # ``controlled``: model rounds drafted with the stop switched off
 
+    def add(self, drafted: int, accepted: int, costs: Costs) -> None:
+        """One round: ``drafted`` drafts, the first ``accepted`` of them kept."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.ms += costs.round_ms(drafted)
+
 
 Round = Callable[[int, int, int, bool], None]  # (trial, drafted, kept, the signal ended the block)
+
+
+def uniforms(positions: Positions, seed: int) -> np.ndarray:
+    """One uniform per trial and position [trials, L]: a draft is kept where its draw is below
+    its chance (the same draws for every way of drafting the reply)."""
+    length, trials = positions.drawn.shape
+    return np.random.default_rng(seed).random((trials, length))
+
+
+def kept_run(positions: Positions, draws: np.ndarray, trial: int, start: int, drafted: int) -> int:
+    """How many of ``drafted`` drafts from position ``start`` the target keeps before its first
+    rejection, in ``trial`` (``draws``: ``uniforms``)."""
+    run = 0
+    while run < drafted and draws[trial, start + run] < positions.keep[start + run, trial]:
+        run += 1
+    return run
 
 
 def replay(
@@ -107,7 +130,7 @@ def replay(
     trial, the same for every signal), the round committing the kept run and one more token;
     ``each_round`` is told of every round."""
     length, trials = positions.drawn.shape
-    uniforms = np.random.default_rng(seed).random((trials, length))
+    draws = uniforms(positions, seed)
     tally = Tally(trials=trials)
     for trial in range(trials):
         i = 0
@@ -120,15 +143,10 @@ def replay(
                     if product < threshold:
                         ended = True
                         break
-            run = 0
-            while run < n and uniforms[trial, i + run] < positions.keep[i + run, trial]:
-                run += 1
+            run = kept_run(positions, draws, trial, i, n)
             if each_round is not None:
                 each_round(trial, n, run, ended)
-            tally.rounds += 1
-            tally.drafted += n
-            tally.accepted += run
-            tally.ms += costs.round_ms(n)
+            tally.add(n, run, costs)
             i += run + 1
     return tally
 
@@ -156,7 +174,7 @@ def controlled(
     draft's ``unsure_at``) or not (as before the draft reported it). The draws and the target's
     choices are ``replay``'s (the same uniforms)."""
     length, trials = positions.drawn.shape
-    uniforms = np.random.default_rng(seed).random((trials, length))
+    draws = uniforms(positions, seed)
     tally = Tally(trials=trials)
     for trial in range(trials):
         controller = KController(max_k, shared, confidence_stop=True, block_stop=0.5, block_from_costs=True)
@@ -171,17 +189,12 @@ def controlled(
                 at = at or (n if product < threshold else 0)
                 if stopping and at:
                     break
-            run = 0
-            while run < n and uniforms[trial, i + run] < positions.keep[i + run, trial]:
-                run += 1
+            run = kept_run(positions, draws, trial, i, n)
             ended = stopping and at == n > 0
             reported = at if reports and not stopping else 0
             controller.observe(n, run, asked=plan.k, ends_unsure=ended, unsure_at=reported)
-            tally.rounds += 1
-            tally.drafted += n
-            tally.accepted += run
+            tally.add(n, run, costs)
             tally.unstopped += n > 0 and not stopping
-            tally.ms += costs.round_ms(n)
             i += run + 1
     return tally
 
