@@ -74,7 +74,9 @@ class Proposal:
     pipelined: bool = False
     method: str = MODEL
     ends_unsure: bool = False  # the draft reached a confidence stop at the block's last token
-    unsure_at: int = 0  # where in the block (1 = its first token) a stop, applied or reported, was first reached
+    # where in the block the draft drafted (1 = its first token) a stop, applied or reported, was
+    # first reached; 0 = nowhere (KController.observe sets aside one past the block it was given)
+    unsure_at: int = 0
 
 
 def lookup_proposal(token_ids: list[int], start: int) -> Proposal:
@@ -510,10 +512,9 @@ class WorkerSession:
         computed = len(reply.draft.token_ids) + 1  # the previous block's last draft, the guess, the rest
         block = _first(reply.draft, k)
         whole = len(block.token_ids) == len(reply.draft.token_ids)
-        at = reply.unsure_at if reply.unsure_at <= len(block.token_ids) else 0
         return Proposal(
             block, reply.cache_len, len(committed), reply.compute_ms, computed, True,
-            ends_unsure=reply.ends_unsure and whole, unsure_at=at,
+            ends_unsure=reply.ends_unsure and whole, unsure_at=reply.unsure_at,
         )  # fmt: skip
 
     async def _request_block(
@@ -577,7 +578,7 @@ class WorkerSession:
                 computed = len(sync.tail_token_ids) + max(got, 1) - 1
                 return Proposal(
                     reply.draft, reply.cache_len, len(committed), reply.compute_ms, computed,
-                    ends_unsure=reply.ends_unsure, unsure_at=min(reply.unsure_at, got),
+                    ends_unsure=reply.ends_unsure, unsure_at=reply.unsure_at,
                 )  # fmt: skip
             start = self._resynced("draft", sync.base_len, reply.resync_from)
             cached = start if not attempt else 0  # the last try always from 0, which cannot fail
