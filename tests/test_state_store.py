@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
@@ -37,13 +38,19 @@ from specdec.state.redis_store import RedisStateStore
 from tests.helpers import RedisServer, replica_of
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def store(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
-    url = "memory://" if request.param == "memory" else redis_server.url
-    s = open_store(url, ttl_s=60, lease_s=30, timeout_s=2)
+async def started(kind: str, redis_server: RedisServer, **settings: Any) -> AsyncIterator[StateStore]:
+    """A store of ``kind`` (``memory``, or ``redis``: the session's server) opened with
+    ``settings`` and started, then closed: what the fixtures below yield."""
+    s = open_store("memory://" if kind == "memory" else redis_server.url, timeout_s=2, **settings)
     await s.start()
     yield s
     await s.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
+    async for s in started(request.param, redis_server, ttl_s=60, lease_s=30):
+        yield s
 
 
 @pytest.fixture
@@ -806,11 +813,8 @@ async def test_a_full_memory_store_refuses_what_would_grow_it_and_still_frees_wh
 async def limited(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[StateStore]:
     """A store that keeps at most 2 sessions for each caller (--max-sessions-per-caller 2), its
     sessions expiring 0.6 s after their last use."""
-    url = "memory://" if request.param == "memory" else redis_server.url
-    s = open_store(url, ttl_s=0.6, lease_s=0.6, timeout_s=2, max_sessions_per_caller=2)
-    await s.start()
-    yield s
-    await s.close()
+    async for s in started(request.param, redis_server, ttl_s=0.6, lease_s=0.6, max_sessions_per_caller=2):
+        yield s
 
 
 async def test_a_caller_holds_at_most_its_limit_of_sessions_until_one_is_closed_or_expires(
@@ -863,11 +867,8 @@ async def budgeted(request: pytest.FixtureRequest, redis_server: RedisServer) ->
     """A store that keeps at most 100 tokens in each caller's sessions
     (--max-session-tokens-per-caller 100, no limit of sessions), its sessions expiring 0.6 s
     after their last use."""
-    url = "memory://" if request.param == "memory" else redis_server.url
-    s = open_store(url, ttl_s=0.6, lease_s=0.6, timeout_s=2, max_session_tokens_per_caller=100)
-    await s.start()
-    yield s
-    await s.close()
+    async for s in started(request.param, redis_server, ttl_s=0.6, lease_s=0.6, max_session_tokens_per_caller=100):
+        yield s
 
 
 async def test_a_caller_whose_sessions_hold_its_budget_of_tokens_is_refused_turns_until_they_shrink(
