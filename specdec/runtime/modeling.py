@@ -24,7 +24,7 @@ log = structlog.get_logger(__name__)
 
 PAD_FROM_ROWS = 256  # a PackedLinear pass of at least this many rows runs on a multiple of ROW_MULTIPLE rows
 ROW_MULTIPLE = 8
-MIN_ROWS = 4  # a float32 PackedLinear pass of fewer rows runs on this many
+MIN_ROWS = 4  # a PackedLinear pass of fewer rows runs on this many
 PACKED_DTYPES = (torch.float32, torch.bfloat16)  # the weights PackedLinear packs
 
 
@@ -43,8 +43,9 @@ class PackedLinear(torch.nn.Module):
     Xeon with AMX, median of 10 and 5). Without AMX packed bf16 still beats ``nn.Linear``'s bf16
     (the same host with oneDNN capped by ONEDNN_MAX_CPU_ISA, 3 passes each: avx512_bf16 one token
     147-153 ms against 195-207, 9 rows 207-217 against 287-297; avx512_core_vnni 146-151 against
-    176-225, 698-700 against 861-886; a 256-row prefill no slower), though there bf16 is no clear
-    win over fp32 (README).
+    176-225, 698-700 against 861-886; a 256-row prefill no slower); on a real avx512_bf16 CPU
+    without AMX (a 2-core AMD EPYC guest) packed bf16 beat packed fp32 too: a one-token step 147
+    against 228 ms, a 250-token prefill 1.68 against 3.20 s (README, CPU specifics).
 
     A pass of ``PAD_FROM_ROWS`` rows or more (a prefill) runs on a multiple of ``ROW_MULTIPLE``
     rows, zeros added and their outputs dropped: oneDNN's blocking makes some row counts slow
@@ -54,16 +55,18 @@ class PackedLinear(torch.nn.Module):
     layer alone 0.998x over the counts of 256-519 rows that are not multiples of 8, 1.03-1.05x
     below 256, hence the threshold). The real rows come out bit for bit as without the padding.
 
-    A float32 pass of fewer than ``MIN_ROWS`` rows (a one-token decoding step, a short verify
-    block) runs on ``MIN_ROWS`` rows, zeros added. oneDNN computes a single row with another kernel
-    than two or more, slower on the memory-bound 2-core AMD EPYC guest: the 1.5B target's whole
+    A pass of fewer than ``MIN_ROWS`` rows (a one-token decoding step, a short verify block) runs
+    on ``MIN_ROWS`` rows, zeros added. oneDNN computes a single row with another kernel than two
+    or more, slower on the memory-bound 2-core AMD EPYC guest: in float32 the 1.5B target's whole
     pass through the workers' cache path (100 cached tokens, median of 20 interleaved) took 288 ms
     for one row and 247-260 ms for 4-6; its layer shapes alone were fastest at 4-6 rows (the
-    output layer 38.2 ms for 1 row, 41.8 for 2, 35.4 for 4). With the padding every row of every
-    pass comes out of these layers bit for bit as in any other pass of it (oneDNN gives a row the
-    same result in passes of 2 to 64 rows; alone it differed in the last bits), so they score a
-    position alike in a one-token step and in a verify pass. bf16 layers are left as they were
-    (not measured).
+    output layer 38.2 ms for 1 row, 41.8 for 2, 35.4 for 4). In bfloat16, on such a guest with
+    avx512_bf16 (no AMX), its one-token pass took 126 ms alone and 105 ms on 4 rows, a 2-token
+    pass 140 and 105 ms (120 cached tokens, medians of 10 interleaved; not measured with AMX).
+    With the padding every row of every pass comes out of these layers bit for bit as in any
+    other pass of it (oneDNN gives a row the same result in passes of 2 to 64 rows; alone it
+    differed in the last bits), so they score a position alike in a one-token step and in a
+    verify pass.
     """
 
     def __init__(self, linear: torch.nn.Linear) -> None:
@@ -73,15 +76,16 @@ class PackedLinear(torch.nn.Module):
         weight = linear.weight.detach()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
         self.bias = linear.bias
-        self.min_rows = MIN_ROWS if weight.dtype == torch.float32 else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         count = rows.shape[0]
         if count >= PAD_FROM_ROWS:
             short = -count % ROW_MULTIPLE
+        elif 0 < count < MIN_ROWS:
+            short = MIN_ROWS - count
         else:
-            short = self.min_rows - count if 0 < count < self.min_rows else 0
+            short = 0
         if short:
             rows = torch.cat([rows, rows.new_zeros(short, self.in_features)])
         out = _inner_product(rows, self.packed_weight, self.bias)
