@@ -73,13 +73,11 @@ def test_long_passes_run_on_a_multiple_of_8_rows(
     assert torch.equal(got.reshape(-1, 160), unpadded)
 
 
-BFLOAT16_PACKED = pytest.param(
-    torch.bfloat16,
-    marks=pytest.mark.skipif(not modeling.packed_bfloat16_available(), reason="oneDNN computes no bf16 on this CPU"),
-)
+NO_BF16 = pytest.mark.skipif(not modeling.packed_bfloat16_available(), reason="oneDNN computes no bf16 on this CPU")
+PACKED_DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16", marks=NO_BF16)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BFLOAT16_PACKED])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize(("rows", "kernel_rows"), [(1, 4), (2, 4), (3, 4), (4, 4), (5, 5)])
 def test_short_passes_run_on_4_rows(
     rows: int, kernel_rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -101,7 +99,7 @@ def test_short_passes_run_on_4_rows(
     assert packed(x[:, :0]).shape == (1, 0, 160)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BFLOAT16_PACKED])
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 def test_a_row_comes_out_the_same_alone_and_in_a_verify_pass(dtype: torch.dtype) -> None:
     """At the 1.5B target's shapes oneDNN's one-row kernel rounds differently from its kernel for
     several rows; with short passes run on 4 rows, a position is scored bit for bit alike in a

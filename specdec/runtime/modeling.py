@@ -61,12 +61,13 @@ class PackedLinear(torch.nn.Module):
     pass through the workers' cache path (100 cached tokens, median of 20 interleaved) took 288 ms
     for one row and 247-260 ms for 4-6; its layer shapes alone were fastest at 4-6 rows (the
     output layer 38.2 ms for 1 row, 41.8 for 2, 35.4 for 4). In bfloat16, on such a guest with
-    avx512_bf16 (no AMX), its one-token pass took 126 ms alone and 105 ms on 4 rows, a 2-token
-    pass 140 and 105 ms (120 cached tokens, medians of 10 interleaved; not measured with AMX).
-    With the padding every row of every pass comes out of these layers bit for bit as in any
-    other pass of it (oneDNN gives a row the same result in passes of 2 to 64 rows; alone it
-    differed in the last bits), so they score a position alike in a one-token step and in a
-    verify pass.
+    avx512_bf16 (no AMX), its one-token pass took 128.5 ms alone and 120.7 ms on 4 rows, a 2-token
+    pass 147.2 and 116.5 ms (120 cached tokens, medians of 36 and 12 in 12 interleaved rounds; an
+    earlier round of 10: 126 / 105 and 140 / 105; not measured with AMX). With the padding every
+    row of every pass comes out of these layers bit for bit as in any other pass of it (oneDNN
+    gives a row the same result in passes of 2 to 64 rows, float32 and bfloat16, at the 1.5B's
+    shapes; alone it differed in the last bits), so they score a position alike in a one-token
+    step and in a verify pass.
     """
 
     def __init__(self, linear: torch.nn.Linear) -> None:
