@@ -694,7 +694,8 @@ def test_what_the_gateway_does_before_the_engine(gateway: Gateway) -> None:
     """smg's own behaviour the README describes (so a gateway upgrade that changes it shows here):
     SGLang-style constraints reach the engine (a malformed one gets its 400); vLLM's
     `guided_choice` is dropped by the gateway (an unconstrained reply); `/v1/completions` answers
-    no logprobs although the engine computed them, chat completions carry them."""
+    no logprobs although the engine computed them, chat completions carry them; `n` above 10 and
+    values outside the OpenAI API's ranges are its own 400s (the engine takes `n` up to 16)."""
     constrained = gateway.client.chat.completions.create(
         model=gateway.model, messages=MESSAGES, max_tokens=3, extra_body={"regex": "(yes|no)"}
     )
@@ -716,6 +717,13 @@ def test_what_the_gateway_does_before_the_engine(gateway: Gateway) -> None:
         model=gateway.model, messages=MESSAGES, max_tokens=2, temperature=0, logprobs=True, top_logprobs=2
     )
     assert chat.choices[0].logprobs is not None and len(chat.choices[0].logprobs.content) == 2
+    for refused in (
+        {"n": 11}, {"stop": list("abcde")}, {"top_logprobs": 21, "logprobs": True}, {"temperature": 3.0},
+        {"frequency_penalty": 3.0},
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as error:
+            gateway.client.chat.completions.create(model=gateway.model, messages=MESSAGES, max_tokens=2, **refused)
+        assert next(iter(refused)) in str(error.value) and "Single stream failed" not in str(error.value), refused
 
 
 def test_fields_the_gateway_drops_before_the_engine(gateway: Gateway) -> None:
