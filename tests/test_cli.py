@@ -407,6 +407,8 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
         assert row["default, speculation-max-requests 1 / service target-only"] > 0
     assert "2 concurrent requests, tok/s aggregate: default (hybrid, adaptive) " in result.stdout
     assert re.search(r"of target-only: default [\d.]+x, default, speculation-max-requests 1 [\d.]+x", result.stdout)
+    advice = report["load_limit_advice"]  # what the sweep says of --speculation-max-requests
+    assert advice["speculation_max_requests"] in (None, 0, 1) and f"load limit: {advice['advice']}" in result.stdout
     assert {"default / hf target-only", "worst prompt: default / service target-only"} <= set(data["ratios"])
     for name in ("tokens_per_s.png", "acceptance_by_position.png", "concurrency.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -781,6 +783,44 @@ def test_prompt_rate_is_one_rows_median_over_its_repeats_on_one_prompt() -> None
     assert prompt_rate(runs, "hf assisted K=4", 0) == 8.0
     assert prompt_rate(runs, "hf assisted K=4", 1) is None
     assert prompt_rate(runs, "hf prompt lookup", 0) is None
+
+
+@pytest.mark.parametrize(
+    ("ratios", "limit", "says"),
+    [
+        ({1: 2.6, 4: 1.8, 8: 1.1, 16: 0.84}, 8, "--speculation-max-requests 8 on the coordinator"),
+        ({4: 1.25, 16: 0.77}, 4, "paying between 4 and 16)"),
+        ({1: 3.0, 4: 0.98, 8: 1.02, 16: 0.8}, 1, "again at 8: repeat the sweep"),
+        ({1: 2.0, 2: 1.5}, 0, "leave --speculation-max-requests off (0), or sweep more than 2"),
+        ({1: 0.9, 2: 0.8}, None, "does not pay on this host even alone"),
+        ({4: 0.9, 8: 0.8}, None, "sweep fewer than 4 requests at once"),
+    ],
+)
+def test_the_sweep_advises_a_load_limit(ratios: dict[int, float], limit: int | None, says: str) -> None:
+    """The concurrency sweep's advice on --speculation-max-requests: the most requests at once at
+    which the default made at least target-only's tokens/s below the first count at which it made
+    less (a later win is called out as likely noise); no limit where it never lost; none to give
+    where it lost from the fewest requests swept. The report and the printed table carry it."""
+    from specdec.tools.bench import HEADLINE, OF_TARGET, SERVICE_TARGET, format_table, load_limit_advice
+
+    sweep = {
+        n: {
+            "sessions": n,
+            "methods": {
+                HEADLINE: {"tokens_per_s": {"median": x, "min": x, "max": x}},
+                SERVICE_TARGET: {"tokens_per_s": {"median": 1.0, "min": 1.0, "max": 1.0}},
+            },
+            "default" + OF_TARGET: x,
+        }
+        for n, x in ratios.items()
+    }
+    advice = load_limit_advice(sweep)
+    assert advice is not None and advice["speculation_max_requests"] == limit
+    assert says in advice["advice"], advice
+    assert ", ".join(f"{n}: {x:.2f}x" for n, x in ratios.items()) in advice["advice"]
+    table = format_table({"workloads": {}, "concurrency": sweep, "load_limit_advice": advice})
+    assert table.endswith(f"load limit: {advice['advice']}")
+    assert load_limit_advice({}) is None
 
 
 CEILING_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "draft_ceiling.py"

@@ -750,6 +750,50 @@ def concurrency_runs(
     return sweep
 
 
+def load_limit_advice(sweep: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
+    """What the sweep says of the coordinator's ``--speculation-max-requests`` on this host: the
+    most requests at once at which the default made at least target-only's tokens/s (medians)
+    below the first count at which it made less (the crossover lies between the two counts), or
+    no limit where it never made less; None without a sweep."""
+    if not sweep:
+        return None
+    ratios = {n: sweep[n]["default" + OF_TARGET] for n in sorted(sweep)}
+    counts = list(ratios)
+    swept = ", ".join(f"{n}: {x:.2f}x" for n, x in ratios.items())
+    lost = [n for n in counts if ratios[n] < 1.0]
+    if not lost:
+        return {
+            "speculation_max_requests": 0,
+            "advice": f"the default made at least target-only's tokens/s at every count swept ({swept}): "
+            f"leave --speculation-max-requests off (0), or sweep more than {counts[-1]} requests at once",
+        }
+    first = lost[0]
+    if first == counts[0]:
+        return {
+            "speculation_max_requests": None,
+            "advice": f"the default made less than target-only from the fewest requests swept on ({swept}): "
+            + (
+                "speculation does not pay on this host even alone (check the draft's acceptance)"
+                if first == 1
+                else f"sweep fewer than {first} requests at once to find where it stops paying"
+            ),
+        }
+    limit = counts[counts.index(first) - 1]
+    won_again = [n for n in counts if n > first and ratios[n] >= 1.0]
+    again = (
+        f"; it made at least target-only's again at {', '.join(map(str, won_again))}: repeat the sweep, "
+        "the rows may differ by less than the host's spread"
+        if won_again
+        else ""
+    )
+    return {
+        "speculation_max_requests": limit,
+        "advice": f"the default made at least target-only's tokens/s up to {limit} requests at once and less "
+        f"at {first} ({swept}): --speculation-max-requests {limit} on the coordinator (speculation stops "
+        f"paying between {limit} and {first}){again}",
+    }
+
+
 # --- summary -----------------------------------------------------------------------------------
 
 
@@ -803,7 +847,8 @@ def summarize(cfg: BenchConfig, runs: list[Run], sweep: dict[int, dict[str, Any]
         here = [r for r in runs if r.workload == workload]
         methods = {m: _method_row([r for r in here if r.method == m]) for m in dict.fromkeys(r.method for r in here)}
         workloads[workload] = {"methods": methods, **_derived(here, methods, cfg.greedy)}
-    return {"workloads": workloads, "concurrency": sweep}
+    advice = load_limit_advice(sweep)
+    return {"workloads": workloads, "concurrency": sweep, **({"load_limit_advice": advice} if advice else {})}
 
 
 def _median(methods: dict[str, Any], name: str) -> float:
@@ -930,6 +975,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{key.removesuffix(OF_TARGET)} {x:.2f}x" for key, x in row.items() if key.endswith(OF_TARGET)
         )
         lines.append(f"{n} concurrent requests, tok/s aggregate: {', '.join(rates)}; of target-only: {ratios}")
+    if "load_limit_advice" in report:
+        lines.append(f"load limit: {report['load_limit_advice']['advice']}")
     return "\n".join(lines)
 
 
