@@ -405,7 +405,7 @@ class Turn:
             return TARGET_ONLY, NO_DRAFT
         # the requests of every coordinator on the session's target replica; fixed K keeps its K
         # (its seed replays)
-        if self.adaptive and self.deps.load_limit.exceeded(self.workers.target_requests):
+        if self.adaptive and self._over_load_limit():
             self.deps.metrics.load_target_only_rounds.inc()
             return TARGET_ONLY, NO_DRAFT
         found = NO_DRAFT
@@ -426,6 +426,11 @@ class Turn:
             return Plan(NGRAM, len(lookup)), found
         return (Plan(MODEL, model) if model else TARGET_ONLY), found
 
+    def _over_load_limit(self) -> bool:
+        """Whether more requests than --speculation-max-requests are generating on the session's
+        target replica (those of every coordinator on it)."""
+        return self.deps.load_limit.exceeded(self.workers.target_requests)
+
     async def _run_round(self) -> RoundOutput:
         self._round += 1
         (plan, found), loop, decoding = self._plan(), asyncio.get_running_loop(), self._decoding
@@ -436,6 +441,7 @@ class Turn:
             self._count_catch_up()
         began = loop.time()
         proposal: Proposal | None = None
+        gave_up = False
         if plan.method == NGRAM:
             proposal = lookup_proposal(lookup[: plan.k], len(self._committed))
             self.workers.skip_draft()
@@ -447,7 +453,15 @@ class Turn:
                 if not self.controller.stopping:
                     stop = dataclasses.replace(stop, report_only=True)
                 decoding = dataclasses.replace(decoding, stop=stop)
-            proposal = await self.workers.propose(self._committed, plan.k, decoding, self._round, self.adaptive)
+            # requests that come while it waits for the draft (a burst's, placed one by one) may
+            # pass the load limit: the round then stops waiting and decodes target-only
+            give_up = self._over_load_limit if self.adaptive and self.deps.load_limit.max_requests else None
+            proposal = await self.workers.propose(
+                self._committed, plan.k, decoding, self._round, self.adaptive, give_up
+            )  # fmt: skip
+            gave_up = self.workers.gave_up
+            if gave_up:
+                self.deps.metrics.load_target_only_rounds.inc()
             applied = not decoding.stop.report_only
             if proposal is not None and proposal.method == MODEL and decoding.stop.block > 0 and applied:
                 self.stats.block_stop_total += decoding.stop.block
@@ -486,7 +500,8 @@ class Turn:
         )  # fmt: skip
         await self._commit(commit)
         self._account(
-            proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000, source
+            proposal, plan.k, verdict, len(tokens), (drafted - began) * 1000, (loop.time() - began) * 1000, source,
+            waited=gave_up,
         )  # fmt: skip
         if lookup and plan.method != NGRAM and self.adaptive:  # what the unused lookup would have got
             self.controller.observe(*lookup_score(lookup, tokens), source)
@@ -551,13 +566,16 @@ class Turn:
         draft_ms: float,
         round_ms: float,
         draft_source: str,
+        waited: bool = False,
     ) -> None:
         """Stats, metrics, the cost model and the acceptance estimate after a round (``asked``: the
-        block length the round's plan asked for; ``draft_source``: a lookup draft's ``lookup_key``)."""
+        block length the round's plan asked for; ``draft_source``: a lookup draft's ``lookup_key``;
+        ``waited``: the round waited ``draft_ms`` for a block it then gave up, which is no overhead)."""
         s, m = self.stats, self.deps.metrics
         k = len(proposal.block.token_ids) if proposal else 0
         method = proposal.method if proposal else "none"
-        overhead = round_ms - verdict.compute_ms - min(draft_ms, proposal.compute_ms if proposal else 0.0)
+        drafting = draft_ms if waited else min(draft_ms, proposal.compute_ms if proposal else 0.0)
+        overhead = round_ms - verdict.compute_ms - drafting
         if s.rounds == 0:
             s.first_round = FirstRound(draft_ms, verdict.compute_ms, k, k if method == NGRAM else 0)
         s.rounds += 1

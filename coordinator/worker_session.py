@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -41,6 +41,30 @@ from specdec.state import CacheLocation, PrefixLocation
 from specdec.v1 import common_pb2, draft_pb2, target_pb2
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+# How often a turn waiting for the draft's block checks whether it should stop waiting (``give_up``).
+GIVE_UP_POLL_S = 0.05
+
+
+class _GaveUp(Exception):
+    """The turn stopped waiting for the draft's block (``propose``'s ``give_up`` said so)."""
+
+
+async def _unless(work: Coroutine[Any, Any, T], give_up: Callable[[], bool]) -> T:
+    """``work``'s result, unless ``give_up`` (asked every GIVE_UP_POLL_S) says to stop waiting
+    first: then ``work`` is cancelled and _GaveUp raised."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            if give_up():
+                raise _GaveUp
+            await asyncio.wait({task}, timeout=GIVE_UP_POLL_S)
+        return task.result()
+    finally:
+        if not task.done():  # given up, or this coroutine was cancelled itself
+            task.cancel()
+
 
 _VERIFY_RETRY_PAUSE_S = 0.1
 # A call that must compute a prefix of at least PREFILL_MIN_TOKENS first gets this many times its
@@ -199,6 +223,7 @@ class WorkerSession:
         self._deadline = deadline
         self._stream: DraftStream | None = None
         self._draft_refused = False  # the draft failed one of this turn's requests: target-only for the rest
+        self.gave_up = False  # the last ``propose`` stopped waiting for the draft (its ``give_up``)
         self.counters = SyncCounters()
         self.target_len = 0
         self.draft_len = 0
@@ -431,7 +456,13 @@ class WorkerSession:
             self._costs.observe_prefill(answer.computed, answer.compute_ms, draft=True)
 
     async def propose(
-        self, committed: list[int], k: int, decoding: Decoding, round_id: int, catch_up: bool = False
+        self,
+        committed: list[int],
+        k: int,
+        decoding: Decoding,
+        round_id: int,
+        catch_up: bool = False,
+        give_up: Callable[[], bool] | None = None,
     ) -> Proposal | None:
         """K draft tokens, or None when the draft failed (the round then decodes target-only).
 
@@ -440,18 +471,30 @@ class WorkerSession:
         that asks for more of the committed tokens again (its cache was freed) than it computes
         in a target-only round is sent them without waiting (``draft_behind``), and this round
         goes without it (None; ``catching_up`` tells that from a failure).
+
+        ``give_up`` is asked every GIVE_UP_POLL_S while the block is awaited: once it says so, the
+        draft's call is cancelled (its job dropped, nothing of the draft's blamed) and None comes
+        back at once, with ``gave_up`` set (a request that would now wait on the draft's prefills
+        while the load limit says decode target-only).
         """
+        self.gave_up = False
         try:
             if not self._open_stream():
                 return None
             proposal = await self._adopt_lookahead(committed, k, round_id) if self._pipelined else None
             if proposal is None:
-                proposal = await self._request_block(committed, k, decoding, round_id, catch_up=catch_up)
+                proposal = await self._request_block(
+                    committed, k, decoding, round_id, catch_up=catch_up, give_up=give_up
+                )
             if proposal is None:
                 self._send_prefix(committed, decoding, round_id, resend=True)
                 return None
         except WorkerCallFailed as exc:
             return self._draft_failed(exc)
+        except _GaveUp:
+            self.gave_up = True
+            self._drop_stream()
+            return None
         self._last = proposal
         return proposal
 
@@ -483,14 +526,17 @@ class WorkerSession:
         context: int = 0,
         ahead_ms: float = 0.0,
         for_later: bool = False,
+        give_up: Callable[[], bool] | None = None,
     ) -> draft_pb2.ProposeResponse:
-        """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped."""
+        """The next reply that ``wanted`` accepts; late replies of earlier rounds are dropped.
+        Raises _GaveUp once ``give_up`` says so (asked every GIVE_UP_POLL_S)."""
         assert self._stream is not None
-        while not wanted(
-            reply := await self._stream.receive(*self._draft_timeout(prefill, context, ahead_ms, for_later))
-        ):
+        while True:
+            receiving = self._stream.receive(*self._draft_timeout(prefill, context, ahead_ms, for_later))
+            reply = await (receiving if give_up is None else _unless(receiving, give_up))
+            if wanted(reply):
+                return reply
             log.debug("stale_draft_reply", round_id=reply.round_id, lookahead=reply.lookahead)
-        return reply
 
     async def _adopt_lookahead(self, committed: list[int], k: int, round_id: int) -> Proposal | None:
         last, expected_round = self._last, self._lookahead_round
@@ -527,6 +573,7 @@ class WorkerSession:
         resend: bool = False,
         catch_up: bool = False,
         for_later: bool = False,
+        give_up: Callable[[], bool] | None = None,
     ) -> Proposal | None:
         """``lookahead``: whether the draft drafts the next block ahead (default: when pipelined);
         ``resend``: the draft asked for these tokens again; ``catch_up``: None instead of resending
@@ -560,6 +607,7 @@ class WorkerSession:
                     context=len(committed),
                     ahead_ms=ahead_ms,
                     for_later=for_later,
+                    give_up=give_up,
                 )
             assert self._draft is not None
             # a prefill's time says nothing about how busy the draft is, nor the time of a call
@@ -601,6 +649,15 @@ class WorkerSession:
                 log.warning("draft_request_failed", reason=str(exc))
             self._draft_refused = True
         self.close_stream()
+        self.draft_len = 0
+        self._last = self._lookahead_round = None
+
+    def _drop_stream(self) -> None:
+        """Cancels the turn's draft stream and forgets what the draft holds of the session (it drops
+        the job it was computing): a later round opens another and sends the draft all of it."""
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
         self.draft_len = 0
         self._last = self._lookahead_round = None
 

@@ -722,6 +722,48 @@ def test_speculation_stops_above_the_request_limit_and_resumes_below_it(
     assert load_rounds > beside.stats.rounds  # the long request's rounds meanwhile too
 
 
+@pytest.mark.parametrize("mode", ["sequential", "pipelined"])
+def test_a_round_waiting_for_the_draft_decodes_target_only_once_the_load_limit_is_passed(
+    tmp_path: Path, tiny_models: TinyModels, mode: str
+) -> None:
+    """``--speculation-max-requests 1``: a request's first round waits for a draft whose prefill
+    of its 30-token prompt takes 4 s (a burst's first requests wait so on a busy draft: each is
+    placed on the replica before the next comes, so it counts only those before it); a second
+    request coming meanwhile passes the limit, and the first stops waiting at once and decodes
+    that round target-only (on main it waited the 4 s out), with its tokens unchanged. The
+    draft is not blamed for it: no failure counted, and a request alone afterwards speculates
+    (main: 4,010 ms in the first round's wait)."""
+    target = build_stalling(tiny_models.target, tmp_path / "slow", stall_call=1, stall_s=0.0, pass_s=0.03)
+    draft = build_stalling(tiny_models.same, tmp_path / "draft", stall_call=0, stall_s=0.0, wide_from=20, wide_s=4.0)
+    args = ["--speculation-max-requests", "1", "--speculation-mode", mode, "--draft-timeout-s", "20"]
+    long_prompt = [(7 * i + 3) % 250 for i in range(30)]  # no n-gram repeats: no lookup draft
+    with (
+        fault_cluster(
+            tmp_path / "run", target, draft, worker_args=["--trust-remote-code"], coordinator_args=args
+        ) as cluster,
+        grpc.insecure_channel(cluster.address) as channel,
+    ):
+        stub = coordinator_pb2_grpc.GenerationStub(channel)
+        short = make_request(PROMPTS[0], k=4, max_new=12, fixed=False, ignore_eos=True)
+        assert stub.Generate(short, timeout=60).stats.draft_tokens_proposed > 0  # costs measured: it drafts
+        waiting = stub.Generate.future(make_request(long_prompt, k=4, max_new=8, fixed=False, ignore_eos=True))
+        time.sleep(0.5)  # its first round waits for the draft's prefill
+        beside = stub.Generate(make_request(PROMPTS[1], k=4, max_new=40, fixed=False, ignore_eos=True), timeout=60)
+        first = waiting.result(timeout=60)
+        load_rounds = metric(cluster, "coordinator", "specdec_load_target_only_rounds_total")
+        blamed = [metric(cluster, "coordinator", f"specdec_draft_{m}_total") for m in ("failures", "request_errors")]
+        alone = stub.Generate(short, timeout=60)
+    assert list(first.token_ids) == reference_greedy(str(tiny_models.target), tuple(long_prompt), 8, ignore_eos=True)
+    assert list(beside.token_ids) == reference_greedy(str(tiny_models.target), tuple(PROMPTS[1]), 40, ignore_eos=True)
+    assert first.stats.first_round.draft_ms < 2000, first.stats  # not the draft's 4 s prefill
+    assert first.stats.first_round.draft_tokens_proposed == 0 and first.stats.target_only_rounds == first.stats.rounds
+    # the load limit's rounds: all the first request's (the one it gave up waiting in too) and
+    # the second's while the first ran (alone afterwards, the second speculates)
+    assert beside.stats.target_only_rounds > 0 and load_rounds > first.stats.rounds
+    assert blamed == [0, 0]
+    assert alone.stats.draft_tokens_proposed > 0 and alone.stats.target_only_rounds < alone.stats.rounds
+
+
 @contextlib.contextmanager
 def _two_coordinators(
     tmp_path: Path, tiny_models: TinyModels, limit: int
