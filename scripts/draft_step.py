@@ -38,7 +38,7 @@ def _steps(caches: SessionCaches, context: int, steps: int, vocab: int) -> tuple
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a local model directory")
-    parser.add_argument("--quantize", default="int8", help="none | int8 (the lean step needs int8's fused layers)")
+    parser.add_argument("--quantize", default="int8", help="none | int8 | int4 (the lean step needs fused layers)")
     parser.add_argument("--context", type=int, default=120, help="cached tokens before the steps")
     parser.add_argument("--steps", type=int, default=40, help="steps timed per run and way")
     parser.add_argument("--runs", type=int, default=5)
@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     caches = SessionCaches(loaded, 1, float("inf"))
     lean = caches.lean
     if lean is None:
-        raise SystemExit(f"{args.model} gets no lean step (a fused int8 Llama or Qwen2 decoder only)")
+        raise SystemExit(f"{args.model} gets no lean step (a fused int8 or int4 Llama or Qwen2 decoder only)")
     out = sys.stdout.write
     ratios = []
     for run in range(args.runs):

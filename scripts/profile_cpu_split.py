@@ -73,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="target model directory")
     parser.add_argument("--draft-model", required=True, help="draft model directory")
-    parser.add_argument("--draft-quantize", default="none", choices=["none", "int8"])
+    parser.add_argument("--draft-quantize", default="none", choices=["none", "int8", "int4"])
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="K (the verify pass is K+1 tokens)")
     parser.add_argument("--context", type=int, default=120, help="cached tokens before the timed passes")
     parser.add_argument("--seconds", type=float, default=15.0, help="timing window per measurement")

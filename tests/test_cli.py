@@ -46,18 +46,23 @@ def test_generate_starts_three_services_and_prints_text_and_summary(tiny_models:
     assert float(match[2]) > 0.9  # the draft is a copy of the target
 
 
-def test_generate_runs_a_bfloat16_target_beside_an_int8_draft(tiny_models: TinyModels) -> None:
-    """``--dtype`` is the target's; an int8 draft is quantized from float32 whatever it says (both
-    workers were given it: the draft stopped at start-up, "expected scalar type Float but found
-    BFloat16", and generate with it)."""
+@pytest.mark.parametrize(("quantize", "least_acceptance"), [("int8", 0.5), ("int4", 0.0)])
+def test_generate_runs_a_bfloat16_target_beside_a_quantized_draft(
+    tiny_models: TinyModels, quantize: str, least_acceptance: float
+) -> None:
+    """``--dtype`` is the target's; an int8 or int4 draft is quantized from float32 whatever it
+    says (both workers were given it: the int8 draft stopped at start-up, "expected scalar type
+    Float but found BFloat16", and generate with it). The draft is the target's weights: in int8
+    it agrees with it more than half the time; int4 rounds the tiny models' random weights coarsely
+    (tests/test_drafting.py), so there it only has to draft."""
     result = run(
         "generate", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.same),
         "--prompt", "Once upon a time", "--max-new-tokens", "8", "--device", "cpu", "--dtype", "bfloat16",
-        "--draft-quantize", "int8",
+        "--draft-quantize", quantize,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     acceptance = re.search(r"\| acceptance rate ([\d.]+) \|", result.stdout.strip().splitlines()[-1])
-    assert acceptance and float(acceptance[1]) > 0.5  # the draft (the target's weights in int8) drafted
+    assert acceptance and float(acceptance[1]) > least_acceptance
 
 
 def test_serve_without_a_role_explains_itself() -> None:
@@ -215,27 +220,31 @@ def test_generate_stopped_or_killed_leaves_no_service_running(
             os.kill(pid, signal.SIGKILL)
 
 
-def test_bench_runs_both_sides_in_the_dtype_asked_and_an_int8_draft_in_float32() -> None:
+def test_bench_runs_both_sides_in_the_dtype_asked_and_a_quantized_draft_in_float32() -> None:
     """``--dtype`` is the target's for HF's rows and the service's alike (so a kernel's speed is not
-    counted as speculation's); an int8 draft is quantized from float32 on both sides."""
+    counted as speculation's); an int8 or int4 draft is quantized from float32 on both sides."""
     from specdec.tools.bench import BenchConfig, worker_dtypes
 
     assert worker_dtypes(BenchConfig(model="m", draft_model="d")) == ("auto", "auto")
     assert worker_dtypes(BenchConfig(model="m", draft_model="d", dtype="bfloat16")) == ("bfloat16", "bfloat16")
-    int8 = BenchConfig(model="m", draft_model="d", dtype="bfloat16", draft_quantize="int8")
-    assert worker_dtypes(int8) == ("bfloat16", "float32")
+    for quantize in ("int8", "int4"):
+        quantized = BenchConfig(model="m", draft_model="d", dtype="bfloat16", draft_quantize=quantize)
+        assert worker_dtypes(quantized) == ("bfloat16", "float32")
 
 
-def test_bench_loads_both_sides_in_the_dtype_asked(tiny_models: TinyModels, tmp_path: Path) -> None:
-    """A run with ``--dtype bfloat16`` and an int8 draft: HF's models and the service's workers
-    report bfloat16 for the target and float32 for the draft (quantized from it)."""
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_bench_loads_both_sides_in_the_dtype_asked(tiny_models: TinyModels, tmp_path: Path, quantize: str) -> None:
+    """A run with ``--dtype bfloat16`` and an int8 or int4 draft: HF's models and the service's
+    workers report bfloat16 for the target and float32 for the draft (quantized from it), and HF's
+    assisted row drafts with it."""
     out = tmp_path / "bench.json"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\n")
+    rows = ("hf target-only", "hf assisted K=4", "service target-only")
     result = run(
         "bench", "--model", str(tiny_models.target), "--draft-model", str(tiny_models.noisy), "--prompts", str(prompts),
         "--max-new-tokens", "4", "--repeats", "1", "--concurrency", "", "--dtype", "bfloat16",
-        "--draft-quantize", "int8", "--method", "hf target-only", "--method", "service target-only", "--no-plots",
+        "--draft-quantize", quantize, *(arg for row in rows for arg in ("--method", row)), "--no-plots",
         "--out", str(out), timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -243,7 +252,7 @@ def test_bench_loads_both_sides_in_the_dtype_asked(tiny_models: TinyModels, tmp_
     assert report["dtypes"] == {
         "hf target": "bfloat16", "hf draft": "float32", "service target": "bfloat16", "service draft": "float32",
     }  # fmt: skip
-    assert set(report["workloads"]["file"]["methods"]) == {"hf target-only", "service target-only"}
+    assert set(report["workloads"]["file"]["methods"]) == set(rows)
 
 
 def test_a_sampled_bench_samples_every_row_each_run_with_its_own_seed(tiny_models: TinyModels, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from tests.conftest import CLUSTER_COORDINATOR_ARGS, CLUSTER_WORKER_ARGS
 from tests.helpers import draft_vocab_file
 from tests.reference import coordinator_stub, make_request, reference_greedy, seeded_replies
 from tests.spec_oracle import PASS_P, Enumerator, chi_square_pvalue, rejects
-from tests.tiny_models import TinyModels
+from tests.tiny_models import TinyModels, build_on_int4_grid
 
 # The bigram target's greedy output cycles within a few dozen tokens (lookup drafts then match).
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
@@ -71,11 +71,14 @@ def cluster_guessing(tmp_path_factory: pytest.TempPathFactory, tiny_models: Tiny
     yield from _start(tmp_path_factory.mktemp("guessing"), tiny_models.bigram, tiny_models.bigram, [])
 
 
-@pytest.fixture(scope="module")
-def cluster_int8(tmp_path_factory: pytest.TempPathFactory, tiny_models: TinyModels) -> Iterator[LocalCluster]:
-    """A copy of the target as the draft, quantized to int8 (``--quantize int8``, as the benchmark's
-    CPU draft): its one-token steps run the lean step."""
-    yield from _start(tmp_path_factory.mktemp("int8"), tiny_models.target, tiny_models.same, ["--quantize", "int8"])
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def cluster_quantized(request: pytest.FixtureRequest, tiny_models: TinyModels) -> Iterator[LocalCluster]:
+    """A copy of the target as the draft, quantized (``--quantize int8``, as the benchmark's CPU
+    draft, or ``int4``): its one-token steps run the lean step. For int4 the target is the tiny
+    target on int4's grid (build_on_int4_grid), as the benchmark's checkpoints nearly are."""
+    workdir = request.getfixturevalue("tmp_path_factory").mktemp(request.param)
+    target = tiny_models.target if request.param == "int8" else build_on_int4_grid(tiny_models.target, workdir / "grid")
+    yield from _start(workdir, target, target, ["--quantize", request.param])
 
 
 REPLY_INDEX_TOKENS = 4096
@@ -355,19 +358,20 @@ def test_sampled_replies_follow_the_target_distribution(
 
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "adaptive"])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
-def test_an_int8_draft_s_lean_steps_give_the_target_s_tokens_and_propose_its_own(
-    cluster_int8: LocalCluster, tiny_models: TinyModels, prompt: list[int], fixed: bool
+def test_a_quantized_draft_s_lean_steps_give_the_target_s_tokens_and_propose_its_own(
+    cluster_quantized: LocalCluster, tiny_models: TinyModels, prompt: list[int], fixed: bool
 ) -> None:
-    """The draft worker's production path with an int8 draft: its start-up log says the lean step
-    is on, the reply is the target's greedy tokens, and with fixed K a copy of the target has at
-    least half its drafts accepted over rounds cut back after rejections (int8 rounding flips the
-    tiny models' near ties: 27/33 to 30/39 here, the same counts as the model's own forward with
-    the lean step off). Planted in the lean step, each failed it: the position one too far
-    (16/49 to 20/75 accepted), keys left unrotated (5/130, 7/122), attention to the new key
-    only (1/146, 2/142)."""
-    log = cluster_int8.processes["draft"].log_file.read_text().splitlines()
+    """The draft worker's production path with an int8 or int4 draft: its start-up log says the
+    lean step is on, the reply is the target's greedy tokens, and with fixed K a copy of the
+    target has at least half its drafts accepted over rounds cut back after rejections (int8
+    rounding flips the tiny models' near ties: 27/33 to 30/39 here, the same counts as the model's
+    own forward with the lean step off; int4 of the tiny target's random weights flipped more,
+    19/81 and 24/61, and of those weights on int4's grid 31/35 and 30/36). Planted in the lean
+    step, each failed it (int8): the position one too far (16/49 to 20/75 accepted), keys left
+    unrotated (5/130, 7/122), attention to the new key only (1/146, 2/142)."""
+    log = cluster_quantized.processes["draft"].log_file.read_text().splitlines()
     assert [line["on"] for line in map(json.loads, log) if line["event"] == "lean_step"] == [True]
-    reply = generate(cluster_int8, request(prompt, "model", fixed=fixed))
-    assert list(reply.token_ids) == reference_greedy(str(tiny_models.target), tuple(prompt), MAX_NEW, True)
+    reply = generate(cluster_quantized, request(prompt, "model", fixed=fixed))
+    assert list(reply.token_ids) == reference_greedy(cluster_quantized.target_model, tuple(prompt), MAX_NEW, True)
     if fixed:  # adaptive K may turn speculation off where the measured costs say it does not pay (a loaded host)
         assert reply.stats.draft_tokens_accepted >= reply.stats.draft_tokens_proposed / 2, reply.stats

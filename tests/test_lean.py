@@ -1,4 +1,4 @@
-"""The lean one-token step of a fused int8 draft (specdec.runtime.lean): the model's own logits, bit
+"""The lean one-token step of a fused int8 or int4 draft (specdec.runtime.lean): the model's own logits, bit
 for bit, through the cache path the workers use, and only for the models it is built for."""
 
 from __future__ import annotations
@@ -41,17 +41,19 @@ def _decode(caches: SessionCaches, vocab: int) -> list[torch.Tensor]:
     return outs
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("family", ["LlamaConfig", "Qwen2Config"])
 @pytest.mark.parametrize("long_keys", [attention.LONG_KEYS, 8])
 def test_a_lean_step_gives_the_model_s_own_logits_bit_for_bit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, long_keys: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, long_keys: int, quantize: str
 ) -> None:
-    """Every one-token step of a fused int8 Llama or Qwen2 draft (Qwen2's projections have
-    biases, Llama's none) runs the lean step, and every logit of the session (prefill, steps, a
-    cut back, a block, steps after it) equals the model's own forward exactly; also where the
+    """Every one-token step of a fused int8 or int4 Llama or Qwen2 draft (Qwen2's projections
+    have biases, Llama's none) runs the lean step, and every logit of the session (prefill, steps,
+    a cut back, a block, steps after it) equals the model's own forward exactly; also where the
     attention reads grouped heads stacked (``long_keys`` 8: a cache past it takes that path)."""
     monkeypatch.setattr(attention, "LONG_KEYS", long_keys)
-    loaded = load_model(str(build_family(tmp_path / family, family)), INT8)
+    options = LoadOptions(device="cpu", quantize=quantize, structured_output=False)
+    loaded = load_model(str(build_family(tmp_path / family, family)), options)
     lean = SessionCaches(loaded, 2, 600)
     assert lean.lean is not None
     steps = 0

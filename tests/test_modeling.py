@@ -16,9 +16,9 @@ from specdec.runtime.modeling import (
     PackedLinear,
     load_model,
     packed_linear_available,
-    quantize_int8,
     use_packed_linear,
 )
+from specdec.runtime.quantize import quantize_int8
 from specdec.runtime.tokenizer import load_tokenizer
 from tests.tiny_models import TinyModels, build_family, build_tokenizer, build_weight_reading
 

@@ -99,6 +99,27 @@ def build_variant(target: Path, path: Path, noise: float, scale: float = 1.0) ->
     return path
 
 
+def build_on_int4_grid(source: Path, path: Path, group: int = 32) -> Path:
+    """``source`` with every Linear weight rounded to the grid ``--quantize int4`` keeps (each group
+    of ``group`` inputs 16 levels from its least to its greatest value, the scale and the offset in
+    bfloat16), as a checkpoint dequantized from 4-bit GGUF is (the benchmark's): int4 then keeps
+    its weights as they are, where the tiny models' random ones lose enough to flip their near ties."""
+    model = LlamaForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                out, inputs = module.weight.shape
+                groups = module.weight.reshape(out, inputs // group, group)
+                low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+                scale = ((high - low) / 15).to(torch.bfloat16).float()
+                offset = (low + 8 * scale).to(torch.bfloat16).float()
+                levels = ((groups - offset) / scale + 8).round().clamp(0, 15)
+                module.weight.copy_(((levels - 8) * scale + offset).reshape(out, inputs))
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
 def build_bigram(target: Path, path: Path) -> Path:
     """The target with every attention output projection zeroed: each position sees only its own
     token, so the next-token distribution depends on the last token alone. Its greedy output

@@ -1,4 +1,4 @@
-"""One decoding step of an int8 CPU draft without transformers' per-module machinery.
+"""One decoding step of a quantized (int8 or int4) CPU draft without transformers' per-module machinery.
 
 A decoding step of a small draft on a CPU is short (the int8 Qwen2.5-0.5B: ~28 ms on two cores),
 and besides its int8 products it pays for some 2,000 small operators and the Python around them:

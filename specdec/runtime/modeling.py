@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ from specdec.runtime.devices import resolve_device, resolve_dtype
 from specdec.runtime.fusion import fuse_projections
 from specdec.runtime.grammar import GrammarMasks
 from specdec.runtime.output_vocab import read_output_vocab, restrict_output
+from specdec.runtime.quantize import quantize_int4, quantize_int8
 from specdec.runtime.tokenizer import check_source, load_tokenizer, tokenizer_fingerprint
 
 log = structlog.get_logger(__name__)
@@ -127,24 +127,18 @@ def use_packed_linear(model: torch.nn.Module) -> int:
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
+    copy_out_of_checkpoint(model)
+    return len(targets)
+
+
+def copy_out_of_checkpoint(model: torch.nn.Module) -> None:
+    """Copies ``model``'s tensors out of the checkpoint's memory map, once its Linear layers are
+    replaced by copies of their own (packed or quantized): the map (the whole checkpoint) is then
+    unmapped instead of staying resident beside those copies."""
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             if not tensor.is_mkldnn:
                 tensor.data = tensor.data.clone()
-    return len(targets)
-
-
-def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Dynamic int8 quantization of the Linear layers (CPU): weights int8 with a scale per output
-    row (per-channel), activations quantized per call. Meant for a CPU draft: about 3-4x faster per
-    token; the draft's proposals change (they stay exact: the target verifies the distribution the
-    draft actually sampled from). A scale per row instead of one per weight costs nothing per
-    token and keeps the rows that are small next to others (measured on Qwen2.5-Coder-0.5B against
-    the 1.5B's greedy replies to 16 code prompts: 926 of 1,024 tokens the same instead of 902)."""
-    qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's deprecation notice; the API still works in torch 2.x
-        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8)
 
 
 def release_freed_memory() -> None:
@@ -180,7 +174,7 @@ class LoadOptions:
 
     device: str = "auto"
     dtype: str = "auto"
-    quantize: str = "none"  # none | int8
+    quantize: str = "none"  # none | int8 | int4
     cpu_kernel: str = "auto"  # auto (packed for fp32 CPU models, bf16 ones where oneDNN computes bf16) | packed | torch
     trust_remote_code: bool = False
     layers: int = 0  # keep only the first N decoder layers (an early-exit draft); 0 = all
@@ -193,15 +187,7 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
     options = options or LoadOptions()
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
-    if options.quantize == "int8" and device.type != "cpu":
-        raise ValueError("--quantize int8 is a CPU (dynamic quantization) option; use it with --device cpu")
-    if options.quantize == "int8" and options.cpu_kernel == "packed":
-        raise ValueError("--quantize int8 has its own int8 kernels; use --cpu-kernel auto or torch with it")
-    if options.quantize == "int8" and dtype != torch.float32:
-        raise ValueError(
-            f"--quantize int8 quantizes a float32 model (its activations stay float32), not {str(dtype)[6:]}; "
-            "use it with --dtype float32 or auto"
-        )
+    _check_quantize(options, device, dtype)
     check_source(model_id)
     tokenizer = load_tokenizer(model_id, options.trust_remote_code)
     config = AutoConfig.from_pretrained(model_id, trust_remote_code=options.trust_remote_code)
@@ -220,9 +206,14 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         ids = read_output_vocab(options.output_vocab, fingerprint)
         kept = restrict_output(model, [*ids, *(i for i in eos_token_ids if i < vocab_size)])
         log.info("draft_vocab", path=options.output_vocab, kept=kept, vocab_size=vocab_size)
-    if options.quantize == "int8":
+    if options.quantize != "none":
         log.info("fused_projections", modules=fuse_projections(model))
+    if options.quantize == "int8":
         model = quantize_int8(model)
+    elif options.quantize == "int4":
+        int4, int8 = quantize_int4(model)
+        copy_out_of_checkpoint(model)
+        log.info("quantized_int4", int4_layers=int4, int8_layers=int8)
     elif _wants_packed(options.cpu_kernel, device, dtype):
         use_packed_linear(model)
         _check_runs_packed(model_id, model, device)
@@ -251,6 +242,24 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         max_context_len=loaded.max_context_len,
     )
     return loaded
+
+
+def _check_quantize(options: LoadOptions, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuses a quantization the device, kernel or dtype asked for cannot have."""
+    kind = options.quantize
+    if kind not in ("none", "int8", "int4"):
+        raise ValueError(f"--quantize must be none, int8 or int4, not {kind!r}")
+    if kind == "none":
+        return
+    if device.type != "cpu":
+        raise ValueError(f"--quantize {kind} is a CPU option (torch's CPU kernels); use it with --device cpu")
+    if options.cpu_kernel == "packed":
+        raise ValueError(f"--quantize {kind} has its own {kind} kernels; use --cpu-kernel auto or torch with it")
+    if dtype != torch.float32:
+        raise ValueError(
+            f"--quantize {kind} quantizes a float32 model (its activations stay float32), not {str(dtype)[6:]}; "
+            "use it with --dtype float32 or auto"
+        )
 
 
 def text_config(config: Any) -> Any:

@@ -150,7 +150,11 @@ class ModelWorkerSettings(ServiceSettings):
         0, ge=0, description="intra-op CPU threads for torch (0 = torch's default, at most the CPU quota's whole CPUs)"
     )
     trust_remote_code: bool = Field(False, description="allow model code from the model repository")
-    quantize: Literal["none", "int8"] = Field("none", description="int8 = dynamic int8 Linear layers (CPU draft)")
+    quantize: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="int8 = dynamic int8 Linear layers; int4 = int4 weights (groups of 32) for passes of one or "
+        "two tokens and int8 for wider ones (both for a CPU draft)",
+    )
     cpu_kernel: Literal["auto", "packed", "torch"] = Field(
         "auto",
         description="Linear layers of a float32 or bfloat16 CPU model: packed = weights pre-packed for oneDNN once "

@@ -159,7 +159,7 @@ class BenchConfig:
     repeats: int = 3
     concurrency: tuple[int, ...] = (1, 2, 4)
     device: str = "cpu"
-    dtype: str = "auto"  # the target's, on both sides (HF's rows and the service's); an int8 draft stays float32
+    dtype: str = "auto"  # the target's, on both sides (HF's rows and the service's); a quantized draft stays float32
     early_exit_layers: int = 0  # the early-exit rows keep this many of the target's layers; 0 = no such rows
     cross_draft_model: str = ""  # a draft with another tokenizer: TLI and SLEM rows ("" = no such rows)
     draft_vocab: str = ""  # a `specdec draft-vocab` file: rows whose draft scores only its tokens ("" = none)
@@ -288,7 +288,13 @@ def hf_runs(
 
     from specdec.runtime.attention import use_grouped_attention
     from specdec.runtime.devices import resolve_device, resolve_dtype
-    from specdec.runtime.modeling import packed_by_default, quantize_int8, release_freed_memory, use_packed_linear
+    from specdec.runtime.modeling import (
+        copy_out_of_checkpoint,
+        packed_by_default,
+        release_freed_memory,
+        use_packed_linear,
+    )
+    from specdec.runtime.quantize import quantize_int4, quantize_int8
     from specdec.runtime.tokenizer import check_source
 
     device = resolve_device(cfg.device)
@@ -299,6 +305,9 @@ def hf_runs(
     draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=draft_dtype).to(device).eval()
     if cfg.draft_quantize == "int8":
         draft = quantize_int8(draft)
+    elif cfg.draft_quantize == "int4":
+        quantize_int4(draft)
+        copy_out_of_checkpoint(draft)
     if device.type == "cpu":
         if packed_by_default(device, target_dtype):
             use_packed_linear(target)
@@ -469,8 +478,8 @@ def check_methods(cfg: BenchConfig) -> None:
 
 def worker_dtypes(cfg: BenchConfig) -> tuple[str, str]:
     """The target's and the draft's ``--dtype``, the same for HF's rows and the service's: the
-    run's, except that an int8 draft is quantized from float32."""
-    return cfg.dtype, "float32" if cfg.draft_quantize == "int8" else cfg.dtype
+    run's, except that a quantized (int8 or int4) draft is quantized from float32."""
+    return cfg.dtype, cfg.dtype if cfg.draft_quantize == "none" else "float32"
 
 
 def check_numbers(cfg: BenchConfig) -> None:

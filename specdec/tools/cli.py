@@ -107,9 +107,14 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )  # fmt: skip
     p.add_argument("--device", default="auto", help="auto|cpu|cuda[:n] for both workers")
     p.add_argument(
-        "--dtype", default="auto", help="auto|float32|float16|bfloat16: the target's, and the draft's unless int8"
+        "--dtype", default="auto", help="auto|float32|float16|bfloat16: the target's, and the draft's unless quantized"
     )
-    p.add_argument("--draft-quantize", choices=["none", "int8"], default="none", help="int8: dynamic int8 CPU draft")
+    p.add_argument(
+        "--draft-quantize",
+        choices=["none", "int8", "int4"],
+        default="none",
+        help="int8: dynamic int8 CPU draft; int4: int4 weights for its steps, int8 for its prefills",
+    )
 
 
 def _generate_request(args: argparse.Namespace) -> Any:
@@ -196,9 +201,9 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stderr.write(f"specdec generate: error: --device {e}\n")
         return 2
     worker_args = ["--device", args.device]
-    # an int8 draft is quantized from float32 whatever --dtype the target runs in (bfloat16 on a CPU
-    # with AMX: see README, CPU specifics); the draft translates only if its tokenizer differs
-    draft_dtype = "float32" if args.draft_quantize == "int8" else args.dtype
+    # a quantized draft is quantized from float32 whatever --dtype the target runs in (bfloat16 on a
+    # CPU with AMX: see README, CPU specifics); the draft translates only if its tokenizer differs
+    draft_dtype = args.dtype if args.draft_quantize == "none" else "float32"
     draft_args = ["--dtype", draft_dtype, "--quantize", args.draft_quantize, "--target-tokenizer", args.model]
     draft_args += ["--vocab-method", args.draft_vocab_method]
     # the workers serve before the coordinator starts: its start-up waits only for the state store,
@@ -324,7 +329,12 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     p.add_argument("--model", required=True, help="target model: local HF directory or hub id")
     p.add_argument("--draft-model", required=True, help="draft model (same tokenizer)")
-    p.add_argument("--draft-quantize", choices=["none", "int8"], default="none", help="int8: dynamic int8 CPU draft")
+    p.add_argument(
+        "--draft-quantize",
+        choices=["none", "int8", "int4"],
+        default="none",
+        help="int8: dynamic int8 CPU draft; int4: int4 weights for its steps, int8 for its prefills",
+    )
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
