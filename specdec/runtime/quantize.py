@@ -3,16 +3,18 @@
 int8 (``quantize_int8``): torch's dynamic int8 layers, the weights int8 with a scale per output
 row, each call's input quantized to int8 too.
 
-int4 (``quantize_int4``): a draft's one-token step on a CPU reads every weight once, so its Linear
-layers cost what their weights weigh in memory, and int4 weights are half of int8's. Each row of a
-weight is cut into groups of GROUP inputs, each group stored as 4-bit integers with a scale and an
-offset of its own (the asymmetric scheme of llama.cpp's Q4_1 and Q4_K and of torch's int4
-kernels); a pass of one or two rows multiplies their bfloat16 values by them with torch's CPU int4
-kernel (``_weight_int4pack_mm_for_cpu``, float32 sums, the output rounded to bfloat16) and hands
-back float32, so the rest of the model (norms, attention, residual sums) stays float32. That kernel
-costs about a one-row pass more for every further row, so a wider pass (a prefill, a catch-up, a
-block) runs on an int8 copy of the layer instead, as ``--quantize int8`` runs it (several times
-faster there: a 250-token prefill of Qwen2.5-Coder-0.5B 1.22 s in int4, 0.39 s in int8).
+int4 (``quantize_int4``): a draft's one-token step on a CPU reads every weight once, and where
+the cores outrun memory its Linear layers cost what their weights weigh: int4 weights with their
+scales weigh some 0.6 of int8's (Qwen2.5-Coder-0.5B: 309 MB against 494). Each row of a weight is
+cut into groups of GROUP inputs, each group stored as 4-bit integers with a scale and an offset of
+its own (the asymmetric scheme of llama.cpp's Q4_1 and Q4_K and of torch's int4 kernels); a pass
+of one or two rows multiplies their bfloat16 values by them with torch's CPU int4 kernel
+(``_weight_int4pack_mm_for_cpu``, at bfloat16's precision) and hands back float32, so the rest of
+the model (norms, attention, residual sums) stays float32. That kernel costs about a one-row pass
+more for every further row, so a wider pass (a prefill, a catch-up, a block) runs on an int8 copy
+of the layer instead, as ``--quantize int8`` runs it (a 250-token prefill of Qwen2.5-Coder-0.5B
+1.22 s in int4, 0.39 s in int8). On one thread the kernel's arithmetic, not memory, bounds a step,
+and int8's is faster (README, CPU specifics).
 
 Either way the draft's proposals change as with any quantization; they stay exact, as the target
 verifies the distribution the draft actually sampled from.
