@@ -38,7 +38,9 @@ def test_the_restricted_head_computes_the_kept_rows_and_rules_out_the_rest(bias:
     assert torch.softmax(logits, -1)[..., others].sum() == 0  # the draft never proposes them
 
 
-@pytest.mark.parametrize(("quantize", "kernel"), [("none", "torch"), ("none", "packed"), ("int8", "auto")])
+@pytest.mark.parametrize(
+    ("quantize", "kernel"), [("none", "torch"), ("none", "packed"), ("int8", "auto"), ("int4", "auto")]
+)
 def test_a_draft_loaded_with_a_vocabulary_scores_only_its_tokens_and_the_end_of_sequence(
     tiny_models: TinyModels, tmp_path: Path, quantize: str, kernel: str
 ) -> None:
@@ -50,14 +52,21 @@ def test_a_draft_loaded_with_a_vocabulary_scores_only_its_tokens_and_the_end_of_
     path = draft_vocab_file(tmp_path / "vocab.json", tiny_models.target, kept)
     restricted = load_model(str(tiny_models.target), LoadOptions(**{**options.__dict__, "output_vocab": str(path)}))
     assert restricted.vocab_size == full.vocab_size and restricted.eos_token_ids == full.eos_token_ids
-    prompt = torch.tensor([[5, 17, 99, 3, 120]])
+    prompt = torch.tensor([[5, 17, 99, 3, 120]])  # int4: a wide pass, on its int8 copies; then a step on int4
     with torch.inference_mode():
         want, got = full.model(prompt).logits[0], restricted.model(prompt).logits[0]
+        if quantize == "int4":
+            step = prompt[:, -1:]
+            want = torch.cat([want, full.model(step).logits[0]])
+            got = torch.cat([got, restricted.model(step).logits[0]])
     scored = kept + list(full.eos_token_ids)  # the draft can always end a reply
-    if quantize == "int8":  # the kept rows get their own int8 scale: as close to fp32 as the full int8 head
+    if quantize != "none":  # the kept rows quantized on their own: as close to fp32 as the full quantized head
         fp32 = load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="float32", cpu_kernel="torch"))
         with torch.inference_mode():
-            exact = fp32.model(prompt).logits[0][:, scored]
+            exact = fp32.model(prompt).logits[0]
+            if quantize == "int4":
+                exact = torch.cat([exact, fp32.model(prompt[:, -1:]).logits[0]])
+            exact = exact[:, scored]
         full_error = float((want[:, scored] - exact).abs().max())
         assert float((got[:, scored] - exact).abs().max()) < 2 * full_error
     else:
