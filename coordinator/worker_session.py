@@ -648,16 +648,13 @@ class WorkerSession:
                 self._metrics.draft_request_errors.inc()
                 log.warning("draft_request_failed", reason=str(exc))
             self._draft_refused = True
-        self.close_stream()
-        self.draft_len = 0
-        self._last = self._lookahead_round = None
+        self._drop_stream()
 
     def _drop_stream(self) -> None:
-        """Cancels the turn's draft stream and forgets what the draft holds of the session (it drops
-        the job it was computing): a later round opens another and sends the draft all of it."""
-        if self._stream is not None:
-            self._stream.cancel()
-            self._stream = None
+        """Cancels the turn's draft stream (``close_stream``) and forgets what the draft holds of the
+        session (it drops the job it was computing): a later round opens another and sends the
+        draft all of it."""
+        self.close_stream()
         self.draft_len = 0
         self._last = self._lookahead_round = None
 
