@@ -109,6 +109,11 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument(
         "--dtype", default="auto", help="auto|float32|float16|bfloat16: the target's, and the draft's unless quantized"
     )
+    _add_draft_quantize(p)
+
+
+def _add_draft_quantize(p: argparse.ArgumentParser) -> None:
+    """``--draft-quantize``, as generate and bench take it (the draft worker's --quantize)."""
     p.add_argument(
         "--draft-quantize",
         choices=["none", "int8", "int4"],
@@ -329,12 +334,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
     p.add_argument("--model", required=True, help="target model: local HF directory or hub id")
     p.add_argument("--draft-model", required=True, help="draft model (same tokenizer)")
-    p.add_argument(
-        "--draft-quantize",
-        choices=["none", "int8", "int4"],
-        default="none",
-        help="int8: dynamic int8 CPU draft; int4: int4 weights for its steps, int8 for its prefills",
-    )
+    _add_draft_quantize(p)
     p.add_argument(
         "--num-speculative-tokens",
         type=int,
