@@ -17,7 +17,7 @@ from specdec.runtime.devices import resolve_device, resolve_dtype
 from specdec.runtime.fusion import fuse_projections
 from specdec.runtime.grammar import GrammarMasks
 from specdec.runtime.output_vocab import read_output_vocab, restrict_output
-from specdec.runtime.quantize import quantize_int4, quantize_int8
+from specdec.runtime.quantize import copy_out_of_checkpoint, quantize_int4, quantize_int8
 from specdec.runtime.tokenizer import check_source, load_tokenizer, tokenizer_fingerprint
 
 log = structlog.get_logger(__name__)
@@ -131,16 +131,6 @@ def use_packed_linear(model: torch.nn.Module) -> int:
     return len(targets)
 
 
-def copy_out_of_checkpoint(model: torch.nn.Module) -> None:
-    """Copies ``model``'s tensors out of the checkpoint's memory map, once its Linear layers are
-    replaced by copies of their own (packed or quantized): the map (the whole checkpoint) is then
-    unmapped instead of staying resident beside those copies."""
-    with torch.no_grad():
-        for tensor in (*model.parameters(), *model.buffers()):
-            if not tensor.is_mkldnn:
-                tensor.data = tensor.data.clone()
-
-
 def release_freed_memory() -> None:
     """Hands the heap that preparing a model freed back to the OS. Quantizing copies the model and
     drops the fp32 original, but glibc keeps freed heap for reuse: an int8 early-exit draft of
@@ -212,7 +202,6 @@ def load_model(model_id: str, options: LoadOptions | None = None) -> LoadedModel
         model = quantize_int8(model)
     elif options.quantize == "int4":
         int4, int8 = quantize_int4(model)
-        copy_out_of_checkpoint(model)
         log.info("quantized_int4", int4_layers=int4, int8_layers=int8)
     elif _wants_packed(options.cpu_kernel, device, dtype):
         use_packed_linear(model)

@@ -106,10 +106,21 @@ class Int4Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
 
 
+def copy_out_of_checkpoint(model: torch.nn.Module) -> None:
+    """Copies ``model``'s tensors out of the checkpoint's memory map, once its Linear layers are
+    replaced in place by copies of their own (packed or quantized): the map (the whole checkpoint)
+    is then unmapped instead of staying resident beside those copies."""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if not tensor.is_mkldnn:
+                tensor.data = tensor.data.clone()
+
+
 def quantize_int4(model: torch.nn.Module) -> tuple[int, int]:
     """Replaces every Linear layer of ``model`` that int4 can hold with an Int4Linear, in place,
     and the others with int8 layers; returns how many of each. A weight tied to another module
-    (input embeddings) stays float32 for that module."""
+    (input embeddings) stays float32 for that module; the tensors left are copied out of the
+    checkpoint's memory map (``copy_out_of_checkpoint``)."""
     if not int4_available():
         raise ValueError("--quantize int4 needs torch's CPU int4 kernels, which this torch build lacks; use int8")
     linears = [
@@ -125,4 +136,5 @@ def quantize_int4(model: torch.nn.Module) -> tuple[int, int]:
             replaced += 1
         else:
             setattr(parent, name, quantize_int8(torch.nn.Sequential(child))[0])
+    copy_out_of_checkpoint(model)
     return replaced, len(linears) - replaced

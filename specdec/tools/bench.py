@@ -288,12 +288,7 @@ def hf_runs(
 
     from specdec.runtime.attention import use_grouped_attention
     from specdec.runtime.devices import resolve_device, resolve_dtype
-    from specdec.runtime.modeling import (
-        copy_out_of_checkpoint,
-        packed_by_default,
-        release_freed_memory,
-        use_packed_linear,
-    )
+    from specdec.runtime.modeling import packed_by_default, release_freed_memory, use_packed_linear
     from specdec.runtime.quantize import quantize_int4, quantize_int8
     from specdec.runtime.tokenizer import check_source
 
@@ -307,7 +302,6 @@ def hf_runs(
         draft = quantize_int8(draft)
     elif cfg.draft_quantize == "int4":
         quantize_int4(draft)
-        copy_out_of_checkpoint(draft)
     if device.type == "cpu":
         if packed_by_default(device, target_dtype):
             use_packed_linear(target)
