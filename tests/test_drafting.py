@@ -359,7 +359,7 @@ def test_sampled_replies_follow_the_target_distribution(
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "adaptive"])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "long"])
 def test_a_quantized_draft_s_lean_steps_give_the_target_s_tokens_and_propose_its_own(
-    cluster_quantized: LocalCluster, tiny_models: TinyModels, prompt: list[int], fixed: bool
+    cluster_quantized: LocalCluster, prompt: list[int], fixed: bool
 ) -> None:
     """The draft worker's production path with an int8 or int4 draft: its start-up log says the
     lean step is on, the reply is the target's greedy tokens, and with fixed K a copy of the
