@@ -351,7 +351,7 @@ class Engine:
             default_method=s.default_method(draft_info is not None),
             draft_confidence=s.draft_confidence,
             draft_block_confidence=s.draft_block_confidence,
-            draft_block_confidence_from_costs=s.draft_block_confidence_from_costs and s.adaptive_k and not pipelined,
+            draft_block_confidence_from_costs=s.draft_block_confidence_from_costs and s.adaptive_k,
             structured_output=self.targets.grammars,
             **k_limits(s, max_k),
         )

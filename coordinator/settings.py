@@ -132,9 +132,9 @@ class CoordinatorSettings(ServiceSettings):
     )
     draft_block_confidence_from_costs: bool = Field(
         True,
-        description="for adaptive requests that leave draft_block_confidence unset, on a sequential "
-        "coordinator with adaptive_k: the block stop is twice a drafted token's measured cost (a draft step and a "
-        "verify row) over a round's fixed cost (the one-token verify and the overhead), in [0.05, 0.9]; "
+        description="for adaptive requests that leave draft_block_confidence unset, with adaptive_k: the block "
+        "stop is twice a drafted token's measured cost (a draft step and a verify row) over a round's fixed cost "
+        "(the one-token verify and the overhead), three times on a pipelined coordinator, in [0.05, 0.9]; "
         "draft_block_confidence until those costs are measured, and 0 there still turns the stop off",
     )
     adaptive_k: bool = Field(True, description="pick K per round from measured acceptance and step times")

@@ -678,6 +678,28 @@ def test_the_block_stop_follows_the_measured_costs() -> None:
     assert one_width.block_threshold == pytest.approx(2 * 30 / 250)  # no verify row measured yet: the step alone
 
 
+def test_a_pipelined_turn_s_block_stop_follows_the_costs_at_three_times_the_ratio() -> None:
+    """Pipelined rounds use the block drafted ahead only after a block kept whole, so the stop is
+    set higher for the same costs: three times the ratio, in the same [0.05, 0.9]; the configured
+    stop until the costs are measured, a request's own as set."""
+    measured = costs(5, {1: 25, 17: 25 + 16 * 0.4}, overhead=1)
+    pipelined = KController(
+        k_max=16, costs=measured, pipelined=True, confidence_stop=True, block_stop=0.5, block_from_costs=True
+    )
+    assert pipelined.block_threshold == pytest.approx(3 * (5 + 0.4) / (25 + 1))
+    assert block_stop_for(5.4, 26, pipelined=True) == pytest.approx(pipelined.block_threshold)
+    sequential = KController(k_max=16, costs=measured, confidence_stop=True, block_stop=0.5, block_from_costs=True)
+    assert sequential.block_threshold == pytest.approx(2 * (5 + 0.4) / (25 + 1))
+    assert block_stop_for(0.1, 260, pipelined=True) == 0.05 and block_stop_for(30, 26, pipelined=True) == 0.9
+    own = KController(k_max=16, costs=measured, pipelined=True, confidence_stop=True, block_stop=0.5)
+    assert own.block_threshold == 0.5
+    unmeasured = KController(
+        k_max=16, costs=costs(5, {}), pipelined=True, confidence_stop=True, block_stop=0.5, block_from_costs=True
+    )
+    unmeasured.costs.draft_per_token = None
+    assert unmeasured.block_threshold == 0.5
+
+
 def test_the_sure_runs_check_uses_the_block_stop_the_costs_set() -> None:
     """Sure runs taken whole 20% of the time (decayed: 0.198): enough for a stop at 0.312 (half of it
     0.156), too few for 0.5 (0.25)."""

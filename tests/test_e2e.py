@@ -114,17 +114,16 @@ def sequential(cluster_sequential: LocalCluster) -> Iterator[coordinator_pb2_grp
 
 
 @pytest.mark.parametrize("draft", ["sequential", "pipelined"])
-def test_the_server_s_block_stop_follows_the_measured_costs_on_a_sequential_coordinator(
+def test_the_server_s_block_stop_follows_the_measured_costs(
     draft: str, tiny_models: TinyModels, request: pytest.FixtureRequest
 ) -> None:
-    """Adaptive requests without a block stop of their own (a sometimes-right draft): on a
-    sequential coordinator the draft is asked for the threshold the measured costs set, which moves
-    with the costs (not the server's 0.5); one that sets 0.5 gets 0.5; a pipelined coordinator keeps
-    the server's 0.5. The target's greedy tokens throughout."""
+    """Adaptive requests without a block stop of their own (a sometimes-right draft), on a
+    sequential and on a pipelined coordinator: the draft is asked for the threshold the measured
+    costs set, which moves with the costs (not the server's 0.5); one that sets 0.5 gets 0.5. The
+    target's greedy tokens throughout."""
     client: coordinator_pb2_grpc.GenerationStub = request.getfixturevalue(draft)
-    sequential = draft == "sequential"
     info = client.GetInfo(coordinator_pb2.GetInfoRequest())
-    assert info.draft_block_confidence_from_costs == sequential and info.draft_block_confidence == pytest.approx(0.5)
+    assert info.draft_block_confidence_from_costs and info.draft_block_confidence == pytest.approx(0.5)
     stops = []
     for rerun in range(2):  # the first requests may draft before the costs are measured (at 0.5)
         for prompt in PROMPTS:
@@ -141,10 +140,8 @@ def test_the_server_s_block_stop_follows_the_measured_costs_on_a_sequential_coor
             assert replies[1].stats.mean_block_stop in (0.0, pytest.approx(0.5))  # 0: every stop dropped (unpaid)
             stops += [replies[0].stats.mean_block_stop] * rerun
     assert any(stops), stops
-    if sequential:  # each a mean of per-round thresholds set by the costs, each in [0.05, 0.9]
-        assert all(stop == 0.0 or (0.05 <= stop <= 0.9 and stop != pytest.approx(0.5)) for stop in stops), stops
-    else:
-        assert all(stop in (0.0, pytest.approx(0.5)) for stop in stops), stops
+    # each a mean of per-round thresholds set by the costs, each in [0.05, 0.9]
+    assert all(stop == 0.0 or (0.05 <= stop <= 0.9 and stop != pytest.approx(0.5)) for stop in stops), stops
 
 
 def test_target_only_mode_is_identical(same: coordinator_pb2_grpc.GenerationStub, tiny_models: TinyModels) -> None:
@@ -723,7 +720,7 @@ def test_get_info_describes_the_server(same: coordinator_pb2_grpc.GenerationStub
     assert info.draft_confidence == pytest.approx(CoordinatorSettings.model_fields["draft_confidence"].default)
     block_default = CoordinatorSettings.model_fields["draft_block_confidence"].default
     assert info.draft_block_confidence == pytest.approx(block_default)
-    assert info.draft_block_confidence_from_costs  # sequential
+    assert info.draft_block_confidence_from_costs  # adaptive K (sequential or pipelined)
     assert info.max_context_len == info.draft_max_context_len == 256 and info.vocab_size == 259
     assert list(info.eos_token_ids) == [257]
     assert info.max_speculative_tokens == 8 and info.default_speculative_tokens == 4
