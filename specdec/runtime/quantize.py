@@ -33,6 +33,13 @@ _MID = 8  # the kernel reads an integer q of a group as (q - 8) * scale + offset
 _N_MULTIPLE = 16  # the kernel's packing takes a multiple of 16 output rows: others are padded
 
 
+def quantized_from(dtype: str, quantize: str) -> str:
+    """The ``--dtype`` a model is loaded in for ``--quantize``: int8 and int4 quantize a float32
+    model (their activations stay float32), so float32 whatever ``dtype`` the rest of a run uses
+    (a bfloat16 target beside an int8 draft); ``dtype`` without quantization."""
+    return dtype if quantize == "none" else "float32"
+
+
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Dynamic int8 quantization of the Linear layers (CPU): weights int8 with a scale per output
     row (per-channel), activations quantized per call. Meant for a CPU draft: about 3-4x faster per

@@ -473,7 +473,9 @@ def check_methods(cfg: BenchConfig) -> None:
 def worker_dtypes(cfg: BenchConfig) -> tuple[str, str]:
     """The target's and the draft's ``--dtype``, the same for HF's rows and the service's: the
     run's, except that a quantized (int8 or int4) draft is quantized from float32."""
-    return cfg.dtype, cfg.dtype if cfg.draft_quantize == "none" else "float32"
+    from specdec.runtime.quantize import quantized_from
+
+    return cfg.dtype, quantized_from(cfg.dtype, cfg.draft_quantize)
 
 
 def check_numbers(cfg: BenchConfig) -> None:

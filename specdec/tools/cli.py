@@ -198,6 +198,7 @@ def _generate(args: argparse.Namespace) -> int:
     import grpc
 
     from specdec.runtime.devices import resolve_device
+    from specdec.runtime.quantize import quantized_from
     from specdec.tools.launch import LaunchError, LocalCluster
 
     try:
@@ -208,7 +209,7 @@ def _generate(args: argparse.Namespace) -> int:
     worker_args = ["--device", args.device]
     # a quantized draft is quantized from float32 whatever --dtype the target runs in (bfloat16 on a
     # CPU with AMX: see README, CPU specifics); the draft translates only if its tokenizer differs
-    draft_dtype = args.dtype if args.draft_quantize == "none" else "float32"
+    draft_dtype = quantized_from(args.dtype, args.draft_quantize)
     draft_args = ["--dtype", draft_dtype, "--quantize", args.draft_quantize, "--target-tokenizer", args.model]
     draft_args += ["--vocab-method", args.draft_vocab_method]
     # the workers serve before the coordinator starts: its start-up waits only for the state store,
