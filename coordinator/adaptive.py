@@ -98,7 +98,7 @@ class ConfidenceStop:
 
     token: float = 0.0
     block: float = 0.0
-    # the server's block stop, which an adaptive sequential turn sets from the measured costs
+    # the server's block stop, which an adaptive turn sets from the measured costs
     # (``block_stop_for``), ``block`` until they are measured; a request's own is used as set
     block_from_costs: bool = False
     # the stops only report where they would end a block (``ProposeRequest.report_stops_only``):
