@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -862,3 +865,28 @@ def test_the_request_limit_counts_each_target_replica_s_requests(tmp_path: Path,
     assert list(beside.token_ids) == expected
     assert holding == [1, 1], "the two requests were not on two replicas: the test proves nothing"
     assert beside.stats.target_only_rounds < beside.stats.rounds // 2, beside.stats
+
+
+EMULATION_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pipelined_emulation.py"
+
+
+def test_the_pipelined_emulation_script_runs_each_arm_over_the_same_greedy_replies() -> None:
+    """scripts/pipelined_emulation.py (the README's emulated pipelined measurements) on a short
+    run: each arm's tokens/s and round stats as JSON (it exits on replies that differ between
+    arms); target-only decodes every round alone, the fixed arm drafts with its own block stop and
+    uses blocks drafted ahead; an unknown arm is refused before any process starts."""
+    args = ["--prompts", "2", "--max-new-tokens", "12", "--repeats", "1", "--target-pass-ms", "10"]
+    args += ["--draft-step-ms", "2", "--arms", "default,target-only,fixed2s0.9"]
+    done = subprocess.run([sys.executable, str(EMULATION_SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    arms = json.loads(done.stdout)
+    assert list(arms) == ["default", "target-only", "fixed2s0.9"]
+    assert all(arm["tokens_per_s"] > 0 and arm["min"] <= arm["tokens_per_s"] <= arm["max"] for arm in arms.values())
+    alone, fixed = arms["target-only"], arms["fixed2s0.9"]
+    assert alone["rounds"] == alone["target_only_rounds"] == 24 and alone["draft_tokens_proposed"] == 0
+    assert fixed["draft_tokens_proposed"] > 0 and fixed["mean_block_stop"] == pytest.approx(0.9)
+    assert fixed["pipelined_rounds"] > 0
+    refused = subprocess.run(
+        [sys.executable, str(EMULATION_SCRIPT), "--arms", "default,fixed"], capture_output=True, text=True, timeout=120
+    )
+    assert refused.returncode == 2 and "unknown arm 'fixed'" in refused.stderr, refused.stderr
