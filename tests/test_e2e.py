@@ -32,7 +32,7 @@ from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer
 from tests.reference import SAMPLED_AT_ONCE, coordinator_stub, make_request, reference_greedy
 from tests.spec_oracle import PASS_P
-from tests.tiny_models import TinyModels, build_byte_fallback_tokenizer, build_model
+from tests.tiny_models import TinyModels, build_byte_fallback_tokenizer, build_model, build_variant
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
 MAX_NEW = 24
@@ -115,10 +115,15 @@ def test_the_server_s_block_stop_follows_the_measured_costs(mode: str, tmp_path:
     costs set, which moves with the costs (not the server's 0.5); one that sets 0.5 gets 0.5. The
     target's greedy tokens throughout. A cluster of its own, so that what other tests' requests
     leave in a shared coordinator's pooled estimates cannot decide it: on the shared pipelined
-    cluster one CI run had every turn here draft without a stop (no threshold to check)."""
+    cluster one CI run had every turn here draft without a stop (no threshold to check). Its
+    draft is sure where it is right (the target's output layer noised and sharpened, as
+    scripts/pipelined_emulation.py's): the suite's noisy draft, whose probabilities are all below
+    0.25 and say little of where it is right, has its stops switched off (the check since
+    2026-12-07 compares the tokens they end blocks on with those the draft went on after)."""
     mode_args = ["--speculation-mode", mode]
+    draft = build_variant(tiny_models.target, tmp_path / "sharp", noise=0.2, scale=5)
     with (
-        fault_cluster(tmp_path, tiny_models.target, tiny_models.noisy, coordinator_args=mode_args) as cluster,
+        fault_cluster(tmp_path, tiny_models.target, draft, coordinator_args=mode_args) as cluster,
         grpc.insecure_channel(cluster.address) as channel,
     ):
         client = coordinator_pb2_grpc.GenerationStub(channel)
