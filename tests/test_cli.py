@@ -1207,9 +1207,10 @@ def test_sampled_stop_replays_the_controller_s_own_plans_with_and_without_the_dr
     and unsure (0.3: the product falls below the costs' threshold, 0.46, there); the first three
     unsure tokens (positions 1, 3 and 5, the blocks the stop ends) are kept, so the controller
     switches the stop off, after which every unsure token is rejected. Told where the stop would
-    have ended each whole block (the draft's reports), it turns the stop back on after two such
-    blocks; not told, it drafts whole blocks for the rest of the turn, and those lose the round's
-    extra drafts at the unsure token."""
+    have ended each whole block (the draft's reports), it turns the stop back on after one such
+    block (its check compares the unsure tokens with the sure ones, all kept here; two blocks when
+    it compared them with all of the draft's tokens, before 2026-12-07); not told, it drafts whole
+    blocks for the rest of the turn, and those lose the round's extra drafts at the unsure token."""
     stop = _sampled_stop_module()
     costs = script_module("draft_ceiling").Costs(
         verify=100.0, verify_per_draft=5.0, draft_per_token=20.0, overhead=8.0, local_overhead=2.0
@@ -1223,7 +1224,7 @@ def test_sampled_stop_replays_the_controller_s_own_plans_with_and_without_the_dr
         stop.controlled(positions, costs, stop.step_costs(costs, 16), 16, reports) for reports in (True, False)
     )
     assert told.trials == untold.trials == trials
-    assert told.unstopped == 2 * trials  # two reports a turn, then the stop is back
+    assert told.unstopped == trials  # one report a turn, then the stop is back
     assert untold.unstopped >= 8 * trials  # whole blocks to the turn's end
     assert told.ms < untold.ms and told.drafted < untold.drafted
 
