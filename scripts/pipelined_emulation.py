@@ -39,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdec.tools.launch import LocalCluster
 from specdec.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from tests.tiny_models import build_model, build_stalling, build_tokenizer, build_variant
+from tests.tiny_models import build_model, build_sharp, build_stalling, build_tokenizer
 
 
 def build_pair(root: Path, target_pass_ms: float, draft_step_ms: float) -> tuple[Path, Path]:
     """The sleeping target and draft, saved under ``root``."""
     base = build_model(root / "base", seed=0, hidden=64, layers=2, vocab=len(build_tokenizer()), init_range=0.2)
-    noisy = build_variant(base, root / "noisy", noise=0.2, scale=5)
+    sharp = build_sharp(base, root / "sharp")
     target = build_stalling(base, root / "target", stall_call=0, stall_s=0.0, pass_s=target_pass_ms / 1000)
-    draft = build_stalling(noisy, root / "draft", stall_call=0, stall_s=0.0, pass_s=draft_step_ms / 1000)
+    draft = build_stalling(sharp, root / "draft", stall_call=0, stall_s=0.0, pass_s=draft_step_ms / 1000)
     return target, draft
 
 

@@ -32,7 +32,7 @@ from tests.clusters import fault_cluster, metric, wait_for
 from tests.helpers import RedisServer
 from tests.reference import SAMPLED_AT_ONCE, coordinator_stub, make_request, reference_greedy
 from tests.spec_oracle import PASS_P
-from tests.tiny_models import TinyModels, build_byte_fallback_tokenizer, build_model, build_variant
+from tests.tiny_models import TinyModels, build_byte_fallback_tokenizer, build_model, build_sharp
 
 PROMPTS = [[5, 17, 99, 3], [200, 1, 42, 42, 7, 130, 64, 11, 250, 0]]
 MAX_NEW = 24
@@ -121,7 +121,7 @@ def test_the_server_s_block_stop_follows_the_measured_costs(mode: str, tmp_path:
     0.25 and say little of where it is right, has its stops switched off (the check since
     2026-12-07 compares the tokens they end blocks on with those the draft went on after)."""
     mode_args = ["--speculation-mode", mode]
-    draft = build_variant(tiny_models.target, tmp_path / "sharp", noise=0.2, scale=5)
+    draft = build_sharp(tiny_models.target, tmp_path / "sharp")
     with (
         fault_cluster(tmp_path, tiny_models.target, draft, coordinator_args=mode_args) as cluster,
         grpc.insecure_channel(cluster.address) as channel,
