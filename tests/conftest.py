@@ -18,7 +18,7 @@ from tests.helpers import RedisServer
 from tests.netproxy import ProxyRoutes
 from tests.tiny_models import TinyModels, build_tiny_models
 
-pytest_plugins = ["tests.alone"]
+pytest_plugins = ["tests.alone", "tests.schedule"]
 
 HOST_THREADS = torch.get_num_threads()  # torch's default: the host's cores
 torch.set_num_threads(1)  # (what the fixtures set up before the first test have)

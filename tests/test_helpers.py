@@ -1,10 +1,11 @@
-"""The test helpers' own checks: work split over two processes, tests that run alone, the
-comparison of two replies' logprobs, free ports, the greedy reference's float near ties, the
-chi-square checks' thresholds."""
+"""The test helpers' own checks: work split over two processes, tests that run alone, test
+files queued longest first, the comparison of two replies' logprobs, free ports, the greedy
+reference's float near ties, the chi-square checks' thresholds."""
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import subprocess
@@ -74,17 +75,29 @@ def test_alone(i):
 
 
 def _timed_run(
-    tmp_path: Path, plugin: bool, files: dict[str, str] | None = None, dist: str = "load"
+    tmp_path: Path,
+    plugin: bool,
+    files: dict[str, str] | None = None,
+    dist: str = "load",
+    seconds: dict[str, float] | None = None,
+    argv: tuple[str, ...] = (),
 ) -> list[tuple[str, float, float]]:
     """Runs sleeping tests on two xdist workers (by default 9 in one file, 3 of them marked
-    ``alone``; or ``files``, each file's tests after _WORK); their times."""
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers = alone: see tests/alone.py\n")
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.alone"]\n' if plugin else "")
+    ``alone``; or ``files``, each file's tests after _WORK); their times. With ``seconds``, the
+    files' seconds table of tests/schedule.py (its plugin loaded); ``argv``: more options."""
+    ini = "[pytest]\nmarkers = alone: see tests/alone.py\n"
+    plugins = ["tests.alone"] if plugin else []
+    if seconds is not None:
+        (tmp_path / "seconds.json").write_text(json.dumps(seconds))
+        ini += "file_seconds = seconds.json\n"
+        plugins.append("tests.schedule")
+    (tmp_path / "pytest.ini").write_text(ini)
+    (tmp_path / "conftest.py").write_text(f"pytest_plugins = {plugins!r}\n")
     for name, tests in (files or {"test_timed.py": _SHARED + _ALONE}).items():
         (tmp_path / name).write_text(_WORK + tests)
     times = tmp_path / "times.txt"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TIMES_FILE": str(times)}
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", dist]
+    argv = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", dist, *argv)
     run = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     return [(name, float(a), float(b)) for name, a, b in (line.split() for line in times.read_text().splitlines())]
@@ -119,6 +132,51 @@ def test_alone_tests_in_a_row_run_back_to_back(tmp_path: Path) -> None:
     first, last = min(began for began, _ in alone), max(ended for _, ended in alone)
     assert len(alone) == 3 and len(times) == 9
     assert not [name for name, began, ended in times if name.startswith("shared") and began < last and ended > first]
+
+
+def _sleeping(name: str, count: int) -> str:
+    return f"""
+@pytest.mark.parametrize("i", range({count}))
+def test_{name}(i):
+    _work(f"{name}{{i}}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("reorder", "table"),
+    [("--no-loadscope-reorder", True), ("--loadscope-reorder", True), ("--no-loadscope-reorder", False)],
+    ids=["as-the-suite-runs", "xdist-reorders", "without-the-table"],
+)
+def test_the_longest_file_is_queued_first(tmp_path: Path, reorder: str, table: bool) -> None:
+    """With the suite's options (``--dist loadfile --no-loadscope-reorder``) and tests/schedule.py's
+    table, a file of one test listed as the longest starts at once on two workers beside files of 4
+    and 3 tests that come before it by name; where xdist orders the files (by their number of
+    tests) or no table does (by name), the planted bugs, it starts last, more than a test's 0.8 s
+    after the first."""
+    files = {
+        "test_a_many.py": _sleeping("many", 4),
+        "test_b_mid.py": _sleeping("mid", 3),
+        "test_c_few.py": _sleeping("few", 1),
+    }
+    seconds = {"test_c_few.py": 300.0, "test_a_many.py": 20.0, "test_b_mid.py": 10.0} if table else None
+    times = _timed_run(tmp_path, True, files, dist="loadfile", seconds=seconds, argv=(reorder,))
+    first = min(began for _, began, _ in times)
+    (few,) = [began for name, began, _ in times if name.startswith("few")]
+    assert len(times) == 8
+    assert (few - first < 0.4) is (reorder == "--no-loadscope-reorder" and table), times
+
+
+def test_the_file_seconds_table_lists_every_test_file() -> None:
+    """tests/file_seconds.json (pyproject's ``file_seconds``) lists each test file, so a new one is
+    given its place in the queue (scripts/file_seconds.py writes the table from a run's
+    ``--durations=0``, or add the new file's seconds by hand) and a removed one leaves it; and
+    the script reads that output."""
+    table = json.loads((ROOT / "tests" / "file_seconds.json").read_text())
+    files = {path.relative_to(ROOT).as_posix() for path in (ROOT / "tests").glob("test_*.py")}
+    assert set(table) == files, "update tests/file_seconds.json: python scripts/file_seconds.py --help"
+    log = "12.50s call     tests/test_a.py::test_x[1]\n0.50s setup    tests/test_a.py::test_y\n"
+    log += "(3 durations < 0.005s hidden.)\n1.00s call tests/test_b.py::t\n"
+    assert script_module("file_seconds").file_seconds(log) == {"tests/test_a.py": 13.0, "tests/test_b.py": 1.0}
 
 
 def test_top_logprobs_tied_at_the_cut_agree_in_either_order() -> None:
