@@ -24,7 +24,9 @@ The suite's CLI commands (``specdec generate``, ``specdec bench``) start service
 command forked with ``"fork_server"`` (the server's Unix socket) starts them through this server
 too, over a connection of its own with the same protocol (a child whose connection closes, its
 command gone, is killed). Such a command's stdout and stderr go to the files ``"stdout"`` and
-``"stderr"`` (``ForkServer.run``: what subprocess.run with capture_output gives).
+``"stderr"`` (``ForkServer.run``: what subprocess.run with capture_output gives). A request with
+``"script"`` runs that file instead of ``specdec`` (``run_script``: the repository's scripts, as
+``python <script> <argv>`` runs them: their folder first on sys.path, ``__name__ == "__main__"``).
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ PRELOAD = (
 )
 
 
-def _child(request: dict) -> list[str]:
-    """Turns a just-forked child into the service's process; returns its `specdec` argv."""
+def _child(request: dict) -> dict:
+    """Turns a just-forked child into the service's process; returns its request."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the only handler the server set
     signal.set_wakeup_fd(-1)
     os.chdir(request["cwd"])
@@ -73,16 +75,19 @@ def _child(request: dict) -> list[str]:
     for fd, name in ((1, "stdout"), (2, "stderr")):
         os.dup2(os.open(request.get(name, request.get("log")), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-    sys.argv = [str(ROOT / "specdec" / "__main__.py"), *request["argv"]]
+    script = request.get("script")
+    sys.argv = [script or str(ROOT / "specdec" / "__main__.py"), *request["argv"]]
+    if script:  # as ``python <script>`` starts: its folder, then PYTHONPATH's, before the rest
+        sys.path[:0] = [str(Path(script).parent), *filter(None, request["env"].get("PYTHONPATH", "").split(os.pathsep))]
     if request.get("fork_server"):  # a command that starts services: forked by this server as well
         from specdec.tools import launch
 
         launch.use_starter(_SocketClient(request["fork_server"]).start)
-    return list(request["argv"])
+    return request
 
 
-def _serve(listen: str | None) -> list[str] | None:
-    """The server's loop; returns in a forked child only (with the child's argv). ``listen``: a
+def _serve(listen: str | None) -> dict | None:
+    """The server's loop; returns in a forked child only (with the child's request). ``listen``: a
     Unix socket path where commands it forked ask for their services."""
     for name in PRELOAD:
         __import__(name)
@@ -317,30 +322,33 @@ class ForkServer(_Client):
         self._server.stdin.flush()
 
     def run(
-        self, argv: Sequence[str], timeout: float, env: dict[str, str] | None = None
+        self, argv: Sequence[str], timeout: float, env: dict[str, str] | None = None, script: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
-        """``python -m specdec <argv>`` as subprocess.run with capture_output and text gives it
-        (stdin empty; on ``timeout`` the command is killed, with the services it started, and
-        TimeoutExpired raised), but forked, the services it starts forked too."""
+        """``python -m specdec <argv>`` (or ``python <script> <argv>``) as subprocess.run with
+        capture_output and text gives it (stdin empty; on ``timeout`` the command is killed, with
+        the services it started, and TimeoutExpired raised), but forked, the services it starts
+        forked too."""
         env = dict(os.environ if env is None else env)
         with self._lock:
             self._connect()
         if _import_time(env) != self._loaded_env:  # not one the server can fork: a fresh process
-            return _fresh(argv, timeout, env)
+            return _fresh(argv, timeout, env, script)
         folder = Path(tempfile.mkdtemp(prefix="command-", dir=self.stderr_file.parent))
         out, err = folder / "stdout", folder / "stderr"
-        process = self.request({
+        request = {
             "argv": list(argv), "env": env, "cwd": os.getcwd(),
             "stdout": str(out), "stderr": str(err), "fork_server": str(self.socket_path),
-        })  # fmt: skip
+        }  # fmt: skip
+        if script is not None:
+            request["script"] = str(script)
+        process = self.request(request)
         try:
             code = process.wait(timeout)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(30)
             raise
-        args = [sys.executable, "-m", "specdec", *argv]
-        return subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(_command(argv, script), code, out.read_text(), err.read_text())
 
     def close(self) -> str:
         """Stops the server (and any service still running); returns what it wrote to stderr."""
@@ -367,14 +375,32 @@ def run_command(
     return _commands.run(argv, timeout, env) if _commands is not None else _fresh(argv, timeout, env)
 
 
-def _fresh(argv: Sequence[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, "-m", "specdec", *argv]
+def run_script(
+    script: Path, argv: Sequence[str], timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python <script> <argv>`` with its output captured (see ForkServer.run)."""
+    return _commands.run(argv, timeout, env, script) if _commands is not None else _fresh(argv, timeout, env, script)
+
+
+def _command(argv: Sequence[str], script: Path | None) -> list[str]:
+    return [sys.executable, *([str(script)] if script is not None else ["-m", "specdec"]), *argv]
+
+
+def _fresh(
+    argv: Sequence[str], timeout: float, env: dict[str, str] | None, script: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    args = _command(argv, script)
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
-    argv = _serve(sys.argv[1] if len(sys.argv) > 1 else None)
-    if argv is not None:
+    request = _serve(sys.argv[1] if len(sys.argv) > 1 else None)
+    if request is not None:
+        if request.get("script"):
+            import runpy
+
+            runpy.run_path(request["script"], run_name="__main__")
+            sys.exit(0)
         from specdec.tools.cli import main
 
-        sys.exit(main(argv))
+        sys.exit(main(request["argv"]))

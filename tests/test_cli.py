@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.forkserver import ForkServer, run_command
+from tests.forkserver import ForkServer, run_command, run_script
 from tests.helpers import script_module
 from tests.tiny_models import TinyModels
 
@@ -427,7 +427,7 @@ def test_bench_runs_every_method_and_writes_json(tiny_models: TinyModels, tmp_pa
 def test_cpu_split_profile_prints_every_pass_and_ratio(tiny_models: TinyModels) -> None:
     script = Path(__file__).resolve().parents[1] / "scripts" / "profile_cpu_split.py"
     args = ["--model", str(tiny_models.target), "--draft-model", str(tiny_models.other), "--seconds", "0.3"]
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=180)
+    done = run_script(script, args, 180)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     cores = os.cpu_count() or 1
@@ -874,7 +874,7 @@ def test_draft_ceiling_prices_an_oracle_from_a_bench_report(
     round; a draft that is always wrong leaves the oracle at target-only speed."""
     report = _ceiling_report(tiny_models, tmp_path / "report.json")
     args = [str(report), "--draft-model", str(getattr(tiny_models, draft))]
-    done = subprocess.run([sys.executable, str(CEILING_SCRIPT), *args], capture_output=True, text=True, timeout=180)
+    done = run_script(CEILING_SCRIPT, args, 180)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "costs: verify 100.0 ms + 5.0 ms per drafted token, draft 20.0 ms per token, overhead 8.0 ms" in out
@@ -906,12 +906,7 @@ def test_draft_ceiling_prices_the_confidence_stops(tiny_models: TinyModels, tmp_
     rates = []
     for stops in (["0", "0"], ["0", "0.999999"]):
         args = [str(report), "--draft-model", str(tiny_models.same), "--max-k", "4", "--token-stop", stops[0]]
-        done = subprocess.run(
-            [sys.executable, str(CEILING_SCRIPT), *args, "--block-stop", stops[1]],
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        done = run_script(CEILING_SCRIPT, [*args, "--block-stop", stops[1]], 180)
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
         rates.append({line[:56].strip(): float(line[56:66]) for line in lines if line.startswith("model, ")})
@@ -994,7 +989,7 @@ def test_draft_ceiling_prices_each_block_stop_and_the_best_for_each_prompt(
     threshold outside [0, 1) is refused with what was wrong."""
     report = _ceiling_report(tiny_models, tmp_path / "report.json")
     args = [str(report), "--draft-model", str(tiny_models.same), "--max-k", "4", "--block-stops", "0.5,0.999999,0"]
-    done = subprocess.run([sys.executable, str(CEILING_SCRIPT), *args], capture_output=True, text=True, timeout=180)
+    done = run_script(CEILING_SCRIPT, args, 180)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     rate = _predicted(lines)
@@ -1009,12 +1004,7 @@ def test_draft_ceiling_prices_each_block_stop_and_the_best_for_each_prompt(
     assert names.index("block stop, the best of 3 for each prompt") < names.index(
         "oracle (drafts exactly the runs the draft gets right)"
     )
-    refused = subprocess.run(
-        [sys.executable, str(CEILING_SCRIPT), str(report), "--block-stops", "0.5,1.5"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    refused = run_script(CEILING_SCRIPT, [str(report), "--block-stops", "0.5,1.5"], 60)
     assert refused.returncode == 2
     assert "each block stop must be in [0, 1), got '0.5,1.5'" in refused.stderr
 
@@ -1073,15 +1063,10 @@ def test_draft_ceiling_prices_each_prompt_beside_its_measured_rates(tiny_models:
         assert lines[1 + n] == want
     report = _ceiling_report(tiny_models, tmp_path / "report.json")
     both = [str(report), "--per-prompt", "--prompts", str(tmp_path / "any.txt")]
-    refused = subprocess.run([sys.executable, str(CEILING_SCRIPT), *both], capture_output=True, text=True, timeout=60)
+    refused = run_script(CEILING_SCRIPT, both, 60)
     assert refused.returncode == 2
     assert "--per-prompt prices the report's own prompts; it cannot be used with --prompts" in refused.stderr
-    done = subprocess.run(
-        [sys.executable, str(CEILING_SCRIPT), str(report), "--draft-model", str(tiny_models.same), "--per-prompt"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    done = run_script(CEILING_SCRIPT, [str(report), "--draft-model", str(tiny_models.same), "--per-prompt"], 180)
     assert done.returncode == 0, done.stderr
     assert "prompt 0: the draft guesses 12 of 12; predicted " in done.stdout
     assert done.stdout.rstrip().endswith("; measured - / -")  # the report has neither the default nor HF's best row
@@ -1095,7 +1080,7 @@ def test_draft_ceiling_prices_replies_to_other_prompts(tiny_models: TinyModels, 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one two three\n---\nthe dog ran to\n")
     args = [str(report), "--draft-model", str(tiny_models.same), "--prompts", str(prompts), "--max-new-tokens", "7"]
-    done = subprocess.run([sys.executable, str(CEILING_SCRIPT), *args], capture_output=True, text=True, timeout=180)
+    done = run_script(CEILING_SCRIPT, args, 180)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert f"== 2 prompts of {prompts} at the costs of complete ==" in out
@@ -1139,9 +1124,7 @@ def test_sampled_stop_replays_a_sampled_report_s_replies(tiny_models: TinyModels
     report is refused."""
     report = _sampled_report(tiny_models, tmp_path / "report.json", 1.0)
     args = [str(report), "--top-n", "0", "--trials", "20", "--max-k", "4", "--thresholds", "0.5"]
-    done = subprocess.run(
-        [sys.executable, str(SAMPLED_STOP_SCRIPT), *args], capture_output=True, text=True, timeout=180
-    )
+    done = run_script(SAMPLED_STOP_SCRIPT, args, 180)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     head = re.search(r"12 tokens; mean acceptance per position (\S+); the costs' block stop (\S+) ==", out)
@@ -1158,7 +1141,7 @@ def test_sampled_stop_replays_a_sampled_report_s_replies(tiny_models: TinyModels
     (known,) = [line for line in out.splitlines() if line.startswith("true acceptance")]
     assert [float(v) for v in known[44:].split()] == pytest.approx([5.0 * plain / fixed] * 2, abs=0.006)
     greedy = _sampled_report(tiny_models, tmp_path / "greedy.json", 0.0)
-    done = subprocess.run([sys.executable, str(SAMPLED_STOP_SCRIPT), str(greedy)], capture_output=True, text=True)
+    done = run_script(SAMPLED_STOP_SCRIPT, [str(greedy)], 180)
     assert done.returncode == 1 and "the report is greedy" in done.stderr
 
 
@@ -1245,6 +1228,35 @@ def test_bench_refuses_to_report_when_a_service_process_died(
         time.sleep(1)
 
 
+_PROBE_SCRIPT = """
+import sys
+import sibling
+print(__name__, sibling.VALUE, sys.argv[1:], sys.path[0], sys.path[1], "torch" in sys.modules)
+print("to stderr", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_a_script_forked_from_the_fork_server_runs_as_python_runs_it(tmp_path: Path) -> None:
+    """``run_script`` forks the repository's scripts from the suite's fork server (torch loaded
+    once, the services they start forked too): the script sees what ``python <script> <args>``
+    gives it (``__main__``, its argv, its folder first on sys.path and PYTHONPATH's next, a sibling
+    module importable), and its output and exit status come back as subprocess.run gives them;
+    only torch, loaded before the fork, tells the two apart."""
+    folder, extra = tmp_path / "scripts", tmp_path / "extra"
+    folder.mkdir(), extra.mkdir()
+    (folder / "sibling.py").write_text("VALUE = 7\n")
+    (folder / "probe.py").write_text(_PROBE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(extra)}
+    forked = run_script(folder / "probe.py", ["a", "b"], 60, env)
+    fresh = subprocess.run(
+        [sys.executable, str(folder / "probe.py"), "a", "b"], capture_output=True, text=True, timeout=60, env=env
+    )
+    said = f"__main__ 7 ['a', 'b'] {folder} {extra}"
+    assert (forked.returncode, forked.stdout, forked.stderr) == (3, f"{said} True\n", "to stderr\n")
+    assert (fresh.returncode, fresh.stdout, fresh.stderr) == (3, f"{said} False\n", "to stderr\n")
+
+
 BATCHING_SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "batching.py"
 
 
@@ -1259,11 +1271,10 @@ def test_the_batching_benchmark_runs_each_count_through_each_wait(tiny_models: T
         ("--speculate",): ["--sessions", "1,2", "--waits", "5", "--repeats", "1"],
     }
     for speculate, counts in runs.items():
-        done = subprocess.run(
-            [sys.executable, str(BATCHING_SCRIPT), str(tiny_models.target), str(tiny_models.same), *counts,
-             "--tokens", "12", *speculate, "--out", str(out)],
-            capture_output=True, text=True, timeout=300,
-            env={**os.environ, "PYTHONPATH": str(BATCHING_SCRIPT.parents[2])},
+        done = run_script(
+            BATCHING_SCRIPT, [str(tiny_models.target), str(tiny_models.same), *counts, "--tokens", "12", *speculate,
+                              "--out", str(out)],
+            300, env={**os.environ, "PYTHONPATH": str(BATCHING_SCRIPT.parents[2])},
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         report = json.loads(out.read_text())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from draft_worker.settings import DraftSettings
 from specdec.serving.server import _CANCEL_WAIT_S, _STOP_GRACE_S, LIVENESS, READINESS, STARTUP
 from specdec.serving.settings import ServiceSettings
 from target_worker.settings import TargetSettings
+from tests.forkserver import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
@@ -119,9 +119,7 @@ def test_checkov_passes_with_the_documented_skips() -> None:
 @pytest.mark.parametrize("role", ["coordinator", "draft", "target"])
 def test_the_image_entry_point_serves_every_role(role: str) -> None:
     # ENTRYPOINT ["specdec"] + the manifests' args ["serve", role]: the same console script.
-    result = subprocess.run(
-        [sys.executable, "-m", "specdec", "serve", role, "--help"], capture_output=True, text=True, timeout=120
-    )
+    result = run_command(["serve", role, "--help"], 120)  # python -m specdec, forked (tests/forkserver.py)
     assert result.returncode == 0, result.stderr
     assert "--health-port" in result.stdout and "--tls-cert-file" in result.stdout
 

@@ -6,8 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -21,6 +19,7 @@ import pytest
 from specdec.tools.launch import LocalCluster, ServiceProcess, spawn, worker_info
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.clusters import fault_cluster, metric, stream_with_fault, wait_for
+from tests.forkserver import run_script
 from tests.helpers import RedisServer
 from tests.reference import make_request, reference_greedy
 from tests.tiny_models import TARGET_EXTRA_PASS_S, TinyModels, build_dearer_target, build_stalling
@@ -877,7 +876,7 @@ def test_the_pipelined_emulation_script_runs_each_arm_over_the_same_greedy_repli
     uses blocks drafted ahead; an unknown arm is refused before any process starts."""
     args = ["--prompts", "2", "--max-new-tokens", "12", "--repeats", "1", "--target-pass-ms", "10"]
     args += ["--draft-step-ms", "2", "--arms", "default,target-only,fixed2s0.9"]
-    done = subprocess.run([sys.executable, str(EMULATION_SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    done = run_script(EMULATION_SCRIPT, args, 300)
     assert done.returncode == 0, done.stderr[-3000:]
     arms = json.loads(done.stdout)
     assert list(arms) == ["default", "target-only", "fixed2s0.9"]
@@ -886,7 +885,5 @@ def test_the_pipelined_emulation_script_runs_each_arm_over_the_same_greedy_repli
     assert alone["rounds"] == alone["target_only_rounds"] == 24 and alone["draft_tokens_proposed"] == 0
     assert fixed["draft_tokens_proposed"] > 0 and fixed["mean_block_stop"] == pytest.approx(0.9)
     assert fixed["pipelined_rounds"] > 0
-    refused = subprocess.run(
-        [sys.executable, str(EMULATION_SCRIPT), "--arms", "default,fixed"], capture_output=True, text=True, timeout=120
-    )
+    refused = run_script(EMULATION_SCRIPT, ["--arms", "default,fixed"], 120)
     assert refused.returncode == 2 and "unknown arm 'fixed'" in refused.stderr, refused.stderr

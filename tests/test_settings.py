@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import pytest
 from coordinator.settings import CoordinatorSettings
 from specdec.serving.settings import load_settings
 from target_worker.settings import TargetSettings
+from tests.forkserver import run_command
 
 
 def test_cli_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -159,10 +158,7 @@ def test_a_service_logs_the_specdec_variables_no_service_reads(tmp_path: Path) -
     """A real coordinator process: one `unknown_setting` warning per such variable, with the setting
     it resembles, at start-up (without the value, which may be a secret)."""
     env = {**os.environ, "SPECDEC_DRAFT_ADRESS": "secret-value", "SPECDEC_TARGET_ADDRESSES": "127.0.0.1:1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "specdec", "serve", "coordinator", "--port", "0", "--worker-startup-timeout-s", "1"],
-        capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    done = run_command(["serve", "coordinator", "--port", "0", "--worker-startup-timeout-s", "1"], 120, env)
     lines = [json.loads(line) for line in done.stdout.splitlines() + done.stderr.splitlines() if line.startswith("{")]
     unknown = [line for line in lines if line["event"] == "unknown_setting"]
     assert len(unknown) == 1, done.stderr[-2000:]
