@@ -61,11 +61,18 @@ def _work(name):
     with open(os.environ["TIMES_FILE"], "a") as out:
         out.write(f"{name} {began} {time.monotonic()}\\n")
 """
-_SHARED = """
-@pytest.mark.parametrize("i", range(6))
-def test_shared(i):
-    _work(f"shared{i}")
+
+
+def _sleeping(name: str, count: int) -> str:
+    """A file's ``count`` tests named ``name`` that each sleep in _WORK."""
+    return f"""
+@pytest.mark.parametrize("i", range({count}))
+def test_{name}(i):
+    _work(f"{name}{{i}}")
 """
+
+
+_SHARED = _sleeping("shared", 6)
 _ALONE = """
 @pytest.mark.alone
 @pytest.mark.parametrize("i", range(3))
@@ -132,14 +139,6 @@ def test_alone_tests_in_a_row_run_back_to_back(tmp_path: Path) -> None:
     first, last = min(began for began, _ in alone), max(ended for _, ended in alone)
     assert len(alone) == 3 and len(times) == 9
     assert not [name for name, began, ended in times if name.startswith("shared") and began < last and ended > first]
-
-
-def _sleeping(name: str, count: int) -> str:
-    return f"""
-@pytest.mark.parametrize("i", range({count}))
-def test_{name}(i):
-    _work(f"{name}{{i}}")
-"""
 
 
 @pytest.mark.parametrize(
