@@ -23,7 +23,14 @@ from transformers import (
 
 from specdec.runtime.grammar import grammar_of
 from specdec.runtime.processing import Processing
-from specdec.runtime.sampling import Verdict, Warp, proposal_matrix, rejection_sample, sample_draft_token, warped_probs
+from specdec.runtime.sampling import (
+    DraftSample,
+    Verdict,
+    Warp,
+    rejection_sample,
+    sample_draft_token,
+    warped_probs,
+)
 from specdec.v1 import common_pb2
 
 # The thresholds of every chi-square check of exactness in the suite (tests/test_helpers.py keeps
@@ -43,6 +50,20 @@ POOL_BELOW = 5  # outcomes expected fewer times than this are pooled into one bi
 
 LogitFn = Callable[[tuple[int, ...]], torch.Tensor]
 Sampler = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Warp, torch.Generator | None], Verdict]
+
+
+def proposal_matrix(samples: list[DraftSample], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Dense q [k, V] (float32) for a block of draft samples: the reference the workers' sparse and
+    one-hot proposals are checked against."""
+    q = torch.zeros(len(samples), vocab_size, dtype=torch.float32, device=device)
+    for row, sample in enumerate(samples):
+        if sample.ids is not None and sample.probs is not None:
+            q[row].index_put_((sample.ids.to(device).long(),), sample.probs.to(device).float(), accumulate=True)
+        elif sample.probs is not None:
+            q[row] = sample.probs.to(device).float()
+        else:
+            q[row, sample.token_id] = 1.0
+    return q
 
 
 def random_logit_table(vocab: int, scale: float, seed: int) -> LogitFn:

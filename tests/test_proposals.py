@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from specdec.runtime.proposals import decode_block, encode_block
-from specdec.runtime.sampling import DraftSample, Warp, proposal_matrix, sample_draft_token
+from specdec.runtime.sampling import DraftSample, Warp, sample_draft_token
 from specdec.serving.errors import InvalidRequest
 from specdec.v1 import common_pb2
+from tests.spec_oracle import proposal_matrix
 
 V = 10
 

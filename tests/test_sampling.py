@@ -22,7 +22,6 @@ from specdec.runtime.sampling import (
     Warp,
     draw,
     position_generator,
-    proposal_matrix,
     proposal_probability,
     rejection_sample,
     sample_draft_token,
@@ -37,6 +36,7 @@ from tests.spec_oracle import (
     chi_square,
     chi_square_pvalue,
     exact_distribution,
+    proposal_matrix,
     random_logit_table,
     speculative_sequence,
 )

@@ -278,19 +278,6 @@ def proposal_probability(sample: DraftSample, logits: Tensor, warp: Warp) -> flo
     return float(sample.probs[sample.ids == sample.token_id].sum())
 
 
-def proposal_matrix(samples: list[DraftSample], vocab_size: int, device: torch.device | str = "cpu") -> Tensor:
-    """Dense q [k, V] (float32) for a block of draft samples."""
-    q = torch.zeros(len(samples), vocab_size, dtype=torch.float32, device=device)
-    for row, sample in enumerate(samples):
-        if sample.ids is not None and sample.probs is not None:
-            q[row].index_put_((sample.ids.to(device).long(),), sample.probs.to(device).float(), accumulate=True)
-        elif sample.probs is not None:
-            q[row] = sample.probs.to(device).float()
-        else:
-            q[row, sample.token_id] = 1.0
-    return q
-
-
 @dataclass(frozen=True)
 class Verdict:
     """Outcome of verifying a block: ``token_ids`` = accepted drafts + one recovered/bonus token."""
