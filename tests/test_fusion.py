@@ -10,8 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from specdec.runtime import modeling
+from specdec.runtime.cachelayers import cache_argument
 from specdec.runtime.fusion import GateUpMLP, ProjectionPart, QKVProjection, fuse_projections
-from specdec.runtime.kvcache import cache_argument
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from tests.tiny_models import build_family
 

@@ -22,20 +22,14 @@ from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache
 
 from draft_worker.engine import Block, DraftParams, Resync, translated_propose_job
-from specdec.runtime import kvcache
+from specdec.runtime import cachelayers, kvcache, startup
 from specdec.runtime import tokens as tokens_module
-from specdec.runtime.kvcache import (
-    EarlierLogits,
-    ResyncRequired,
-    SessionCache,
-    SessionCaches,
-    WindowedCopy,
-    cache_argument,
-    kv_bytes_per_token,
-)
+from specdec.runtime.cachelayers import WindowedCopy, cache_argument
+from specdec.runtime.kvcache import EarlierLogits, ResyncRequired, SessionCache, SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.sampling import Warp
 from specdec.runtime.scheduler import Extend, split_step
+from specdec.runtime.startup import kv_bytes_per_token
 from specdec.runtime.tokens import PrefixHashes, common_prefix_len, prefix_hash
 from specdec.runtime.vocab import VocabBridge
 from specdec.v1 import common_pb2
@@ -169,25 +163,25 @@ def test_start_up_times_a_prefill_and_what_its_context_adds(tmp_path: Path, tiny
     loaded = dataclasses.replace(
         load_model(str(path), LoadOptions(device="cpu", dtype="float32")), max_context_len=4096
     )
-    real = kvcache._timed_pass
+    real = startup._timed_pass
     held: list[list[int]] = []  # per pass: the positions each layer that keeps any holds before it
 
     def timed(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache) -> float:
-        held.append([layer.keys.shape[-2] for _, layer in kvcache._keeping(cache)])
+        held.append([layer.keys.shape[-2] for _, layer in cachelayers.keeping(cache)])
         real(loaded, ids, cache)
         return {0: 0.001, 1: 0.010}.get(len(held) - 1, 0.012)  # warm-up, empty cache, longer cache
 
-    with mock.patch.object(kvcache, "_timed_pass", timed), mock.patch.object(kvcache.log, "warning") as warning:
-        rates = kvcache.prefill_rates(loaded)
+    with mock.patch.object(startup, "_timed_pass", timed), mock.patch.object(startup.log, "warning") as warning:
+        rates = startup.prefill_rates(loaded)
     warning.assert_not_called()  # neither a copy that failed nor a rate not measured
-    tokens, copies = kvcache.PREFILL_PROBE_TOKENS, kvcache.PREFILL_CONTEXT_PROBE_TOKENS // kvcache.PREFILL_PROBE_TOKENS
+    tokens, copies = startup.PREFILL_PROBE_TOKENS, startup.PREFILL_CONTEXT_PROBE_TOKENS // startup.PREFILL_PROBE_TOKENS
     assert [len(layers) > 0 for layers in held] == [False, False, True]
     assert set(held[2]) == {copies * tokens}  # every keeping layer, windowed ones too
     if arch == "gemma4":
         assert len(held[2]) < loaded.model.config.get_text_config().num_hidden_layers
     assert rates.per_token_ms == pytest.approx(0.010 * 1000 / tokens)
     assert rates.per_1k_context_ms == pytest.approx(0.002 * 1000 / tokens * 1000 / (copies * tokens))
-    short = kvcache.prefill_rates(dataclasses.replace(loaded, max_context_len=300))
+    short = startup.prefill_rates(dataclasses.replace(loaded, max_context_len=300))
     assert short.per_token_ms > 0 and short.per_1k_context_ms == 0
 
 
@@ -198,7 +192,7 @@ def test_a_context_rate_timed_under_contention_is_timed_again(loaded: LoadedMode
     0 here; a CI run's worker reported 0). Such a pair is timed again, and the fastest of each
     pass counts; a rate that never shows is 0, with a warning."""
     loaded = dataclasses.replace(loaded, max_context_len=4096)  # room for 8 copies of 256 tokens
-    real = kvcache._timed_pass
+    real = startup._timed_pass
 
     def timed(seconds: list[float]) -> mock.Mock:  # real passes, the times given
         times = iter(seconds)
@@ -206,16 +200,16 @@ def test_a_context_rate_timed_under_contention_is_timed_again(loaded: LoadedMode
 
     # the warm-up pass, then (short, long) pairs: the first short pass was slowed
     fake = timed([0.001, 0.010, 0.008, 0.005, 0.0075])
-    with mock.patch.object(kvcache, "_timed_pass", fake), mock.patch.object(kvcache.log, "warning") as warning:
-        rates = kvcache.prefill_rates(loaded)
+    with mock.patch.object(startup, "_timed_pass", fake), mock.patch.object(startup.log, "warning") as warning:
+        rates = startup.prefill_rates(loaded)
     assert fake.call_count == 5
     warning.assert_not_called()
     assert rates.per_token_ms == pytest.approx(0.005 * 1000 / 256)
     assert rates.per_1k_context_ms == pytest.approx(0.0025 * 1000 / 256 * 1000 / (8 * 256))
-    pairs = [0.004, 0.004] * kvcache.PREFILL_PROBE_TRIES  # no pass over the longer cache is slower
+    pairs = [0.004, 0.004] * startup.PREFILL_PROBE_TRIES  # no pass over the longer cache is slower
     fake = timed([0.001, *pairs])
-    with mock.patch.object(kvcache, "_timed_pass", fake), mock.patch.object(kvcache.log, "warning") as warning:
-        rates = kvcache.prefill_rates(loaded)
+    with mock.patch.object(startup, "_timed_pass", fake), mock.patch.object(startup.log, "warning") as warning:
+        rates = startup.prefill_rates(loaded)
     assert fake.call_count == 1 + len(pairs)
     assert rates.per_1k_context_ms == 0
     assert warning.call_args.args[0] == "prefill_context_rate_not_measured"
@@ -466,7 +460,7 @@ def test_a_copy_of_a_cache_layer_and_the_layer_never_write_into_what_the_other_s
     the layer see the same memory until one of them grows. Cut back and grown, each in its
     own way, neither changes what the other holds (the room after a layer's keys is its own, not
     its copy's too)."""
-    layer = kvcache.RoomLayer()
+    layer = cachelayers.RoomLayer()
     layer.update(torch.arange(32.0).view(1, 2, 8, 2), -torch.arange(32.0).view(1, 2, 8, 2))
     layer.update(torch.full((1, 2, 1, 2), 100.0), torch.full((1, 2, 1, 2), -100.0))
     twin = copy.copy(layer)
@@ -662,14 +656,14 @@ def test_a_windowed_models_context_rate_is_timed_over_the_positions_its_sessions
     loaded = dataclasses.replace(
         load_model(str(path), LoadOptions(device="cpu", dtype="float32")), max_context_len=4096
     )
-    real, held = kvcache._timed_pass, []
+    real, held = startup._timed_pass, []
 
     def recording(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache) -> float:
-        held.append(sorted({(layer.is_sliding, layer.keys.shape[2]) for _, layer in kvcache._keeping(cache)}))
+        held.append(sorted({(layer.is_sliding, layer.keys.shape[2]) for _, layer in cachelayers.keeping(cache)}))
         return real(loaded, ids, cache)
 
-    with mock.patch.object(kvcache, "_timed_pass", recording), mock.patch.object(kvcache.log, "warning") as warning:
-        rates = kvcache.prefill_rates(loaded, margin=6)
+    with mock.patch.object(startup, "_timed_pass", recording), mock.patch.object(startup.log, "warning") as warning:
+        rates = startup.prefill_rates(loaded, margin=6)
     assert rates.per_token_ms > 0 and not any(
         call.args[0] == "prefill_context_not_timed" for call in warning.mock_calls
     )
@@ -1193,7 +1187,7 @@ def test_a_model_whose_forward_takes_no_logits_to_keep_is_served(tmp_path: Path,
     path = build_plain_forward(tiny_models.target, tmp_path / "plain")
     loaded = load_model(str(path), LoadOptions(device="cpu", dtype="float32", trust_remote_code=True))
     assert type(loaded.model).__name__ == "PlainLlamaForCausalLM"
-    assert kvcache.prefill_rates(loaded).per_token_ms > 0
+    assert startup.prefill_rates(loaded).per_token_ms > 0
     same = load_model(str(tiny_models.target), LoadOptions(device="cpu", dtype="float32"))
     caches, rows = SessionCaches(loaded, max_sessions=4, idle_s=60), []
     entry = caches.sync("s", 0, 0)

@@ -10,7 +10,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from specdec.runtime import modeling
-from specdec.runtime.kvcache import cache_argument
+from specdec.runtime.cachelayers import cache_argument
 from specdec.runtime.modeling import (
     LoadOptions,
     PackedLinear,

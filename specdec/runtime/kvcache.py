@@ -6,10 +6,6 @@ Not thread-safe: a worker calls it from its single model thread only.
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
-import math
-import os
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -20,14 +16,26 @@ from typing import Any
 import structlog
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from specdec.runtime.cachelayers import (
+    RoomLayer,
+    WindowedCopy,
+    WindowedLayer,
+    WindowedRoom,
+    cache_argument,
+    held_positions,
+    keeping,
+    logit_rows_argument,
+    new_cache,
+    owning,
+    sharing,
+)
 from specdec.runtime.grammar import GrammarState
-from specdec.runtime.lean import LeanStep
 from specdec.runtime.lookup import GuessIndex
 from specdec.runtime.modeling import LoadedModel, decoder_of
 from specdec.runtime.processing import TokenCounts
+from specdec.runtime.startup import checked_lean_step, timed, windowed_share
 from specdec.runtime.tokens import PrefixHashes
 from specdec.runtime.vocab import TextMirror
 
@@ -49,324 +57,9 @@ class EarlierLogits:
 CACHE_MEMORY_SHARE = 0.5  # of the memory free after loading, what an automatic token budget may fill
 
 
-@functools.cache
-def _cache_keyword(model_class: type) -> str:
-    """The forward() keyword of a model class's KV cache: ``cache`` from transformers 5 on
-    (``past_key_values`` still works there, with a deprecation warning, until 5.40 removes it),
-    ``past_key_values`` in transformers 4 and in model code shipped with a model."""
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
-
-
-def cache_argument(model: torch.nn.Module, cache: DynamicCache) -> dict[str, object]:
-    """The keyword arguments that run ``model``'s forward pass on top of ``cache`` (and extend it)."""
-    return {_cache_keyword(type(model)): cache, "use_cache": True}
-
-
-@functools.cache
-def _takes_logits_to_keep(model_class: type) -> bool:
-    """Whether a model class's forward() takes ``logits_to_keep`` (itself or through ``**kwargs``):
-    transformers' models do; model code shipped with a model may predate it."""
-    parameters = inspect.signature(model_class.forward).parameters.values()
-    return any(p.name == "logits_to_keep" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def logit_rows_argument(model: torch.nn.Module, rows: int) -> dict[str, int]:
-    """The keyword argument that has ``model``'s forward pass compute only its last ``rows`` rows of
-    logits; none for a model that cannot (it computes every row's, and the caller takes its rows)."""
-    return {"logits_to_keep": rows} if _takes_logits_to_keep(type(model)) else {}
-
-
-class RoomLayer(DynamicLayer):
-    """A whole-attention cache layer whose keys and values are the start of memory with room after
-    them (``room``: keys and values [batch, heads, capacity, head size]): a pass writes its new
-    ones into the room, where transformers' DynamicLayer concatenates them, a copy of the layer's
-    whole cache on every pass (a decoding step of the int8 0.5B draft over 30,000 cached tokens
-    spent about a third of its time so). When they would not fit, or the room is more than an
-    eighth beyond them (a deep cut back), they move to memory with a sixteenth more room than
-    they take: a cache that grows is copied once per sixteenth it grows, and holds at most an
-    eighth more than its positions after a pass. A copy of the layer (``copy.copy``: prefix reuse, before
-    it cuts its copy back) and the layer itself both give up the room they would share, so neither
-    writes into what the other sees; each moves at its next pass."""
-
-    room: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def __copy__(self) -> RoomLayer:
-        twin = type(self).__new__(type(self))
-        twin.__dict__.update(self.__dict__)
-        self.room = twin.room = None
-        return twin
-
-    def fill(self, caches: Sequence[DynamicCache], layer: int, past: int, new: int, like: DynamicLayer) -> None:
-        """Makes this a batched pass's layer: each of ``caches``' keys and values of ``layer``
-        (shaped like ``like``'s) copied in, each ending at position ``past`` (left-padded with
-        zeros), with room for the pass's ``new`` positions after them."""
-        rooms = [
-            held.new_zeros(len(caches), held.shape[1], past + new, held.shape[3]) for held in (like.keys, like.values)
-        ]
-        for row, cache in enumerate(caches):
-            own = _own_layer(cache, layer)
-            if own is not None:
-                count = own.keys.shape[2]
-                rooms[0][row, :, past - count : past].copy_(own.keys[0])
-                rooms[1][row, :, past - count : past].copy_(own.values[0])
-        self.room = rooms[0], rooms[1]
-        self.keys, self.values = rooms[0][:, :, :past], rooms[1][:, :, :past]
-        self.device, self.is_initialized = like.keys.device, True
-
-    def _fits(self, held: int, end: int) -> bool:
-        """Whether ``end`` positions fit the room after the ``held`` the layer's keys see, and the
-        room is at most an eighth more than them."""
-        if self.room is None:
-            return False
-        keys = self.room[0]
-        return self.keys.data_ptr() == keys.data_ptr() and end <= keys.shape[2] <= end + end // 8
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        held = self.keys.shape[2] if self.keys.dim() == 4 else 0
-        end = held + key_states.shape[2]
-        with torch.inference_mode():  # (the room may have been made in a pass: an inference tensor)
-            if not self._fits(held, end):
-                capacity = end + end // 16  # a sixteenth more: a few positions cut back still fit the eighth
-                keys = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[3])
-                values = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[3])
-                if held:
-                    keys[:, :, :held].copy_(self.keys)
-                    values[:, :, :held].copy_(self.values)
-                self.room = keys, values
-            keys, values = self.room
-            keys[:, :, held:end].copy_(key_states)
-            values[:, :, held:end].copy_(value_states)
-        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
-        return self.keys, self.values
-
-
-class WindowedLayer(DynamicLayer):
-    """The cache of a windowed attention layer (a sliding window, or Llama-4's chunks: a query sees
-    at most the ``window`` - 1 positions before it) that can be cut back. transformers' own keeps
-    the last window - 1 positions and cannot be cut back once full, as every rejected draft needs;
-    this one keeps those and ``margin`` more before them, so a cut of up to ``margin`` tokens still
-    leaves the window its next queries see (``margin`` None: every position is kept). Its keys are
-    those of positions ``first`` to ``length`` - 1, and the masks it sizes say so."""
-
-    is_sliding = True
-
-    def __init__(self, window: int, margin: int | None) -> None:
-        super().__init__()
-        self.window = window
-        self.limit = None if margin is None else window - 1 + margin  # positions kept at most
-        self.length = 0  # positions seen, kept or not
-
-    @property
-    def first(self) -> int:
-        """The position of the first key kept."""
-        return self.length - (self.keys.shape[-2] if self.is_initialized else 0)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = super().update(key_states, value_states)
-        self.length += key_states.shape[-2]
-        if self.limit is not None and keys.shape[-2] > self.limit:
-            self.keys, self.values = keys[..., -self.limit :, :], values[..., -self.limit :, :]
-            if keys.shape[-2] - self.limit > self.limit // 8:  # hold only the kept ones' memory
-                # (a decoding step's few keys more are let be: copying the kept ones every step costs)
-                self.keys, self.values = self.keys.clone(), self.values.clone()
-        return keys, values  # this pass's queries see every key (the mask applies the window)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length - self.first + query_length, self.first
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def can_cut(self, tokens: int, after: int = 0) -> bool:
-        """Whether cutting the last ``tokens`` positions leaves every key the next queries see; with
-        ``after``, once a pass has added that many more (and dropped what the limit then drops)."""
-        length = self.length + after
-        first = self.first if self.limit is None else max(self.first, length - self.limit)
-        return first <= max(0, length - tokens - (self.window - 1))
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0 or not self.can_cut(-tokens_to_remove):
-            raise ValueError(
-                f"cannot cut {-tokens_to_remove} positions from a windowed layer holding {self.first} to {self.length}"
-            )
-        super().crop(tokens_to_remove)
-        self.length += tokens_to_remove
-
-
-def new_cache(config: Any, margin: int | None = None) -> DynamicCache:
-    """An empty KV cache for a model of ``config`` whose windowed attention layers can be cut back:
-    transformers' cache for the config, each whole-attention layer a RoomLayer (growing in place),
-    each windowed layer a WindowedLayer keeping its window and
-    ``margin`` positions (None: all of them; a batched pass's cache, whose new keys go back to
-    each session's own). The model applies the window through the attention mask it builds on
-    every pass, from the config and the positions each layer says it holds."""
-    cache = DynamicCache(config=config)
-    for index, layer in enumerate(cache.layers):
-        if type(layer) is DynamicSlidingWindowLayer:
-            cache.layers[index] = WindowedLayer(layer.sliding_window, margin)
-        elif type(layer) is DynamicLayer:
-            cache.layers[index] = RoomLayer()
-    return cache
-
-
-LEAN_CHECK_TOKENS = 8  # the cache a lean step is checked on at start-up holds all but the last
-LEAN_OFF = "one-token steps run the model's forward; report the transformers version"
-
-
-def checked_lean_step(loaded: LoadedModel) -> LeanStep | None:
-    """The model's lean step (``LeanStep.of``) if a step of it on a short cache gives the logits the
-    model's own forward gives there bit for bit, else None. The step re-states transformers' decoder
-    in fewer operators: a transformers release whose decoder does more, or names its parts otherwise,
-    would make it propose worse drafts (never wrong tokens: the target decides) or fail, so such a
-    model runs its forward instead, logged (``lean_step_differs``) rather than slower or down for no
-    visible reason."""
-    model = loaded.model
-    ids = [(7 * i + 3) % loaded.vocab_size for i in range(LEAN_CHECK_TOKENS)]
-    try:
-        lean = LeanStep.of(model)
-        if lean is None:
-            return None
-        cache = new_cache(model.config)
-        with torch.inference_mode():
-            model(input_ids=torch.tensor([ids[:-1]]), **cache_argument(model, cache), **logit_rows_argument(model, 1))
-            got = lean(_copied(loaded, cache, 1, None), ids[-1])
-            last = torch.tensor([ids[-1:]])
-            want = model(input_ids=last, **cache_argument(model, cache), **logit_rows_argument(model, 1)).logits
-    except Exception as exc:  # an optional path: whatever it trips on, the model's own forward runs
-        log.warning("lean_step_differs", error=f"{type(exc).__name__}: {exc}", detail=LEAN_OFF)
-        return None
-    want = want[0, -1:].float()
-    if torch.equal(got, want):
-        return lean
-    log.warning("lean_step_differs", largest_logit_difference=float((got - want).abs().max()), detail=LEAN_OFF)
-    return None
-
-
-def _two_token_cache(loaded: LoadedModel, cache: DynamicCache) -> DynamicCache:
-    """``cache`` after a 2-token pass of the model: what each of its layers keeps per token."""
-    with torch.inference_mode():
-        loaded.model(input_ids=torch.tensor([[0, 1]], device=loaded.device), **cache_argument(loaded.model, cache))
-    return cache
-
-
-def kv_bytes_per_token(loaded: LoadedModel) -> int:
-    """The KV-cache bytes one token takes in this model (measured on a 2-token pass)."""
-    cache = _two_token_cache(loaded, new_cache(loaded.model.config))
-    return max(1, sum(_bytes(layer) for layer in cache.layers) // 2)
-
-
-PREFILL_PROBE_TOKENS = 256  # the start-up passes that prefill_rates times
-PREFILL_CONTEXT_PROBE_TOKENS = 2048  # the cache the second of them runs over
 WARM_UP_PREFIX_TOKENS = 8  # the cache SessionCaches.warm_up's passes run over
 WARM_UP_SLOW_PASS_S = 0.1  # a one-token pass this slow: warm_up times it again before the others
 WARM_UP_FIRST_PASS_RATIO = 1.1  # a first pass within this of the second: no one-time costs to take
-PREFILL_PROBE_TRIES = 4  # pairs of the two passes timed at most, while the second is no slower
-
-
-@dataclass(frozen=True)
-class PrefillRates:
-    """What a prefill pass costs: milliseconds per token on an empty cache, and milliseconds per
-    token more for every 1,000 tokens before it (attention reads them all)."""
-
-    per_token_ms: float
-    per_1k_context_ms: float
-
-
-def prefill_rates(loaded: LoadedModel, margin: int | None = None, warmed: bool = False) -> PrefillRates:
-    """Times a pass of PREFILL_PROBE_TOKENS tokens (fewer if the context is shorter) on an empty
-    cache, after a short pass that takes the one-time costs of a first forward pass (none where
-    ``warmed``: SessionCaches.warm_up's passes took them), and the same
-    pass over a cache of PREFILL_CONTEXT_PROBE_TOKENS tokens (its keys and values copies of the
-    first pass's: a pass's cost is not the values'; windowed layers keeping what a session's keep
-    with the rollback ``margin``), where the context has room for it (else the rate is 0). The
-    context rate is the difference of the two: while the second comes out no slower (another
-    process slowed the first; services start side by side), the pair is timed again, up to
-    PREFILL_PROBE_TRIES pairs, and the fastest time of each pass counts. The caches are dropped."""
-    tokens = max(1, min(PREFILL_PROBE_TOKENS, loaded.max_context_len - 1))
-    ids = torch.zeros(1, tokens, dtype=torch.long, device=loaded.device)  # a pass's cost is not the ids'
-    copies = min(PREFILL_CONTEXT_PROBE_TOKENS, loaded.max_context_len - 1 - tokens) // tokens
-    with torch.inference_mode():
-        if not warmed:
-            _timed_pass(loaded, ids[:, : min(tokens, 8)], new_cache(loaded.model.config))
-        first = new_cache(loaded.model.config)
-        short = _timed_pass(loaded, ids, first)
-        if copies < 1:
-            return PrefillRates(short * 1000 / tokens, 0.0)
-        try:
-            longer = _copied(loaded, first, copies, margin)
-            long = _timed_pass(loaded, ids, longer)
-            for _ in range(PREFILL_PROBE_TRIES - 1):
-                if long > short:
-                    break
-                short = min(short, _timed_pass(loaded, ids, new_cache(loaded.model.config)))
-                long = min(long, _timed_pass(loaded, ids, _copied(loaded, first, copies, margin)))
-        except Exception as exc:  # a cache this copy does not fit: time limits go by the first rate
-            log.warning("prefill_context_not_timed", error=repr(exc))
-            return PrefillRates(short * 1000 / tokens, 0.0)
-    if long <= short:
-        log.warning("prefill_context_rate_not_measured", pairs_timed=PREFILL_PROBE_TRIES, short_s=short, long_s=long)
-    per_1k = max(long - short, 0.0) * 1000 / tokens * 1000 / (copies * tokens)
-    return PrefillRates(short * 1000 / tokens, per_1k)
-
-
-def _keeping(cache: DynamicCache) -> list[tuple[int, Any]]:
-    """The layers of ``cache`` that keep keys and values, with their indices: a layer that reads an
-    earlier layer's (KV sharing: Gemma-3n, Gemma-4) keeps none, and a copy or a batch skips it."""
-    return [(index, layer) for index, layer in enumerate(cache.layers) if layer.keys is not None]
-
-
-def _copied(loaded: LoadedModel, cache: DynamicCache, copies: int, margin: int | None) -> DynamicCache:
-    """A cache of ``copies`` copies of ``cache``'s keys and values, one after another (windowed
-    layers keeping their window and ``margin``)."""
-    longer = new_cache(loaded.model.config, margin)
-    for index, layer in _keeping(cache):
-        longer.update(layer.keys.repeat(1, 1, copies, 1), layer.values.repeat(1, 1, copies, 1), index)
-    return longer
-
-
-def _timed_pass(loaded: LoadedModel, ids: torch.Tensor, cache: DynamicCache) -> float:
-    """Seconds one forward pass of ``ids`` over ``cache`` takes (the device's work included)."""
-    return _timed(
-        loaded,
-        lambda: loaded.model(
-            input_ids=ids, **logit_rows_argument(loaded.model, 1), **cache_argument(loaded.model, cache)
-        ),
-    )
-
-
-def _timed(loaded: LoadedModel, work: Callable[[], object]) -> float:
-    """Seconds ``work`` takes on ``loaded``'s device, the device's queued work included (a GPU's
-    passes return before they run)."""
-    started = time.perf_counter()
-    work()
-    if loaded.device.type == "cuda":
-        torch.cuda.synchronize(loaded.device)
-    return time.perf_counter() - started
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory free now on ``device``: the GPU's free memory, else the host's available memory."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def auto_token_budget(loaded: LoadedModel) -> int:
-    """A cached-token budget that fills at most CACHE_MEMORY_SHARE of the memory free now."""
-    return max(1, int(free_memory_bytes(loaded.device) * CACHE_MEMORY_SHARE) // kv_bytes_per_token(loaded))
 
 
 class ResyncRequired(Exception):
@@ -376,75 +69,6 @@ class ResyncRequired(Exception):
     def __init__(self, session_id: str, start: int = 0) -> None:
         super().__init__(session_id)
         self.start = start
-
-
-def _sharing(cache: DynamicCache) -> DynamicCache:
-    """A cache of ``cache``'s layers whose keys and values are ``cache``'s own (none copied): one
-    to cut back (a cut makes views, never changes the tensors) before it gets its own (``_owning``)."""
-    shared = copy.copy(cache)
-    shared.layers = [copy.copy(layer) for layer in cache.layers]
-    return shared
-
-
-def _owning(cache: DynamicCache) -> None:
-    """Gives every layer of ``cache`` a copy of its keys and values, of the positions it keeps only."""
-    for _, layer in _keeping(cache):
-        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-
-
-def _stored_positions(keys: torch.Tensor) -> int:
-    """The positions the memory under ``keys`` (batch, heads, positions, head size) holds."""
-    per_position = keys.element_size() * math.prod(keys.shape[:-2]) * keys.shape[-1]
-    return keys.untyped_storage().nbytes() // max(1, per_position)
-
-
-@dataclass(frozen=True)
-class WindowedCopy:
-    """A copy of a session cache's windowed layers (``WindowedLayer``) taken when it held
-    ``length`` tokens: where its turn's prompt ends, or where a prefix that other requests share
-    ends (``SessionCache.prompt_end``, ``SessionCache.shared``). A cut back that the layers' margin
-    no longer covers can start from it, to any length it reaches, its whole layers cut back as
-    usual. Never changed once taken (a cut makes another), so copies of a cache share it."""
-
-    length: int
-    layers: dict[int, WindowedLayer]
-
-    @classmethod
-    def of(cls, cache: DynamicCache, length: int, upto: int | None = None) -> WindowedCopy:
-        """A copy of ``cache`` (holding ``length`` tokens) cut back to ``upto`` tokens (None: not
-        cut) before its keys and values are copied, so it holds only what it keeps."""
-        layers = {}
-        for index, layer in _keeping(cache):
-            if isinstance(layer, WindowedLayer):
-                kept = layers[index] = copy.copy(layer)
-                if upto is not None:
-                    kept.crop(upto - length)
-                kept.keys, kept.values = kept.keys.clone(), kept.values.clone()
-        return cls(length if upto is None else upto, layers)
-
-    @functools.cached_property
-    def memory(self) -> int:
-        """Where its keys and values are held: a copy cut back from another (``cut``) is a view of
-        that one's memory, and both name it (read for every copy whenever the budget is counted)."""
-        return next((layer.keys.untyped_storage().data_ptr() for layer in self.layers.values()), id(self))
-
-    @functools.cached_property
-    def positions(self) -> int:
-        """The positions its memory holds in its largest layer: for a copy cut back, those it no
-        longer sees too (its view keeps all of them while it is held)."""
-        return max((_stored_positions(layer.keys) for layer in self.layers.values()), default=0)
-
-    def reaches(self, length: int) -> bool:
-        return length <= self.length and all(layer.can_cut(self.length - length) for layer in self.layers.values())
-
-    def cut(self, length: int) -> WindowedCopy | None:
-        """This copy cut back to ``length`` tokens (None where it cannot be)."""
-        if not self.reaches(length):
-            return None
-        layers = {index: copy.copy(layer) for index, layer in self.layers.items()}
-        for layer in layers.values():
-            layer.crop(length - self.length)
-        return WindowedCopy(length, layers)
 
 
 @dataclass
@@ -673,7 +297,7 @@ class SessionCaches:
         self._max_sessions = max_sessions
         self.max_tokens = max_tokens  # 0 = no limit
         self._margin = margin
-        self._windowed = _windowed_share(loaded, margin)
+        self._windowed = windowed_share(loaded, margin)
         self._idle_s = idle_s
         self._entries = _Entries(self._own, self._copied)
         self.prefill_tokens_total = 0
@@ -739,10 +363,10 @@ class SessionCaches:
             entry.truncate(base_len)
         elif source and source != session_id and _holds(donor := self._entries.get(source), base_len, base_hash):
             assert donor is not None
-            entry = self._new_entry(list(donor.tokens), _sharing(donor.cache))
+            entry = self._new_entry(list(donor.tokens), sharing(donor.cache))
             entry.prompt_end, entry.shared = donor.prompt_end, donor.shared
             entry.truncate(base_len)
-            _owning(entry.cache)  # copies only the prefix's keys and values, not all of the donor's
+            owning(entry.cache)  # copies only the prefix's keys and values, not all of the donor's
             self._entries[session_id] = entry
             self.reused_tokens_total += base_len
             self._evict_over_capacity()
@@ -935,7 +559,7 @@ class SessionCaches:
     def _timed_width(self, entry: SessionCache, width: int) -> float:
         """Seconds a warm-up pass of ``width`` tokens over ``entry`` takes (the device's work
         included); the cache is cut back to the warm-up prefix after it."""
-        took = _timed(self._loaded, lambda: self.extend(entry, [0] * width, width))
+        took = timed(self._loaded, lambda: self.extend(entry, [0] * width, width))
         entry.truncate(WARM_UP_PREFIX_TOKENS)
         return took
 
@@ -997,23 +621,6 @@ def _has(entry: SessionCache | None, length: int, expected_hash: int) -> bool:
     return entry is not None and len(entry.tokens) >= length and entry.hashes.of(entry.tokens, length) == expected_hash
 
 
-def _windowed_share(loaded: LoadedModel, margin: int | None) -> tuple[int, float]:
-    """The positions a windowed layer keeps at most with ``margin``, and the share of a token's
-    KV memory its model's windowed layers take (measured on a 2-token pass); 0 for a model
-    without them or when they keep every position."""
-    cache = new_cache(loaded.model.config, margin)
-    limits = [layer.limit for layer in cache.layers if isinstance(layer, WindowedLayer)]
-    if margin is None or not limits:
-        return 0, 0.0
-    sizes = [(isinstance(layer, WindowedLayer), _bytes(layer)) for layer in _two_token_cache(loaded, cache).layers]
-    return max(limits), sum(size for windowed, size in sizes if windowed) / max(1, sum(size for _, size in sizes))
-
-
-def _bytes(layer: Any) -> int:
-    """The memory a cache layer's keys and values take."""
-    return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
-
-
 @dataclass
 class _Batch:
     """Padded inputs and a combined cache for one batched forward pass."""
@@ -1039,12 +646,12 @@ class _Batch:
         cache = new_cache(loaded.model.config)
         if past:
             template = next(entry.cache for entry, _, _ in ops if entry.tokens)
-            for layer, kept in _keeping(template):
+            for layer, kept in keeping(template):
                 windowed = isinstance(kept, WindowedLayer)
                 # a windowed layer's rows end at the same position, the last before the pass: each
                 # row keeps its own number of positions, the padding before them masked (or out of its window)
-                length = max(_held_positions(entry.cache, layer) for entry, _, _ in ops) if windowed else past
-                room = _WindowedRoom(kept.window) if windowed else RoomLayer()
+                length = max(held_positions(entry.cache, layer) for entry, _, _ in ops) if windowed else past
+                room = WindowedRoom(kept.window) if windowed else RoomLayer()
                 room.fill([entry.cache for entry, _, _ in ops], layer, length, width, kept)
                 if windowed:
                     room.length = past
@@ -1053,31 +660,11 @@ class _Batch:
 
     def scatter_new_kv(self, row: int, entry: SessionCache, count: int) -> None:
         """Appends this row's new keys/values to the session's own cache."""
-        for layer, combined in _keeping(self.cache):
+        for layer, combined in keeping(self.cache):
             start = combined.keys.shape[2] - self.input_ids.shape[1]  # the pass's first position
             keys = combined.keys[row : row + 1, :, start : start + count]
             values = combined.values[row : row + 1, :, start : start + count]
             entry.cache.update(keys, values, layer)  # (every layer copies them into memory of its own)
-
-
-def _own_layer(cache: DynamicCache, layer: int) -> Any | None:
-    """One layer of a session's cache, None while it holds no keys (before its first pass)."""
-    own = cache.layers[layer] if layer < len(cache.layers) else None
-    return own if own is not None and getattr(own, "is_initialized", False) and own.keys is not None else None
-
-
-def _held_positions(cache: DynamicCache, layer: int) -> int:
-    """The positions one layer of a session's cache keeps (0 before its first pass)."""
-    own = _own_layer(cache, layer)
-    return 0 if own is None else own.keys.shape[2]
-
-
-class _WindowedRoom(WindowedLayer, RoomLayer):
-    """A windowed layer of a batched pass's cache (every position kept: the rows' new keys and
-    values go back to their own caches), filled and written as a RoomLayer."""
-
-    def __init__(self, window: int) -> None:
-        super().__init__(window, margin=None)
 
 
 @contextmanager

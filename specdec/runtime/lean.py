@@ -13,7 +13,7 @@ the logits are the model's own, bit for bit (``tests/test_lean.py``), minus the 
 Only transformers' own ``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` (not subclasses: their forward
 may do more), with every layer fused and attending to the whole context, get one; any other
 model, and every pass of more than one token (a prefill, a block, a batched pass), runs the
-model's forward as before. ``kvcache.checked_lean_step`` also checks a step against the model's
+model's forward as before. ``startup.checked_lean_step`` also checks a step against the model's
 forward when the caches are made, and leaves out a lean step that differs.
 """
 

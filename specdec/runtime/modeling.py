@@ -319,7 +319,7 @@ def _check_cache_rolls_back(model_id: str, config: Any) -> None:
     which speculative decoding does in every round a draft is rejected."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-    from specdec.runtime.kvcache import new_cache
+    from specdec.runtime.cachelayers import new_cache
 
     layers = new_cache(config).layers
     recurrent = sum(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers)
@@ -335,7 +335,7 @@ def _check_cache_rolls_back(model_id: str, config: Any) -> None:
 def _context_len(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
     """The longest sequence served: the model's positions (its tokenizer's limit where the config
     names none). A model with windowed attention is served to the same length: its caches' windowed
-    layers can be cut back past the window (``kvcache.WindowedLayer``)."""
+    layers can be cut back past the window (``cachelayers.WindowedLayer``)."""
     return int(getattr(text_config(config), "max_position_embeddings", 0) or tokenizer.model_max_length)
 
 

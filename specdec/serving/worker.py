@@ -15,9 +15,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from specdec.runtime.grammar import NO_GRAMMARS
-from specdec.runtime.kvcache import PrefillRates, SessionCaches, auto_token_budget, prefill_rates
+from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, load_model
 from specdec.runtime.scheduler import HostLock, Job, ModelFault, StepScheduler
+from specdec.runtime.startup import PrefillRates, auto_token_budget, prefill_rates
 from specdec.serving.errors import (
     GrammarsUnavailable,
     InvalidRequest,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from specdec.runtime.kvcache import cache_argument
+from specdec.runtime.cachelayers import cache_argument
 
 ROWS = (1, 2, 3, 5, 9, 17, 33, 65)
 
