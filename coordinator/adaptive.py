@@ -175,8 +175,8 @@ class LoadLimit:
     as vLLM's ``speculative_disable_by_batch_size``. A batched pass costs a part every pass pays
     (reading the weights) and a part per row: on a CPU target many requests decoding one token
     each share one pass, while speculating requests drift out of step and each pays more of its
-    passes, so beyond some load target-only decoding serves more tokens per second (see the
-    README's Under load). A round's choice prices only its own session's costs, not what it adds
+    passes, so beyond some load target-only decoding serves more tokens per second (see
+    docs/benchmarks.md, Under load). A round's choice prices only its own session's costs, not what it adds
     to the passes others share, so this bound is the operator's, from the benchmark's sweep.
 
     The requests counted are those on the target replica that verifies the session: this

@@ -656,7 +656,7 @@ def test_target_only_decoding_is_not_timed_again_while_the_draft_pays() -> None:
 
 
 def test_on_the_h200_s_measured_costs_the_model_draft_is_off_and_a_matching_lookup_on() -> None:
-    """Costs as measured on an H200 with eager passes (README, Benchmark, On a GPU): the 1.5B
+    """Costs as measured on an H200 with eager passes (docs/benchmarks.md, On a GPU): the 1.5B
     target's pass 26.9 ms for one row and ~30 ms for 2-9, the 0.5B draft 21.9 ms a token, 3.3 ms
     of the service's own a round. At the pair's CPU-measured agreement (0.75) a model block
     costs more than the tokens it wins (K = 1: 1.75 tokens in 54.8 ms against 1 in 30.2), so the

@@ -235,7 +235,7 @@ def test_int8_gives_each_output_row_its_own_scale(tiny_models: TinyModels) -> No
     """A weight's rows can differ in size by orders of magnitude (in Qwen2.5-Coder-0.5B the largest
     row's largest entry is up to 104x the median row's); one scale for the whole weight rounds the
     small rows away. Each row gets its own (per-channel), which made that draft agree with the
-    1.5B target on 926 instead of 902 of 1,024 tokens at the same cost (README: CPU specifics)."""
+    1.5B target on 926 instead of 902 of 1,024 tokens at the same cost (docs/performance.md: CPU specifics)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 8, bias=False).requires_grad_(False)
     linear.weight[4:] *= 1e-3  # half the rows a thousand times smaller than the others

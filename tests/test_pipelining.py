@@ -870,8 +870,8 @@ EMULATION_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pipelined_
 
 
 def test_the_pipelined_emulation_script_runs_each_arm_over_the_same_greedy_replies() -> None:
-    """scripts/pipelined_emulation.py (the README's emulated pipelined measurements) on a short
-    run: each arm's tokens/s and round stats as JSON (it exits on replies that differ between
+    """scripts/pipelined_emulation.py (the emulated pipelined measurements of docs/performance.md,
+    Pipelining) on a short run: each arm's tokens/s and round stats as JSON (it exits on replies that differ between
     arms); target-only decodes every round alone, the fixed arm drafts with its own block stop and
     uses blocks drafted ahead; an unknown arm is refused before any process starts."""
     args = ["--prompts", "2", "--max-new-tokens", "12", "--repeats", "1", "--target-pass-ms", "10"]

@@ -10,7 +10,7 @@ its draft's call.
 Usage, from the repository root:
   PYTHONPATH=. python docs/bench/batching.py TARGET DRAFT [--device cpu|cuda] [--dtype auto]
       [--sessions 1,2,4] [--waits 0,5] [--repeats 3] [--tokens 48] [--speculate] [--out FILE]
-The README's "How it goes fast" numbers: on a CPU, a 4-layer, 512-wide random model of Qwen2.5's
+The numbers of docs/performance.md (One forward pass per block): on a CPU, a 4-layer, 512-wide random model of Qwen2.5's
 shapes made by docs/bench/gpu/random_models.py from a config edited so, as both TARGET and DRAFT;
 on a GPU (docs/bench/gpu/run.sh with BATCHING=1) the random models of the benchmark pair's shapes.
 On a CPU every worker runs one torch thread and no --cpu-lock-file (a lock turns the wait off).

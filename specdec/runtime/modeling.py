@@ -45,7 +45,7 @@ class PackedLinear(torch.nn.Module):
     147-153 ms against 195-207, 9 rows 207-217 against 287-297; avx512_core_vnni 146-151 against
     176-225, 698-700 against 861-886; a 256-row prefill no slower); on a real avx512_bf16 CPU
     without AMX (a 2-core AMD EPYC guest) packed bf16 beat packed fp32 too: a one-token step 147
-    against 228 ms, a 250-token prefill 1.68 against 3.20 s (README, CPU specifics).
+    against 228 ms, a 250-token prefill 1.68 against 3.20 s (docs/performance.md, CPU specifics).
 
     A pass of ``PAD_FROM_ROWS`` rows or more (a prefill) runs on a multiple of ``ROW_MULTIPLE``
     rows, zeros added and their outputs dropped: oneDNN's blocking makes some row counts slow

@@ -14,7 +14,7 @@ the model (norms, attention, residual sums) stays float32. That kernel costs abo
 more for every further row, so a wider pass (a prefill, a catch-up, a block) runs on an int8 copy
 of the layer instead, as ``--quantize int8`` runs it (a 250-token prefill of Qwen2.5-Coder-0.5B
 1.22 s in int4, 0.39 s in int8). On one thread the kernel's arithmetic, not memory, bounds a step,
-and int8's is faster (README, CPU specifics).
+and int8's is faster (docs/performance.md, CPU specifics).
 
 Either way the draft's proposals change as with any quantization; they stay exact, as the target
 verifies the distribution the draft actually sampled from.

@@ -115,7 +115,7 @@ class HostLock:
     ``max_hold_s`` of consecutive passes (a draft's few short steps for a whole block), then lets
     the other have it. Taking turns in bursts also batches sessions: a burst drafts for those
     waiting for drafts, the next verifies the blocks that are ready. Under load they drift out of
-    phase (16 requests at once on a 2-core host: 3.9 sessions a verify pass; README, Under load).
+    phase (16 requests at once on a 2-core host: 3.9 sessions a verify pass; docs/benchmarks.md, Under load).
     """
 
     def __init__(self, path: str | None, max_hold_s: float = 0.6) -> None:

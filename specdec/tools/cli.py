@@ -208,7 +208,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     worker_args = ["--device", args.device]
     # a quantized draft is quantized from float32 whatever --dtype the target runs in (bfloat16 on a
-    # CPU with AMX: see README, CPU specifics); the draft translates only if its tokenizer differs
+    # CPU with AMX: see docs/performance.md, CPU specifics); the draft translates only if its tokenizer differs
     draft_dtype = quantized_from(args.dtype, args.draft_quantize)
     draft_args = ["--dtype", draft_dtype, "--quantize", args.draft_quantize, "--target-tokenizer", args.model]
     draft_args += ["--vocab-method", args.draft_vocab_method]
