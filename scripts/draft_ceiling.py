@@ -61,16 +61,9 @@ import torch
 from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.serving.logging import configure_logging
-from specdec.tools.bench import (
-    HEADLINE,
-    HF_TARGET,
-    SERVICE_METHODS,
-    BenchConfig,
-    Run,
-    prompt_rate,
-    tokenize_prompts,
-    workloads_from,
-)
+from specdec.tools.bench import SERVICE_METHODS, tokenize_prompts
+from specdec.tools.bench_config import HEADLINE, HF_TARGET, BenchConfig, Run, workloads_from
+from specdec.tools.bench_report import prompt_rate
 
 TARGET_ONLY = "service target-only"
 MODEL_K = "service model K"

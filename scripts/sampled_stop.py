@@ -52,7 +52,8 @@ from specdec.runtime.kvcache import SessionCaches
 from specdec.runtime.modeling import LoadedModel, LoadOptions, load_model
 from specdec.runtime.sampling import Warp, sample_draft_token, warped_probs
 from specdec.serving.logging import configure_logging
-from specdec.tools.bench import HEADLINE, BenchConfig, tokenize_prompts
+from specdec.tools.bench import tokenize_prompts
+from specdec.tools.bench_config import HEADLINE, BenchConfig
 
 
 @dataclass

@@ -223,7 +223,8 @@ def test_generate_stopped_or_killed_leaves_no_service_running(
 def test_bench_runs_both_sides_in_the_dtype_asked_and_a_quantized_draft_in_float32() -> None:
     """``--dtype`` is the target's for HF's rows and the service's alike (so a kernel's speed is not
     counted as speculation's); an int8 or int4 draft is quantized from float32 on both sides."""
-    from specdec.tools.bench import BenchConfig, worker_dtypes
+    from specdec.tools.bench import worker_dtypes
+    from specdec.tools.bench_config import BenchConfig
 
     assert worker_dtypes(BenchConfig(model="m", draft_model="d")) == ("auto", "auto")
     assert worker_dtypes(BenchConfig(model="m", draft_model="d", dtype="bfloat16")) == ("bfloat16", "bfloat16")
@@ -282,7 +283,8 @@ def test_a_sampled_bench_samples_every_row_each_run_with_its_own_seed(tiny_model
 def test_bench_method_choice_keeps_the_target_only_references() -> None:
     """``--method`` without the target-only rows still runs them: every row's tokens are checked
     against them (a run without them failed after all its rows)."""
-    from specdec.tools.bench import BenchConfig, hf_methods, service_methods
+    from specdec.tools.bench import hf_methods, service_methods
+    from specdec.tools.bench_config import BenchConfig
 
     cfg = BenchConfig(model="m", draft_model="d", methods=("service model K",))
     assert list(hf_methods(cfg)) == ["hf target-only"]
@@ -318,7 +320,8 @@ def test_bench_runs_hf_assisted_default_only_as_hf_runs_it(monkeypatch: pytest.M
     `edit` prompts about a tenth slower). So the row needs scikit-learn, and the other rows do not."""
     import transformers.utils
 
-    from specdec.tools.bench import BenchConfig, check_methods, hf_assisted_default_adapts
+    from specdec.tools.bench import check_methods, hf_assisted_default_adapts
+    from specdec.tools.bench_config import BenchConfig
 
     assert hf_assisted_default_adapts()  # the dev and bench extras install scikit-learn
     monkeypatch.setattr(transformers.utils, "is_sklearn_available", lambda: False)
@@ -334,7 +337,8 @@ def test_bench_rows_ask_as_a_user_would() -> None:
     """The headline row asks for nothing (the server's default K and confidence stops); fixed-K
     rows ask for the run's K; the row without the stops asks for both at 0 and no K (so the
     server's default K); the token-stop row for HF's threshold 0.4 and no block stop."""
-    from specdec.tools.bench import HEADLINE, NO_STOP, SERVICE_METHODS, TOKEN_STOP, BenchConfig, Prompt, _request
+    from specdec.tools.bench import SERVICE_METHODS, _request
+    from specdec.tools.bench_config import HEADLINE, NO_STOP, TOKEN_STOP, BenchConfig, Prompt
 
     cfg, prompt = BenchConfig(model="m", draft_model="d", k=4), Prompt("complete", 0, (1, 2, 3))
     default = _request(cfg, prompt, SERVICE_METHODS[HEADLINE]).speculation
@@ -669,15 +673,8 @@ def test_a_sampled_bench_asks_both_sides_for_the_warp_with_a_seed_per_run() -> N
     a seed of their own for each workload, prompt and repeat (the same for every row of a run, so
     rows draw from the same seed), HF's generate gets every option (its own defaults, such as
     top-k 50, would otherwise warp what the service does not). A greedy run asks as before."""
-    from specdec.tools.bench import (
-        HEADLINE,
-        SERVICE_METHODS,
-        SERVICE_TARGET,
-        BenchConfig,
-        Prompt,
-        _request,
-        hf_sampling,
-    )
+    from specdec.tools.bench import SERVICE_METHODS, _request, hf_sampling
+    from specdec.tools.bench_config import HEADLINE, SERVICE_TARGET, BenchConfig, Prompt
 
     greedy = BenchConfig(model="m", draft_model="d")
     sampled = dataclasses.replace(greedy, temperature=0.8, top_p=0.9, top_k=0, min_p=0.05)
@@ -704,7 +701,8 @@ def test_a_sampled_bench_asks_both_sides_for_the_warp_with_a_seed_per_run() -> N
 def test_a_sampled_bench_report_claims_no_token_identity() -> None:
     """A sampled run's rows draw differently (each is a sample of the target's distribution), so
     its report has no token identity and its table says why instead of a column of NO."""
-    from specdec.tools.bench import HEADLINE, BenchConfig, Run, format_table, summarize
+    from specdec.tools.bench_config import HEADLINE, BenchConfig, Run
+    from specdec.tools.bench_report import format_table, summarize
 
     runs = [
         Run(method, "complete", 0, repeat, tokens, 1.0)
@@ -733,7 +731,8 @@ def test_a_sampled_bench_report_claims_no_token_identity() -> None:
 def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
     """With --skip-hf the ratios over HF rows are left out, not NaN (the table printed "nanx" and
     the JSON report held NaN, which is no JSON)."""
-    from specdec.tools.bench import HEADLINE, NO_STOP, BenchConfig, Run, format_table, summarize
+    from specdec.tools.bench_config import HEADLINE, NO_STOP, BenchConfig, Run
+    from specdec.tools.bench_report import format_table, summarize
 
     runs = [
         Run(method, "complete", prompt, repeat, [1, 2, 3, 4], seconds)
@@ -757,7 +756,8 @@ def test_bench_report_without_the_hf_rows_has_only_ratios_it_measured() -> None:
 def test_bench_report_compares_each_prompt_with_the_best_hf_row() -> None:
     """The report gives the default against HF's best speculative row prompt by prompt (its JSON and
     its table), and the worst of them among the ratios: a total can hide the prompt HF wins."""
-    from specdec.tools.bench import HEADLINE, BenchConfig, Run, format_table, summarize
+    from specdec.tools.bench_config import HEADLINE, BenchConfig, Run
+    from specdec.tools.bench_report import format_table, summarize
 
     seconds = {
         ("hf target-only", 0): 4.0, ("hf target-only", 1): 4.0, ("hf assisted K=4", 0): 2.0,
@@ -783,7 +783,8 @@ def test_prompt_rate_is_one_rows_median_over_its_repeats_on_one_prompt() -> None
     """A row's tokens/s on one prompt is the median over its repeats of that run's tokens over its
     seconds (the other prompts and rows left out), and None where the row never ran the prompt:
     the report's per-prompt ratios and the draft ceiling's per-prompt column both read it."""
-    from specdec.tools.bench import HEADLINE, Run, prompt_rate
+    from specdec.tools.bench_config import HEADLINE, Run
+    from specdec.tools.bench_report import prompt_rate
 
     runs = [Run(HEADLINE, "complete", 0, repeat, [1] * 4, took) for repeat, took in enumerate((2.0, 1.0, 4.0))]
     runs += [Run(HEADLINE, "complete", 1, 0, [1] * 6, 1.0), Run("hf assisted K=4", "complete", 0, 0, [1] * 4, 0.5)]
@@ -810,7 +811,8 @@ def test_the_sweep_advises_a_load_limit(ratios: dict[int, float], limit: int | N
     which the default made at least target-only's tokens/s below the first count at which it made
     less (a later win is called out as likely noise); no limit where it never lost; none to give
     where it lost from the fewest requests swept. The report and the printed table carry it."""
-    from specdec.tools.bench import HEADLINE, OF_TARGET, SERVICE_TARGET, format_table, load_limit_advice
+    from specdec.tools.bench_config import HEADLINE, OF_TARGET, SERVICE_TARGET
+    from specdec.tools.bench_report import format_table, load_limit_advice
 
     sweep = {
         n: {
@@ -839,7 +841,8 @@ def _ceiling_report(tiny_models: TinyModels, path: Path) -> Path:
     """A bench report by hand: one prompt, the target's greedy reply, and service stats whose
     costs are round numbers (verify 100 ms + 5 per drafted token, draft 20 per token, overhead 8
     per drafting round and 2 per target-only round)."""
-    from specdec.tools.bench import BenchConfig, tokenize_prompts
+    from specdec.tools.bench import tokenize_prompts
+    from specdec.tools.bench_config import BenchConfig
     from tests.reference import reference_greedy
 
     text = "the cat sat on"
@@ -1217,7 +1220,8 @@ def test_bench_refuses_to_report_when_a_service_process_died(
 ) -> None:
     """A worker killed mid-run (the out-of-memory killer did this to an early-exit draft worker)
     leaves its rows decoding target-only: the bench ends with an error instead of a report."""
-    from specdec.tools.bench import BenchConfig, service
+    from specdec.tools.bench import service
+    from specdec.tools.bench_config import BenchConfig
 
     cfg = BenchConfig(model=str(tiny_models.target), draft_model=str(tiny_models.same), methods=("service model K",))
     with pytest.raises(RuntimeError, match=r"exited during the benchmark: \{'draft': -9\}"), service(cfg, tmp_path):

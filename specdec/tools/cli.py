@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from specdec.tools.launch import stop_with_launcher
 
 if TYPE_CHECKING:
-    from specdec.tools.bench import BenchConfig
+    from specdec.tools.bench_config import BenchConfig
 
 SERVE_HELP = "run one service: coordinator | draft | target (flags: specdec serve ROLE --help)"
 
@@ -402,9 +402,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
     """The benchmark's configuration from ``specdec bench`` flags."""
-    from specdec.tools import bench
+    from specdec.tools.bench_config import BenchConfig, parse_concurrency, workloads_from
 
-    return bench.BenchConfig(
+    return BenchConfig(
         model=args.model,
         draft_model=args.draft_model,
         draft_quantize=args.draft_quantize,
@@ -414,9 +414,9 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        workloads=bench.workloads_from(args.prompts, args.max_prompts),
+        workloads=workloads_from(args.prompts, args.max_prompts),
         repeats=args.repeats,
-        concurrency=bench.parse_concurrency(args.concurrency),
+        concurrency=parse_concurrency(args.concurrency),
         device=args.device,
         dtype=args.dtype,
         early_exit_layers=args.early_exit_layers,
@@ -435,6 +435,7 @@ def _bench(args: argparse.Namespace) -> int:
     import grpc
 
     from specdec.tools import bench
+    from specdec.tools.bench_report import format_table
     from specdec.tools.launch import LaunchError
 
     try:
@@ -453,7 +454,7 @@ def _bench(args: argparse.Namespace) -> int:
         sys.stderr.write(f"specdec bench: a request failed ({code}: {details}); the report was not written\n")
         return 1
     plots = "".join(f"\nplot: {p}" for p in report.get("plots", []))
-    sys.stdout.write(bench.format_table(report) + f"\n\nJSON report: {cfg.out}{plots}\n")
+    sys.stdout.write(format_table(report) + f"\n\nJSON report: {cfg.out}{plots}\n")
     return 0
 
 
